@@ -1,0 +1,37 @@
+# bitps — every target creates .venv first if it is missing.
+PY      ?= python3
+VENV    ?= .venv
+VPY     := $(VENV)/bin/python
+TORCH   ?= torch==2.13.0
+DEMO_ARGS ?= --shards 2 --workers 2 --mode async -- --steps 150
+
+.PHONY: venv demo test bench proto lint clean
+
+venv: $(VENV)/.installed
+
+# torch goes in first, pinned, so that no loose requirement pulls a multi-GB CUDA build;
+# a torch that already imports (a GPU box) is kept.
+$(VENV)/.installed: setup.cfg pyproject.toml
+	@test -x $(VPY) || if $(PY) -c "import torch" 2>/dev/null; \
+		then $(PY) -m venv --system-site-packages $(VENV); else $(PY) -m venv $(VENV); fi
+	@$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q "$(TORCH)"
+	$(VPY) -m pip install -q -e ".[dev]"
+	@touch $@
+
+demo: venv
+	$(VENV)/bin/bitps-launch $(DEMO_ARGS)
+
+test: venv
+	$(VPY) -m pytest -q tests
+
+bench: venv
+	$(VENV)/bin/bitps-bench pushpull
+
+proto: venv
+	$(VPY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/bitps.proto
+
+lint: venv
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,9 @@
+"""Numba kernels: server update rules (and, later, codecs and the buddy allocator).
+
+Imports numpy and numba only. Kernels take flat numpy arrays and scalars, never allocate, and
+document their byte layout and buffer ownership.
+"""
+
+from native.update_rules import accumulate, adam_step, copy_into, momentum_step, sgd_step
+
+__all__ = ["accumulate", "adam_step", "copy_into", "momentum_step", "sgd_step"]

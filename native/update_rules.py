@@ -1,0 +1,123 @@
+"""Server-side optimizer kernels: numba loops over flat float32 numpy arrays, updated in place.
+
+Every kernel mirrors the arithmetic of the matching ``torch.optim`` single-tensor implementation
+(CPU, ``foreach=False``) operation by operation in float32, so a one-worker ``sync`` run ends with
+the parameters local torch training would produce (equal to ~1 ulp per step). Scalars arrive as
+``np.float32`` so that numba does not promote the loops to float64.
+
+Buffer ownership: the caller owns every array; kernels never allocate. ``grad`` is read only and
+may be a read-only view of a received ZeroMQ frame. ``out`` (when not ``None``-sized, i.e. when its
+length equals ``param``'s) receives a copy of the updated parameters in the same pass, so a shard
+can publish a snapshot without a second sweep over memory.
+
+The gradient a kernel applies is ``grad * grad_scale``: sync aggregation passes the sum of the
+pushes and ``1/n``.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba.extending import intrinsic
+
+__all__ = ["accumulate", "adam_step", "copy_into", "fma", "momentum_step", "sgd_step"]
+
+_jit = numba.njit(cache=True, nogil=True, fastmath=False, boundscheck=False)
+
+
+@intrinsic
+def fma(typingctx, a, b, c):
+    """``a * b + c`` rounded once (LLVM ``llvm.fma``), where torch's vector kernels use ``fmadd``
+    (``add`` with ``alpha``, ``lerp``, ``addcmul``); plain ``*``/``+`` everywhere else, so the
+    rounding matches op for op."""
+    def codegen(context, builder, signature, args):
+        return builder.fma(*args)
+
+    return a(a, b, c), codegen
+
+
+@_jit
+def sgd_step(param, grad, out, grad_scale, lr, weight_decay):
+    """``param -= lr * (grad * grad_scale + weight_decay * param)`` (torch SGD, momentum 0)."""
+    neg_lr = -lr
+    publish = out.shape[0] == param.shape[0]
+    for i in range(param.shape[0]):
+        g = grad[i] * grad_scale
+        p = param[i]
+        if weight_decay != 0:
+            g = fma(p, weight_decay, g)
+        p = fma(g, neg_lr, p)
+        param[i] = p
+        if publish:
+            out[i] = p
+
+
+@_jit
+def momentum_step(param, grad, buf, out, grad_scale, lr, momentum, keep, weight_decay,
+                  nesterov, first):
+    """torch.optim.SGD with momentum: ``buf = momentum*buf + keep*g`` with ``keep = 1 - dampening``
+    (``buf = g`` on the first step), ``param -= lr * (g + momentum*buf if nesterov else buf)``."""
+    neg_lr = -lr
+    publish = out.shape[0] == param.shape[0]
+    for i in range(param.shape[0]):
+        g = grad[i] * grad_scale
+        p = param[i]
+        if weight_decay != 0:
+            g = fma(p, weight_decay, g)
+        if first:
+            b = g
+        else:
+            b = fma(g, keep, buf[i] * momentum)
+        buf[i] = b
+        d = fma(b, momentum, g) if nesterov else b
+        p = fma(d, neg_lr, p)
+        param[i] = p
+        if publish:
+            out[i] = p
+
+
+@_jit
+def adam_step(param, grad, exp_avg, exp_avg_sq, out, grad_scale, one_minus_beta1, beta2,
+              one_minus_beta2, eps, weight_decay, decoupled, decay, neg_step_size,
+              bias_correction2_sqrt):
+    """torch.optim.Adam / AdamW (amsgrad off). ``neg_step_size = -lr / (1 - beta1**t)`` and
+    ``bias_correction2_sqrt = (1 - beta2**t) ** 0.5``, the AdamW factor ``decay = 1 - lr*wd`` and
+    ``one_minus_beta1/2`` are computed by the caller in float64 as torch does, then passed as
+    float32 (``1 - float32(0.999)`` is off by 1.3e-5 relative)."""
+    publish = out.shape[0] == param.shape[0]
+    for i in range(param.shape[0]):
+        g = grad[i] * grad_scale
+        p = param[i]
+        if weight_decay != 0:
+            if decoupled:
+                p = p * decay
+            else:
+                g = fma(p, weight_decay, g)
+        m = exp_avg[i]
+        m = fma(one_minus_beta1, g - m, m)
+        v = fma(one_minus_beta2 * g, g, exp_avg_sq[i] * beta2)
+        exp_avg[i] = m
+        exp_avg_sq[i] = v
+        denom = np.sqrt(v) / bias_correction2_sqrt + eps
+        p = p + neg_step_size * m / denom
+        param[i] = p
+        if publish:
+            out[i] = p
+
+
+@_jit
+def copy_into(dst, src):
+    """``dst[:] = src`` for flat float32 arrays of equal length."""
+    for i in range(dst.shape[0]):
+        dst[i] = src[i]
+
+
+@_jit
+def accumulate(acc, grad, first):
+    """``acc = grad`` when ``first`` else ``acc += grad`` (sync aggregation of pushes)."""
+    if first:
+        for i in range(acc.shape[0]):
+            acc[i] = grad[i]
+    else:
+        for i in range(acc.shape[0]):
+            acc[i] = acc[i] + grad[i]

@@ -1,0 +1,254 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROTOCOL_VERSION_UNSPECIFIED: _ClassVar[ProtocolVersion]
+    PROTOCOL_VERSION_CURRENT: _ClassVar[ProtocolVersion]
+
+class Op(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OP_UNSPECIFIED: _ClassVar[Op]
+    PUSH: _ClassVar[Op]
+    PULL: _ClassVar[Op]
+    PUSH_PULL: _ClassVar[Op]
+    REPLY: _ClassVar[Op]
+    ERROR: _ClassVar[Op]
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+
+class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OK: _ClassVar[ErrorCode]
+    BAD_HEADER: _ClassVar[ErrorCode]
+    UNKNOWN_OP: _ClassVar[ErrorCode]
+    UNKNOWN_KEY: _ClassVar[ErrorCode]
+    BAD_LENGTH: _ClassVar[ErrorCode]
+    BAD_DTYPE: _ClassVar[ErrorCode]
+    NOT_REGISTERED: _ClassVar[ErrorCode]
+    NOT_INITIALIZED: _ClassVar[ErrorCode]
+    BAD_CLOCK: _ClassVar[ErrorCode]
+    FRAME_COUNT: _ClassVar[ErrorCode]
+    DEADLINE: _ClassVar[ErrorCode]
+    NON_FINITE: _ClassVar[ErrorCode]
+    PROTOCOL: _ClassVar[ErrorCode]
+    UNAUTHENTICATED: _ClassVar[ErrorCode]
+    TOO_LARGE: _ClassVar[ErrorCode]
+PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
+PROTOCOL_VERSION_CURRENT: ProtocolVersion
+OP_UNSPECIFIED: Op
+PUSH: Op
+PULL: Op
+PUSH_PULL: Op
+REPLY: Op
+ERROR: Op
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+BFLOAT16: DType
+FLOAT16: DType
+OK: ErrorCode
+BAD_HEADER: ErrorCode
+UNKNOWN_OP: ErrorCode
+UNKNOWN_KEY: ErrorCode
+BAD_LENGTH: ErrorCode
+BAD_DTYPE: ErrorCode
+NOT_REGISTERED: ErrorCode
+NOT_INITIALIZED: ErrorCode
+BAD_CLOCK: ErrorCode
+FRAME_COUNT: ErrorCode
+DEADLINE: ErrorCode
+NON_FINITE: ErrorCode
+PROTOCOL: ErrorCode
+UNAUTHENTICATED: ErrorCode
+TOO_LARGE: ErrorCode
+
+class KeySpec(_message.Message):
+    __slots__ = ("key", "name", "offset", "length", "dtype")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    name: str
+    offset: int
+    length: int
+    dtype: DType
+    def __init__(self, key: _Optional[int] = ..., name: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("protocol", "rank", "world_size", "signature", "num_shards", "shard_id", "keys", "sends_values", "token")
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SENDS_VALUES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    protocol: int
+    rank: int
+    world_size: int
+    signature: str
+    num_shards: int
+    shard_id: int
+    keys: _containers.RepeatedCompositeFieldContainer[KeySpec]
+    sends_values: bool
+    token: str
+    def __init__(self, protocol: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., signature: _Optional[str] = ..., num_shards: _Optional[int] = ..., shard_id: _Optional[int] = ..., keys: _Optional[_Iterable[_Union[KeySpec, _Mapping]]] = ..., sends_values: _Optional[bool] = ..., token: _Optional[str] = ...) -> None: ...
+
+class KeyValues(_message.Message):
+    __slots__ = ("key", "data")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    data: bytes
+    def __init__(self, key: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class RegisterMessage(_message.Message):
+    __slots__ = ("request", "values")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    request: RegisterRequest
+    values: KeyValues
+    def __init__(self, request: _Optional[_Union[RegisterRequest, _Mapping]] = ..., values: _Optional[_Union[KeyValues, _Mapping]] = ...) -> None: ...
+
+class RegisterReply(_message.Message):
+    __slots__ = ("shard_id", "num_shards", "data_port", "metrics_port", "mode", "staleness", "start_clock", "max_frame_bytes")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    START_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    shard_id: int
+    num_shards: int
+    data_port: int
+    metrics_port: int
+    mode: str
+    staleness: int
+    start_clock: int
+    max_frame_bytes: int
+    def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., data_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., start_clock: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("rank", "clock", "token")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    clock: int
+    token: str
+    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., token: _Optional[str] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("min_clock", "live")
+    MIN_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    min_clock: int
+    live: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, min_clock: _Optional[int] = ..., live: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ("token",)
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    def __init__(self, token: _Optional[str] = ...) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("rank", "clock", "live", "seconds_since_seen", "pending_pulls", "waiting_for")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_SEEN_FIELD_NUMBER: _ClassVar[int]
+    PENDING_PULLS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    clock: int
+    live: bool
+    seconds_since_seen: float
+    pending_pulls: int
+    waiting_for: str
+    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., live: _Optional[bool] = ..., seconds_since_seen: _Optional[float] = ..., pending_pulls: _Optional[int] = ..., waiting_for: _Optional[str] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("shard_id", "mode", "staleness", "min_clock", "workers", "num_keys", "num_elements", "updates_applied", "initialized", "signature")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    MIN_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KEYS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    shard_id: int
+    mode: str
+    staleness: int
+    min_clock: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    num_keys: int
+    num_elements: int
+    updates_applied: int
+    initialized: bool
+    signature: str
+    def __init__(self, shard_id: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., min_clock: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., num_keys: _Optional[int] = ..., num_elements: _Optional[int] = ..., updates_applied: _Optional[int] = ..., initialized: _Optional[bool] = ..., signature: _Optional[str] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("rank", "token")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    token: str
+    def __init__(self, rank: _Optional[int] = ..., token: _Optional[str] = ...) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DataHeader(_message.Message):
+    __slots__ = ("op", "protocol", "worker", "request_id", "clock", "keys", "versions", "dtype", "codec", "error", "message", "deadline_s", "token", "min_clock")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MIN_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    op: Op
+    protocol: int
+    worker: int
+    request_id: int
+    clock: int
+    keys: _containers.RepeatedScalarFieldContainer[int]
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    codec: int
+    error: ErrorCode
+    message: str
+    deadline_s: float
+    token: str
+    min_clock: int
+    def __init__(self, op: _Optional[_Union[Op, str]] = ..., protocol: _Optional[int] = ..., worker: _Optional[int] = ..., request_id: _Optional[int] = ..., clock: _Optional[int] = ..., keys: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[int] = ..., error: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., deadline_s: _Optional[float] = ..., token: _Optional[str] = ..., min_clock: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,133 @@
+"""The key plan: how a model's parameters become keys and keys land on shards.
+
+Each parameter tensor is flattened and cut into near-equal partitions of at most
+``partition_bytes``; each partition is a *key*. Keys go to shards by greedy size balancing
+(largest first onto the least-loaded shard; ties by key id, then shard id). The plan is a pure
+function of the ``(name, shape, dtype)`` list and the two settings, so every worker computes the
+same plan without a coordinator, and its :attr:`KeyPlan.signature` lets a shard refuse a worker
+whose model differs.
+
+    >>> plan = make_plan([ParamSpec("w", (1024, 1024))], num_shards=2, partition_bytes=1 << 20)
+    >>> [k.length for k in plan.keys]
+    [262144, 262144, 262144, 262144]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["DEFAULT_PARTITION_BYTES", "Key", "KeyPlan", "ParamSpec", "make_plan"]
+
+DEFAULT_PARTITION_BYTES = 4 << 20
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter tensor: its name, shape and element type (``"float32"``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Key:
+    """A partition: elements ``[offset, offset + length)`` of the flattened tensor ``name``."""
+
+    key: int
+    name: str
+    offset: int
+    length: int
+    shard: int
+    dtype: str = "float32"
+
+    @property
+    def nbytes(self) -> int:
+        return self.length * _ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class KeyPlan:
+    """Every key of a model, in parameter order, with its shard."""
+
+    keys: tuple[Key, ...]
+    num_shards: int
+    partition_bytes: int
+    signature: str
+
+    def for_shard(self, shard: int) -> tuple[Key, ...]:
+        """The keys shard ``shard`` holds, in key order."""
+        return tuple(k for k in self.keys if k.shard == shard)
+
+    def shard_bytes(self) -> list[int]:
+        """Bytes held by each shard."""
+        loads = [0] * self.num_shards
+        for k in self.keys:
+            loads[k.shard] += k.nbytes
+        return loads
+
+    def imbalance(self) -> float:
+        """max / mean shard load in bytes (1.0 = perfect balance)."""
+        loads = self.shard_bytes()
+        mean = sum(loads) / len(loads)
+        return max(loads) / mean if mean else 1.0
+
+
+def _signature(params: Sequence[ParamSpec], num_shards: int, partition_bytes: int) -> str:
+    desc = {
+        "params": [[p.name, list(p.shape), p.dtype] for p in params],
+        "num_shards": num_shards,
+        "partition_bytes": partition_bytes,
+    }
+    return hashlib.sha256(json.dumps(desc, separators=(",", ":")).encode()).hexdigest()[:32]
+
+
+def make_plan(
+    params: Sequence[ParamSpec], *, num_shards: int, partition_bytes: int = DEFAULT_PARTITION_BYTES
+) -> KeyPlan:
+    """Cut ``params`` into keys and balance them over ``num_shards`` shards."""
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    if partition_bytes < 1024:
+        raise ValueError(f"partition_bytes must be >= 1024, got {partition_bytes}")
+    names = [p.name for p in params]
+    if len(set(names)) != len(names):
+        raise ValueError("parameter names must be unique")
+    pieces: list[tuple[str, int, int, str]] = []
+    for p in params:
+        if p.dtype not in _ITEMSIZE:
+            raise ValueError(f"parameter {p.name!r} has dtype {p.dtype!r}; expected one of "
+                             f"{sorted(_ITEMSIZE)}")
+        n = p.numel
+        if n == 0:
+            continue
+        parts = max(1, math.ceil(n * _ITEMSIZE[p.dtype] / partition_bytes))
+        base, extra = divmod(n, parts)
+        offset = 0
+        for i in range(parts):
+            length = base + (1 if i < extra else 0)
+            pieces.append((p.name, offset, length, p.dtype))
+            offset += length
+    order = sorted(range(len(pieces)), key=lambda i: (-pieces[i][2] * _ITEMSIZE[pieces[i][3]], i))
+    heap = [(0, s) for s in range(num_shards)]
+    shard_of = [0] * len(pieces)
+    for i in order:
+        load, s = heapq.heappop(heap)
+        shard_of[i] = s
+        heapq.heappush(heap, (load + pieces[i][2] * _ITEMSIZE[pieces[i][3]], s))
+    keys = tuple(
+        Key(key=i, name=name, offset=off, length=length, shard=shard_of[i], dtype=dt)
+        for i, (name, off, length, dt) in enumerate(pieces)
+    )
+    return KeyPlan(keys=keys, num_shards=num_shards, partition_bytes=partition_bytes,
+                   signature=_signature(params, num_shards, partition_bytes))

@@ -1,0 +1,112 @@
+"""Worker clocks, liveness and the consistency policy (BSP / ASP / SSP admission).
+
+A worker's *clock* is the number of steps it has completed as this shard has seen it: a pull for
+step ``c`` (or a push_pull at step ``c - 1``) says the worker has completed ``c`` steps, and since
+one DEALER->ROUTER connection is FIFO, all of its pushes for earlier steps have already arrived.
+
+Pure and socket-free: time comes from an injected ``now`` so tests drive it by hand.
+
+- ``async``: every pull is admitted at once.
+- ``ssp`` with bound S: a pull for step ``c`` is admitted once every live worker has clock
+  ``>= c - S``; so a worker is never handed parameters more than S steps ahead of the slowest live
+  worker.
+- ``sync``: pulls for step ``c`` wait for the keys' versions to reach ``c`` (the shard checks
+  versions; this table supplies the live set whose pushes an aggregate must contain).
+
+A worker is live while it has been heard from (heartbeat or data) within ``timeout_s``; ranks of
+the registered world that have not shown up yet count as live from the first registration, so
+``sync`` waits for them instead of racing ahead, and drops them if they never come.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["ClockTable", "WorkerClock"]
+
+
+@dataclass
+class WorkerClock:
+    """What a shard knows of one worker."""
+
+    rank: int
+    clock: int = 0
+    last_seen: float = 0.0
+    registered: bool = False
+    left: bool = False
+    dropped: bool = False
+
+
+class ClockTable:
+    """Clocks and liveness of the workers of one shard."""
+
+    def __init__(self, *, mode: str, staleness: int, timeout_s: float,
+                 now: Callable[[], float] = time.monotonic) -> None:
+        self.mode = mode
+        self.staleness = staleness
+        self.timeout_s = timeout_s
+        self.now = now
+        self.workers: dict[int, WorkerClock] = {}
+        self.world_size = 0
+
+    # -- membership ---------------------------------------------------------------------------
+    def register(self, rank: int, world_size: int, start_clock: int = 0) -> None:
+        """A worker joins (or rejoins); absent ranks of its world become expected."""
+        t = self.now()
+        if world_size > self.world_size:
+            for r in range(self.world_size, world_size):
+                self.workers.setdefault(r, WorkerClock(rank=r, clock=start_clock, last_seen=t))
+            self.world_size = world_size
+        w = self.workers.setdefault(rank, WorkerClock(rank=rank, clock=start_clock))
+        w.registered, w.left, w.dropped, w.last_seen = True, False, False, t
+        w.clock = max(w.clock, start_clock)
+
+    def leave(self, rank: int) -> None:
+        if rank in self.workers:
+            self.workers[rank].left = True
+
+    def is_registered(self, rank: int) -> bool:
+        w = self.workers.get(rank)
+        return w is not None and w.registered
+
+    # -- observations -------------------------------------------------------------------------
+    def seen(self, rank: int, clock: int | None = None) -> None:
+        """``rank`` was heard from; ``clock`` (steps completed) only ever moves forward."""
+        w = self.workers[rank]
+        w.last_seen = self.now()
+        if w.dropped and not w.left:
+            w.dropped = False  # a dropped worker that speaks again is back
+        if clock is not None and clock > w.clock:
+            w.clock = clock
+
+    def expire(self) -> list[int]:
+        """Drop workers silent for longer than the timeout; returns the ranks newly dropped."""
+        t, gone = self.now(), []
+        for w in self.workers.values():
+            if not w.dropped and not w.left and t - w.last_seen > self.timeout_s:
+                w.dropped = True
+                gone.append(w.rank)
+        return gone
+
+    # -- queries ------------------------------------------------------------------------------
+    def live(self) -> list[int]:
+        return sorted(r for r, w in self.workers.items() if not (w.left or w.dropped))
+
+    def min_clock(self) -> int:
+        """Smallest clock over live workers (0 when none is live)."""
+        clocks = [w.clock for w in self.workers.values() if not (w.left or w.dropped)]
+        return min(clocks) if clocks else 0
+
+    def admits(self, clock: int) -> bool:
+        """May a worker be handed parameters for step ``clock`` now (SSP/ASP)?"""
+        if self.mode != "ssp":
+            return True
+        return self.min_clock() >= clock - self.staleness
+
+    def laggards(self, clock: int) -> list[int]:
+        """Live ranks whose clock is below what a pull for step ``clock`` needs (SSP)."""
+        need = clock - self.staleness
+        return sorted(r for r, w in self.workers.items()
+                      if not (w.left or w.dropped) and w.clock < need)

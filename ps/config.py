@@ -1,0 +1,112 @@
+"""Shard configuration: keyword-only dataclasses, one docstring per field, validated on creation.
+
+``ps/__main__.py`` is the one place that reads flags and environment variables into these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["MODES", "OPTIMIZERS", "OptimizerConfig", "ServerConfig"]
+
+MODES = ("sync", "async", "ssp")
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+
+
+@dataclass(kw_only=True, frozen=True)
+class OptimizerConfig:
+    """The update rule the shard applies to each key (same meaning as ``torch.optim``)."""
+
+    name: str = "adam"
+    """One of ``sgd``, ``momentum``, ``adam``, ``adamw``."""
+    lr: float = 1e-3
+    """Learning rate."""
+    momentum: float = 0.9
+    """Momentum factor (``momentum`` only)."""
+    dampening: float = 0.0
+    """Momentum dampening (``momentum`` only)."""
+    nesterov: bool = False
+    """Nesterov momentum (``momentum`` only)."""
+    beta1: float = 0.9
+    """Adam first-moment decay."""
+    beta2: float = 0.999
+    """Adam second-moment decay."""
+    eps: float = 1e-8
+    """Adam denominator epsilon."""
+    weight_decay: float = 0.0
+    """L2 penalty (``sgd``/``momentum``/``adam``) or decoupled decay (``adamw``)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"optimizer {self.name!r} is not one of {OPTIMIZERS}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        for attr in ("momentum", "beta1", "beta2"):
+            value = getattr(self, attr)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{attr} must be in [0, 1), got {value}")
+        if not 0.0 <= self.dampening <= 1.0:
+            raise ValueError(f"dampening must be in [0, 1], got {self.dampening}")
+        if not self.eps > 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ServerConfig:
+    """One PS shard process."""
+
+    shard_id: int = 0
+    """This shard's index, 0 .. num_shards-1."""
+    num_shards: int = 1
+    """Shards in the cluster; workers must cut their key plan for the same number."""
+    host: str = "127.0.0.1"
+    """Address to bind gRPC, data and metrics endpoints to (0.0.0.0 inside containers)."""
+    grpc_port: int = 0
+    """gRPC control port; 0 picks a free port (reported in the ready line)."""
+    data_port: int = 0
+    """ZeroMQ ROUTER data port; 0 picks a free port."""
+    metrics_port: int = 0
+    """Prometheus HTTP port; 0 picks a free port, -1 disables the endpoint."""
+    mode: str = "async"
+    """Consistency: ``sync`` (BSP), ``async`` (ASP) or ``ssp`` (bounded staleness)."""
+    staleness: int = 2
+    """SSP bound S: a worker at clock c is held until every live worker has clock >= c - S."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Server-side update rule."""
+    heartbeat_timeout_s: float = 10.0
+    """A worker silent (no heartbeat, no data) this long is dropped from the live set."""
+    pull_deadline_s: float = 60.0
+    """Longest a held pull waits when the request names no deadline; then DEADLINE error."""
+    token: str = ""
+    """Shared secret checked on every gRPC call and data header; empty disables the check."""
+    max_frame_bytes: int = 16 << 20
+    """Largest payload frame accepted."""
+    reject_nonfinite: bool = True
+    """Refuse gradients containing NaN or Inf (typed NON_FINITE error, nothing applied)."""
+    staleness_damping: bool = False
+    """Async/SSP: scale the applied gradient by 1 / (1 + version gap)."""
+
+    def __post_init__(self) -> None:
+        if self.num_shards < 1:
+            raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
+        if not 0 <= self.shard_id < self.num_shards:
+            raise ValueError(f"shard_id must be in [0, {self.num_shards}), got {self.shard_id}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r} is not one of {MODES}")
+        if self.staleness < 0:
+            raise ValueError(f"staleness must be >= 0, got {self.staleness}")
+        for attr in ("grpc_port", "data_port"):
+            port = getattr(self, attr)
+            if not 0 <= port <= 65535:
+                raise ValueError(f"{attr} must be in [0, 65535], got {port}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [-1, 65535], got {self.metrics_port}")
+        if not self.heartbeat_timeout_s > 0:
+            raise ValueError(f"heartbeat_timeout_s must be > 0, got {self.heartbeat_timeout_s}")
+        if not self.pull_deadline_s > 0:
+            raise ValueError(f"pull_deadline_s must be > 0, got {self.pull_deadline_s}")
+        if not 1024 <= self.max_frame_bytes <= 1 << 30:
+            raise ValueError(f"max_frame_bytes must be in [1 KiB, 1 GiB], got "
+                             f"{self.max_frame_bytes}")

@@ -1,0 +1,88 @@
+"""The shard's ZeroMQ data plane: one ROUTER socket served by one thread.
+
+Payload frames are received zero-copy (``copy=False``) and read in place by the update kernels;
+replies send key snapshots zero-copy with a ``MessageTracker`` so the store reuses a snapshot
+buffer only after ZeroMQ has finished sending it. A worker sends one message per group of keys,
+so the shard applies key i while the bytes of key i+1 are still arriving (libzmq's I/O thread
+receives in the background): receive and update are pipelined.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import zmq
+
+from ps.shard import Reply, ShardCore
+
+__all__ = ["DataLoop"]
+
+_TICK_S = 0.02
+
+
+class DataLoop:
+    """Binds a ROUTER on ``host:port`` (0 = any free port) and serves ``core`` until stopped."""
+
+    def __init__(self, core: ShardCore, *, host: str, port: int,
+                 context: zmq.Context | None = None) -> None:
+        self.core = core
+        self.context = context or zmq.Context.instance()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        # A frame far beyond the limit drops the connection instead of being buffered whole;
+        # frames up to twice the limit still arrive and get a typed TOO_LARGE reply.
+        self.socket.setsockopt(zmq.MAXMSGSIZE, 2 * core.cfg.max_frame_bytes)
+        addr = f"tcp://{host}"
+        if port:
+            self.socket.bind(f"{addr}:{port}")
+            self.port = port
+        else:
+            self.port = self.socket.bind_to_random_port(addr)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run, name="bitps-data", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.socket.close(linger=0)
+
+    def run(self) -> None:
+        sock, core = self.socket, self.core
+        last_tick = time.monotonic()
+        while not self._stop.is_set():
+            if sock.poll(int(_TICK_S * 1000), zmq.POLLIN):
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._serve(frames)
+            now = time.monotonic()
+            if now - last_tick >= _TICK_S or core.held:
+                last_tick = now
+                for reply in core.tick():
+                    self._send(reply)
+
+    def _serve(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) < 2:
+            return  # a ROUTER always prefixes the routing id; an empty message has no header
+        ident = frames[0].bytes
+        parts = [frames[1].bytes] + [f.buffer for f in frames[2:]]
+        for reply in self.core.handle(ident, parts):
+            self._send(reply)
+
+    def _send(self, reply: Reply) -> None:
+        parts = [reply.ident, reply.header.SerializeToString(), *reply.payload]
+        if not reply.snapshots:
+            self.socket.send_multipart(parts, copy=False)
+            return
+        tracker = self.socket.send_multipart(parts, copy=False, track=True)
+        with self.core.lock:
+            for snap in reply.snapshots:
+                snap.trackers.append(tracker)

@@ -1,0 +1,83 @@
+"""Update rules: the optimizer a shard runs on each key, over the kernels in ``native``.
+
+A rule owns no arrays: :meth:`UpdateRule.new_state` makes a key's state (moments, step count),
+:meth:`UpdateRule.apply` updates ``param`` in place from a gradient and that state. Each key is a
+partition of one tensor and is updated once per optimizer step, so per-key step counts equal
+torch's per-parameter ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import native
+from ps.config import OptimizerConfig
+
+__all__ = ["KeyState", "UpdateRule", "make_rule"]
+
+_NO_OUT = np.empty(0, dtype=np.float32)
+
+
+@dataclass
+class KeyState:
+    """Optimizer state of one key: step count and moment buffers (empty when unused)."""
+
+    step: int = 0
+    buf1: np.ndarray = field(default_factory=lambda: _NO_OUT)
+    buf2: np.ndarray = field(default_factory=lambda: _NO_OUT)
+
+
+class UpdateRule:
+    """Applies ``cfg``'s optimizer; see ``native.update_rules`` for the exact arithmetic."""
+
+    def __init__(self, cfg: OptimizerConfig) -> None:
+        self.cfg = cfg
+        f32 = np.float32
+        self._lr, self._wd = f32(cfg.lr), f32(cfg.weight_decay)
+        # Complements are taken in float64 before the cast, as torch does.
+        self._momentum, self._keep = f32(cfg.momentum), f32(1 - cfg.dampening)
+        self._one_minus_beta1, self._beta2 = f32(1 - cfg.beta1), f32(cfg.beta2)
+        self._one_minus_beta2, self._eps = f32(1 - cfg.beta2), f32(cfg.eps)
+
+    def new_state(self, length: int) -> KeyState:
+        """Fresh state for a key of ``length`` elements (zeros, as torch initialises it)."""
+        name = self.cfg.name
+        if name == "momentum":
+            return KeyState(buf1=np.zeros(length, np.float32))
+        if name in ("adam", "adamw"):
+            return KeyState(buf1=np.zeros(length, np.float32), buf2=np.zeros(length, np.float32))
+        return KeyState()
+
+    def apply(self, param: np.ndarray, grad: np.ndarray, state: KeyState, *,
+              grad_scale: float = 1.0, lr_scale: float = 1.0, out: np.ndarray = _NO_OUT) -> None:
+        """``param`` <- one optimizer step with gradient ``grad * grad_scale``.
+
+        ``lr_scale`` damps the learning rate (staleness-aware damping); ``out``, when it has
+        ``param``'s length, receives the updated parameters in the same pass.
+        """
+        cfg, f32 = self.cfg, np.float32
+        lr = self._lr if lr_scale == 1.0 else f32(cfg.lr * lr_scale)
+        scale = f32(grad_scale)
+        state.step += 1
+        if cfg.name == "sgd":
+            native.sgd_step(param, grad, out, scale, lr, self._wd)
+        elif cfg.name == "momentum":
+            native.momentum_step(param, grad, state.buf1, out, scale, lr, self._momentum,
+                                 self._keep, self._wd, cfg.nesterov, state.step == 1)
+        else:
+            # torch computes the bias corrections in float64 Python scalars, then casts.
+            t = state.step
+            neg_step_size = -(cfg.lr * lr_scale) / (1 - cfg.beta1**t)
+            bc2_sqrt = (1 - cfg.beta2**t) ** 0.5
+            native.adam_step(param, grad, state.buf1, state.buf2, out, scale,
+                             self._one_minus_beta1, self._beta2, self._one_minus_beta2,
+                             self._eps, self._wd, cfg.name == "adamw",
+                             f32(1 - cfg.lr * lr_scale * cfg.weight_decay), f32(neg_step_size),
+                             f32(bc2_sqrt))
+
+
+def make_rule(cfg: OptimizerConfig) -> UpdateRule:
+    """The update rule for ``cfg``."""
+    return UpdateRule(cfg)

@@ -1,0 +1,93 @@
+"""A PS shard process: the core, its ZeroMQ data loop, gRPC control + health, and metrics.
+
+Built as create -> serve: :func:`create_server` binds every endpoint (port 0 = any free port) and
+starts serving in background threads; :meth:`ServerShard.serve` blocks until :meth:`stop` (or a
+signal, in ``ps.__main__``).
+
+    >>> shard = create_server(ServerConfig(mode="sync"))   # doctest: +SKIP
+    >>> shard.ports                                         # doctest: +SKIP
+    {'grpc_port': 40123, 'data_port': 40124, 'metrics_port': 40125}
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import start_http_server
+
+from proto import bitps_pb2_grpc as pb_grpc
+from ps.config import ServerConfig
+from ps.control import ControlServicer
+from ps.data import DataLoop
+from ps.metrics import ShardMetrics
+from ps.shard import ShardCore
+
+__all__ = ["ServerShard", "create_server"]
+
+_GRPC_MAX_MESSAGE = 64 << 20
+
+
+class ServerShard:
+    """A running shard. ``core`` holds its state; ``ports`` its bound endpoints."""
+
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.metrics = ShardMetrics()
+        self.core = ShardCore(cfg, metrics=self.metrics)
+        self.data = DataLoop(self.core, host=cfg.host, port=cfg.data_port)
+        self._http = None
+        metrics_port = -1
+        if cfg.metrics_port >= 0:
+            self._http, _ = start_http_server(cfg.metrics_port, addr=cfg.host,
+                                              registry=self.metrics.registry)
+            metrics_port = self._http.server_port
+        self.grpc = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="bitps-grpc"),
+            options=[("grpc.max_receive_message_length", _GRPC_MAX_MESSAGE),
+                     ("grpc.max_send_message_length", _GRPC_MAX_MESSAGE),
+                     ("grpc.so_reuseport", 0)])
+        pb_grpc.add_ControlServicer_to_server(
+            ControlServicer(self.core, data_port=self.data.port, metrics_port=metrics_port),
+            self.grpc)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        grpc_port = self.grpc.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+        if not grpc_port:
+            raise OSError(f"cannot bind gRPC on {cfg.host}:{cfg.grpc_port}")
+        self.ports = {"grpc_port": grpc_port, "data_port": self.data.port,
+                      "metrics_port": metrics_port}
+        self._stopped = threading.Event()
+
+    def start(self) -> ServerShard:
+        self.data.start()
+        self.grpc.start()
+        for service in ("", "bitps.Control"):
+            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        return self
+
+    def ready_event(self) -> dict:
+        """The JSON object printed on stdout once serving (launchers and tests read it)."""
+        return {"event": "ready", "shard_id": self.cfg.shard_id, **self.ports}
+
+    def serve(self) -> None:
+        """Block until :meth:`stop`."""
+        self._stopped.wait()
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        if self._stopped.is_set():
+            return
+        self.health.enter_graceful_shutdown()
+        self.grpc.stop(grace_s).wait()
+        self.data.stop()
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+        self._stopped.set()
+
+
+def create_server(cfg: ServerConfig) -> ServerShard:
+    """Bind every endpoint of a shard and start serving in background threads."""
+    return ServerShard(cfg).start()

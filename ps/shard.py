@@ -1,0 +1,378 @@
+"""The shard's request handler: validation, updates, clocks and held pulls, without sockets.
+
+:class:`ShardCore` turns one data-plane request (a list of frames) into zero or more replies and
+keeps the pulls the consistency policy holds back. The ZeroMQ loop (``ps.data``) and the gRPC
+servicer (``ps.control``) call it under :attr:`ShardCore.lock`; tests call it directly.
+
+A request is validated completely before anything changes: a bad request gets one ``ERROR`` reply
+naming what was wrong, and the shard's parameters, state and clocks are as before.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from proto import bitps_pb2 as pb
+from proto.wire import PROTOCOL, PSError, error_name, parse_header
+from ps.clocks import ClockTable
+from ps.config import ServerConfig
+from ps.metrics import ShardMetrics
+from ps.rules import make_rule
+from ps.store import Slot
+
+__all__ = ["Admission", "Reply", "ShardCore"]
+
+_F32 = np.dtype("<f4")
+_OPS = {pb.PUSH: "push", pb.PULL: "pull", pb.PUSH_PULL: "push_pull"}
+
+
+@dataclass
+class Reply:
+    """One outgoing message: the routing id, the header and payload frames (arrays or bytes).
+    ``snapshots`` are the key snapshots the payload carries; the sender adds its
+    ``zmq.MessageTracker`` to each so they are not reused while still being sent."""
+
+    ident: bytes
+    header: pb.DataHeader
+    payload: list
+    snapshots: list
+
+
+@dataclass
+class _HeldPull:
+    ident: bytes
+    header: pb.DataHeader
+    clock: int
+    slots: list
+    since: float
+    deadline: float
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A pull handed parameters: who, for which step, the min live clock then, and how long it
+    was held. The SSP guarantee is ``clock - min_clock <= staleness`` for every record."""
+
+    worker: int
+    clock: int
+    min_clock: int
+    waited_s: float
+
+
+class ShardCore:
+    """State and logic of one shard."""
+
+    def __init__(self, cfg: ServerConfig, *, metrics: ShardMetrics | None = None,
+                 now: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.now = now
+        self.lock = threading.RLock()
+        self.metrics = metrics or ShardMetrics()
+        self.rule = make_rule(cfg.optimizer)
+        self.clocks = ClockTable(mode=cfg.mode, staleness=cfg.staleness,
+                                 timeout_s=cfg.heartbeat_timeout_s, now=now)
+        self.slots: dict[int, Slot] = {}
+        self.signature = ""
+        self.initialized = threading.Event()
+        self.held: list[_HeldPull] = []
+        self.admissions: deque[Admission] = deque(maxlen=100_000)
+        self.updates_applied = 0
+
+    # -- registration (gRPC) ------------------------------------------------------------------
+    def register(self, req: pb.RegisterRequest, values: dict[int, bytes]) -> pb.RegisterReply:
+        """Admit a worker; the first registration fixes the signature and key set. Raises
+        :class:`PSError` (nothing changed) when the request disagrees with the shard."""
+        cfg = self.cfg
+        if cfg.token and req.token != cfg.token:
+            raise PSError(pb.UNAUTHENTICATED, f"rank {req.rank}: token missing or wrong")
+        if req.protocol != PROTOCOL:
+            raise PSError(pb.PROTOCOL, f"worker speaks protocol {req.protocol}, shard {PROTOCOL}")
+        if req.num_shards != cfg.num_shards or req.shard_id != cfg.shard_id:
+            raise PSError(pb.BAD_HEADER, f"worker's plan is for shard {req.shard_id} of "
+                          f"{req.num_shards}; this is shard {cfg.shard_id} of {cfg.num_shards}")
+        if not req.world_size or req.rank >= req.world_size:
+            raise PSError(pb.BAD_HEADER, f"rank {req.rank} outside world size {req.world_size}")
+        with self.lock:
+            if self.signature and req.signature != self.signature:
+                raise PSError(pb.BAD_HEADER, f"rank {req.rank} registered model signature "
+                              f"{req.signature!r}; this shard holds {self.signature!r}")
+            if not self.signature:
+                self._create_slots(req)
+            if req.sends_values:
+                self._set_values(values)
+            self.clocks.register(req.rank, req.world_size, self.clocks.min_clock())
+            start = self.clocks.workers[req.rank].clock
+        return pb.RegisterReply(shard_id=cfg.shard_id, num_shards=cfg.num_shards, mode=cfg.mode,
+                                staleness=cfg.staleness, start_clock=start,
+                                max_frame_bytes=cfg.max_frame_bytes)
+
+    def _create_slots(self, req: pb.RegisterRequest) -> None:
+        slots = {}
+        for spec in req.keys:
+            if spec.dtype != pb.FLOAT32:
+                raise PSError(pb.BAD_DTYPE, f"key {spec.key} has dtype "
+                              f"{pb.DType.Name(spec.dtype)}; this shard stores FLOAT32")
+            if spec.key in slots or not spec.length:
+                raise PSError(pb.BAD_HEADER, f"key {spec.key} duplicated or empty in the plan")
+            if spec.length * 4 > self.cfg.max_frame_bytes:
+                raise PSError(pb.TOO_LARGE, f"key {spec.key} is {spec.length * 4} bytes; frames "
+                              f"are limited to {self.cfg.max_frame_bytes}")
+            slots[spec.key] = Slot(spec=spec, param=np.zeros(spec.length, np.float32),
+                                   state=self.rule.new_state(spec.length))
+        self.slots, self.signature = slots, req.signature
+
+    def _set_values(self, values: dict[int, bytes]) -> None:
+        if set(values) != set(self.slots):
+            missing = sorted(set(self.slots) - set(values))[:5]
+            extra = sorted(set(values) - set(self.slots))[:5]
+            raise PSError(pb.UNKNOWN_KEY, f"initial values must cover exactly this shard's keys; "
+                          f"missing {missing}, unknown {extra}")
+        for key, data in values.items():
+            slot = self.slots[key]
+            if len(data) != slot.nbytes:
+                raise PSError(pb.BAD_LENGTH, f"initial value of key {key} is {len(data)} bytes; "
+                              f"expected {slot.nbytes}")
+        if self.initialized.is_set():
+            return  # a restarted rank 0 must not reset trained parameters
+        for key, data in values.items():
+            self.slots[key].param[:] = np.frombuffer(data, _F32)
+        self.initialized.set()
+
+    # -- data plane ---------------------------------------------------------------------------
+    def handle(self, ident: bytes, frames: list) -> list[Reply]:
+        """Handle one request; returns the replies ready now (held pulls come later)."""
+        t0 = self.now()
+        try:
+            header = parse_header(frames[0])
+        except PSError as err:
+            return [self._error(ident, pb.DataHeader(), err)]
+        try:
+            with self.lock:
+                return self._dispatch(ident, header, frames[1:], t0)
+        except PSError as err:
+            return [self._error(ident, header, err)]
+
+    def _dispatch(self, ident: bytes, header: pb.DataHeader, payload: list, t0: float):
+        slots = self._validate(header, payload)
+        op, worker = header.op, header.worker
+        self.metrics.requests.labels(_OPS[op]).inc()
+        if op == pb.PULL:
+            self.clocks.seen(worker, header.clock)
+            return self._pull(ident, header, header.clock, slots, t0, fused=False)
+        pull_clock = header.clock + 1
+        self.clocks.seen(worker, pull_clock if op == pb.PUSH_PULL else header.clock)
+        if self.cfg.mode == "sync":
+            publish = op == pb.PUSH_PULL and self._push_completes(worker, slots)
+        else:
+            publish = op == pb.PUSH_PULL and self.clocks.admits(pull_clock)
+        replies = self._push(header, payload, slots, publish)
+        self.metrics.push_latency.observe(self.now() - t0)
+        if op == pb.PUSH:
+            replies.append(self._ack(ident, header))
+        else:
+            replies += self._pull(ident, header, pull_clock, slots, t0, fused=publish)
+        return replies
+
+    def _validate(self, header: pb.DataHeader, payload: list) -> list[Slot]:
+        cfg = self.cfg
+        if cfg.token and header.token != cfg.token:
+            raise PSError(pb.UNAUTHENTICATED, f"worker {header.worker}: token missing or wrong")
+        if header.protocol != PROTOCOL:
+            raise PSError(pb.PROTOCOL, f"header protocol {header.protocol}; expected {PROTOCOL}")
+        if header.op not in _OPS:
+            raise PSError(pb.UNKNOWN_OP, f"op {header.op} ({_op_name(header.op)}); expected PUSH, "
+                          f"PULL or PUSH_PULL")
+        if not self.clocks.is_registered(header.worker):
+            raise PSError(pb.NOT_REGISTERED, f"worker {header.worker} has not registered with "
+                          f"shard {cfg.shard_id}")
+        if not self.initialized.is_set():
+            raise PSError(pb.NOT_INITIALIZED, "rank 0's initial values have not landed yet")
+        if not header.keys:
+            raise PSError(pb.BAD_HEADER, "request names no keys")
+        try:
+            slots = [self.slots[k] for k in header.keys]
+        except KeyError as err:
+            raise PSError(pb.UNKNOWN_KEY, f"key {err.args[0]} is not on shard {cfg.shard_id} "
+                          f"(it holds {len(self.slots)} keys)") from None
+        if len(set(header.keys)) != len(slots):
+            raise PSError(pb.BAD_HEADER, "a key appears twice in one request")
+        if header.op == pb.PULL:
+            if payload:
+                raise PSError(pb.FRAME_COUNT, f"PULL carries {len(payload)} payload frames; "
+                              f"expected 0")
+            return slots
+        self._validate_push(header, payload, slots)
+        return slots
+
+    def _validate_push(self, header: pb.DataHeader, payload: list, slots: list[Slot]) -> None:
+        cfg = self.cfg
+        if len(payload) != len(slots):
+            raise PSError(pb.FRAME_COUNT, f"{len(payload)} payload frames for {len(slots)} keys")
+        if header.dtype != pb.FLOAT32 or header.codec != 0:
+            raise PSError(pb.BAD_DTYPE, f"payload dtype {_dtype_name(header.dtype)} codec "
+                          f"{header.codec}; expected FLOAT32 with codec 0 (raw)")
+        if header.versions and len(header.versions) != len(slots):
+            raise PSError(pb.BAD_HEADER, f"{len(header.versions)} versions for {len(slots)} keys")
+        for slot, frame in zip(slots, payload):
+            n = len(frame)
+            if n > cfg.max_frame_bytes:
+                raise PSError(pb.TOO_LARGE, f"key {slot.spec.key}: frame of {n} bytes exceeds "
+                              f"{cfg.max_frame_bytes}")
+            if n != slot.nbytes:
+                raise PSError(pb.BAD_LENGTH, f"key {slot.spec.key}: payload is {n} bytes; "
+                              f"expected {slot.nbytes} ({slot.length} float32)")
+        if cfg.reject_nonfinite:
+            for slot, frame in zip(slots, payload):
+                if not np.isfinite(np.frombuffer(frame, _F32)).all():
+                    raise PSError(pb.NON_FINITE, f"key {slot.spec.key}: gradient holds NaN or Inf")
+        if cfg.mode == "sync":
+            for slot in slots:
+                if header.clock != slot.version or header.worker in slot.pushed:
+                    raise PSError(pb.BAD_CLOCK, f"key {slot.spec.key}: sync push from worker "
+                                  f"{header.worker} at clock {header.clock}; the shard is "
+                                  f"aggregating clock {slot.version}"
+                                  + (" and already has this worker's push"
+                                     if header.worker in slot.pushed else ""))
+
+    def _push(self, header: pb.DataHeader, payload: list, slots: list[Slot], publish: bool):
+        m, sync = self.metrics, self.cfg.mode == "sync"
+        min_clock = self.clocks.min_clock()
+        nbytes = 0
+        for i, (slot, frame) in enumerate(zip(slots, payload)):
+            grad = np.frombuffer(frame, _F32)
+            nbytes += grad.nbytes
+            if sync:
+                slot.accumulate(header.worker, grad)
+                self._try_aggregate(slot, publish)
+                continue
+            vgap = slot.version - header.versions[i] if header.versions else 0
+            lr_scale = 1.0 / (1 + max(vgap, 0)) if self.cfg.staleness_damping else 1.0
+            slot.apply(self.rule, grad, lr_scale=lr_scale, publish=publish)
+            self._applied(header.clock - min_clock, vgap)
+        m.push_bytes.inc(nbytes)
+        return self._release_held() if sync else []
+
+    def _try_aggregate(self, slot: Slot, publish: bool) -> bool:
+        if not slot.pushed or not slot.pushed.issuperset(self.clocks.live()):
+            return False
+        slot.apply_aggregate(self.rule, publish=publish)
+        self._applied(0, 0)
+        return True
+
+    def _applied(self, clock_gap: int, version_gap: int) -> None:
+        self.updates_applied += 1
+        self.metrics.updates.inc()
+        self.metrics.clock_gap.observe(max(clock_gap, 0))
+        self.metrics.version_gap.observe(max(version_gap, 0))
+
+    def _admits(self, clock: int, slots: list[Slot]) -> bool:
+        if self.cfg.mode == "sync":
+            return all(s.version >= clock for s in slots)
+        return self.clocks.admits(clock)
+
+    def _push_completes(self, worker: int, slots: list[Slot]) -> bool:
+        """Sync: does ``worker``'s push complete the aggregate of every one of ``slots``?"""
+        live = set(self.clocks.live())
+        return all(live <= (s.pushed | {worker}) for s in slots)
+
+    def _pull(self, ident, header, clock, slots, t0, *, fused: bool) -> list[Reply]:
+        if fused or self._admits(clock, slots):
+            return [self._answer(ident, header, clock, slots, t0)]
+        deadline = header.deadline_s or self.cfg.pull_deadline_s
+        self.held.append(_HeldPull(ident, header, clock, slots, t0, t0 + deadline))
+        self.metrics.pending_pulls.set(len(self.held))
+        return []
+
+    def _answer(self, ident, header, clock, slots, since) -> Reply:
+        now, m = self.now(), self.metrics
+        frames = [s.reply_frame() for s in slots]
+        m.pull_bytes.inc(sum(s.nbytes for s in slots))
+        m.pull_latency.observe(now - since)
+        min_clock = self.clocks.min_clock()
+        if self.cfg.mode == "ssp":
+            m.admission_gap.observe(max(clock - min_clock, 0))
+        self.admissions.append(Admission(header.worker, clock, min_clock, now - since))
+        out = pb.DataHeader(op=pb.REPLY, protocol=PROTOCOL, worker=header.worker,
+                            request_id=header.request_id, clock=clock, keys=header.keys,
+                            versions=[s.version for s in slots], dtype=pb.FLOAT32,
+                            min_clock=min_clock)
+        return Reply(ident, out, [f for f, _ in frames], [snap for _, snap in frames if snap])
+
+    def _ack(self, ident: bytes, header: pb.DataHeader) -> Reply:
+        out = pb.DataHeader(op=pb.REPLY, protocol=PROTOCOL, worker=header.worker,
+                            request_id=header.request_id, clock=header.clock,
+                            min_clock=self.clocks.min_clock())
+        return Reply(ident, out, [], [])
+
+    def _error(self, ident: bytes, header: pb.DataHeader, err: PSError) -> Reply:
+        self.metrics.errors.labels(error_name(err.code)).inc()
+        out = pb.DataHeader(op=pb.ERROR, protocol=PROTOCOL, worker=header.worker,
+                            request_id=header.request_id, clock=header.clock, error=err.code,
+                            message=err.message)
+        return Reply(ident, out, [], [])
+
+    # -- time passing -------------------------------------------------------------------------
+    def tick(self) -> list[Reply]:
+        """Expire silent workers, complete sync aggregates they were blocking, answer or time out
+        held pulls. Called by the data loop between messages and on a timer."""
+        with self.lock:
+            if self.clocks.expire() and self.cfg.mode == "sync":
+                for slot in self.slots.values():
+                    self._try_aggregate(slot, publish=False)
+            return self._release_held()
+
+    def _release_held(self) -> list[Reply]:
+        if not self.held:
+            return []
+        now, replies, still = self.now(), [], []
+        for h in self.held:
+            if self._admits(h.clock, h.slots):
+                self.metrics.pull_wait.observe(now - h.since)
+                replies.append(self._answer(h.ident, h.header, h.clock, h.slots, h.since))
+            elif now >= h.deadline:
+                replies.append(self._error(h.ident, h.header, PSError(pb.DEADLINE,
+                               self._waiting_for(h.header.worker, h.clock, h.slots))))
+            else:
+                still.append(h)
+        self.held = still
+        self.metrics.pending_pulls.set(len(still))
+        return replies
+
+    def _waiting_for(self, worker: int, clock: int, slots: list[Slot]) -> str:
+        keys = [s.spec.key for s in slots][:8]
+        if self.cfg.mode == "sync":
+            behind = [s for s in slots if s.version < clock]
+            missing = sorted(set(self.clocks.live()) - behind[0].pushed) if behind else []
+            return (f"worker {worker} pull for clock {clock} keys {keys}: sync step "
+                    f"{clock - 1} still lacks pushes from workers {missing}")
+        return (f"worker {worker} pull for clock {clock} keys {keys}: SSP bound "
+                f"{self.cfg.staleness} needs every live worker at clock >= "
+                f"{clock - self.cfg.staleness}; behind: "
+                + ", ".join(f"worker {r} at {self.clocks.workers[r].clock}"
+                            for r in self.clocks.laggards(clock)))
+
+    def held_reasons(self) -> dict[int, str]:
+        """What each worker's held pull waits for (for Status)."""
+        with self.lock:
+            return {h.header.worker: self._waiting_for(h.header.worker, h.clock, h.slots)
+                    for h in self.held}
+
+
+def _op_name(op: int) -> str:
+    try:
+        return pb.Op.Name(op)
+    except ValueError:
+        return "unknown"
+
+
+def _dtype_name(dtype: int) -> str:
+    try:
+        return pb.DType.Name(dtype)
+    except ValueError:
+        return str(dtype)

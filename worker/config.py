@@ -1,0 +1,53 @@
+"""Worker configuration: keyword-only dataclasses, one docstring per field, validated on creation.
+
+``worker/__main__.py`` is the one place that reads worker flags and environment variables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proto.keyplan import DEFAULT_PARTITION_BYTES
+
+__all__ = ["ClientConfig"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class ClientConfig:
+    """How a worker rank reaches the shards."""
+
+    servers: tuple[str, ...]
+    """gRPC ``host:port`` of every shard, in shard-id order."""
+    rank: int = 0
+    """This worker's rank, 0 .. world_size-1 (rank 0 sends the initial parameters)."""
+    world_size: int = 1
+    """Number of worker ranks."""
+    token: str = ""
+    """Shared secret the shards expect (empty = none)."""
+    deadline_s: float = 60.0
+    """Longest any push/pull may wait for its answer before a typed timeout error."""
+    register_timeout_s: float = 120.0
+    """Longest Register may wait (other ranks wait there for rank 0's initial values)."""
+    heartbeat_s: float = 1.0
+    """Interval between heartbeats to every shard."""
+    partition_bytes: int = DEFAULT_PARTITION_BYTES
+    """Largest key: tensors are cut into partitions of at most this many bytes."""
+    message_bytes: int = 4 << 20
+    """Keys going to one shard are batched into data messages of at most this many bytes
+    (a larger key travels alone), so the shard updates one message while the next arrives."""
+
+    def __post_init__(self) -> None:
+        if not self.servers:
+            raise ValueError("servers must name at least one shard as host:port")
+        for s in self.servers:
+            host, _, port = s.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"server {s!r} is not host:port")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+        for attr in ("deadline_s", "register_timeout_s", "heartbeat_s"):
+            if not getattr(self, attr) > 0:
+                raise ValueError(f"{attr} must be > 0, got {getattr(self, attr)}")
+        if self.partition_bytes < 1024 or self.message_bytes < 1024:
+            raise ValueError(f"partition_bytes and message_bytes must be >= 1024, got "
+                             f"{self.partition_bytes} and {self.message_bytes}")
