@@ -3,7 +3,7 @@ PY      ?= python3
 VENV    ?= .venv
 VPY     := $(VENV)/bin/python
 TORCH   ?= torch==2.13.0
-DEMO_ARGS ?= --shards 2 --workers 2 --mode async -- --steps 150
+DEMO_ARGS ?= --shards 2 --workers 2 --mode async --expect-loss-drop 0.3 -- --steps 300
 
 .PHONY: venv demo test bench proto lint clean
 

@@ -26,14 +26,23 @@ _jit = numba.njit(cache=True, nogil=True, fastmath=False, boundscheck=False)
 
 
 @intrinsic
-def fma(typingctx, a, b, c):
-    """``a * b + c`` rounded once (LLVM ``llvm.fma``), where torch's vector kernels use ``fmadd``
-    (``add`` with ``alpha``, ``lerp``, ``addcmul``); plain ``*``/``+`` everywhere else, so the
-    rounding matches op for op."""
+def _llvm_fma(typingctx, a, b, c):
     def codegen(context, builder, signature, args):
         return builder.fma(*args)
 
     return a(a, b, c), codegen
+
+
+if numba.config.DISABLE_JIT:
+    def fma(a, b, c):
+        """Pure-Python twin for ``NUMBA_DISABLE_JIT=1``: float32 products are exact in float64,
+        so this rounds once except in rare double-rounding ties of the final sum."""
+        return np.float32(float(a) * float(b) + float(c))
+else:
+    fma = _llvm_fma
+    """``a * b + c`` rounded once (``llvm.fma``), used exactly where torch's vector kernels use
+    ``fmadd`` (``add`` with ``alpha``, ``lerp``, ``addcmul``); plain ``*``/``+`` everywhere else, so
+    rounding matches torch op for op."""
 
 
 @_jit

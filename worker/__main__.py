@@ -1,0 +1,131 @@
+"""``bitps-worker``: one worker rank training the demo model (a tiny Qwen3-MoE on a byte corpus).
+
+The one place that reads worker flags and environment variables. Rank and world size come from
+``--rank``/``--world-size``, else torchrun's ``RANK``/``WORLD_SIZE``; the servers from
+``--servers`` or ``BITPS_SERVERS``. With ``--json`` it prints one JSON object per line on stdout
+(``start``, ``step`` every ``--log-every`` steps, ``done`` whose ``final_loss`` is the mean of
+the last 10 steps), which ``bitps-launch`` reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections import deque
+
+__all__ = ["main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog="bitps-worker",
+                                description="Train the bitps demo model as one worker rank.")
+    add = p.add_argument
+    add("--servers", default=env("BITPS_SERVERS", ""),
+        help="comma-separated gRPC host:port of every shard, in shard-id order")
+    add("--rank", type=int, default=int(env("RANK", "0")), help="worker rank (env RANK)")
+    add("--world-size", type=int, default=int(env("WORLD_SIZE", "1")),
+        help="number of worker ranks (env WORLD_SIZE)")
+    add("--steps", type=int, default=int(env("BITPS_STEPS", "150")), help="training steps")
+    add("--batch-size", type=int, default=8, help="sequences per step per rank")
+    add("--seq-len", type=int, default=128, help="bytes per sequence")
+    add("--corpus-bytes", type=int, default=2_000_000, help="corpus byte budget")
+    add("--seed", type=int, default=0, help="model init seed (data seed = seed, rank)")
+    add("--threads", type=int, default=int(env("BITPS_THREADS", "1")), help="torch CPU threads")
+    add("--metrics-port", type=int, default=int(env("BITPS_METRICS_PORT", "0")),
+        help="Prometheus port; 0 = any free port, -1 = off")
+    add("--metrics-host", default=env("BITPS_METRICS_HOST", "127.0.0.1"))
+    add("--token", default=env("BITPS_TOKEN", ""), help="shared secret of the shards")
+    add("--deadline", type=float, default=60.0, help="seconds any push/pull may wait")
+    add("--step-delay", type=float, default=0.0,
+        help="extra seconds of sleep per step (simulates a straggler)")
+    add("--log-every", type=int, default=10, help="progress line every N steps")
+    add("--json", action="store_true", help="print JSON progress lines (for bitps-launch)")
+    return p
+
+
+def _emit(args, **event) -> None:
+    if args.json:
+        print(json.dumps(event), flush=True)
+    elif event["event"] == "step":
+        logging.info("rank %d step %d loss %.4f %.1f samples/s", event["rank"], event["step"],
+                     event["loss"], event["samples_per_s"])
+    else:
+        logging.info("%s", event)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s worker %(process)d %(levelname)s %(message)s")
+    servers = tuple(s for s in args.servers.split(",") if s)
+
+    import torch
+    from prometheus_client import start_http_server
+
+    from worker.client import PSClient
+    from worker.config import ClientConfig
+    from worker.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
+    from worker.model import PSModel
+
+    try:
+        cfg = ClientConfig(servers=servers, rank=args.rank, world_size=args.world_size,
+                           token=args.token, deadline_s=args.deadline)
+        demo = DemoConfig(seq_len=args.seq_len, batch_size=args.batch_size,
+                          corpus_bytes=args.corpus_bytes, seed=args.seed)
+    except ValueError as err:
+        print(f"bitps-worker: {err}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    client = PSClient(cfg)
+    metrics_port = -1
+    if args.metrics_port >= 0:
+        httpd, _ = start_http_server(args.metrics_port, addr=args.metrics_host,
+                                     registry=client.metrics.registry)
+        metrics_port = httpd.server_port
+    corpus = load_corpus(demo.corpus_bytes)
+    model = build_model(demo)
+    ps_model = PSModel(model, client)
+    m = client.metrics
+    _emit(args, event="start", rank=args.rank, metrics_port=metrics_port,
+          params=sum(p.numel() for p in model.parameters()), keys=len(ps_model.keys),
+          corpus_sha256=corpus.sha256, corpus_files=corpus.files,
+          corpus_bytes=len(corpus.data))
+    data = batches(corpus, batch_size=demo.batch_size, seq_len=demo.seq_len, rank=args.rank,
+                   world_size=args.world_size, seed=demo.seed)
+    first = last = None
+    recent: deque[float] = deque(maxlen=10)
+    t_start = time.perf_counter()
+    try:
+        for step in range(args.steps):
+            t0 = time.perf_counter()
+            input_ids, labels = next(data)
+            loss = loss_fn(model, input_ids, labels)
+            loss.backward()
+            if args.step_delay:
+                time.sleep(args.step_delay)
+            ps_model.step()
+            dt = time.perf_counter() - t0
+            last = loss.item()
+            first = last if first is None else first
+            recent.append(last)
+            m.step_time.observe(dt)
+            m.samples_per_s.set(demo.batch_size / dt)
+            m.loss.set(last)
+            if step % args.log_every == 0 or step == args.steps - 1:
+                _emit(args, event="step", rank=args.rank, step=step, loss=last,
+                      samples_per_s=demo.batch_size / dt, clock=ps_model.clock)
+    finally:
+        ps_model.close()
+    wall = time.perf_counter() - t_start
+    _emit(args, event="done", rank=args.rank, steps=args.steps, first_loss=first,
+          final_loss=sum(recent) / max(len(recent), 1), last_loss=last, seconds=wall, samples_per_s=args.steps * demo.batch_size / wall)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""``bitps-launch``: a local cluster of PS shards and worker ranks, with progress and teardown.
+
+    bitps-launch --shards 2 --workers 2 --mode async -- --steps 150
+
+Everything after ``--`` goes to every ``bitps-worker``. Shards start first (each prints a JSON
+``ready`` line with its ports), then workers (``--json`` progress lines). A progress bar shows
+step, loss and samples/s; a summary table follows. Any process failing, Ctrl-C or SIGTERM tears the
+whole cluster down (each child runs in its own process group and dies with the launcher), and the
+exit status is non-zero. Logs and ``summary.json`` go to ``--run-dir``.
+
+The launcher starts processes; it imports neither ``ps`` nor the torch side of ``worker``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+__all__ = ["main"]
+
+console = Console(stderr=True)
+
+
+@dataclass
+class _Child:
+    name: str
+    proc: subprocess.Popen
+    log: Path
+    events: list = field(default_factory=list)
+
+
+def _die_with_parent() -> None:
+    """Child side of fork: get SIGKILL if the launcher dies, so no orphan outlives it."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Cluster:
+    """The processes of one local run."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.children: list[_Child] = []
+        self.events: queue.Queue = queue.Queue()
+
+    def spawn(self, name: str, argv: list[str]) -> _Child:
+        log = self.run_dir / f"{name}.log"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log.open("wb"),
+                                stdin=subprocess.DEVNULL, start_new_session=True, env=env,
+                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        child = _Child(name, proc, log)
+        threading.Thread(target=self._read, args=(child,), daemon=True).start()
+        self.children.append(child)
+        return child
+
+    def _read(self, child: _Child) -> None:
+        for raw in child.proc.stdout:
+            try:
+                event = json.loads(raw)
+            except ValueError:
+                continue
+            child.events.append(event)
+            self.events.put((child, event))
+
+    def failed(self) -> _Child | None:
+        for c in self.children:
+            if c.proc.poll() not in (None, 0):
+                return c
+        return None
+
+    def teardown(self, grace_s: float = 5.0) -> None:
+        alive = [c for c in self.children if c.proc.poll() is None]
+        for c in alive:
+            _signal_group(c.proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for c in alive:
+            try:
+                c.proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                _signal_group(c.proc, signal.SIGKILL)
+                c.proc.wait()
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bitps-launch", description=__doc__.split("\n")[0],
+                                usage="bitps-launch [options] [-- worker args]")
+    add = p.add_argument
+    add("--shards", type=int, default=2, help="PS shard processes")
+    add("--workers", type=int, default=2, help="worker rank processes")
+    add("--mode", choices=("sync", "async", "ssp"), default="async")
+    add("--staleness", type=int, default=2, help="SSP bound")
+    add("--optimizer", default="adam", help="server update rule")
+    add("--lr", type=float, default=3e-3, help="server learning rate")
+    add("--server-arg", action="append", default=[], help="extra bitps-server flag (repeatable)")
+    add("--host", default="127.0.0.1")
+    add("--run-dir", default=None, help="logs + summary.json (default runs/<timestamp>)")
+    add("--ready-timeout", type=float, default=60.0, help="seconds for shards to become ready")
+    add("--expect-loss-drop", type=float, default=0.0,
+        help="fail unless every rank's final loss is this fraction below its first (0 = off)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = build_parser().parse_args(argv[:split])
+    worker_args = argv[split + 1:]
+    if args.shards < 1 or args.workers < 1:
+        console.print(f"[red]--shards and --workers must be >= 1, got {args.shards}, "
+                      f"{args.workers}")
+        return 2
+    run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cluster = Cluster(run_dir)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        code = _run(cluster, args, worker_args)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: tearing the cluster down")
+        code = 130
+    finally:
+        cluster.teardown()
+    console.print(f"logs: {run_dir}/")
+    return code
+
+
+def _run(cluster: Cluster, args, worker_args: list[str]) -> int:
+    py = sys.executable
+    shards = []
+    for i in range(args.shards):
+        shards.append(cluster.spawn(f"shard-{i}", [
+            py, "-m", "ps", "--shard-id", str(i), "--num-shards", str(args.shards),
+            "--host", args.host, "--mode", args.mode, "--staleness", str(args.staleness),
+            "--optimizer", args.optimizer, "--lr", str(args.lr), *args.server_arg]))
+    ready = _wait_ready(cluster, shards, args.ready_timeout)
+    if ready is None:
+        return 1
+    servers = ",".join(f"{args.host}:{r['grpc_port']}" for r in ready)
+    for r in ready:
+        console.print(f"shard {r['shard_id']}: grpc {r['grpc_port']} data {r['data_port']} "
+                      f"metrics http://{args.host}:{r['metrics_port']}/metrics")
+    steps = _flag(worker_args, "--steps", 150)
+    workers = [cluster.spawn(f"worker-{r}", [
+        py, "-m", "worker", "--servers", servers, "--rank", str(r), "--world-size",
+        str(args.workers), "--json", *worker_args]) for r in range(args.workers)]
+    code = _follow(cluster, workers, steps)
+    summary = {"mode": args.mode, "shards": ready,
+               "workers": [next((e for e in w.events if e["event"] == "done"), None)
+                           for w in workers],
+               "starts": [next((e for e in w.events if e["event"] == "start"), None)
+                          for w in workers]}
+    (cluster.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if code == 0:
+        code = _report(summary, args.expect_loss_drop)
+    return code
+
+
+def _flag(argv: list[str], name: str, default: int) -> int:
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            return int(argv[i + 1])
+        if a.startswith(name + "="):
+            return int(a.split("=", 1)[1])
+    return default
+
+
+def _wait_ready(cluster: Cluster, shards: list[_Child], timeout: float) -> list[dict] | None:
+    deadline = time.monotonic() + timeout
+    ready: dict[int, dict] = {}
+    while len(ready) < len(shards):
+        if (bad := cluster.failed()) is not None or time.monotonic() > deadline:
+            _explain(bad or shards[0], "did not become ready" if bad is None else None)
+            return None
+        try:
+            child, event = cluster.events.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        if event.get("event") == "ready":
+            ready[event["shard_id"]] = event
+    return [ready[i] for i in range(len(shards))]
+
+
+def _follow(cluster: Cluster, workers: list[_Child], steps: int) -> int:
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as bar:
+        tasks = {w.name: bar.add_task(w.name, total=steps, loss="-", rate="-") for w in workers}
+        while any(w.proc.poll() is None for w in workers) or not cluster.events.empty():
+            if (bad := cluster.failed()) is not None:
+                bar.stop()
+                _explain(bad, None)
+                return 1
+            try:
+                child, event = cluster.events.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if child.name in tasks and event.get("event") == "step":
+                bar.update(tasks[child.name], completed=event["step"] + 1,
+                           loss=f"{event['loss']:.3f}", rate=f"{event['samples_per_s']:.1f}")
+            elif child.name in tasks and event.get("event") == "start":
+                console.print(f"{child.name}: metrics "
+                              f"http://127.0.0.1:{event['metrics_port']}/metrics, "
+                              f"{event['params']} params in {event['keys']} keys, corpus "
+                              f"sha256 {event['corpus_sha256'][:16]}…")
+    if (bad := cluster.failed()) is not None:
+        _explain(bad, None)
+        return 1
+    return 0
+
+
+def _explain(child: _Child, why: str | None) -> None:
+    status = why or f"exited with status {child.proc.returncode}"
+    tail = child.log.read_text(errors="replace").splitlines()[-15:] if child.log.exists() else []
+    console.print(f"[red]{child.name} {status}; last lines of {child.log}:")
+    for line in tail:
+        console.print(f"  {line}", markup=False, highlight=False)
+
+
+def _report(summary: dict, expect_drop: float) -> int:
+    table = Table(title=f"bitps run ({summary['mode']})")
+    for col in ("rank", "steps", "first loss", "final loss", "drop", "samples/s", "seconds"):
+        table.add_column(col, justify="right")
+    code = 0
+    for rank, done in enumerate(summary["workers"]):
+        if done is None:
+            table.add_row(str(rank), "-", "-", "-", "-", "-", "-")
+            code = 1
+            continue
+        drop = 1 - done["final_loss"] / done["first_loss"]
+        if drop < expect_drop:
+            code = 1
+        table.add_row(str(rank), str(done["steps"]), f"{done['first_loss']:.3f}",
+                      f"{done['final_loss']:.3f}", f"{drop:.1%}", f"{done['samples_per_s']:.1f}",
+                      f"{done['seconds']:.1f}")
+    console.print(table)
+    if code:
+        console.print(f"[red]expected every rank's loss to fall by >= {expect_drop:.0%}")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
