@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         ps_model.close()
     wall = time.perf_counter() - t_start
     _emit(args, event="done", rank=args.rank, steps=args.steps, first_loss=first,
-          final_loss=sum(recent) / max(len(recent), 1), last_loss=last, seconds=wall, samples_per_s=args.steps * demo.batch_size / wall)
+          final_loss=sum(recent) / max(len(recent), 1), last_loss=last, seconds=wall,
+          samples_per_s=args.steps * demo.batch_size / wall)
     return 0
 
 
