@@ -20,7 +20,8 @@ import numba
 import numpy as np
 from numba.extending import intrinsic
 
-__all__ = ["accumulate", "adam_step", "copy_into", "fma", "momentum_step", "sgd_step"]
+__all__ = ["accumulate", "adam_step", "all_finite", "copy_into", "fma", "momentum_step",
+           "sgd_step"]
 
 _jit = numba.njit(cache=True, nogil=True, fastmath=False, boundscheck=False)
 
@@ -112,6 +113,17 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, out, grad_scale, one_minus_beta1
         param[i] = p
         if publish:
             out[i] = p
+
+
+@_jit
+def all_finite(values):
+    """True when no element of the flat float array ``values`` is NaN or +-Inf (no allocation,
+    stops at the first bad element)."""
+    for i in range(values.shape[0]):
+        v = values[i]
+        if v - v != 0:  # NaN and +-Inf give NaN; every finite value gives 0
+            return False
+    return True
 
 
 @_jit

@@ -57,15 +57,14 @@ def error_name(code: int) -> str:
 
 
 def parse_header(frame: bytes | memoryview) -> pb.DataHeader:
-    """Decode frame 0; raises :class:`PSError` ``BAD_HEADER`` for anything that is not a header."""
+    """Decode frame 0; raises :class:`PSError` ``BAD_HEADER`` for bytes that do not parse. The
+    receiver checks the fields (an ERROR reply can then echo the request id)."""
     header = pb.DataHeader()
     try:
         header.ParseFromString(frame)
     except Exception as exc:  # protobuf raises DecodeError and, on some inputs, others
         raise PSError(pb.BAD_HEADER,
                       f"frame 0 is not a DataHeader ({len(frame)} bytes): {exc}") from None
-    if header.op == pb.OP_UNSPECIFIED:
-        raise PSError(pb.BAD_HEADER, "header has no op; expected PUSH, PULL or PUSH_PULL")
     return header
 
 

@@ -96,6 +96,5 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     def Leave(self, request, context):
         self._check_token(request.token, context)
-        with self.core.lock:
-            self.core.clocks.leave(request.rank)
+        self.core.leave(request.rank)
         return pb.LeaveReply()

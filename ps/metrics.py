@@ -3,9 +3,14 @@ in tests). Names are ``bitps_*`` with unit suffixes; the README lists them all."
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Callable
+from dataclasses import dataclass
 
-__all__ = ["ShardMetrics"]
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+__all__ = ["ClockSnapshot", "ShardMetrics"]
 
 _LATENCY = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 5)
 _GAP = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
@@ -44,10 +49,37 @@ class ShardMetrics:
         self.requests = Counter("bitps_requests_total", "Data-plane requests by op", ["op"],
                                 registry=r)
         self.errors = Counter("bitps_errors_total", "Error replies by code", ["code"], registry=r)
-        self.worker_clock = Gauge("bitps_worker_clock_steps", "Steps completed, per worker",
-                                  ["worker"], registry=r)
-        self.min_clock = Gauge("bitps_min_clock_steps", "Smallest clock over live workers",
-                               registry=r)
-        self.live_workers = Gauge("bitps_live_workers", "Workers counted as live", registry=r)
-        self.pending_pulls = Gauge("bitps_pending_pulls", "Pulls held by the consistency policy",
-                                   registry=r)
+
+    def watch_clocks(self, snapshot: Callable[[], ClockSnapshot]) -> None:
+        """Export clocks read at scrape time from ``snapshot`` (always current, no hot-path
+        cost): per-worker clock, min live clock, live workers and held pulls."""
+        self.registry.register(_ClockCollector(snapshot))
+
+
+@dataclass(frozen=True)
+class ClockSnapshot:
+    """What the clock gauges show: ``clocks`` maps rank to steps completed."""
+
+    clocks: dict[int, int]
+    min_clock: int
+    live: int
+    held: int
+
+
+class _ClockCollector(Collector):
+    def __init__(self, snapshot: Callable[[], ClockSnapshot]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self):
+        snap = self.snapshot()
+        per_worker = GaugeMetricFamily("bitps_worker_clock_steps",
+                                       "Steps completed, per worker, as this shard has seen",
+                                       labels=["worker"])
+        for rank, clock in sorted(snap.clocks.items()):
+            per_worker.add_metric([str(rank)], clock)
+        yield per_worker
+        yield GaugeMetricFamily("bitps_min_clock_steps", "Smallest clock over live workers",
+                                value=snap.min_clock)
+        yield GaugeMetricFamily("bitps_live_workers", "Workers counted as live", value=snap.live)
+        yield GaugeMetricFamily("bitps_pending_pulls", "Pulls held by the consistency policy",
+                                value=snap.held)

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import native
 from proto import bitps_pb2 as pb
 from proto.wire import PROTOCOL, PSError, error_name, parse_header
 from ps.clocks import ClockTable
 from ps.config import ServerConfig
-from ps.metrics import ShardMetrics
+from ps.metrics import ClockSnapshot, ShardMetrics
 from ps.rules import make_rule
 from ps.store import Slot
 
@@ -74,6 +75,7 @@ class ShardCore:
         self.now = now
         self.lock = threading.RLock()
         self.metrics = metrics or ShardMetrics()
+        self.metrics.watch_clocks(self.clock_snapshot)
         self.rule = make_rule(cfg.optimizer)
         self.clocks = ClockTable(mode=cfg.mode, staleness=cfg.staleness,
                                  timeout_s=cfg.heartbeat_timeout_s, now=now)
@@ -98,21 +100,34 @@ class ShardCore:
                           f"{req.num_shards}; this is shard {cfg.shard_id} of {cfg.num_shards}")
         if not req.world_size or req.rank >= req.world_size:
             raise PSError(pb.BAD_HEADER, f"rank {req.rank} outside world size {req.world_size}")
+        if not req.signature:
+            raise PSError(pb.BAD_HEADER, f"rank {req.rank} sent no model signature")
         with self.lock:
             if self.signature and req.signature != self.signature:
                 raise PSError(pb.BAD_HEADER, f"rank {req.rank} registered model signature "
                               f"{req.signature!r}; this shard holds {self.signature!r}")
-            if not self.signature:
-                self._create_slots(req)
+            if self.clocks.world_size and req.world_size != self.clocks.world_size:
+                raise PSError(pb.BAD_HEADER, f"rank {req.rank} registered world size "
+                              f"{req.world_size}; this shard's workers have "
+                              f"{self.clocks.world_size}")
+            # Check everything before keeping anything: a refused first registration leaves
+            # the shard as empty as it was.
+            slots = self.slots or self._new_slots(req)
             if req.sends_values:
-                self._set_values(values)
+                self._check_values(slots, values)
+            self.slots, self.signature = slots, req.signature
+            if req.sends_values and not self.initialized.is_set():
+                # A restarted rank 0 must not reset trained parameters.
+                for key, data in values.items():
+                    slots[key].param[:] = np.frombuffer(data, _F32)
+                self.initialized.set()
             self.clocks.register(req.rank, req.world_size, self.clocks.min_clock())
             start = self.clocks.workers[req.rank].clock
         return pb.RegisterReply(shard_id=cfg.shard_id, num_shards=cfg.num_shards, mode=cfg.mode,
                                 staleness=cfg.staleness, start_clock=start,
                                 max_frame_bytes=cfg.max_frame_bytes)
 
-    def _create_slots(self, req: pb.RegisterRequest) -> None:
+    def _new_slots(self, req: pb.RegisterRequest) -> dict[int, Slot]:
         slots = {}
         for spec in req.keys:
             if spec.dtype != pb.FLOAT32:
@@ -125,24 +140,28 @@ class ShardCore:
                               f"are limited to {self.cfg.max_frame_bytes}")
             slots[spec.key] = Slot(spec=spec, param=np.zeros(spec.length, np.float32),
                                    state=self.rule.new_state(spec.length))
-        self.slots, self.signature = slots, req.signature
+        return slots
 
-    def _set_values(self, values: dict[int, bytes]) -> None:
-        if set(values) != set(self.slots):
-            missing = sorted(set(self.slots) - set(values))[:5]
-            extra = sorted(set(values) - set(self.slots))[:5]
+    @staticmethod
+    def _check_values(slots: dict[int, Slot], values: dict[int, bytes]) -> None:
+        if set(values) != set(slots):
+            missing = sorted(set(slots) - set(values))[:5]
+            extra = sorted(set(values) - set(slots))[:5]
             raise PSError(pb.UNKNOWN_KEY, f"initial values must cover exactly this shard's keys; "
                           f"missing {missing}, unknown {extra}")
         for key, data in values.items():
-            slot = self.slots[key]
-            if len(data) != slot.nbytes:
+            if len(data) != slots[key].nbytes:
                 raise PSError(pb.BAD_LENGTH, f"initial value of key {key} is {len(data)} bytes; "
-                              f"expected {slot.nbytes}")
-        if self.initialized.is_set():
-            return  # a restarted rank 0 must not reset trained parameters
-        for key, data in values.items():
-            self.slots[key].param[:] = np.frombuffer(data, _F32)
-        self.initialized.set()
+                              f"expected {slots[key].nbytes}")
+
+    def leave(self, rank: int) -> None:
+        """``rank`` left cleanly: it stops counting for sync aggregates and SSP bounds (held
+        pulls it was blocking are answered on the data loop's next tick)."""
+        with self.lock:
+            self.clocks.leave(rank)
+            if self.cfg.mode == "sync":
+                for slot in self.slots.values():
+                    self._try_aggregate(slot, publish=False)
 
     # -- data plane ---------------------------------------------------------------------------
     def handle(self, ident: bytes, frames: list) -> list[Reply]:
@@ -185,6 +204,8 @@ class ShardCore:
             raise PSError(pb.UNAUTHENTICATED, f"worker {header.worker}: token missing or wrong")
         if header.protocol != PROTOCOL:
             raise PSError(pb.PROTOCOL, f"header protocol {header.protocol}; expected {PROTOCOL}")
+        if header.op == pb.OP_UNSPECIFIED:
+            raise PSError(pb.BAD_HEADER, "header has no op; expected PUSH, PULL or PUSH_PULL")
         if header.op not in _OPS:
             raise PSError(pb.UNKNOWN_OP, f"op {header.op} ({_op_name(header.op)}); expected PUSH, "
                           f"PULL or PUSH_PULL")
@@ -220,7 +241,7 @@ class ShardCore:
         if header.versions and len(header.versions) != len(slots):
             raise PSError(pb.BAD_HEADER, f"{len(header.versions)} versions for {len(slots)} keys")
         for slot, frame in zip(slots, payload):
-            n = len(frame)
+            n = frame.nbytes if isinstance(frame, memoryview) else len(frame)
             if n > cfg.max_frame_bytes:
                 raise PSError(pb.TOO_LARGE, f"key {slot.spec.key}: frame of {n} bytes exceeds "
                               f"{cfg.max_frame_bytes}")
@@ -229,7 +250,7 @@ class ShardCore:
                               f"expected {slot.nbytes} ({slot.length} float32)")
         if cfg.reject_nonfinite:
             for slot, frame in zip(slots, payload):
-                if not np.isfinite(np.frombuffer(frame, _F32)).all():
+                if not native.all_finite(np.frombuffer(frame, _F32)):
                     raise PSError(pb.NON_FINITE, f"key {slot.spec.key}: gradient holds NaN or Inf")
         if cfg.mode == "sync":
             for slot in slots:
@@ -286,7 +307,6 @@ class ShardCore:
             return [self._answer(ident, header, clock, slots, t0)]
         deadline = header.deadline_s or self.cfg.pull_deadline_s
         self.held.append(_HeldPull(ident, header, clock, slots, t0, t0 + deadline))
-        self.metrics.pending_pulls.set(len(self.held))
         return []
 
     def _answer(self, ident, header, clock, slots, since) -> Reply:
@@ -327,6 +347,13 @@ class ShardCore:
                     self._try_aggregate(slot, publish=False)
             return self._release_held()
 
+    def clock_snapshot(self) -> ClockSnapshot:
+        """Clocks for the metrics endpoint (read at scrape time)."""
+        with self.lock:
+            c = self.clocks
+            return ClockSnapshot(clocks={r: w.clock for r, w in c.workers.items()},
+                                 min_clock=c.min_clock(), live=len(c.live()), held=len(self.held))
+
     def _release_held(self) -> list[Reply]:
         if not self.held:
             return []
@@ -341,7 +368,6 @@ class ShardCore:
             else:
                 still.append(h)
         self.held = still
-        self.metrics.pending_pulls.set(len(still))
         return replies
 
     def _waiting_for(self, worker: int, clock: int, slots: list[Slot]) -> str:

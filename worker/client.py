@@ -1,11 +1,12 @@
 """``PSClient``: a worker's connection to every shard.
 
-``push``, ``pull`` and ``push_pull`` return a :class:`Handle` at once; ``Handle.wait()`` blocks
-until every shard involved has answered, with a deadline. One communication thread owns the
-ZeroMQ DEALER sockets (one per shard; ZeroMQ sockets are not thread-safe): callers enqueue a
-request and wake it through an inproc socket. Payloads go out zero-copy, so the arrays passed to
-``push``/``push_pull`` must stay unchanged until the handle completes (the handle keeps them
-alive); pulled values are copied straight from the received frame into the caller's ``outs``.
+``push``, ``pull`` and ``push_pull`` send at once from the calling thread and return a
+:class:`~worker.channel.Handle`; ``Handle.wait()`` blocks until every shard involved has answered,
+with a deadline. Each submitting thread gets its own :class:`~worker.channel.Channel` (DEALER
+sockets; ZeroMQ sockets are not thread-safe), so no thread hand-off sits on the latency path.
+Payloads go out zero-copy: arrays passed to ``push``/``push_pull`` must stay unchanged until the
+handle completes (the handle keeps them alive); pulled values are copied straight from the
+received frame into the caller's ``outs``.
 
     client = PSClient(ClientConfig(servers=("127.0.0.1:50051",), rank=0, world_size=1))
     client.register(plan, values)                       # rank 0 sends initial values
@@ -19,9 +20,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -30,7 +29,8 @@ import zmq
 from proto import bitps_pb2 as pb
 from proto import bitps_pb2_grpc as pb_grpc
 from proto.keyplan import KeyPlan
-from proto.wire import PROTOCOL, PSError, parse_header
+from proto.wire import PROTOCOL, PSError
+from worker.channel import Channel, Handle, PSTimeoutError, Request
 from worker.config import ClientConfig
 from worker.metrics import WorkerMetrics
 
@@ -39,62 +39,6 @@ __all__ = ["Handle", "PSClient", "PSTimeoutError"]
 log = logging.getLogger(__name__)
 _F32 = np.dtype("<f4")
 _ERROR_METADATA_KEY = "bitps-error-code"
-
-
-class PSTimeoutError(PSError, TimeoutError):
-    """A wait outlived its deadline; the message names worker, shard, keys and clock."""
-
-    def __init__(self, message: str, *, shard: int | None = None) -> None:
-        super().__init__(pb.DEADLINE, message, shard=shard)
-
-
-class Handle:
-    """Completion of one push / pull / push_pull across shards."""
-
-    def __init__(self, parts: int, what: str, keep: tuple = ()) -> None:
-        self._left = parts
-        self._error: PSError | None = None
-        self._event = threading.Event()
-        self._lock = threading.Lock()
-        self._keep = keep  # buffers ZeroMQ may still be sending from
-        self.what = what
-        self.started = time.perf_counter()
-        if parts == 0:
-            self._event.set()
-
-    def done(self) -> bool:
-        return self._event.is_set()
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until complete; raise the first shard's :class:`PSError`, or
-        :class:`PSTimeoutError` after ``timeout`` seconds (default: the client's deadline)."""
-        if not self._event.wait(timeout):
-            raise PSTimeoutError(f"{self.what}: no answer after {timeout:.1f} s")
-        self._keep = ()
-        if self._error is not None:
-            raise self._error
-
-    def _part_done(self, error: PSError | None = None) -> bool:
-        with self._lock:
-            if error is not None and self._error is None:
-                self._error = error
-            self._left -= 1
-            finished = self._left == 0
-        if finished:
-            self._event.set()
-        return finished
-
-
-@dataclass
-class _Request:
-    shard: int
-    request_id: int
-    frames: list
-    outs: Sequence[np.ndarray]
-    handle: Handle
-    deadline: float
-    op: int
-    nbytes: int
 
 
 class PSClient:
@@ -112,15 +56,15 @@ class PSClient:
         self.versions: dict[int, int] = {}
         self.start_clock = 0
         self.clock = 0
-        self.min_clock = 0
+        self._heartbeat_min_clock = 0
         self._ids = itertools.count(1)
-        self._outbox: deque[_Request] = deque()
-        self._inflight: dict[int, _Request] = {}
         self._ctx = zmq.Context()
-        self._wake_lock = threading.Lock()
+        self._endpoints: list[str] = []
+        self._local = threading.local()
+        self._channels: list[Channel] = []
+        self._channels_lock = threading.Lock()
         self._closing = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._dealers: list[zmq.Socket] = []
+        self._heartbeat: threading.Thread | None = None
 
     # -- control plane ------------------------------------------------------------------------
     def register(self, plan: KeyPlan, values: Mapping[int, np.ndarray] | None = None) -> None:
@@ -144,7 +88,10 @@ class PSClient:
             self.start_clock = max(self.start_clock, reply.start_clock)
         self.clock = self.start_clock
         self.versions = {k.key: 0 for k in plan.keys}
-        self._connect(endpoints)
+        self._endpoints = endpoints
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="bitps-heartbeat",
+                                           daemon=True)
+        self._heartbeat.start()
 
     def _register_stream(self, plan: KeyPlan, shard: int, values):
         keys = plan.for_shard(shard)
@@ -185,7 +132,7 @@ class PSClient:
                     reply = stub.Heartbeat(pb.HeartbeatRequest(
                         rank=self.cfg.rank, clock=self.clock, token=self.cfg.token),
                         timeout=max(self.cfg.heartbeat_s, 1.0))
-                    self.min_clock = reply.min_clock
+                    self._heartbeat_min_clock = reply.min_clock
                 except grpc.RpcError as err:
                     log.warning("heartbeat to shard %d failed: %s", shard, err.code().name)
 
@@ -204,15 +151,17 @@ class PSClient:
         return self._submit(pb.PUSH_PULL, keys, grads, outs, clock)
 
     def _submit(self, op, keys, grads, outs, clock) -> Handle:
-        plan = self.plan
-        if plan is None:
+        if self.plan is None:
             raise RuntimeError("register() before push/pull")
+        if self._closing.is_set():
+            raise RuntimeError("the client is closed")
         if grads and len(grads) != len(keys) or outs and len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(grads)} grads and {len(outs)} outs")
         groups = self._group(keys, grads, outs)
         what = (f"worker {self.cfg.rank} {pb.Op.Name(op)} clock {clock} keys "
                 f"{list(keys[:8])}{'...' if len(keys) > 8 else ''}")
-        handle = Handle(len(groups), what, keep=(grads,))
+        channel = self._channel()
+        handle = Handle(channel, len(groups), what, self.cfg.deadline_s, keep=(grads,))
         deadline = time.monotonic() + self.cfg.deadline_s
         requests = []
         for shard, idx in groups:
@@ -221,19 +170,33 @@ class PSClient:
                                    request_id=next(self._ids), clock=clock, keys=ks,
                                    dtype=pb.FLOAT32, deadline_s=self.cfg.deadline_s,
                                    token=self.cfg.token)
-            frames = [header.SerializeToString()]
             nbytes = 0
             if grads:
                 header.versions.extend(self.versions[k] for k in ks)
-                frames[0] = header.SerializeToString()
-                frames += [grads[i] for i in idx]
                 nbytes = sum(grads[i].nbytes for i in idx)
-            requests.append(_Request(shard, header.request_id, frames,
-                                     [outs[i] for i in idx] if outs else (), handle, deadline,
-                                     op, nbytes))
-        self._outbox.extend(requests)
-        self._wake()
+            frames = [header.SerializeToString(), *(grads[i] for i in idx)] if grads else \
+                [header.SerializeToString()]
+            requests.append(Request(shard, header.request_id, frames,
+                                    [outs[i] for i in idx] if outs else (), handle, deadline,
+                                    op, nbytes))
+        channel.send(requests)
         return handle
+
+    def _channel(self) -> Channel:
+        channel = getattr(self._local, "channel", None)
+        if channel is None:
+            channel = Channel(self._ctx, self._endpoints, servers=self.cfg.servers,
+                              metrics=self.metrics, versions=self.versions)
+            self._local.channel = channel
+            with self._channels_lock:
+                self._channels.append(channel)
+        return channel
+
+    @property
+    def min_clock(self) -> int:
+        """Smallest live clock the shards last reported to this thread."""
+        channel = getattr(self._local, "channel", None)
+        return channel.min_clock if channel is not None else self._heartbeat_min_clock
 
     def _group(self, keys, grads, outs) -> list[tuple[int, list[int]]]:
         """Split the request per shard, then into messages of at most ``message_bytes``."""
@@ -262,97 +225,6 @@ class PSClient:
             groups.append((shard, batch))
         return groups
 
-    def _wake(self) -> None:
-        with self._wake_lock:
-            self._wake_tx.send(b"", copy=True)
-
-    def _connect(self, endpoints: list[str]) -> None:
-        self._wake_rx = self._ctx.socket(zmq.PAIR)
-        self._wake_rx.bind(f"inproc://wake-{id(self)}")
-        self._wake_tx = self._ctx.socket(zmq.PAIR)
-        self._wake_tx.connect(f"inproc://wake-{id(self)}")
-        for ep in endpoints:
-            d = self._ctx.socket(zmq.DEALER)
-            d.setsockopt(zmq.LINGER, 0)
-            d.connect(ep)
-            self._dealers.append(d)
-        for target, name in ((self._comm_loop, "bitps-comm"),
-                             (self._heartbeat_loop, "bitps-heartbeat")):
-            t = threading.Thread(target=target, name=name, daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    def _comm_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._wake_rx, zmq.POLLIN)
-        for d in self._dealers:
-            poller.register(d, zmq.POLLIN)
-        next_check = time.monotonic() + 0.1
-        while not self._closing.is_set():
-            events = dict(poller.poll(100))
-            if self._wake_rx in events:
-                while self._wake_rx.poll(0):
-                    self._wake_rx.recv()
-            while self._outbox:
-                req = self._outbox.popleft()
-                self._inflight[req.request_id] = req
-                self._dealers[req.shard].send_multipart(req.frames, copy=False)
-            for shard, d in enumerate(self._dealers):
-                if d in events:
-                    while True:
-                        try:
-                            frames = d.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._complete(shard, frames)
-            now = time.monotonic()
-            if now >= next_check:
-                next_check = now + 0.1
-                self._expire(now)
-
-    def _complete(self, shard: int, frames: list[zmq.Frame]) -> None:
-        try:
-            header = parse_header(frames[0].bytes)
-        except PSError as err:
-            log.error("shard %d sent an unreadable reply: %s", shard, err)
-            return
-        req = self._inflight.pop(header.request_id, None)
-        if req is None:
-            return  # answered after its deadline expired
-        m = self.metrics
-        if header.op == pb.ERROR:
-            req.handle._part_done(PSError(header.error, header.message, shard=shard))
-            return
-        nbytes = 0
-        for key, out, frame, version in zip(header.keys, req.outs, frames[1:], header.versions):
-            buf = frame.buffer
-            if len(buf) != out.nbytes:
-                req.handle._part_done(PSError(
-                    pb.BAD_LENGTH, f"reply for key {key} is {len(buf)} bytes; expected "
-                    f"{out.nbytes}", shard=shard))
-                return
-            np.copyto(out, np.frombuffer(buf, _F32))
-            self.versions[key] = version
-            nbytes += out.nbytes
-        self.min_clock = header.min_clock
-        elapsed = time.perf_counter() - req.handle.started
-        if req.nbytes:
-            m.push_bytes.inc(req.nbytes)
-            m.push_latency.observe(elapsed)
-        if req.op != pb.PUSH:
-            m.pull_bytes.inc(nbytes)
-            m.pull_latency.observe(elapsed)
-        m.min_clock.set(header.min_clock)
-        req.handle._part_done()
-
-    def _expire(self, now: float) -> None:
-        late = [r for r in self._inflight.values() if now > r.deadline]
-        for r in late:
-            del self._inflight[r.request_id]
-            r.handle._part_done(PSTimeoutError(
-                f"{r.handle.what}: shard {r.shard} ({self.cfg.servers[r.shard]}) did not answer "
-                f"within {self.cfg.deadline_s:.1f} s", shard=r.shard))
-
     # -- lifetime -----------------------------------------------------------------------------
     def close(self, leave: bool = True) -> None:
         """Leave every shard (so peers stop waiting for this rank) and stop the threads."""
@@ -366,13 +238,12 @@ class PSClient:
                 except grpc.RpcError as err:
                     log.warning("leave shard %d failed: %s", shard, err.code().name)
         self._closing.set()
-        for t in self._threads:
-            t.join(timeout=5)
-        for d in self._dealers:
-            d.close(linger=0)
-        if self._dealers:
-            self._wake_rx.close(linger=0)
-            self._wake_tx.close(linger=0)
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=5)
+        with self._channels_lock:
+            for channel in self._channels:
+                channel.close()
+            self._channels.clear()
         self._ctx.term()
         for c in self._channels:
             c.close()

@@ -6,7 +6,8 @@ Everything after ``--`` goes to every ``bitps-worker``. Shards start first (each
 ``ready`` line with its ports), then workers (``--json`` progress lines). A progress bar shows
 step, loss and samples/s; a summary table follows. Any process failing, Ctrl-C or SIGTERM tears the
 whole cluster down (each child runs in its own process group and dies with the launcher), and the
-exit status is non-zero. Logs and ``summary.json`` go to ``--run-dir``.
+exit status is non-zero. Logs, ``cluster.json`` (every endpoint, written once all workers have
+started) and ``summary.json`` go to ``--run-dir``.
 
 The launcher starts processes; it imports neither ``ps`` nor the torch side of ``worker``.
 """
@@ -171,6 +172,7 @@ def _run(cluster: Cluster, args, worker_args: list[str]) -> int:
     workers = [cluster.spawn(f"worker-{r}", [
         py, "-m", "worker", "--servers", servers, "--rank", str(r), "--world-size",
         str(args.workers), "--json", *worker_args]) for r in range(args.workers)]
+    threading.Thread(target=_write_endpoints, args=(cluster, ready, workers), daemon=True).start()
     code = _follow(cluster, workers, steps)
     summary = {"mode": args.mode, "shards": ready,
                "workers": [next((e for e in w.events if e["event"] == "done"), None)
@@ -181,6 +183,18 @@ def _run(cluster: Cluster, args, worker_args: list[str]) -> int:
     if code == 0:
         code = _report(summary, args.expect_loss_drop)
     return code
+
+
+def _write_endpoints(cluster: Cluster, ready: list[dict], workers: list[_Child]) -> None:
+    """``cluster.json`` in the run dir: every metrics endpoint, once every worker has started."""
+    while any(not w.events for w in workers):
+        if cluster.failed() is not None:
+            return
+        time.sleep(0.1)
+    doc = {"shards": ready, "workers": [w.events[0] for w in workers]}
+    tmp = cluster.run_dir / "cluster.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=2))
+    tmp.replace(cluster.run_dir / "cluster.json")
 
 
 def _flag(argv: list[str], name: str, default: int) -> int:

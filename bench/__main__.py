@@ -1,0 +1,41 @@
+"""``bitps-bench``: the benchmark harness. One sub-command per scenario; each writes
+``<out>/<scenario>.json`` and ``<out>/<scenario>.md`` (default ``bench/results``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bitps-bench", description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=None, help="results directory")
+    sub = p.add_subparsers(dest="scenario", required=True)
+    pp = sub.add_parser("pushpull", help="push+pull throughput and round trip vs raw pyzmq")
+    pp.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 16, 64])
+    pp.add_argument("--rounds", type=int, default=5, help="alternating rounds per size")
+    pp.add_argument("--small-bytes", type=int, default=1024, help="round-trip payload")
+    pp.add_argument("--quick", action="store_true", help="few iterations (smoke test)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.scenario == "pushpull":
+        from bench.pushpull import run
+
+        result = run(sizes_mib=tuple(args.sizes_mib), rounds=args.rounds,
+                     small_bytes=args.small_bytes, out=args.out, quick=args.quick)
+    for row in result["rows"]:
+        print(row)
+    failed = [name for name, c in result["checks"].items() if not c["ok"]]
+    for name, c in result["checks"].items():
+        print(f"{'ok  ' if c['ok'] else 'FAIL'} {name}: {c['value']} (goal {c['goal']})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

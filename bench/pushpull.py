@@ -1,0 +1,182 @@
+"""``bitps-bench pushpull``: push+pull throughput and small-message round trip against raw pyzmq.
+
+One worker (this process, a real :class:`worker.PSClient`), one shard (a real ``bitps-server``
+process, ``async`` mode, ``sgd`` rule), loopback TCP. Each iteration pushes a float32 gradient of
+the payload size and pulls the updated parameters back (``push_pull``): 2 x payload bytes move.
+In the same run, a raw pyzmq DEALER/ROUTER pair (``bench.rawzmq``, another process) moves the same
+bytes both ways in frames of the same size, with no PS logic. Rounds alternate between the two so
+machine noise hits both alike; medians are reported, and ratios bitps / raw.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from bench.report import check, median, write_results
+from proto.keyplan import DEFAULT_PARTITION_BYTES, ParamSpec, make_plan
+from worker.client import PSClient
+from worker.config import ClientConfig
+
+__all__ = ["run"]
+
+MIB = 1 << 20
+
+
+class _Proc:
+    """A child process that prints one JSON ready line first."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{argv[2]} exited before it was ready")
+        self.ready = json.loads(line)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class _Raw:
+    """Raw pyzmq DEALER side: sends frames zero-copy, receives the reply frames."""
+
+    def __init__(self, port: int) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+
+    def round_trip(self, frames: list[np.ndarray]) -> None:
+        self.sock.send_multipart(frames, copy=False)
+        self.sock.recv_multipart(copy=False)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+class _Bitps:
+    """A registered PSClient over a one-tensor model of ``nbytes``."""
+
+    def __init__(self, grpc_port: int, nbytes: int, partition_bytes: int) -> None:
+        n = nbytes // 4
+        self.plan = make_plan([ParamSpec("w", (n,))], num_shards=1,
+                              partition_bytes=partition_bytes)
+        self.client = PSClient(ClientConfig(servers=(f"127.0.0.1:{grpc_port}",),
+                                            partition_bytes=partition_bytes,
+                                            message_bytes=partition_bytes))
+        flat = np.zeros(n, np.float32)
+        views = [flat[k.offset:k.offset + k.length] for k in self.plan.keys]
+        self.client.register(self.plan, {k.key: v for k, v in zip(self.plan.keys, views)})
+        self.keys = [k.key for k in self.plan.keys]
+        grads = np.full(n, 1e-6, np.float32)
+        self.grads = [grads[k.offset:k.offset + k.length] for k in self.plan.keys]
+        self.outs = [np.empty(k.length, np.float32) for k in self.plan.keys]
+        self.clock = 0
+
+    def round_trip(self) -> None:
+        self.client.push_pull(self.keys, self.grads, self.outs, clock=self.clock).wait()
+        self.clock += 1
+
+    def frames(self) -> list[np.ndarray]:
+        """The same bytes in the same frame sizes, for the raw peer."""
+        return [g.copy() for g in self.grads]
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _fresh(old: _Proc | None, argv: list[str]) -> _Proc:
+    if old is not None:
+        old.stop()
+    return _Proc(argv)
+
+
+def _time(fn, iters: int) -> list[float]:
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def run(*, sizes_mib=(1, 16, 64), rounds: int = 5, small_bytes: int = 1024,
+        partition_bytes: int = DEFAULT_PARTITION_BYTES, out: Path | None = None,
+        quick: bool = False) -> dict:
+    """Run the scenario, write ``pushpull.json``/``.md`` under ``out``, return the document."""
+    py = sys.executable
+    shard_argv = [py, "-m", "ps", "--mode", "async", "--optimizer", "sgd", "--lr", "1e-3",
+                  "--metrics-port", "-1"]
+    raw_peer = _Proc([py, "-m", "bench.rawzmq"])
+    raw = _Raw(raw_peer.ready["port"])
+    rows, checks, shard = [], {}, None
+    try:
+        for mib in sizes_mib:
+            nbytes = int(mib * MIB)
+            shard = _fresh(shard, shard_argv)  # a shard holds one model: a new one per size
+            ps = _Bitps(shard.ready["grpc_port"], nbytes, partition_bytes)
+            frames = ps.frames()
+            iters = max(3, min(30, int(256 * MIB / nbytes))) if not quick else 3
+            _time(ps.round_trip, 2)
+            _time(partial(raw.round_trip, frames), 2)
+            t_ps, t_raw = [], []
+            for _ in range(rounds):
+                t_raw += _time(partial(raw.round_trip, frames), iters)
+                t_ps += _time(ps.round_trip, iters)
+            ps.close()
+            gbps_ps, gbps_raw = 2 * nbytes / median(t_ps) / 1e9, 2 * nbytes / median(t_raw) / 1e9
+            rows.append({"case": f"push+pull {mib} MiB", "payload_bytes": nbytes,
+                         "frames": len(frames), "bitps_ms": median(t_ps) * 1e3,
+                         "raw_ms": median(t_raw) * 1e3, "bitps_GBps": gbps_ps,
+                         "raw_GBps": gbps_raw, "ratio": gbps_ps / gbps_raw,
+                         "samples": len(t_ps)})
+            checks[f"throughput_{mib}MiB_vs_raw"] = check(round(gbps_ps / gbps_raw, 3),
+                                                          ">= 0.8", gbps_ps / gbps_raw >= 0.8)
+        shard = _fresh(shard, shard_argv)
+        ps = _Bitps(shard.ready["grpc_port"], small_bytes, partition_bytes)
+        frames = ps.frames()
+        iters = 200 if not quick else 20
+        _time(ps.round_trip, 50)
+        _time(partial(raw.round_trip, frames), 50)
+        t_ps, t_raw = [], []
+        for _ in range(rounds):
+            t_raw += _time(partial(raw.round_trip, frames), iters)
+            t_ps += _time(ps.round_trip, iters)
+        ps.close()
+        ratio = median(t_ps) / median(t_raw)
+        rows.append({"case": f"round trip {small_bytes} B", "payload_bytes": small_bytes,
+                     "frames": 1, "bitps_ms": median(t_ps) * 1e3,
+                     "raw_ms": median(t_raw) * 1e3, "ratio": ratio, "samples": len(t_ps)})
+        checks["small_round_trip_vs_raw"] = check(round(ratio, 3), "<= 2.0 (time ratio)",
+                                                  ratio <= 2.0)
+    finally:
+        raw.close()
+        raw_peer.stop()
+        if shard is not None:
+            shard.stop()
+    config = {"sizes_mib": list(sizes_mib), "rounds": rounds, "small_bytes": small_bytes,
+              "partition_bytes": partition_bytes, "mode": "async", "optimizer": "sgd",
+              "transport": "tcp loopback", "quick": quick}
+    notes = ("bitps: `PSClient.push_pull` of all keys to one `bitps-server` process (async, sgd); "
+             "raw: pyzmq DEALER -> ROUTER echo of the same frames, zero-copy, preallocated "
+             "replies. GB/s counts bytes both ways (2 x payload) per round trip; ratio = "
+             "bitps / raw throughput, or bitps / raw time for the round trip.")
+    write_results("pushpull", config=config, rows=rows, checks=checks, out=out, notes=notes,
+                  columns=[("case", "case"), ("frames", "frames"), ("bitps_ms", "bitps ms"),
+                           ("raw_ms", "raw pyzmq ms"), ("bitps_GBps", "bitps GB/s"),
+                           ("raw_GBps", "raw GB/s"), ("ratio", "ratio"),
+                           ("samples", "samples")])
+    return {"rows": rows, "checks": checks}

@@ -1,0 +1,152 @@
+"""Tests for ps.clocks.ClockTable driven by a fake clock: liveness, expiry, min clock, admission."""
+
+from __future__ import annotations
+
+import pytest
+
+from ps.clocks import ClockTable
+
+TIMEOUT = 10.0
+
+
+def _table(mode: str = "ssp", staleness: int = 1, world: int = 0):
+    t = [100.0]
+    table = ClockTable(mode=mode, staleness=staleness, timeout_s=TIMEOUT, now=lambda: t[0])
+    for r in range(world):
+        table.register(r, world)
+    return table, t
+
+
+def test_registration_makes_the_rest_of_the_world_expected():
+    table, t = _table()
+    table.register(0, 2)
+    assert table.world_size == 2
+    assert table.live() == [0, 1]
+    assert table.is_registered(0) and not table.is_registered(1)
+    assert table.workers[1].last_seen == 100.0
+    t[0] = 100.0 + TIMEOUT
+    assert table.expire() == []  # silent for exactly the timeout: still live
+    table.seen(0)
+    t[0] = 100.0 + TIMEOUT + 0.5
+    assert table.expire() == [1]
+    assert table.live() == [0]
+    table.register(1, 2)
+    assert table.live() == [0, 1] and table.is_registered(1)
+
+
+def test_register_starts_at_start_clock_and_never_goes_back():
+    table, _ = _table()
+    table.register(0, 3, start_clock=4)
+    assert [table.workers[r].clock for r in range(3)] == [4, 4, 4]
+    table.seen(0, 9)
+    table.register(0, 3, start_clock=2)
+    assert table.workers[0].clock == 9
+    table.register(2, 4, start_clock=1)  # a larger world adds rank 3 at that start clock
+    assert table.world_size == 4 and table.workers[3].clock == 1 and table.live() == [0, 1, 2, 3]
+
+
+def test_seen_only_moves_clocks_forward():
+    table, t = _table(world=2)
+    table.seen(0, 5)
+    assert table.workers[0].clock == 5
+    t[0] += 3
+    table.seen(0, 3)
+    assert table.workers[0].clock == 5
+    assert table.workers[0].last_seen == 103.0
+    table.seen(0)
+    assert table.workers[0].clock == 5
+    table.seen(0, 6)
+    assert table.workers[0].clock == 6
+
+
+def test_expire_drops_silent_workers_exactly_once():
+    table, t = _table(world=3)
+    t[0] += 6
+    table.seen(1)
+    t[0] += 6  # rank 0 and 2 silent for 12 s, rank 1 for 6 s
+    assert table.expire() == [0, 2]
+    assert table.expire() == []
+    assert table.live() == [1]
+    assert table.workers[0].dropped and table.workers[2].dropped
+    t[0] += 5
+    assert table.expire() == [1]
+    assert table.live() == [] and table.min_clock() == 0
+
+
+def test_dropped_worker_seen_again_is_live_again():
+    table, t = _table(world=2)
+    t[0] += TIMEOUT + 1
+    table.seen(1, 4)
+    assert table.expire() == [0]
+    table.seen(0, 2)
+    assert table.live() == [0, 1]
+    assert not table.workers[0].dropped and table.workers[0].clock == 2
+    t[0] += TIMEOUT + 1
+    assert table.expire() == [0, 1]  # and it can be dropped again
+
+
+def test_leave_removes_from_live_until_registered_again():
+    table, t = _table(world=3)
+    table.seen(0, 1)
+    table.seen(1, 5)
+    table.seen(2, 7)
+    table.leave(0)
+    assert table.live() == [1, 2] and table.min_clock() == 5
+    table.seen(0, 2)  # a late message from a worker that left does not bring it back
+    assert table.live() == [1, 2]
+    t[0] += TIMEOUT + 1
+    assert table.expire() == [1, 2]  # a worker that left is not "dropped" as well
+    table.leave(42)  # unknown rank: no effect
+    table.register(0, 3)
+    assert table.live() == [0]
+    assert table.workers[0].clock == 2
+
+
+def test_min_clock_over_live_workers():
+    table, t = _table(world=3)
+    assert table.min_clock() == 0
+    table.seen(0, 3)
+    table.seen(1, 8)
+    table.seen(2, 5)
+    assert table.min_clock() == 3
+    table.leave(0)
+    assert table.min_clock() == 5
+    t[0] += 6
+    table.seen(1)
+    t[0] += 6
+    assert table.expire() == [2]
+    assert table.min_clock() == 8
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 3])
+def test_ssp_admits_iff_min_clock_within_bound(staleness):
+    table, _ = _table(mode="ssp", staleness=staleness, world=3)
+    table.seen(0, 4)
+    table.seen(1, 9)
+    table.seen(2, 6)
+    assert table.min_clock() == 4
+    for c in range(0, 15):
+        assert table.admits(c) == (4 >= c - staleness), c
+    assert table.admits(4 + staleness) and not table.admits(5 + staleness)
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 3])
+def test_laggards_are_live_workers_below_the_bound(staleness):
+    table, _ = _table(mode="ssp", staleness=staleness, world=4)
+    for r, c in enumerate([2, 4, 6, 8]):
+        table.seen(r, c)
+    for c in range(0, 14):
+        expect = [r for r, wc in enumerate([2, 4, 6, 8]) if wc < c - staleness]
+        assert table.laggards(c) == expect, c
+        assert table.admits(c) == (expect == [])
+    table.leave(0)
+    assert table.laggards(6 + staleness) == [1]
+    assert 0 not in table.laggards(100)
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_non_ssp_modes_admit_everything(mode):
+    table, _ = _table(mode=mode, staleness=0, world=2)
+    table.seen(1, 3)
+    assert table.min_clock() == 0
+    assert all(table.admits(c) for c in (0, 1, 5, 10**9))

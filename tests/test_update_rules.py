@@ -1,0 +1,224 @@
+"""Tests for ps.rules and the native update kernels: equality with torch.optim, grad/lr scaling,
+the fused ``out`` copy, the pure-Python path (``NUMBA_DISABLE_JIT=1``) and the small kernels."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import native
+from ps.config import OptimizerConfig
+from ps.rules import make_rule
+
+REPO = Path(__file__).resolve().parents[1]
+# Odd length so the scalar tail of torch's vectorised loops is exercised too.
+N = 1037
+STEPS = 20
+
+CONFIGS = {
+    "sgd": OptimizerConfig(name="sgd", lr=0.05),
+    "sgd_wd": OptimizerConfig(name="sgd", lr=0.05, weight_decay=0.01),
+    "momentum": OptimizerConfig(name="momentum", lr=0.05, momentum=0.9),
+    "momentum_damp_wd": OptimizerConfig(name="momentum", lr=0.05, momentum=0.8, dampening=0.1,
+                                        weight_decay=0.01),
+    "nesterov_wd": OptimizerConfig(name="momentum", lr=0.05, momentum=0.9, nesterov=True,
+                                   weight_decay=0.02),
+    "adam": OptimizerConfig(name="adam", lr=1e-2),
+    "adam_wd": OptimizerConfig(name="adam", lr=1e-2, weight_decay=0.01),
+    "adamw_wd": OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.1, beta1=0.8, beta2=0.99),
+}
+EXACT = [k for k, c in CONFIGS.items() if c.name in ("sgd", "momentum")]
+ADAM = [k for k, c in CONFIGS.items() if c.name in ("adam", "adamw")]
+
+
+def _data(seed: int, n: int = N, steps: int = STEPS):
+    rng = np.random.default_rng(seed)
+    param = rng.standard_normal(n).astype(np.float32)
+    grads = (rng.standard_normal((steps, n)) * rng.uniform(0.01, 3.0, (steps, 1)))
+    return param, grads.astype(np.float32)
+
+
+def _ours(cfg: OptimizerConfig, param: np.ndarray, grads: np.ndarray) -> np.ndarray:
+    rule, p = make_rule(cfg), param.copy()
+    state = rule.new_state(p.shape[0])
+    for g in grads:
+        rule.apply(p, g, state)
+    assert state.step == len(grads)
+    return p
+
+
+def _torch(cfg: OptimizerConfig, param: np.ndarray, grads: np.ndarray) -> np.ndarray:
+    torch = pytest.importorskip("torch")
+    p = torch.nn.Parameter(torch.from_numpy(param.copy()))
+    if cfg.name == "sgd":
+        opt = torch.optim.SGD([p], lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False)
+    elif cfg.name == "momentum":
+        opt = torch.optim.SGD([p], lr=cfg.lr, momentum=cfg.momentum, dampening=cfg.dampening,
+                              nesterov=cfg.nesterov, weight_decay=cfg.weight_decay, foreach=False)
+    else:
+        cls = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
+        opt = cls([p], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                  weight_decay=cfg.weight_decay, foreach=False, fused=False)
+    for g in grads:
+        p.grad = torch.from_numpy(g.copy())
+        opt.step()
+    return p.detach().numpy().copy()
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_sgd_and_momentum_bit_identical_to_torch(name):
+    param, grads = _data(1)
+    ours, ref = _ours(CONFIGS[name], param, grads), _torch(CONFIGS[name], param, grads)
+    assert not np.array_equal(ours, param)
+    assert np.array_equal(ours, ref), np.abs(ours - ref).max()
+
+
+@pytest.mark.parametrize("name", ADAM)
+def test_adam_matches_torch(name):
+    # Not bit-exact: torch's CPU sqrt comes from MKL (vectorised) and differs from a correctly
+    # rounded sqrt by 1 ulp on some inputs, and that ulp propagates through the division.
+    param, grads = _data(2)
+    ours, ref = _ours(CONFIGS[name], param, grads), _torch(CONFIGS[name], param, grads)
+    assert np.abs(ours - param).max() > 0.05  # the steps actually moved the parameters
+    np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_grad_scale_half_equals_halved_gradient(name):
+    cfg = CONFIGS[name]
+    param, grads = _data(3, steps=5)
+    scaled, halved = param.copy(), param.copy()
+    rule = make_rule(cfg)
+    s1, s2 = rule.new_state(N), rule.new_state(N)
+    for g in grads:
+        rule.apply(scaled, g, s1, grad_scale=0.5)
+        rule.apply(halved, g * np.float32(0.5), s2)
+    assert np.array_equal(scaled, halved)
+    assert np.array_equal(s1.buf1, s2.buf1) and np.array_equal(s1.buf2, s2.buf2)
+    assert not np.array_equal(scaled, _ours(cfg, param, grads))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_lr_scale_equals_scaled_learning_rate(name):
+    cfg = CONFIGS[name]
+    param, grads = _data(4, steps=5)
+    damped = param.copy()
+    rule = make_rule(cfg)
+    state = rule.new_state(N)
+    for g in grads:
+        rule.apply(damped, g, state, lr_scale=0.25)
+    half = OptimizerConfig(**{**cfg.__dict__, "lr": cfg.lr * 0.25})
+    assert np.array_equal(damped, _ours(half, param, grads))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_out_receives_updated_params(name):
+    param, grads = _data(5, steps=3)
+    rule = make_rule(CONFIGS[name])
+    p, state = param.copy(), rule.new_state(N)
+    ref = _ours(CONFIGS[name], param, grads[:2])
+    other = np.full(N - 1, 7.0, np.float32)
+    rule.apply(p, grads[0], state, out=other)  # wrong length: not written
+    assert np.all(other == 7.0)
+    out = np.full(N, np.nan, np.float32)
+    rule.apply(p, grads[1], state, out=out)
+    assert np.array_equal(p, ref)
+    assert np.array_equal(out, p)
+    assert out.ctypes.data != p.ctypes.data
+
+
+def test_new_state_buffers():
+    assert make_rule(CONFIGS["sgd"]).new_state(5).buf1.size == 0
+    m = make_rule(CONFIGS["momentum"]).new_state(5)
+    assert m.buf1.dtype == np.float32 and np.array_equal(m.buf1, np.zeros(5)) and m.buf2.size == 0
+    a = make_rule(CONFIGS["adam"]).new_state(5)
+    assert a.step == 0 and a.buf1.shape == a.buf2.shape == (5,)
+    assert not np.shares_memory(a.buf1, a.buf2)
+
+
+def test_sgd_single_step_exact_formula():
+    param, grads = _data(6, steps=1)
+    p = param.copy()
+    rule = make_rule(OptimizerConfig(name="sgd", lr=0.125))
+    rule.apply(p, grads[0], rule.new_state(N))
+    assert np.array_equal(p, param - np.float32(0.125) * grads[0])
+
+
+def test_accumulate_matches_numpy():
+    rng = np.random.default_rng(7)
+    a, b, c = (rng.standard_normal(N).astype(np.float32) for _ in range(3))
+    acc = np.full(N, np.nan, np.float32)
+    native.accumulate(acc, a, True)
+    assert np.array_equal(acc, a)
+    native.accumulate(acc, b, False)
+    assert np.array_equal(acc, a + b)
+    # gradients arrive as read-only views of received frames
+    ro = np.frombuffer(c.tobytes(), np.float32)
+    assert not ro.flags.writeable
+    native.accumulate(acc, ro, False)
+    assert np.array_equal(acc, (a + b) + c)
+    native.accumulate(acc, ro, True)
+    assert np.array_equal(acc, c)
+
+
+def test_copy_into_matches_numpy():
+    src = np.random.default_rng(8).standard_normal(N).astype(np.float32)
+    dst = np.zeros(N, np.float32)
+    native.copy_into(dst, np.frombuffer(src.tobytes(), np.float32))
+    assert np.array_equal(dst, src)
+    assert dst.ctypes.data != src.ctypes.data
+
+
+_NOJIT_SCRIPT = textwrap.dedent("""
+    import sys
+    import numba
+    import numpy as np
+    assert numba.config.DISABLE_JIT
+    import native
+    from ps.config import OptimizerConfig
+    from ps.rules import make_rule
+
+    data = np.load(sys.argv[1])
+    param, grads = data["param"], data["grads"]
+    out = {}
+    for name in ("sgd", "momentum", "adam"):
+        cfg = OptimizerConfig(name=name, lr=0.01, weight_decay=0.01)
+        rule, p = make_rule(cfg), param.copy()
+        state = rule.new_state(p.shape[0])
+        for g in grads:
+            rule.apply(p, g, state)
+        out[name] = p
+    acc = np.empty_like(param)
+    native.accumulate(acc, grads[0], True)
+    native.accumulate(acc, grads[1], False)
+    out["accumulate"] = acc
+    copy = np.zeros_like(param)
+    native.copy_into(copy, param)
+    out["copy_into"] = copy
+    np.savez(sys.argv[2], **out)
+""")
+
+
+def test_pure_python_path_matches_jit(tmp_path):
+    param, grads = _data(9, n=301, steps=5)
+    np.savez(tmp_path / "in.npz", param=param, grads=grads)
+    env = {**os.environ, "NUMBA_DISABLE_JIT": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", _NOJIT_SCRIPT, str(tmp_path / "in.npz"),
+                           str(tmp_path / "out.npz")], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    got = np.load(tmp_path / "out.npz")
+    for name in ("sgd", "momentum", "adam"):
+        cfg = OptimizerConfig(name=name, lr=0.01, weight_decay=0.01)
+        jitted = _ours(cfg, param, grads)
+        assert got[name].dtype == np.float32
+        assert not np.array_equal(jitted, param)
+        np.testing.assert_allclose(got[name], jitted, rtol=1e-6, err_msg=name)
+    assert np.array_equal(got["accumulate"], grads[0] + grads[1])
+    assert np.array_equal(got["copy_into"], param)

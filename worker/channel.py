@@ -1,0 +1,190 @@
+"""One thread's data-plane connection to every shard: DEALER sockets, requests in flight, and the
+progress routine that receives replies and completes handles.
+
+ZeroMQ sockets are not thread-safe, so each thread that submits requests gets a channel of its
+own (``PSClient`` keeps them thread-local) and sends on it directly: no hand-off to another
+thread sits on the latency path. Replies are received by whichever thread waits on a handle of
+the channel; the channel's lock makes that safe (a socket may move between threads across a full
+memory barrier) and lets any thread wait on any handle. Ordering: one channel is one FIFO
+connection per shard, so a worker's requests from one thread reach each shard in order.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import zmq
+
+from proto import bitps_pb2 as pb
+from proto.wire import PSError, parse_header
+from worker.metrics import WorkerMetrics
+
+__all__ = ["Channel", "Handle", "PSTimeoutError"]
+
+log = logging.getLogger(__name__)
+_F32 = np.dtype("<f4")
+
+
+class PSTimeoutError(PSError, TimeoutError):
+    """A wait outlived its deadline; the message names worker, shard, keys and clock."""
+
+    def __init__(self, message: str, *, shard: int | None = None) -> None:
+        super().__init__(pb.DEADLINE, message, shard=shard)
+
+
+class Handle:
+    """Completion of one push / pull / push_pull across shards; :meth:`wait` blocks on it."""
+
+    def __init__(self, channel: Channel | None, parts: int, what: str, deadline_s: float,
+                 keep: tuple = ()) -> None:
+        self._channel = channel
+        self._left = parts
+        self._error: PSError | None = None
+        self._event = threading.Event()
+        self._keep = keep  # arrays ZeroMQ may still be sending from
+        self.what = what
+        self.deadline_s = deadline_s
+        self.started = time.perf_counter()
+        if parts == 0:
+            self._event.set()
+
+    def done(self) -> bool:
+        """True once every shard has answered (receives pending replies without blocking)."""
+        if not self._event.is_set() and self._channel is not None:
+            self._channel.progress(0.0, blocking=False)
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until complete; raise the first shard's :class:`PSError`, or
+        :class:`PSTimeoutError` after ``timeout`` seconds (default: the client's deadline)."""
+        limit = self.deadline_s if timeout is None else timeout
+        end = time.monotonic() + limit
+        while not self._event.is_set():
+            left = end - time.monotonic()
+            if left <= 0:
+                raise PSTimeoutError(f"{self.what}: no answer after {limit:.1f} s")
+            self._channel.progress(min(left, 0.05))
+        self._keep = ()
+        if self._error is not None:
+            raise self._error
+
+    def _part_done(self, error: PSError | None = None) -> None:
+        # Only called by the thread holding the channel lock: no lock of its own needed.
+        if error is not None and self._error is None:
+            self._error = error
+        self._left -= 1
+        if self._left == 0:
+            self._event.set()
+
+
+@dataclass
+class Request:
+    """One data message in flight."""
+
+    shard: int
+    request_id: int
+    frames: list
+    outs: Sequence[np.ndarray]
+    handle: Handle
+    deadline: float
+    op: int
+    nbytes: int
+
+
+class Channel:
+    """DEALER sockets to every shard for one submitting thread."""
+
+    def __init__(self, context: zmq.Context, endpoints: list[str], *, servers: Sequence[str],
+                 metrics: WorkerMetrics, versions: dict[int, int]) -> None:
+        self.lock = threading.Lock()
+        self.servers = servers
+        self.metrics = metrics
+        self.versions = versions
+        self.inflight: dict[int, Request] = {}
+        self.min_clock = 0
+        self.dealers = []
+        self.poller = zmq.Poller()
+        for ep in endpoints:
+            d = context.socket(zmq.DEALER)
+            d.setsockopt(zmq.LINGER, 0)
+            d.connect(ep)
+            self.dealers.append(d)
+            self.poller.register(d, zmq.POLLIN)
+
+    def send(self, requests: list[Request]) -> None:
+        with self.lock:
+            for req in requests:
+                self.inflight[req.request_id] = req
+                self.dealers[req.shard].send_multipart(req.frames, copy=False)
+
+    def progress(self, timeout_s: float, *, blocking: bool = True) -> None:
+        """Receive and dispatch replies for up to ``timeout_s``; expire overdue requests."""
+        if not self.lock.acquire(blocking=blocking, timeout=timeout_s if blocking else -1):
+            return
+        try:
+            events = self.poller.poll(timeout_s * 1000) if self.inflight else ()
+            for sock, _ in events:
+                shard = self.dealers.index(sock)
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._complete(shard, frames)
+            if self.inflight:
+                self._expire(time.monotonic())
+        finally:
+            self.lock.release()
+        if not events and not self.inflight and blocking and timeout_s:
+            time.sleep(min(timeout_s, 0.001))  # another thread completed our handle meanwhile
+
+    def _complete(self, shard: int, frames: list[zmq.Frame]) -> None:
+        try:
+            header = parse_header(frames[0].bytes)
+        except PSError as err:
+            log.error("shard %d sent an unreadable reply: %s", shard, err)
+            return
+        req = self.inflight.pop(header.request_id, None)
+        if req is None:
+            return  # answered after its deadline expired
+        if header.op == pb.ERROR:
+            req.handle._part_done(PSError(header.error, header.message, shard=shard))
+            return
+        nbytes = 0
+        for key, out, frame, version in zip(header.keys, req.outs, frames[1:], header.versions):
+            buf = frame.buffer
+            if buf.nbytes != out.nbytes:
+                req.handle._part_done(PSError(
+                    pb.BAD_LENGTH, f"reply for key {key} is {buf.nbytes} bytes; expected "
+                    f"{out.nbytes}", shard=shard))
+                return
+            np.copyto(out, np.frombuffer(buf, _F32))
+            self.versions[key] = version
+            nbytes += out.nbytes
+        self.min_clock = header.min_clock
+        m, elapsed = self.metrics, time.perf_counter() - req.handle.started
+        if req.nbytes:
+            m.push_bytes.inc(req.nbytes)
+            m.push_latency.observe(elapsed)
+        if req.op != pb.PUSH:
+            m.pull_bytes.inc(nbytes)
+            m.pull_latency.observe(elapsed)
+        m.min_clock.set(header.min_clock)
+        req.handle._part_done()
+
+    def _expire(self, now: float) -> None:
+        for r in [r for r in self.inflight.values() if now > r.deadline]:
+            del self.inflight[r.request_id]
+            r.handle._part_done(PSTimeoutError(
+                f"{r.handle.what}: shard {r.shard} ({self.servers[r.shard]}) did not answer "
+                f"within {r.handle.deadline_s:.1f} s", shard=r.shard))
+
+    def close(self) -> None:
+        with self.lock:
+            for d in self.dealers:
+                d.close(linger=0)
