@@ -191,7 +191,8 @@ def _write_endpoints(cluster: Cluster, ready: list[dict], workers: list[_Child])
         if cluster.failed() is not None:
             return
         time.sleep(0.1)
-    doc = {"shards": ready, "workers": [w.events[0] for w in workers]}
+    pids = {c.name: c.proc.pid for c in cluster.children}
+    doc = {"shards": ready, "workers": [w.events[0] for w in workers], "pids": pids}
     tmp = cluster.run_dir / "cluster.json.tmp"
     tmp.write_text(json.dumps(doc, indent=2))
     tmp.replace(cluster.run_dir / "cluster.json")

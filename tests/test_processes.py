@@ -1,0 +1,122 @@
+"""Real processes on loopback: the shard CLI, and bitps-launch running a whole cluster.
+
+Few and purposeful: each worker process imports torch + transformers (seconds on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _metrics(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes.
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(") ")[1].startswith("Z"))
+
+
+def test_server_prints_ready_serves_health_and_stops_on_sigterm():
+    proc = subprocess.Popen([sys.executable, "-m", "ps", "--metrics-port", "0", "--mode", "ssp"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        ready = json.loads(proc.stdout.readline())
+        assert ready["event"] == "ready" and ready["shard_id"] == 0
+        assert all(ready[k] > 0 for k in ("grpc_port", "data_port", "metrics_port"))
+        with grpc.insecure_channel(f"127.0.0.1:{ready['grpc_port']}") as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service="bitps.Control"), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert _metrics(ready["metrics_port"])["bitps_live_workers"] == 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_server_rejects_bad_flags():
+    out = subprocess.run([sys.executable, "-m", "ps", "--staleness", "-1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "staleness must be >= 0, got -1" in out.stderr
+
+
+def _launch(tmp_path: Path, *extra: str, steps: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "worker.launch", "--shards", "2", "--workers", "2",
+         "--mode", "async", "--run-dir", str(tmp_path), *extra, "--", "--steps", str(steps),
+         "--seq-len", "64", "--log-every", "5"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> dict:
+    end = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < end, f"{path} never appeared"
+        time.sleep(0.2)
+    return json.loads(path.read_text())
+
+
+def test_launch_async_cluster_trains_with_live_metrics(tmp_path):
+    proc = _launch(tmp_path, "--expect-loss-drop", "0.3", steps=120)
+    try:
+        cluster = _wait_for(tmp_path / "cluster.json", proc)
+        time.sleep(1.0)
+        shard = _metrics(cluster["shards"][0]["metrics_port"])
+        worker = _metrics(cluster["workers"][0]["metrics_port"])
+        assert shard["bitps_updates_applied_total"] > 0
+        assert shard["bitps_live_workers"] == 2
+        assert worker["bitps_worker_push_bytes_total"] > 0
+        assert worker["bitps_worker_loss"] > 0
+        assert proc.wait(240) == 0, proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for done in summary["workers"]:
+        assert done["steps"] == 120
+        assert done["final_loss"] <= 0.7 * done["first_loss"], done
+    assert all(not _alive(pid) for pid in cluster["pids"].values())
+
+
+@pytest.mark.parametrize("how", ["worker crash", "SIGTERM to the launcher"])
+def test_launch_tears_everything_down(tmp_path, how):
+    proc = _launch(tmp_path, steps=100_000)
+    try:
+        cluster = _wait_for(tmp_path / "cluster.json", proc)
+        if how == "worker crash":
+            os.kill(cluster["pids"]["worker-1"], signal.SIGKILL)
+            expected = 1
+        else:
+            proc.send_signal(signal.SIGTERM)
+            expected = 130
+        assert proc.wait(60) == expected
+    finally:
+        proc.kill()
+        proc.wait()
+    end = time.monotonic() + 10
+    while any(_alive(pid) for pid in cluster["pids"].values()) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not [n for n, pid in cluster["pids"].items() if _alive(pid)]
