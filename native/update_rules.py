@@ -1,14 +1,17 @@
-"""Server-side optimizer kernels: numba loops over flat float32 numpy arrays, updated in place.
+"""Server-side optimizer kernels: numba loops over flat float32 numpy arrays.
 
-Every kernel mirrors the arithmetic of the matching ``torch.optim`` single-tensor implementation
-(CPU, ``foreach=False``) operation by operation in float32, so a one-worker ``sync`` run ends with
-the parameters local torch training would produce (equal to ~1 ulp per step). Scalars arrive as
+Every kernel mirrors the arithmetic of the matching ``torch.optim`` CPU kernel operation by
+operation in float32 (an explicit fused multiply-add exactly where torch's vector code uses
+``fmadd``), so a one-worker ``sync`` run ends bit-identical to local torch training: SGD and
+momentum against the default implementation, Adam/AdamW against ``fused=True`` (the default
+single-tensor Adam takes sqrt from MKL, which is not correctly rounded). Scalars arrive as
 ``np.float32`` so that numba does not promote the loops to float64.
 
 Buffer ownership: the caller owns every array; kernels never allocate. ``grad`` is read only and
-may be a read-only view of a received ZeroMQ frame. ``out`` (when not ``None``-sized, i.e. when its
-length equals ``param``'s) receives a copy of the updated parameters in the same pass, so a shard
-can publish a snapshot without a second sweep over memory.
+may be a read-only view of a received ZeroMQ frame. The updated parameters are written to ``dst``,
+which is either ``param`` itself (in place) or a fresh buffer of the same length: a shard whose
+current parameters are still being sent by ZeroMQ writes the new version elsewhere instead of
+copying (copy-on-write). Optimizer state is always updated in place.
 
 The gradient a kernel applies is ``grad * grad_scale``: sync aggregation passes the sum of the
 pushes and ``1/n``.
@@ -20,8 +23,7 @@ import numba
 import numpy as np
 from numba.extending import intrinsic
 
-__all__ = ["accumulate", "adam_step", "all_finite", "copy_into", "fma", "momentum_step",
-           "sgd_step"]
+__all__ = ["accumulate", "adam_step", "copy_into", "fma", "momentum_step", "sgd_step"]
 
 _jit = numba.njit(cache=True, nogil=True, fastmath=False, boundscheck=False)
 
@@ -47,28 +49,24 @@ else:
 
 
 @_jit
-def sgd_step(param, grad, out, grad_scale, lr, weight_decay):
+def sgd_step(param, grad, dst, grad_scale, lr, weight_decay):
     """``param -= lr * (grad * grad_scale + weight_decay * param)`` (torch SGD, momentum 0)."""
     neg_lr = -lr
-    publish = out.shape[0] == param.shape[0]
     for i in range(param.shape[0]):
         g = grad[i] * grad_scale
         p = param[i]
         if weight_decay != 0:
             g = fma(p, weight_decay, g)
         p = fma(g, neg_lr, p)
-        param[i] = p
-        if publish:
-            out[i] = p
+        dst[i] = p
 
 
 @_jit
-def momentum_step(param, grad, buf, out, grad_scale, lr, momentum, keep, weight_decay,
+def momentum_step(param, grad, buf, dst, grad_scale, lr, momentum, keep, weight_decay,
                   nesterov, first):
     """torch.optim.SGD with momentum: ``buf = momentum*buf + keep*g`` with ``keep = 1 - dampening``
     (``buf = g`` on the first step), ``param -= lr * (g + momentum*buf if nesterov else buf)``."""
     neg_lr = -lr
-    publish = out.shape[0] == param.shape[0]
     for i in range(param.shape[0]):
         g = grad[i] * grad_scale
         p = param[i]
@@ -81,20 +79,17 @@ def momentum_step(param, grad, buf, out, grad_scale, lr, momentum, keep, weight_
         buf[i] = b
         d = fma(b, momentum, g) if nesterov else b
         p = fma(d, neg_lr, p)
-        param[i] = p
-        if publish:
-            out[i] = p
+        dst[i] = p
 
 
 @_jit
-def adam_step(param, grad, exp_avg, exp_avg_sq, out, grad_scale, one_minus_beta1, beta2,
+def adam_step(param, grad, exp_avg, exp_avg_sq, dst, grad_scale, one_minus_beta1, beta2,
               one_minus_beta2, eps, weight_decay, decoupled, decay, neg_step_size,
               bias_correction2_sqrt):
     """torch.optim.Adam / AdamW (amsgrad off). ``neg_step_size = -lr / (1 - beta1**t)`` and
     ``bias_correction2_sqrt = (1 - beta2**t) ** 0.5``, the AdamW factor ``decay = 1 - lr*wd`` and
     ``one_minus_beta1/2`` are computed by the caller in float64 as torch does, then passed as
     float32 (``1 - float32(0.999)`` is off by 1.3e-5 relative)."""
-    publish = out.shape[0] == param.shape[0]
     for i in range(param.shape[0]):
         g = grad[i] * grad_scale
         p = param[i]
@@ -110,20 +105,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, out, grad_scale, one_minus_beta1
         exp_avg_sq[i] = v
         denom = np.sqrt(v) / bias_correction2_sqrt + eps
         p = p + neg_step_size * m / denom
-        param[i] = p
-        if publish:
-            out[i] = p
-
-
-@_jit
-def all_finite(values):
-    """True when no element of the flat float array ``values`` is NaN or +-Inf (no allocation,
-    stops at the first bad element)."""
-    for i in range(values.shape[0]):
-        v = values[i]
-        if v - v != 0:  # NaN and +-Inf give NaN; every finite value gives 0
-            return False
-    return True
+        dst[i] = p
 
 
 @_jit

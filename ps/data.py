@@ -1,9 +1,9 @@
 """The shard's ZeroMQ data plane: one ROUTER socket served by one thread.
 
 Payload frames are received zero-copy (``copy=False``) and read in place by the update kernels;
-replies send key snapshots zero-copy with a ``MessageTracker`` so the store reuses a snapshot
-buffer only after ZeroMQ has finished sending it. A worker sends one message per group of keys,
-so the shard applies key i while the bytes of key i+1 are still arriving (libzmq's I/O thread
+replies send parameter buffers zero-copy with a ``MessageTracker``, so the store never writes a
+buffer ZeroMQ is still sending (``ps.store``). A worker sends one message per group of keys, so
+the shard applies key i while the bytes of key i+1 are still arriving (libzmq's I/O thread
 receives in the background): receive and update are pipelined.
 """
 
@@ -19,6 +19,8 @@ from ps.shard import Reply, ShardCore
 __all__ = ["DataLoop"]
 
 _TICK_S = 0.02
+# Plain ints: pyzmq's enum flags cost microseconds per operation on this path.
+_EVENTS, _POLLIN, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.SNDMORE)
 
 
 class DataLoop:
@@ -30,6 +32,7 @@ class DataLoop:
         self.context = context or zmq.Context.instance()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.RCVTIMEO, int(_TICK_S * 1000))
         # A frame far beyond the limit drops the connection instead of being buffered whole;
         # frames up to twice the limit still arrive and get a typed TOO_LARGE reply.
         self.socket.setsockopt(zmq.MAXMSGSIZE, 2 * core.cfg.max_frame_bytes)
@@ -56,13 +59,13 @@ class DataLoop:
         sock, core = self.socket, self.core
         last_tick = time.monotonic()
         while not self._stop.is_set():
-            if sock.poll(int(_TICK_S * 1000), zmq.POLLIN):
-                while True:
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._serve(frames)
+            try:
+                # Blocking receive with RCVTIMEO = one tick: no poll set to build per message.
+                self._serve(sock.recv_multipart(copy=False))
+                while sock.get(_EVENTS) & _POLLIN:  # drain without raising zmq.Again
+                    self._serve(sock.recv_multipart(copy=False))
+            except zmq.Again:
+                pass
             now = time.monotonic()
             if now - last_tick >= _TICK_S or core.held:
                 last_tick = now
@@ -78,11 +81,16 @@ class DataLoop:
             self._send(reply)
 
     def _send(self, reply: Reply) -> None:
-        parts = [reply.ident, reply.header.SerializeToString(), *reply.payload]
-        if not reply.snapshots:
-            self.socket.send_multipart(parts, copy=False)
+        sock = self.socket
+        sock.send(reply.ident, _SNDMORE)
+        payload = reply.payload
+        sock.send(reply.header.SerializeToString(), _SNDMORE if payload else 0)
+        if not reply.buffers:
+            # Small keys arrive as bytes copies: a plain copying send is the cheapest.
+            for i, part in enumerate(payload):
+                sock.send(part, _SNDMORE if i + 1 < len(payload) else 0)
             return
-        tracker = self.socket.send_multipart(parts, copy=False, track=True)
+        tracker = sock.send_multipart(payload, copy=False, track=True)
         with self.core.lock:
-            for snap in reply.snapshots:
-                snap.trackers.append(tracker)
+            for buf in reply.buffers:
+                buf.trackers.append(tracker)

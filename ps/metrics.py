@@ -6,9 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from proto.metrics import MetricSet
 
 __all__ = ["ClockSnapshot", "ShardMetrics"]
 
@@ -17,38 +19,34 @@ _GAP = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 
 
 class ShardMetrics:
-    """Every metric a shard exports."""
+    """Every metric a shard exports (hot-path primitives, see :mod:`proto.metrics`)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        r = self.registry
-        self.push_bytes = Counter("bitps_push_bytes_total", "Gradient payload bytes received",
-                                  registry=r)
-        self.pull_bytes = Counter("bitps_pull_bytes_total", "Parameter payload bytes sent",
-                                  registry=r)
-        self.push_latency = Histogram("bitps_push_latency_seconds",
-                                      "Time to validate and apply one push message",
-                                      buckets=_LATENCY, registry=r)
-        self.pull_latency = Histogram("bitps_pull_latency_seconds",
-                                      "Pull arrival to reply, holding time included",
-                                      buckets=_LATENCY, registry=r)
-        self.pull_wait = Histogram("bitps_pull_wait_seconds",
-                                   "Time a pull was held by the consistency policy",
-                                   buckets=_LATENCY, registry=r)
-        self.clock_gap = Histogram("bitps_staleness_clock_gap_steps",
-                                   "Per applied push: pusher's clock minus the shard's min clock",
-                                   buckets=_GAP, registry=r)
-        self.version_gap = Histogram("bitps_staleness_version_gap_updates",
-                                     "Per applied push: key version at apply minus the version "
-                                     "the gradient was computed from", buckets=_GAP, registry=r)
-        self.admission_gap = Histogram("bitps_admission_clock_gap_steps",
-                                       "Per admitted pull: requested clock minus min live clock",
-                                       buckets=_GAP, registry=r)
-        self.updates = Counter("bitps_updates_applied_total", "Optimizer updates applied to keys",
-                               registry=r)
-        self.requests = Counter("bitps_requests_total", "Data-plane requests by op", ["op"],
-                                registry=r)
-        self.errors = Counter("bitps_errors_total", "Error replies by code", ["code"], registry=r)
+        m = self.set = MetricSet()
+        self.push_bytes = m.counter("bitps_push_bytes_total", "Gradient payload bytes received")
+        self.pull_bytes = m.counter("bitps_pull_bytes_total", "Parameter payload bytes sent")
+        self.push_latency = m.histogram("bitps_push_latency_seconds",
+                                        "Time to validate and apply one push message", _LATENCY)
+        self.pull_latency = m.histogram("bitps_pull_latency_seconds",
+                                        "Pull arrival to reply, holding time included", _LATENCY)
+        self.pull_wait = m.histogram("bitps_pull_wait_seconds",
+                                     "Time a pull was held by the consistency policy", _LATENCY)
+        self.clock_gap = m.histogram("bitps_staleness_clock_gap_steps",
+                                     "Per applied push: pusher's clock minus the shard's min "
+                                     "clock", _GAP)
+        self.version_gap = m.histogram("bitps_staleness_version_gap_updates",
+                                       "Per applied push: key version at apply minus the "
+                                       "version the gradient was computed from", _GAP)
+        self.admission_gap = m.histogram("bitps_admission_clock_gap_steps",
+                                         "Per admitted SSP pull: requested clock minus min live "
+                                         "clock", _GAP)
+        self.updates = m.counter("bitps_updates_applied_total",
+                                 "Optimizer updates applied to keys")
+        self.requests = m.labeled_counter("bitps_requests_total", "Data-plane requests by op",
+                                          "op")
+        self.errors = m.labeled_counter("bitps_errors_total", "Error replies by code", "code")
+        self.registry.register(m)
 
     def watch_clocks(self, snapshot: Callable[[], ClockSnapshot]) -> None:
         """Export clocks read at scrape time from ``snapshot`` (always current, no hot-path

@@ -17,7 +17,7 @@ from ps.config import OptimizerConfig
 
 __all__ = ["KeyState", "UpdateRule", "make_rule"]
 
-_NO_OUT = np.empty(0, dtype=np.float32)
+_EMPTY = np.empty(0, dtype=np.float32)
 
 
 @dataclass
@@ -25,8 +25,8 @@ class KeyState:
     """Optimizer state of one key: step count and moment buffers (empty when unused)."""
 
     step: int = 0
-    buf1: np.ndarray = field(default_factory=lambda: _NO_OUT)
-    buf2: np.ndarray = field(default_factory=lambda: _NO_OUT)
+    buf1: np.ndarray = field(default_factory=lambda: _EMPTY)
+    buf2: np.ndarray = field(default_factory=lambda: _EMPTY)
 
 
 class UpdateRule:
@@ -51,13 +51,15 @@ class UpdateRule:
         return KeyState()
 
     def apply(self, param: np.ndarray, grad: np.ndarray, state: KeyState, *,
-              grad_scale: float = 1.0, lr_scale: float = 1.0, out: np.ndarray = _NO_OUT) -> None:
-        """``param`` <- one optimizer step with gradient ``grad * grad_scale``.
-
-        ``lr_scale`` damps the learning rate (staleness-aware damping); ``out``, when it has
-        ``param``'s length, receives the updated parameters in the same pass.
-        """
+              grad_scale: float = 1.0, lr_scale: float = 1.0,
+              dst: np.ndarray | None = None) -> None:
+        """One optimizer step with gradient ``grad * grad_scale``; the new parameters go to
+        ``dst`` (default: ``param``, in place). ``lr_scale`` damps the learning rate
+        (staleness-aware damping)."""
         cfg, f32 = self.cfg, np.float32
+        out = param if dst is None else dst
+        if out.shape != param.shape:
+            raise ValueError(f"dst has shape {out.shape}; expected {param.shape}")
         lr = self._lr if lr_scale == 1.0 else f32(cfg.lr * lr_scale)
         scale = f32(grad_scale)
         state.step += 1

@@ -380,23 +380,29 @@ def test_push_frames_may_be_memoryviews():
     assert core.slots[1].version == 1
 
 
-def test_published_snapshot_is_not_overwritten_while_in_flight():
+def test_parameters_in_flight_are_never_overwritten():
+    """Copy-on-write: while a zero-copy reply still reads a key's buffer, an update writes a new
+    buffer; once the send is done, updates go back to writing in place."""
     @dataclass
     class FakeTracker:
         done: bool = False
 
     core, _ = _core(world=1, ranks=(0,))
     (first,) = _send(core, pb.PULL, 0, 0, [2])
-    (snap,) = first.snapshots
+    (buf,) = first.buffers
     tracker = FakeTracker()
-    snap.trackers.append(tracker)
+    buf.trackers.append(tracker)
     sent = first.payload[0]
-    for step in range(3):
-        (reply,) = _send(core, pb.PUSH_PULL, 0, step, [2], [_grad(step, 2)])
-        assert reply.snapshots[0].version == step + 1
-        assert not np.shares_memory(reply.payload[0], sent)
-    assert np.array_equal(sent, INIT[2]) and snap.version == 0
+    assert np.shares_memory(sent, core.slots[2].param)
+    (reply,) = _send(core, pb.PUSH_PULL, 0, 0, [2], [_grad(0, 2)])
+    assert np.array_equal(sent, INIT[2]), "an in-flight buffer was overwritten"
+    assert not np.shares_memory(reply.payload[0], sent)
     assert np.array_equal(reply.payload[0], core.slots[2].param)
+    assert reply.header.versions == [1]
+    tracker.done = True
+    current = core.slots[2].param
+    _send(core, pb.PUSH_PULL, 0, 1, [2], [_grad(1, 2)])
+    assert core.slots[2].param is current  # nothing in flight any more: updated in place
 
 
 def test_staleness_metrics_record_version_and_clock_gaps():

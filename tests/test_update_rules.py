@@ -1,5 +1,5 @@
 """Tests for ps.rules and the native update kernels: equality with torch.optim, grad/lr scaling,
-the fused ``out`` copy, the pure-Python path (``NUMBA_DISABLE_JIT=1``) and the small kernels."""
+copy-on-write ``dst``, the pure-Python path (``NUMBA_DISABLE_JIT=1``) and the small kernels."""
 
 from __future__ import annotations
 
@@ -118,19 +118,22 @@ def test_lr_scale_equals_scaled_learning_rate(name):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_out_receives_updated_params(name):
+def test_dst_receives_the_update_and_param_is_left_alone(name):
+    """Copy-on-write: with ``dst`` the new parameters land there and ``param`` is unchanged
+    (optimizer state still advances); a ``dst`` of another shape is refused."""
     param, grads = _data(5, steps=3)
     rule = make_rule(CONFIGS[name])
     p, state = param.copy(), rule.new_state(N)
     ref = _ours(CONFIGS[name], param, grads[:2])
-    other = np.full(N - 1, 7.0, np.float32)
-    rule.apply(p, grads[0], state, out=other)  # wrong length: not written
-    assert np.all(other == 7.0)
-    out = np.full(N, np.nan, np.float32)
-    rule.apply(p, grads[1], state, out=out)
-    assert np.array_equal(p, ref)
-    assert np.array_equal(out, p)
-    assert out.ctypes.data != p.ctypes.data
+    with pytest.raises(ValueError, match="dst has shape"):
+        rule.apply(p, grads[0], state, dst=np.empty(N - 1, np.float32))
+    assert state.step == 0  # refused before anything changed
+    rule.apply(p, grads[0], state)
+    before = p.copy()
+    dst = np.full(N, np.nan, np.float32)
+    rule.apply(p, grads[1], state, dst=dst)
+    assert np.array_equal(p, before)
+    assert np.array_equal(dst, ref)
 
 
 def test_new_state_buffers():

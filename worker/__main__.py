@@ -113,9 +113,10 @@ def main(argv: list[str] | None = None) -> int:
             last = loss.item()
             first = last if first is None else first
             recent.append(last)
-            m.step_time.observe(dt)
-            m.samples_per_s.set(demo.batch_size / dt)
-            m.loss.set(last)
+            with m.lock:
+                m.step_time.observe(dt)
+                m.samples_per_s.set(demo.batch_size / dt)
+                m.loss.set(last)
             if step % args.log_every == 0 or step == args.steps - 1:
                 _emit(args, event="step", rank=args.rank, step=step, loss=last,
                       samples_per_s=demo.batch_size / dt, clock=ps_model.clock)

@@ -28,6 +28,10 @@ __all__ = ["Channel", "Handle", "PSTimeoutError"]
 
 log = logging.getLogger(__name__)
 _F32 = np.dtype("<f4")
+_SLICE_S = 0.05  # longest a waiter holds the channel lock before letting others in
+# Plain ints: pyzmq's enum flags cost microseconds per operation on this path.
+_EVENTS, _POLLIN, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.SNDMORE)
+_ZERO_COPY_MIN = 65536  # bytes; pyzmq's own copy threshold
 
 
 class PSTimeoutError(PSError, TimeoutError):
@@ -40,35 +44,42 @@ class PSTimeoutError(PSError, TimeoutError):
 class Handle:
     """Completion of one push / pull / push_pull across shards; :meth:`wait` blocks on it."""
 
-    def __init__(self, channel: Channel | None, parts: int, what: str, deadline_s: float,
+    def __init__(self, channel: Channel | None, parts: int, what: tuple, deadline_s: float,
                  keep: tuple = ()) -> None:
         self._channel = channel
         self._left = parts
         self._error: PSError | None = None
-        self._event = threading.Event()
+        # A plain flag, not an Event: every waiter drives the channel itself (blocking on its
+        # socket or its lock), so nobody sleeps on the handle and nothing needs waking.
+        self._complete = parts == 0
         self._keep = keep  # arrays ZeroMQ may still be sending from
-        self.what = what
+        self._what = what  # (rank, op, clock, keys), formatted only for error messages
         self.deadline_s = deadline_s
         self.started = time.perf_counter()
-        if parts == 0:
-            self._event.set()
+
+    @property
+    def what(self) -> str:
+        """``worker R OP clock C keys [...]``: what this handle waits for."""
+        rank, op, clock, keys = self._what
+        more = "..." if len(keys) > 8 else ""
+        return f"worker {rank} {pb.Op.Name(op)} clock {clock} keys {list(keys[:8])}{more}"
 
     def done(self) -> bool:
         """True once every shard has answered (receives pending replies without blocking)."""
-        if not self._event.is_set() and self._channel is not None:
+        if not self._complete and self._channel is not None:
             self._channel.progress(0.0, blocking=False)
-        return self._event.is_set()
+        return self._complete
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until complete; raise the first shard's :class:`PSError`, or
         :class:`PSTimeoutError` after ``timeout`` seconds (default: the client's deadline)."""
         limit = self.deadline_s if timeout is None else timeout
         end = time.monotonic() + limit
-        while not self._event.is_set():
+        while not self._complete:
             left = end - time.monotonic()
             if left <= 0:
                 raise PSTimeoutError(f"{self.what}: no answer after {limit:.1f} s")
-            self._channel.progress(min(left, 0.05))
+            self._channel.progress(min(left, _SLICE_S))
         self._keep = ()
         if self._error is not None:
             raise self._error
@@ -79,7 +90,7 @@ class Handle:
             self._error = error
         self._left -= 1
         if self._left == 0:
-            self._event.set()
+            self._complete = True
 
 
 @dataclass
@@ -108,10 +119,12 @@ class Channel:
         self.inflight: dict[int, Request] = {}
         self.min_clock = 0
         self.dealers = []
+        self.pending = [0] * len(endpoints)  # requests in flight per shard
         self.poller = zmq.Poller()
         for ep in endpoints:
             d = context.socket(zmq.DEALER)
             d.setsockopt(zmq.LINGER, 0)
+            d.setsockopt(zmq.RCVTIMEO, int(_SLICE_S * 1000))
             d.connect(ep)
             self.dealers.append(d)
             self.poller.register(d, zmq.POLLIN)
@@ -120,28 +133,52 @@ class Channel:
         with self.lock:
             for req in requests:
                 self.inflight[req.request_id] = req
-                self.dealers[req.shard].send_multipart(req.frames, copy=False)
+                self.pending[req.shard] += 1
+                sock, frames = self.dealers[req.shard], req.frames
+                last = len(frames) - 1
+                for i, part in enumerate(frames):
+                    # Zero-copy for big payloads; below ZeroMQ's copy threshold a copying send
+                    # is cheaper than building a zero-copy frame that copies anyway.
+                    sock.send(part, 0 if i == last else _SNDMORE,
+                              copy=part.nbytes < _ZERO_COPY_MIN if i else True)
 
     def progress(self, timeout_s: float, *, blocking: bool = True) -> None:
         """Receive and dispatch replies for up to ``timeout_s``; expire overdue requests."""
         if not self.lock.acquire(blocking=blocking, timeout=timeout_s if blocking else -1):
             return
         try:
-            events = self.poller.poll(timeout_s * 1000) if self.inflight else ()
-            for sock, _ in events:
-                shard = self.dealers.index(sock)
-                while True:
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._complete(shard, frames)
+            got = self._receive(timeout_s if blocking else 0.0)
             if self.inflight:
                 self._expire(time.monotonic())
         finally:
             self.lock.release()
-        if not events and not self.inflight and blocking and timeout_s:
+        if not got and not self.inflight and blocking and timeout_s:
             time.sleep(min(timeout_s, 0.001))  # another thread completed our handle meanwhile
+
+    def _receive(self, timeout_s: float) -> bool:
+        busy = [s for s, n in enumerate(self.pending) if n]
+        if not busy:
+            return False
+        if len(busy) == 1 and timeout_s >= _SLICE_S:
+            # One shard to hear from: a blocking receive (RCVTIMEO = one slice) is cheaper
+            # than building a poll set.
+            shard = busy[0]
+            try:
+                frames = self.dealers[shard].recv_multipart(copy=False)
+            except zmq.Again:
+                return False
+            self._complete(shard, frames)
+            self._drain(shard)
+            return True
+        events = self.poller.poll(timeout_s * 1000)
+        for sock, _ in events:
+            self._drain(self.dealers.index(sock))
+        return bool(events)
+
+    def _drain(self, shard: int) -> None:
+        sock = self.dealers[shard]
+        while sock.get(_EVENTS) & _POLLIN:
+            self._complete(shard, sock.recv_multipart(copy=False))
 
     def _complete(self, shard: int, frames: list[zmq.Frame]) -> None:
         try:
@@ -152,6 +189,7 @@ class Channel:
         req = self.inflight.pop(header.request_id, None)
         if req is None:
             return  # answered after its deadline expired
+        self.pending[shard] -= 1
         if header.op == pb.ERROR:
             req.handle._part_done(PSError(header.error, header.message, shard=shard))
             return
@@ -168,18 +206,20 @@ class Channel:
             nbytes += out.nbytes
         self.min_clock = header.min_clock
         m, elapsed = self.metrics, time.perf_counter() - req.handle.started
-        if req.nbytes:
-            m.push_bytes.inc(req.nbytes)
-            m.push_latency.observe(elapsed)
-        if req.op != pb.PUSH:
-            m.pull_bytes.inc(nbytes)
-            m.pull_latency.observe(elapsed)
-        m.min_clock.set(header.min_clock)
+        with m.lock:
+            if req.nbytes:
+                m.push_bytes.inc(req.nbytes)
+                m.push_latency.observe(elapsed)
+            if req.op != pb.PUSH:
+                m.pull_bytes.inc(nbytes)
+                m.pull_latency.observe(elapsed)
+            m.min_clock.set(header.min_clock)
         req.handle._part_done()
 
     def _expire(self, now: float) -> None:
         for r in [r for r in self.inflight.values() if now > r.deadline]:
             del self.inflight[r.request_id]
+            self.pending[r.shard] -= 1
             r.handle._part_done(PSTimeoutError(
                 f"{r.handle.what}: shard {r.shard} ({self.servers[r.shard]}) did not answer "
                 f"within {r.handle.deadline_s:.1f} s", shard=r.shard))

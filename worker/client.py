@@ -158,10 +158,9 @@ class PSClient:
         if grads and len(grads) != len(keys) or outs and len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(grads)} grads and {len(outs)} outs")
         groups = self._group(keys, grads, outs)
-        what = (f"worker {self.cfg.rank} {pb.Op.Name(op)} clock {clock} keys "
-                f"{list(keys[:8])}{'...' if len(keys) > 8 else ''}")
         channel = self._channel()
-        handle = Handle(channel, len(groups), what, self.cfg.deadline_s, keep=(grads,))
+        handle = Handle(channel, len(groups), (self.cfg.rank, op, clock, keys),
+                        self.cfg.deadline_s, keep=(grads,))
         deadline = time.monotonic() + self.cfg.deadline_s
         requests = []
         for shard, idx in groups:

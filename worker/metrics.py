@@ -1,9 +1,12 @@
 """Prometheus metrics of one worker rank, on a registry of its own. Names are ``bitps_worker_*``
-with unit suffixes; the README lists them all."""
+with unit suffixes; the README lists them all. Hot-path primitives (:mod:`proto.metrics`):
+writers hold :attr:`WorkerMetrics.lock`."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
+
+from proto.metrics import MetricSet
 
 __all__ = ["WorkerMetrics"]
 
@@ -16,25 +19,22 @@ class WorkerMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        r = self.registry
-        self.push_bytes = Counter("bitps_worker_push_bytes_total", "Gradient bytes pushed",
-                                  registry=r)
-        self.pull_bytes = Counter("bitps_worker_pull_bytes_total", "Parameter bytes pulled",
-                                  registry=r)
-        self.push_latency = Histogram("bitps_worker_push_latency_seconds",
-                                      "Push message sent to acknowledged",
-                                      buckets=_LATENCY, registry=r)
-        self.pull_latency = Histogram("bitps_worker_pull_latency_seconds",
-                                      "Pull (or push_pull) message sent to parameters received",
-                                      buckets=_LATENCY, registry=r)
-        self.step_time = Histogram("bitps_worker_step_seconds",
-                                   "Wall time of one training step, communication included",
-                                   buckets=_STEP, registry=r)
-        self.samples_per_s = Gauge("bitps_worker_samples_per_second",
-                                   "Training samples per second of this rank (last step)",
-                                   registry=r)
-        self.clock = Gauge("bitps_worker_clock_steps", "Steps this rank has completed",
-                           registry=r)
-        self.min_clock = Gauge("bitps_worker_min_clock_steps",
-                               "Smallest live clock the shards last reported", registry=r)
-        self.loss = Gauge("bitps_worker_loss", "Training loss of the last step", registry=r)
+        m = self.set = MetricSet()
+        self.lock = m.lock
+        self.push_bytes = m.counter("bitps_worker_push_bytes_total", "Gradient bytes pushed")
+        self.pull_bytes = m.counter("bitps_worker_pull_bytes_total", "Parameter bytes pulled")
+        self.push_latency = m.histogram("bitps_worker_push_latency_seconds",
+                                        "Push message sent to acknowledged", _LATENCY)
+        self.pull_latency = m.histogram("bitps_worker_pull_latency_seconds",
+                                        "Pull (or push_pull) message sent to parameters received",
+                                        _LATENCY)
+        self.step_time = m.histogram("bitps_worker_step_seconds",
+                                     "Wall time of one training step, communication included",
+                                     _STEP)
+        self.samples_per_s = m.gauge("bitps_worker_samples_per_second",
+                                     "Training samples per second of this rank (last step)")
+        self.clock = m.gauge("bitps_worker_clock_steps", "Steps this rank has completed")
+        self.min_clock = m.gauge("bitps_worker_min_clock_steps",
+                                 "Smallest live clock the shards last reported")
+        self.loss = m.gauge("bitps_worker_loss", "Training loss of the last step")
+        self.registry.register(m)

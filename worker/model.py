@@ -103,7 +103,8 @@ class PSModel:
         self._copy_in()
         self.clock += 1
         self.client.clock = self.clock
-        self.client.metrics.clock.set(self.clock)
+        with self.client.metrics.lock:
+            self.client.metrics.clock.set(self.clock)
         for _, p in self.params:
             p.grad = None
         self.last_step_s = time.perf_counter() - t0
