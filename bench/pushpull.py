@@ -75,8 +75,7 @@ class _Bitps:
         self.plan = make_plan([ParamSpec("w", (n,))], num_shards=1,
                               partition_bytes=partition_bytes)
         self.client = PSClient(ClientConfig(servers=(f"127.0.0.1:{grpc_port}",),
-                                            partition_bytes=partition_bytes,
-                                            message_bytes=partition_bytes))
+                                            partition_bytes=partition_bytes))
         flat = np.zeros(n, np.float32)
         views = [flat[k.offset:k.offset + k.length] for k in self.plan.keys]
         self.client.register(self.plan, {k.key: v for k, v in zip(self.plan.keys, views)})

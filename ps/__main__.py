@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s shard %(process)d %(levelname)s %(message)s")
     shard = create_server(cfg)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: shard.stop())
+        # Only set a flag here: stopping gRPC and joining threads inside a signal handler can
+        # deadlock; serve() does the shutdown on the main thread.
+        signal.signal(sig, lambda *_: shard.request_stop())
     print(json.dumps(shard.ready_event()), flush=True)
     logging.info("shard %d/%d serving %s (mode %s, optimizer %s)", cfg.shard_id, cfg.num_shards,
                  shard.ports, cfg.mode, cfg.optimizer.name)

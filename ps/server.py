@@ -60,6 +60,7 @@ class ServerShard:
         self.ports = {"grpc_port": grpc_port, "data_port": self.data.port,
                       "metrics_port": metrics_port}
         self._stopped = threading.Event()
+        self._stop_requested = threading.Event()
 
     def start(self) -> ServerShard:
         self.data.start()
@@ -72,9 +73,15 @@ class ServerShard:
         """The JSON object printed on stdout once serving (launchers and tests read it)."""
         return {"event": "ready", "shard_id": self.cfg.shard_id, **self.ports}
 
+    def request_stop(self) -> None:
+        """Ask :meth:`serve` to return (safe from a signal handler: it only sets a flag)."""
+        self._stop_requested.set()
+
     def serve(self) -> None:
-        """Block until :meth:`stop`."""
-        self._stopped.wait()
+        """Block until :meth:`request_stop` or :meth:`stop`, then stop."""
+        while not (self._stop_requested.wait(0.5) or self._stopped.is_set()):
+            pass
+        self.stop()
 
     def stop(self, grace_s: float = 1.0) -> None:
         if self._stopped.is_set():

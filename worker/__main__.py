@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--corpus-bytes", type=int, default=2_000_000, help="corpus byte budget")
     add("--seed", type=int, default=0, help="model init seed (data seed = seed, rank)")
     add("--threads", type=int, default=int(env("BITPS_THREADS", "1")), help="torch CPU threads")
+    add("--local-rank", type=int, default=int(env("LOCAL_RANK", "0")),
+        help="GPU index on this host (env LOCAL_RANK)")
+    add("--device", default=env("BITPS_DEVICE", "auto"),
+        help="torch device; auto = cuda:<local rank> when CUDA is available, else cpu")
     add("--metrics-port", type=int, default=int(env("BITPS_METRICS_PORT", "0")),
         help="Prometheus port; 0 = any free port, -1 = off")
     add("--metrics-host", default=env("BITPS_METRICS_HOST", "127.0.0.1"))
@@ -87,11 +91,15 @@ def main(argv: list[str] | None = None) -> int:
         httpd, _ = start_http_server(args.metrics_port, addr=args.metrics_host,
                                      registry=client.metrics.registry)
         metrics_port = httpd.server_port
+    device = torch.device(args.device if args.device != "auto" else
+                          f"cuda:{args.local_rank}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     corpus = load_corpus(demo.corpus_bytes)
-    model = build_model(demo)
+    model = build_model(demo).to(device)
     ps_model = PSModel(model, client)
     m = client.metrics
-    _emit(args, event="start", rank=args.rank, metrics_port=metrics_port,
+    _emit(args, event="start", rank=args.rank, metrics_port=metrics_port, device=str(device),
           params=sum(p.numel() for p in model.parameters()), keys=len(ps_model.keys),
           corpus_sha256=corpus.sha256, corpus_files=corpus.files,
           corpus_bytes=len(corpus.data))
@@ -103,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for step in range(args.steps):
             t0 = time.perf_counter()
-            input_ids, labels = next(data)
+            input_ids, labels = (t.to(device, non_blocking=True) for t in next(data))
             loss = loss_fn(model, input_ids, labels)
             loss.backward()
             if args.step_delay:
