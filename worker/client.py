@@ -50,8 +50,8 @@ class PSClient:
         self.num_shards = len(cfg.servers)
         opts = [("grpc.max_send_message_length", 64 << 20),
                 ("grpc.max_receive_message_length", 64 << 20)]
-        self._channels = [grpc.insecure_channel(s, options=opts) for s in cfg.servers]
-        self._stubs = [pb_grpc.ControlStub(c) for c in self._channels]
+        self._grpc = [grpc.insecure_channel(s, options=opts) for s in cfg.servers]
+        self._stubs = [pb_grpc.ControlStub(c) for c in self._grpc]
         self.plan: KeyPlan | None = None
         self.versions: dict[int, int] = {}
         self.start_clock = 0
@@ -61,7 +61,7 @@ class PSClient:
         self._ctx = zmq.Context()
         self._endpoints: list[str] = []
         self._local = threading.local()
-        self._channels: list[Channel] = []
+        self._channels: list[Channel] = []  # one per submitting thread
         self._channels_lock = threading.Lock()
         self._closing = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -244,7 +244,7 @@ class PSClient:
                 channel.close()
             self._channels.clear()
         self._ctx.term()
-        for c in self._channels:
+        for c in self._grpc:
             c.close()
 
     def __enter__(self) -> PSClient:
