@@ -265,14 +265,60 @@ def test_bad_requests_get_typed_errors_over_zmq_and_change_nothing(cluster):
     client.close()
 
 
-def test_held_pull_times_out_naming_what_it_waits_for(cluster):
+def test_held_pull_times_out_and_status_names_who_is_late(cluster):
     (shard,) = cluster(1, mode="sync", heartbeat_timeout_s=30)
     plan, keys = flat_plan(100, 1)
     client = PSClient(ClientConfig(servers=servers_of([shard]), rank=0, world_size=2,
-                                   deadline_s=0.5))
+                                   deadline_s=1.0))
     client.register(plan, {k: np.zeros(100, np.float32) for k in keys})
     grads, outs = [np.ones(100, np.float32)], [np.empty(100, np.float32)]
+    handle = client.push_pull(keys, grads, outs, clock=0)
+    time.sleep(0.2)
+    status = client.status(0)
+    assert status.mode == "sync" and status.initialized and status.num_keys == len(keys)
+    (w0,) = [w for w in status.workers if w.rank == 0]
+    assert w0.pending_pulls == 1 and "lacks pushes from workers [1]" in w0.waiting_for
     with pytest.raises(PSTimeoutError) as err:
-        client.push_pull(keys, grads, outs, clock=0).wait()
+        handle.wait()
     assert "worker 0" in str(err.value) and "clock 0" in str(err.value)
     client.close()
+
+
+def test_psmodel_pushes_zeros_for_parameters_without_gradients(cluster):
+    torch = pytest.importorskip("torch")
+    from worker.model import PSModel
+
+    (shard,) = cluster(1, mode="sync", optimizer=OptimizerConfig(name="sgd", lr=0.1))
+    torch.manual_seed(0)
+    used, unused = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    model = torch.nn.ModuleDict({"used": used, "unused": unused})
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ps_model = PSModel(model, PSClient(ClientConfig(servers=servers_of([shard]))))
+    used(torch.ones(3, 4)).sum().backward()
+    ps_model.step()
+    ps_model.close()
+    for name, p in model.named_parameters():
+        changed = not torch.equal(p.detach(), before[name])
+        assert changed == name.startswith("used"), name
+        assert p.grad is None
+
+
+def test_token_is_required_on_control_and_data_planes(cluster):
+    (shard,) = cluster(1, mode="async", token="s3cret")
+    plan, keys = flat_plan(100, 1)
+    values = {k: np.zeros(100, np.float32) for k in keys}
+    stranger = PSClient(ClientConfig(servers=servers_of([shard])))
+    with pytest.raises(PSError) as err:
+        stranger.register(plan, values)
+    assert err.value.code == pb.UNAUTHENTICATED
+    stranger.close(leave=False)
+    member = PSClient(ClientConfig(servers=servers_of([shard]), token="s3cret"))
+    member.register(plan, values)
+    outs = [np.empty(100, np.float32)]
+    member.push_pull(keys, [np.ones(100, np.float32)], outs, clock=0).wait()
+    assert shard.core.updates_applied == 1
+    member.cfg = ClientConfig(servers=servers_of([shard]), token="wrong")
+    with pytest.raises(PSError) as err:
+        member.pull(keys, outs, clock=1).wait()
+    assert err.value.code == pb.UNAUTHENTICATED
+    member.close(leave=False)

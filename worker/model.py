@@ -47,6 +47,8 @@ class PSModel:
         self._host = [self._host_buffer(p) for _, p in self.params]
         self._grad_host = [self._host_buffer(p) for _, p in self.params] if self.cuda else None
         self._stream = torch.cuda.Stream() if self.cuda else None
+        # Host buffers are written by the next pull only after the last upload has finished.
+        self._uploaded = torch.cuda.Event() if self.cuda else None
         self.keys = [k.key for k in self.plan.keys]
         self._outs = self._key_views(self._host)
         values = None
@@ -94,12 +96,15 @@ class PSModel:
         with torch.no_grad(), torch.cuda.stream(self._stream):
             for (_, p), host in zip(self.params, self._host):
                 p.data.view(-1).copy_(torch.from_numpy(host), non_blocking=True)
+            self._uploaded.record()
         torch.cuda.current_stream().wait_stream(self._stream)
 
     def step(self) -> None:
         """Push this step's gradients, pull the parameters the shards computed, zero the grads."""
         t0 = time.perf_counter()
         grads = self._grads()
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
         self.client.push_pull(self.keys, grads, self._outs, clock=self.clock).wait()
         self._copy_in()
         self.clock += 1
