@@ -74,21 +74,18 @@ class PSModel:
 
     def _grads(self) -> list[np.ndarray]:
         """Flat float32 views of every gradient (zeros where a parameter got none)."""
-        flats = []
-        for i, (_, p) in enumerate(self.params):
+        for _, p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            if self.cuda:
-                with torch.cuda.stream(self._stream):
-                    self._stream.wait_stream(torch.cuda.current_stream())
-                    torch.from_numpy(self._grad_host[i]).copy_(p.grad.reshape(-1),
-                                                               non_blocking=True)
-                flats.append(self._grad_host[i])
-            else:
-                flats.append(p.grad.detach().reshape(-1).numpy())
-        if self.cuda:
-            self._stream.synchronize()
-        return self._key_views(flats)
+        if not self.cuda:
+            return self._key_views([p.grad.detach().reshape(-1).numpy() for _, p in self.params])
+        # Download on the side stream once backward's kernels are done, into pinned memory.
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            for (_, p), host in zip(self.params, self._grad_host):
+                torch.from_numpy(host).copy_(p.grad.reshape(-1), non_blocking=True)
+        self._stream.synchronize()
+        return self._key_views(self._grad_host)
 
     def _copy_in(self) -> None:
         if not self.cuda:
