@@ -31,6 +31,7 @@ _F32 = np.dtype("<f4")
 _SLICE_S = 0.05  # longest a waiter holds the channel lock before letting others in
 # Plain ints: pyzmq's enum flags cost microseconds per operation on this path.
 _EVENTS, _POLLIN, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.SNDMORE)
+_RCVMORE = int(zmq.RCVMORE)
 _ZERO_COPY_MIN = 65536  # bytes; pyzmq's own copy threshold
 
 
@@ -99,6 +100,7 @@ class Request:
 
     shard: int
     request_id: int
+    keys: list[int]
     frames: list
     outs: Sequence[np.ndarray]
     handle: Handle
@@ -164,10 +166,9 @@ class Channel:
             # than building a poll set.
             shard = busy[0]
             try:
-                frames = self.dealers[shard].recv_multipart(copy=False)
+                self._read_reply(shard, self.dealers[shard])
             except zmq.Again:
                 return False
-            self._complete(shard, frames)
             self._drain(shard)
             return True
         events = self.poller.poll(timeout_s * 1000)
@@ -178,32 +179,43 @@ class Channel:
     def _drain(self, shard: int) -> None:
         sock = self.dealers[shard]
         while sock.get(_EVENTS) & _POLLIN:
-            self._complete(shard, sock.recv_multipart(copy=False))
+            self._read_reply(shard, sock)
 
-    def _complete(self, shard: int, frames: list[zmq.Frame]) -> None:
+    def _read_reply(self, shard: int, sock: zmq.Socket) -> None:
+        """Receive one reply. The header comes first, so the payload frames are received
+        straight into the request's ``outs`` (``recv_into``: one copy out of libzmq, no frame
+        objects, the caller's buffers reused every step)."""
+        first = sock.recv()  # raises zmq.Again when RCVTIMEO passes with nothing to read
         try:
-            header = parse_header(frames[0].bytes)
+            header = parse_header(first)
         except PSError as err:
             log.error("shard %d sent an unreadable reply: %s", shard, err)
-            return
+            return self._discard(sock)
         req = self.inflight.pop(header.request_id, None)
         if req is None:
-            return  # answered after its deadline expired
+            return self._discard(sock)  # answered after its deadline expired
         self.pending[shard] -= 1
         if header.op == pb.ERROR:
-            req.handle._part_done(PSError(header.error, header.message, shard=shard))
-            return
-        nbytes = 0
-        for key, out, frame, version in zip(header.keys, req.outs, frames[1:], header.versions):
-            buf = frame.buffer
-            if buf.nbytes != out.nbytes:
-                req.handle._part_done(PSError(
-                    pb.BAD_LENGTH, f"reply for key {key} is {buf.nbytes} bytes; expected "
-                    f"{out.nbytes}", shard=shard))
-                return
-            np.copyto(out, np.frombuffer(buf, _F32))
+            self._discard(sock)
+            return req.handle._part_done(PSError(header.error, header.message, shard=shard))
+        error, nbytes = None, 0
+        for key, out in zip(req.keys, req.outs):
+            if not sock.get(_RCVMORE):
+                error = PSError(pb.FRAME_COUNT, f"reply ends before key {key}", shard=shard)
+                break
+            n = sock.recv_into(out)
+            if n != out.nbytes and error is None:
+                error = PSError(pb.BAD_LENGTH, f"reply for key {key} is {n} bytes; expected "
+                                f"{out.nbytes}", shard=shard)
+            nbytes += n
+        self._discard(sock)
+        if error is None and list(header.keys) != req.keys[:len(header.keys)]:
+            error = PSError(pb.UNKNOWN_KEY, f"reply names keys {list(header.keys)[:8]}; asked "
+                            f"for {req.keys[:8]}", shard=shard)
+        if error is not None:
+            return req.handle._part_done(error)
+        for key, version in zip(req.keys, header.versions):
             self.versions[key] = version
-            nbytes += out.nbytes
         self.min_clock = header.min_clock
         m, elapsed = self.metrics, time.perf_counter() - req.handle.started
         with m.lock:
@@ -215,6 +227,12 @@ class Channel:
                 m.pull_latency.observe(elapsed)
             m.min_clock.set(header.min_clock)
         req.handle._part_done()
+
+    @staticmethod
+    def _discard(sock: zmq.Socket) -> None:
+        """Drop the rest of a multipart message."""
+        while sock.get(_RCVMORE):
+            sock.recv(copy=False)
 
     def _expire(self, now: float) -> None:
         for r in [r for r in self.inflight.values() if now > r.deadline]:

@@ -175,7 +175,7 @@ class PSClient:
                 nbytes = sum(grads[i].nbytes for i in idx)
             frames = [header.SerializeToString(), *(grads[i] for i in idx)] if grads else \
                 [header.SerializeToString()]
-            requests.append(Request(shard, header.request_id, frames,
+            requests.append(Request(shard, header.request_id, ks, frames,
                                     [outs[i] for i in idx] if outs else (), handle, deadline,
                                     op, nbytes))
         channel.send(requests)
@@ -210,6 +210,8 @@ class PSClient:
                 if arrays and (arrays[i].dtype != _F32 or arrays[i].size != spec.length):
                     raise ValueError(f"key {k}: {kind} is {arrays[i].dtype}[{arrays[i].size}]; "
                                      f"expected float32[{spec.length}]")
+            if outs and not (outs[i].flags.c_contiguous and outs[i].flags.writeable):
+                raise ValueError(f"key {k}: output must be a writable contiguous array")
             by_shard.setdefault(spec.shard, []).append(i)
         groups = []
         for shard, idx in by_shard.items():
