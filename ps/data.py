@@ -21,6 +21,7 @@ __all__ = ["DataLoop"]
 _TICK_S = 0.02
 # Plain ints: pyzmq's enum flags cost microseconds per operation on this path.
 _EVENTS, _POLLIN, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.SNDMORE)
+_RCVMORE = int(zmq.RCVMORE)
 
 
 class DataLoop:
@@ -61,9 +62,9 @@ class DataLoop:
         while not self._stop.is_set():
             try:
                 # Blocking receive with RCVTIMEO = one tick: no poll set to build per message.
-                self._serve(sock.recv_multipart(copy=False))
+                self._serve(self._receive())
                 while sock.get(_EVENTS) & _POLLIN:  # drain without raising zmq.Again
-                    self._serve(sock.recv_multipart(copy=False))
+                    self._serve(self._receive())
             except zmq.Again:
                 pass
             now = time.monotonic()
@@ -72,12 +73,21 @@ class DataLoop:
                 for reply in core.tick():
                     self._send(reply)
 
-    def _serve(self, frames: list[zmq.Frame]) -> None:
-        if len(frames) < 2:
+    def _receive(self) -> list:
+        """One message: routing id and header as bytes (small: a copy is cheapest), payload
+        frames zero-copy as memoryviews over libzmq's buffers."""
+        sock = self.socket
+        parts = [sock.recv()]  # raises zmq.Again when RCVTIMEO passes with nothing to read
+        if sock.get(_RCVMORE):
+            parts.append(sock.recv())
+        while sock.get(_RCVMORE):
+            parts.append(sock.recv(copy=False).buffer)
+        return parts
+
+    def _serve(self, parts: list) -> None:
+        if len(parts) < 2:
             return  # a ROUTER always prefixes the routing id; an empty message has no header
-        ident = frames[0].bytes
-        parts = [frames[1].bytes] + [f.buffer for f in frames[2:]]
-        for reply in self.core.handle(ident, parts):
+        for reply in self.core.handle(parts[0], parts[1:]):
             self._send(reply)
 
     def _send(self, reply: Reply) -> None:
