@@ -7,9 +7,8 @@ document their byte layout and buffer ownership.
 from native.update_rules import (
     accumulate,
     adam_step,
-    copy_into,
     momentum_step,
     sgd_step,
 )
 
-__all__ = ["accumulate", "adam_step", "copy_into", "momentum_step", "sgd_step"]
+__all__ = ["accumulate", "adam_step", "momentum_step", "sgd_step"]

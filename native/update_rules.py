@@ -23,7 +23,7 @@ import numba
 import numpy as np
 from numba.extending import intrinsic
 
-__all__ = ["accumulate", "adam_step", "copy_into", "fma", "momentum_step", "sgd_step"]
+__all__ = ["accumulate", "adam_step", "fma", "momentum_step", "sgd_step"]
 
 _jit = numba.njit(cache=True, nogil=True, fastmath=False, boundscheck=False)
 
@@ -106,13 +106,6 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, dst, grad_scale, one_minus_beta1
         denom = np.sqrt(v) / bias_correction2_sqrt + eps
         p = p + neg_step_size * m / denom
         dst[i] = p
-
-
-@_jit
-def copy_into(dst, src):
-    """``dst[:] = src`` for flat float32 arrays of equal length."""
-    for i in range(dst.shape[0]):
-        dst[i] = src[i]
 
 
 @_jit

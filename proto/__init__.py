@@ -3,7 +3,7 @@ frame layout and typed errors (:mod:`proto.wire`), and the key plan (:mod:`proto
 
 from proto import bitps_pb2, bitps_pb2_grpc
 from proto.keyplan import DEFAULT_PARTITION_BYTES, Key, KeyPlan, ParamSpec, make_plan
-from proto.wire import MAX_FRAME_BYTES, PROTOCOL, PSError, error_name, numpy_dtype, parse_header
+from proto.wire import MAX_FRAME_BYTES, PROTOCOL, PSError, error_name, parse_header
 
 __all__ = [
     "DEFAULT_PARTITION_BYTES",
@@ -17,6 +17,5 @@ __all__ = [
     "bitps_pb2_grpc",
     "error_name",
     "make_plan",
-    "numpy_dtype",
     "parse_header",
 ]

@@ -9,17 +9,13 @@ message naming the offending value and what was expected.
 
 from __future__ import annotations
 
-import numpy as np
-
 from proto import bitps_pb2 as pb
 
 __all__ = [
     "MAX_FRAME_BYTES",
     "PROTOCOL",
     "PSError",
-    "dtype_of",
     "error_name",
-    "numpy_dtype",
     "parse_header",
 ]
 
@@ -27,10 +23,6 @@ PROTOCOL = pb.PROTOCOL_VERSION_CURRENT
 # Frames over 32 MiB run at half speed (glibc mmap threshold); 16 MiB keeps every frame fast.
 MAX_FRAME_BYTES = 16 << 20
 
-_NUMPY = {
-    pb.FLOAT32: np.dtype("<f4"), pb.FLOAT16: np.dtype("<f2"), pb.BFLOAT16: np.dtype("<u2")
-}
-_DTYPE = {np.dtype("<f4"): pb.FLOAT32, np.dtype("<f2"): pb.FLOAT16}
 
 
 class PSError(RuntimeError):
@@ -66,21 +58,3 @@ def parse_header(frame: bytes | memoryview) -> pb.DataHeader:
         raise PSError(pb.BAD_HEADER,
                       f"frame 0 is not a DataHeader ({len(frame)} bytes): {exc}") from None
     return header
-
-
-def numpy_dtype(dtype: int) -> np.dtype:
-    """Numpy dtype of a wire ``DType`` (bfloat16 travels as its uint16 bit pattern)."""
-    try:
-        return _NUMPY[dtype]
-    except KeyError:
-        raise PSError(pb.BAD_DTYPE,
-                      f"dtype {dtype} is not one of FLOAT32, FLOAT16, BFLOAT16") from None
-
-
-def dtype_of(array: np.ndarray) -> int:
-    """Wire ``DType`` of a numpy array's element type."""
-    try:
-        return _DTYPE[array.dtype.newbyteorder("<")]
-    except KeyError:
-        raise ValueError(
-            f"dtype {array.dtype} has no wire type; expected float32 or float16") from None

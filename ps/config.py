@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from proto.wire import MAX_FRAME_BYTES
+
 __all__ = ["MODES", "OPTIMIZERS", "OptimizerConfig", "ServerConfig"]
 
 MODES = ("sync", "async", "ssp")
@@ -81,7 +83,7 @@ class ServerConfig:
     """Longest a held pull waits when the request names no deadline; then DEADLINE error."""
     token: str = ""
     """Shared secret checked on every gRPC call and data header; empty disables the check."""
-    max_frame_bytes: int = 16 << 20
+    max_frame_bytes: int = MAX_FRAME_BYTES
     """Largest payload frame accepted."""
     reject_nonfinite: bool = True
     """Refuse gradients containing NaN or Inf (typed NON_FINITE error, nothing applied)."""

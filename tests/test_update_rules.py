@@ -170,14 +170,6 @@ def test_accumulate_matches_numpy():
     assert np.array_equal(acc, c)
 
 
-def test_copy_into_matches_numpy():
-    src = np.random.default_rng(8).standard_normal(N).astype(np.float32)
-    dst = np.zeros(N, np.float32)
-    native.copy_into(dst, np.frombuffer(src.tobytes(), np.float32))
-    assert np.array_equal(dst, src)
-    assert dst.ctypes.data != src.ctypes.data
-
-
 _NOJIT_SCRIPT = textwrap.dedent("""
     import sys
     import numba
@@ -201,9 +193,6 @@ _NOJIT_SCRIPT = textwrap.dedent("""
     native.accumulate(acc, grads[0], True)
     native.accumulate(acc, grads[1], False)
     out["accumulate"] = acc
-    copy = np.zeros_like(param)
-    native.copy_into(copy, param)
-    out["copy_into"] = copy
     np.savez(sys.argv[2], **out)
 """)
 
@@ -224,4 +213,3 @@ def test_pure_python_path_matches_jit(tmp_path):
         assert not np.array_equal(jitted, param)
         np.testing.assert_allclose(got[name], jitted, rtol=1e-6, err_msg=name)
     assert np.array_equal(got["accumulate"], grads[0] + grads[1])
-    assert np.array_equal(got["copy_into"], param)

@@ -17,8 +17,6 @@ zeros, as DDP reduces unused parameters.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 
@@ -59,7 +57,6 @@ class PSModel:
         self.clock = client.start_clock
         client.pull(self.keys, self._outs, clock=self.clock).wait()
         self._copy_in()
-        self.last_step_s = 0.0
 
     def _host_buffer(self, p: torch.Tensor) -> np.ndarray:
         if p.is_cuda:
@@ -98,7 +95,6 @@ class PSModel:
 
     def step(self) -> None:
         """Push this step's gradients, pull the parameters the shards computed, zero the grads."""
-        t0 = time.perf_counter()
         grads = self._grads()
         if self._uploaded is not None:
             self._uploaded.synchronize()
@@ -110,7 +106,6 @@ class PSModel:
             self.client.metrics.clock.set(self.clock)
         for _, p in self.params:
             p.grad = None
-        self.last_step_s = time.perf_counter() - t0
 
     def close(self) -> None:
         """Leave the shards and stop the client."""
