@@ -63,9 +63,11 @@ class Cluster:
     def spawn(self, name: str, argv: list[str]) -> _Child:
         log = self.run_dir / f"{name}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log.open("wb"),
-                                stdin=subprocess.DEVNULL, start_new_session=True, env=env,
-                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        with log.open("wb") as stderr:  # the child keeps its own descriptor
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr,
+                                    stdin=subprocess.DEVNULL, start_new_session=True, env=env,
+                                    preexec_fn=_die_with_parent if sys.platform == "linux"
+                                    else None)
         child = _Child(name, proc, log)
         threading.Thread(target=self._read, args=(child,), daemon=True).start()
         self.children.append(child)
