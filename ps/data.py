@@ -68,7 +68,7 @@ class DataLoop:
             except zmq.Again:
                 pass
             now = time.monotonic()
-            if now - last_tick >= _TICK_S or core.held:
+            if now - last_tick >= _TICK_S:
                 last_tick = now
                 for reply in core.tick():
                     self._send(reply)
@@ -101,6 +101,5 @@ class DataLoop:
                 sock.send(part, _SNDMORE if i + 1 < len(payload) else 0)
             return
         tracker = sock.send_multipart(payload, copy=False, track=True)
-        with self.core.lock:
-            for buf in reply.buffers:
-                buf.trackers.append(tracker)
+        for buf in reply.buffers:  # this thread is the only writer of parameter buffers
+            buf.track(tracker)

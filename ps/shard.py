@@ -5,7 +5,9 @@ keeps the pulls the consistency policy holds back. The ZeroMQ loop (``ps.data``)
 servicer (``ps.control``) call it under :attr:`ShardCore.lock`; tests call it directly.
 
 A request is validated completely before anything changes: a bad request gets one ``ERROR`` reply
-naming what was wrong, and the shard's parameters, state and clocks are as before.
+naming what was wrong, and the shard's parameters, state and clocks are as before. Parameters are
+written only from the data loop's thread (``handle`` and ``tick``), which also sends the replies,
+so a buffer cannot change between building a reply and handing it to ZeroMQ.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class ShardCore:
         self.held: list[_HeldPull] = []
         self.admissions: deque[Admission] = deque(maxlen=100_000)
         self.updates_applied = 0
+        self._membership_changed = False
 
     # -- registration (gRPC) ------------------------------------------------------------------
     def register(self, req: pb.RegisterRequest, values: dict[int, bytes]) -> pb.RegisterReply:
@@ -153,13 +156,12 @@ class ShardCore:
                               f"expected {slots[key].nbytes}")
 
     def leave(self, rank: int) -> None:
-        """``rank`` left cleanly: it stops counting for sync aggregates and SSP bounds (held
-        pulls it was blocking are answered on the data loop's next tick)."""
+        """``rank`` left cleanly: it stops counting for sync aggregates and SSP bounds. Called
+        from gRPC threads, so it only marks the change: parameters are written by the data loop
+        alone, whose next :meth:`tick` applies the aggregates and answers the pulls this frees."""
         with self.lock:
             self.clocks.leave(rank)
-            if self.cfg.mode == "sync":
-                for slot in self.slots.values():
-                    self._try_aggregate(slot)
+            self._membership_changed = True
 
     # -- data plane ---------------------------------------------------------------------------
     def handle(self, ident: bytes, frames: list) -> list[Reply]:
@@ -179,18 +181,19 @@ class ShardCore:
         slots = self._validate(header, payload)
         op, worker = header.op, header.worker
         self.metrics.requests.labels(_OPS[op]).inc()
-        if op == pb.PULL:
-            self.clocks.seen(worker, header.clock)
-            return self._pull(ident, header, header.clock, slots, t0)
-        pull_clock = header.clock + 1
-        self.clocks.seen(worker, pull_clock if op == pb.PUSH_PULL else header.clock)
+        pull_clock = header.clock + 1 if op == pb.PUSH_PULL else header.clock
+        self.clocks.seen(worker, pull_clock)
         min_clock = self.clocks.min_clock()
-        replies = self._push(header, payload, slots, min_clock)
-        self.metrics.push_latency.observe(self.now() - t0)
+        replies = []
+        if op != pb.PULL:
+            self._push(header, payload, slots, min_clock)
+            self.metrics.push_latency.observe(self.now() - t0)
+        # This request moved a clock or a version: pulls held earlier may go now.
+        replies += self._release_held(min_clock)
         if op == pb.PUSH:
             replies.append(self._ack(ident, header, min_clock))
         else:
-            replies += self._pull(ident, header, pull_clock, slots, t0)
+            replies += self._pull(ident, header, pull_clock, slots, t0, min_clock)
         return replies
 
     def _validate(self, header: pb.DataHeader, payload: list) -> list[Slot]:
@@ -273,7 +276,6 @@ class ShardCore:
             slot.apply(self.rule, grad, lr_scale=lr_scale)
             self._applied(header.clock - min_clock, vgap)
         m.push_bytes.inc(nbytes)
-        return self._release_held() if sync else []
 
     def _try_aggregate(self, slot: Slot) -> bool:
         if not slot.pushed or not slot.pushed.issuperset(self.clocks.live()):
@@ -293,19 +295,18 @@ class ShardCore:
             return all(s.version >= clock for s in slots)
         return self.clocks.admits(clock)
 
-    def _pull(self, ident, header, clock, slots, t0) -> list[Reply]:
+    def _pull(self, ident, header, clock, slots, t0, min_clock) -> list[Reply]:
         if self._admits(clock, slots):
-            return [self._answer(ident, header, clock, slots, t0)]
+            return [self._answer(ident, header, clock, slots, t0, min_clock)]
         deadline = header.deadline_s or self.cfg.pull_deadline_s
         self.held.append(_HeldPull(ident, header, clock, slots, t0, t0 + deadline))
         return []
 
-    def _answer(self, ident, header, clock, slots, since) -> Reply:
+    def _answer(self, ident, header, clock, slots, since, min_clock) -> Reply:
         now, m = self.now(), self.metrics
         frames = [s.reply_frame() for s in slots]
         m.pull_bytes.inc(sum(s.nbytes for s in slots))
         m.pull_latency.observe(now - since)
-        min_clock = self.clocks.min_clock()
         if self.cfg.mode == "ssp":
             m.admission_gap.observe(max(clock - min_clock, 0))
         self.admissions.append(Admission(header.worker, clock, min_clock, now - since))
@@ -331,12 +332,15 @@ class ShardCore:
     # -- time passing -------------------------------------------------------------------------
     def tick(self) -> list[Reply]:
         """Expire silent workers, complete sync aggregates they were blocking, answer or time out
-        held pulls. Called by the data loop between messages and on a timer."""
+        held pulls. Called by the data loop on a timer (requests release what they unblock
+        themselves, in :meth:`handle`)."""
         with self.lock:
-            if self.clocks.expire() and self.cfg.mode == "sync":
+            changed = bool(self.clocks.expire()) or self._membership_changed
+            self._membership_changed = False
+            if changed and self.cfg.mode == "sync":
                 for slot in self.slots.values():
                     self._try_aggregate(slot)
-            return self._release_held()
+            return self._release_held(self.clocks.min_clock())
 
     def clock_snapshot(self) -> ClockSnapshot:
         """Clocks for the metrics endpoint (read at scrape time)."""
@@ -345,14 +349,16 @@ class ShardCore:
             return ClockSnapshot(clocks={r: w.clock for r, w in c.workers.items()},
                                  min_clock=c.min_clock(), live=len(c.live()), held=len(self.held))
 
-    def _release_held(self) -> list[Reply]:
+    def _release_held(self, min_clock: int) -> list[Reply]:
+        """Answer held pulls that are admitted now, fail those past their deadline."""
         if not self.held:
             return []
         now, replies, still = self.now(), [], []
         for h in self.held:
             if self._admits(h.clock, h.slots):
                 self.metrics.pull_wait.observe(now - h.since)
-                replies.append(self._answer(h.ident, h.header, h.clock, h.slots, h.since))
+                replies.append(self._answer(h.ident, h.header, h.clock, h.slots, h.since,
+                                            min_clock))
             elif now >= h.deadline:
                 replies.append(self._error(h.ident, h.header, PSError(pb.DEADLINE,
                                self._waiting_for(h.header.worker, h.clock, h.slots))))

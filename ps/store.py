@@ -39,6 +39,12 @@ class Buffer:
             self.trackers = [t for t in self.trackers if not t.done]
         return bool(self.trackers)
 
+    def track(self, tracker) -> None:
+        """Record a send reading this buffer (finished sends are dropped, so a key that is
+        only ever pulled does not collect trackers)."""
+        self.in_flight()
+        self.trackers.append(tracker)
+
 
 @dataclass
 class Slot:

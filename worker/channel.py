@@ -29,6 +29,7 @@ __all__ = ["Channel", "Handle", "PSTimeoutError"]
 log = logging.getLogger(__name__)
 _F32 = np.dtype("<f4")
 _SLICE_S = 0.05  # longest a waiter holds the channel lock before letting others in
+_EXPIRY_CHECK_S = 0.1  # granularity of request deadlines
 # Plain ints: pyzmq's enum flags cost microseconds per operation on this path.
 _EVENTS, _POLLIN, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.SNDMORE)
 _RCVMORE = int(zmq.RCVMORE)
@@ -120,6 +121,7 @@ class Channel:
         self.versions = versions
         self.inflight: dict[int, Request] = {}
         self.min_clock = 0
+        self._next_expiry_check = 0.0
         self.dealers = []
         self.pending = [0] * len(endpoints)  # requests in flight per shard
         self.poller = zmq.Poller()
@@ -149,18 +151,20 @@ class Channel:
         if not self.lock.acquire(blocking=blocking, timeout=timeout_s if blocking else -1):
             return
         try:
-            got = self._receive(timeout_s if blocking else 0.0)
-            if self.inflight:
-                self._expire(time.monotonic())
+            self._receive(timeout_s if blocking else 0.0)
+            now = time.monotonic()
+            if self.inflight and now >= self._next_expiry_check:
+                # Deadlines are seconds long: scanning every request per reply would make a
+                # step with n messages cost O(n^2).
+                self._next_expiry_check = now + _EXPIRY_CHECK_S
+                self._expire(now)
         finally:
             self.lock.release()
-        if not got and not self.inflight and blocking and timeout_s:
-            time.sleep(min(timeout_s, 0.001))  # another thread completed our handle meanwhile
 
-    def _receive(self, timeout_s: float) -> bool:
+    def _receive(self, timeout_s: float) -> None:
         busy = [s for s, n in enumerate(self.pending) if n]
         if not busy:
-            return False
+            return
         if len(busy) == 1 and timeout_s >= _SLICE_S:
             # One shard to hear from: a blocking receive (RCVTIMEO = one slice) is cheaper
             # than building a poll set.
@@ -168,13 +172,11 @@ class Channel:
             try:
                 self._read_reply(shard, self.dealers[shard])
             except zmq.Again:
-                return False
+                return
             self._drain(shard)
-            return True
-        events = self.poller.poll(timeout_s * 1000)
-        for sock, _ in events:
+            return
+        for sock, _ in self.poller.poll(timeout_s * 1000):
             self._drain(self.dealers.index(sock))
-        return bool(events)
 
     def _drain(self, shard: int) -> None:
         sock = self.dealers[shard]
@@ -197,7 +199,10 @@ class Channel:
         self.pending[shard] -= 1
         if header.op == pb.ERROR:
             self._discard(sock)
-            return req.handle._part_done(PSError(header.error, header.message, shard=shard))
+            # A pull the shard held past its deadline is the same failure as a late answer.
+            err = (PSTimeoutError(header.message, shard=shard) if header.error == pb.DEADLINE
+                   else PSError(header.error, header.message, shard=shard))
+            return req.handle._part_done(err)
         error, nbytes = None, 0
         for key, out in zip(req.keys, req.outs):
             if not sock.get(_RCVMORE):
