@@ -16,7 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="scenario", required=True)
     pp = sub.add_parser("pushpull", help="push+pull throughput and round trip vs raw pyzmq")
     pp.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 16, 64])
-    pp.add_argument("--rounds", type=int, default=5, help="alternating rounds per size")
+    pp.add_argument("--rounds", type=int, default=7, help="alternating rounds per size")
     pp.add_argument("--small-bytes", type=int, default=1024, help="round-trip payload")
     pp.add_argument("--quick", action="store_true", help="few iterations (smoke test)")
     return p

@@ -130,7 +130,7 @@ def _time(fn, iters: int) -> list[float]:
     return out
 
 
-def run(*, sizes_mib=(1, 16, 64), rounds: int = 5, small_bytes: int = 1024,
+def run(*, sizes_mib=(1, 16, 64), rounds: int = 7, small_bytes: int = 1024,
         partition_bytes: int = DEFAULT_PARTITION_BYTES, out: Path | None = None,
         quick: bool = False) -> dict:
     """Run the scenario, write ``pushpull.json``/``.md`` under ``out``, return the document."""
@@ -150,7 +150,9 @@ def run(*, sizes_mib=(1, 16, 64), rounds: int = 5, small_bytes: int = 1024,
             if quick:
                 iters = 20 if small else 3
             else:
-                iters = 200 if small else max(3, min(30, int(256 * MIB / nbytes)))
+                # About 0.1-0.3 s per side and round: short rounds let one burst of machine
+                # noise decide a ratio.
+                iters = 200 if small else max(4, min(100, int(256 * MIB / nbytes)))
             t_ps, t_raw, ratios = _compare(ps, raw.round_trip, iters, rounds)
             ps.close()
             row = {"case": case, "payload_bytes": nbytes, "frames": len(ps.grads),

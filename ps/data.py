@@ -95,11 +95,11 @@ class DataLoop:
         sock.send(reply.ident, _SNDMORE)
         payload = reply.payload
         sock.send(reply.header.SerializeToString(), _SNDMORE if payload else 0)
-        if not reply.buffers:
-            # Small keys arrive as bytes copies: a plain copying send is the cheapest.
-            for i, part in enumerate(payload):
-                sock.send(part, _SNDMORE if i + 1 < len(payload) else 0)
-            return
-        tracker = sock.send_multipart(payload, copy=False, track=True)
-        for buf in reply.buffers:  # this thread is the only writer of parameter buffers
-            buf.track(tracker)
+        last = len(payload) - 1
+        for i, (part, buf) in enumerate(zip(payload, reply.buffers)):
+            flags = 0 if i == last else _SNDMORE
+            if buf is None:
+                sock.send(part, flags)  # small: one copy into the ZeroMQ message
+            else:
+                # This thread is the only writer of parameter buffers: track before any update.
+                buf.track(sock.send(part, flags, copy=False, track=True))

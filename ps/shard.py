@@ -37,9 +37,10 @@ _OPS = {pb.PUSH: "push", pb.PULL: "pull", pb.PUSH_PULL: "push_pull"}
 
 @dataclass
 class Reply:
-    """One outgoing message: the routing id, the header and payload frames (arrays or bytes).
-    ``buffers`` are the parameter buffers the payload reads; the sender adds its
-    ``zmq.MessageTracker`` to each so they are not overwritten while still being sent."""
+    """One outgoing message: the routing id, the header and payload arrays. ``buffers`` is aligned
+    with ``payload``: the parameter buffer a part reads when it goes zero-copy (the sender adds
+    its ``zmq.MessageTracker`` so the buffer is not overwritten while being sent), or ``None``
+    for a part sent by copy."""
 
     ident: bytes
     header: pb.DataHeader
@@ -314,7 +315,7 @@ class ShardCore:
                             request_id=header.request_id, clock=clock, keys=header.keys,
                             versions=[s.version for s in slots], dtype=pb.FLOAT32,
                             min_clock=min_clock)
-        return Reply(ident, out, [f for f, _ in frames], [buf for _, buf in frames if buf])
+        return Reply(ident, out, [f for f, _ in frames], [buf for _, buf in frames])
 
     def _ack(self, ident: bytes, header: pb.DataHeader, min_clock: int) -> Reply:
         out = pb.DataHeader(op=pb.REPLY, protocol=PROTOCOL, worker=header.worker,

@@ -5,9 +5,9 @@ done with it. So a key's parameters live in a :class:`Buffer` that records the s
 it (``zmq.MessageTracker``). An update writes in place when nothing is in flight (the common
 case: a worker's next push arrives a round trip after its last pull was sent) and into a spare
 buffer otherwise, which then becomes the key's parameters; retired buffers are reused once their
-sends complete, so steady state allocates nothing and a pull never copies. Keys under
-:data:`ZERO_COPY_MIN_BYTES` are answered with a ``bytes`` copy (ZeroMQ copies such small frames
-anyway).
+sends complete, so steady state allocates nothing and a pull never copies in Python. Keys under
+:data:`ZERO_COPY_MIN_BYTES` are sent by a copying send instead (ZeroMQ's one copy is cheaper than
+tracking a frame that small).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ps.rules import KeyState, UpdateRule
 
 __all__ = ["ZERO_COPY_MIN_BYTES", "Buffer", "Slot"]
 
-ZERO_COPY_MIN_BYTES = 64 << 10
+ZERO_COPY_MIN_BYTES = 1 << 20
 _MAX_SPARE = 4
 _EMPTY = np.empty(0, dtype=np.float32)
 
@@ -114,12 +114,13 @@ class Slot:
         self.pushed.clear()
 
     # -- replies ------------------------------------------------------------------------------
-    def reply_frame(self) -> tuple[object, Buffer | None]:
-        """The payload to send for this key now, and the buffer it reads (add the send's tracker
-        to ``buffer.trackers``). Small keys come as a ``bytes`` copy and no buffer."""
-        if self.buffer.array.nbytes < ZERO_COPY_MIN_BYTES:
-            return self.buffer.array.tobytes(), None
-        return self.buffer.array, self.buffer
+    def reply_frame(self) -> tuple[np.ndarray, Buffer | None]:
+        """The array to send for this key now, and the buffer to track when it goes zero-copy;
+        ``None`` for small keys, which are sent by copy (cheaper than a tracked zero-copy frame
+        below :data:`ZERO_COPY_MIN_BYTES`). Only the data loop writes parameters and it sends
+        right away, so the array cannot change in between."""
+        buf = self.buffer
+        return buf.array, (buf if buf.array.nbytes >= ZERO_COPY_MIN_BYTES else None)
 
     def _spare_buffer(self) -> Buffer:
         for i, buf in enumerate(self.spare):

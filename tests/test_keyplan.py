@@ -58,38 +58,16 @@ def test_keys_numbered_in_parameter_order():
 
 
 def test_docstring_example():
-    plan = make_plan([ParamSpec("w", (4096, 1024))], num_shards=2)
-    assert [k.length for k in plan.keys] == [524288] * 8
-    assert [k.offset for k in plan.keys] == [i * 524288 for i in range(8)]
-    assert plan.shard_bytes() == [8 << 20, 8 << 20]
+    plan = make_plan([ParamSpec("w", (1024, 1024))], num_shards=2, partition_bytes=1 << 20)
+    assert [k.length for k in plan.keys] == [262144] * 4
+    assert [k.offset for k in plan.keys] == [0, 262144, 524288, 786432]
+    assert plan.shard_bytes() == [2 << 20, 2 << 20]
     assert plan.imbalance() == 1.0
 
 
-def test_fixed_partitions_when_min_keys_is_off():
-    plan = make_plan([ParamSpec("w", (1024, 1024))], num_shards=2, partition_bytes=1 << 20,
-                     min_keys_per_shard=0)
-    assert [k.length for k in plan.keys] == [262144] * 4
-
-
-@pytest.mark.parametrize(("numel", "shards", "want_keys", "want_bytes"), [
-    (1 << 18, 1, 4, 256 << 10),       # 1 MiB, one shard: 4 keys of 256 KiB
-    (1 << 18, 2, 8, 128 << 10),       # 1 MiB, two shards: 4 keys each
-    (1 << 14, 1, 1, 64 << 10),        # 64 KiB: never cut below MIN_PARTITION_BYTES
-    (1 << 24, 1, 16, 4 << 20),        # 64 MiB: capped at partition_bytes
-])
-def test_small_models_are_cut_so_every_shard_pipelines(numel, shards, want_keys, want_bytes):
-    plan = make_plan([ParamSpec("w", (numel,))], num_shards=shards)
-    assert len(plan.keys) == want_keys
-    assert max(k.nbytes for k in plan.keys) == want_bytes
-    assert min(len(plan.for_shard(s)) for s in range(shards)) == want_keys // shards
-
-
-def test_min_keys_per_shard_is_part_of_the_signature():
-    params = [ParamSpec("w", (1 << 18,))]
-    assert make_plan(params, num_shards=1).signature != \
-        make_plan(params, num_shards=1, min_keys_per_shard=0).signature
-    with pytest.raises(ValueError, match="min_keys_per_shard must be >= 0, got -1"):
-        make_plan(params, num_shards=1, min_keys_per_shard=-1)
+def test_default_partitions_are_at_most_1_mib():
+    plan = make_plan([ParamSpec("w", (3 << 20,))], num_shards=2)  # 12 MiB
+    assert len(plan.keys) == 12 and {k.nbytes for k in plan.keys} == {1 << 20}
 
 
 def test_plan_is_deterministic():

@@ -12,6 +12,7 @@ import pytest
 
 from proto import bitps_pb2 as pb
 from proto.wire import PROTOCOL, PSError
+from ps import store
 from ps.config import OptimizerConfig, ServerConfig
 from ps.shard import ShardCore
 
@@ -338,13 +339,15 @@ def test_empty_signature_cannot_reset_parameters():
 
 # -- async --------------------------------------------------------------------------------------
 
-def test_async_push_applies_on_arrival_and_pull_returns_it():
+def test_async_push_applies_on_arrival_and_pull_returns_it(monkeypatch):
+    monkeypatch.setattr(store, "ZERO_COPY_MIN_BYTES", 64 << 10)  # key 2 goes zero-copy
     core, _ = _core(world=1, ranks=(0,))
     (reply,) = _send(core, pb.PULL, 0, 0, [0, 1, 2], request_id=5)
     assert reply.header.op == pb.REPLY and reply.header.request_id == 5
     assert list(reply.header.versions) == [0, 0, 0] and reply.header.dtype == pb.FLOAT32
     assert all(np.array_equal(a, INIT[k]) for k, a in zip((0, 1, 2), _arrays(reply)))
-    assert isinstance(reply.payload[0], bytes) and isinstance(reply.payload[2], np.ndarray)
+    # Small keys go by copy (no buffer to track); the large one zero-copy from its buffer.
+    assert reply.buffers[0] is None and reply.buffers[2] is core.slots[2].buffer
 
     g0, g2 = _grad(2, 0), _grad(2, 2)
     (ack,) = _send(core, pb.PUSH, 0, 0, [0, 2], [g0, g2], request_id=6)
@@ -380,7 +383,8 @@ def test_push_frames_may_be_memoryviews():
     assert core.slots[1].version == 1
 
 
-def test_parameters_in_flight_are_never_overwritten():
+def test_parameters_in_flight_are_never_overwritten(monkeypatch):
+    monkeypatch.setattr(store, "ZERO_COPY_MIN_BYTES", 64 << 10)  # key 2 goes zero-copy
     """Copy-on-write: while a zero-copy reply still reads a key's buffer, an update writes a new
     buffer; once the send is done, updates go back to writing in place."""
     @dataclass

@@ -33,7 +33,7 @@ _EXPIRY_CHECK_S = 0.1  # granularity of request deadlines
 # Plain ints: pyzmq's enum flags cost microseconds per operation on this path.
 _EVENTS, _POLLIN, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.SNDMORE)
 _RCVMORE = int(zmq.RCVMORE)
-_ZERO_COPY_MIN = 65536  # bytes; pyzmq's own copy threshold
+_ZERO_COPY_MIN = 1 << 20  # bytes; see ps.store.ZERO_COPY_MIN_BYTES
 
 
 class PSTimeoutError(PSError, TimeoutError):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proto.keyplan import DEFAULT_MIN_KEYS_PER_SHARD, DEFAULT_PARTITION_BYTES
+from proto.keyplan import DEFAULT_PARTITION_BYTES
 
 __all__ = ["ClientConfig"]
 
@@ -32,14 +32,10 @@ class ClientConfig:
     """Interval between heartbeats to every shard."""
     partition_bytes: int = DEFAULT_PARTITION_BYTES
     """Largest key: tensors are cut into partitions of at most this many bytes."""
-    min_keys_per_shard: int = DEFAULT_MIN_KEYS_PER_SHARD
-    """Small models are cut finer so each shard gets at least this many keys (>= 64 KiB each)
-    to pipeline receive and update; 0 disables."""
     message_bytes: int = 256 << 10
-    """Keys going to one shard are batched into data messages of at most this many bytes (a
-    larger key travels alone), so the shard updates one message while the next arrives. Small
-    keys share messages to amortise per-message cost; measured on 1 MiB: 256 KiB messages give
-    ~0.86x raw ZeroMQ, 4 MiB ~0.69x."""
+    """Keys going to one shard are batched into data messages of at most this many bytes: small
+    keys share a message to amortise the per-message cost (~100 us of Python per side here),
+    and a larger key travels alone, so the shard updates one key while the next arrives."""
 
     def __post_init__(self) -> None:
         if not self.servers:
@@ -53,8 +49,6 @@ class ClientConfig:
         for attr in ("deadline_s", "register_timeout_s", "heartbeat_s"):
             if not getattr(self, attr) > 0:
                 raise ValueError(f"{attr} must be > 0, got {getattr(self, attr)}")
-        if self.min_keys_per_shard < 0:
-            raise ValueError(f"min_keys_per_shard must be >= 0, got {self.min_keys_per_shard}")
         if self.partition_bytes < 1024 or self.message_bytes < 1024:
             raise ValueError(f"partition_bytes and message_bytes must be >= 1024, got "
                              f"{self.partition_bytes} and {self.message_bytes}")

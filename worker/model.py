@@ -38,8 +38,7 @@ class PSModel:
                 raise ValueError(f"parameter {name!r} is {p.dtype}; bitps stores float32")
         self.plan: KeyPlan = make_plan(
             [ParamSpec(n, tuple(p.shape)) for n, p in self.params],
-            num_shards=client.num_shards, partition_bytes=client.cfg.partition_bytes,
-            min_keys_per_shard=client.cfg.min_keys_per_shard)
+            num_shards=client.num_shards, partition_bytes=client.cfg.partition_bytes)
         self.cuda = any(p.is_cuda for _, p in self.params)
         self._index = {n: i for i, (n, _) in enumerate(self.params)}
         self._host = [self._host_buffer(p) for _, p in self.params]
