@@ -7,8 +7,9 @@ document their byte layout and buffer ownership.
 from native.update_rules import (
     accumulate,
     adam_step,
+    all_finite,
     momentum_step,
     sgd_step,
 )
 
-__all__ = ["accumulate", "adam_step", "momentum_step", "sgd_step"]
+__all__ = ["accumulate", "adam_step", "all_finite", "momentum_step", "sgd_step"]

@@ -57,23 +57,26 @@ class UpdateRule:
         ``dst`` (default: ``param``, in place). ``lr_scale`` damps the learning rate
         (staleness-aware damping)."""
         cfg, f32 = self.cfg, np.float32
-        out = param if dst is None else dst
-        if out.shape != param.shape:
-            raise ValueError(f"dst has shape {out.shape}; expected {param.shape}")
+        if dst is not None:
+            if dst.shape != param.shape:
+                raise ValueError(f"dst has shape {dst.shape}; expected {param.shape}")
+            # The kernels update in place (that is what lets them vectorize): copy, then update.
+            np.copyto(dst, param)
+            param = dst
         lr = self._lr if lr_scale == 1.0 else f32(cfg.lr * lr_scale)
         scale = f32(grad_scale)
         state.step += 1
         if cfg.name == "sgd":
-            native.sgd_step(param, grad, out, scale, lr, self._wd)
+            native.sgd_step(param, grad, scale, lr, self._wd)
         elif cfg.name == "momentum":
-            native.momentum_step(param, grad, state.buf1, out, scale, lr, self._momentum,
+            native.momentum_step(param, grad, state.buf1, scale, lr, self._momentum,
                                  self._keep, self._wd, cfg.nesterov, state.step == 1)
         else:
             # torch computes the bias corrections in float64 Python scalars, then casts.
             t = state.step
             neg_step_size = -(cfg.lr * lr_scale) / (1 - cfg.beta1**t)
             bc2_sqrt = (1 - cfg.beta2**t) ** 0.5
-            native.adam_step(param, grad, state.buf1, state.buf2, out, scale,
+            native.adam_step(param, grad, state.buf1, state.buf2, scale,
                              self._one_minus_beta1, self._beta2, self._one_minus_beta2,
                              self._eps, self._wd, cfg.name == "adamw",
                              f32(1 - cfg.lr * lr_scale * cfg.weight_decay), f32(neg_step_size),

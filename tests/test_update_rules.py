@@ -1,5 +1,5 @@
 """Tests for ps.rules and the native update kernels: equality with torch.optim, grad/lr scaling,
-copy-on-write ``dst``, the pure-Python path (``NUMBA_DISABLE_JIT=1``) and the small kernels."""
+copy-on-write ``dst``, the NaN/Inf test, the pure-Python path (``NUMBA_DISABLE_JIT=1``) and the small kernels."""
 
 from __future__ import annotations
 
@@ -170,6 +170,22 @@ def test_accumulate_matches_numpy():
     assert np.array_equal(acc, c)
 
 
+def test_all_finite_flags_every_nan_and_inf():
+    """The bit test must agree with ``np.isfinite`` on every class of float32, at any position
+    (vector body and scalar tail), on read-only frame views too."""
+    f32 = np.finfo(np.float32)
+    finite = np.array([0.0, -0.0, 1.0, -1.0, f32.max, -f32.max, f32.tiny, f32.smallest_subnormal,
+                       -f32.smallest_subnormal], np.float32)
+    assert native.all_finite(np.frombuffer(np.resize(finite, N).tobytes(), np.float32))
+    assert native.all_finite(np.empty(0, np.float32))
+    nan_payload = np.array([0x7FC00001, 0xFFC00000, 0x7F800001], np.uint32).view(np.float32)
+    for bad in (np.nan, np.inf, -np.inf, *nan_payload):
+        for pos in (0, 517, N - 1):
+            x = np.resize(finite, N)
+            x[pos] = bad
+            assert not native.all_finite(x), (bad, pos)
+
+
 _NOJIT_SCRIPT = textwrap.dedent("""
     import sys
     import numba
@@ -193,6 +209,9 @@ _NOJIT_SCRIPT = textwrap.dedent("""
     native.accumulate(acc, grads[0], True)
     native.accumulate(acc, grads[1], False)
     out["accumulate"] = acc
+    bad = param.copy()
+    bad[7] = np.inf
+    out["finite"] = np.array([native.all_finite(param), native.all_finite(bad)])
     np.savez(sys.argv[2], **out)
 """)
 
@@ -213,3 +232,4 @@ def test_pure_python_path_matches_jit(tmp_path):
         assert not np.array_equal(jitted, param)
         np.testing.assert_allclose(got[name], jitted, rtol=1e-6, err_msg=name)
     assert np.array_equal(got["accumulate"], grads[0] + grads[1])
+    assert got["finite"].tolist() == [True, False]
