@@ -19,6 +19,10 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--rounds", type=int, default=7, help="alternating rounds per size")
     pp.add_argument("--small-bytes", type=int, default=1024, help="round-trip payload")
     pp.add_argument("--quick", action="store_true", help="few iterations (smoke test)")
+    sub.add_parser("volume", help="bytes per step by codec, by arithmetic (problem's table)")
+    cd = sub.add_parser("codec", help="codec kernels vs memcpy, numpy and torch (1 thread)")
+    cd.add_argument("--mib", type=int, default=64, help="gradient size")
+    cd.add_argument("--repeats", type=int, default=7, help="timed calls per implementation")
     return p
 
 
@@ -29,6 +33,14 @@ def main(argv: list[str] | None = None) -> int:
 
         result = run(sizes_mib=tuple(args.sizes_mib), rounds=args.rounds,
                      small_bytes=args.small_bytes, out=args.out, quick=args.quick)
+    elif args.scenario == "volume":
+        from bench.volume import run
+
+        result = run(out=args.out)
+    else:
+        from bench.codec import run
+
+        result = run(mib=args.mib, repeats=args.repeats, out=args.out)
     for row in result["rows"]:
         print(row)
     failed = [name for name, c in result["checks"].items() if not c["ok"]]

@@ -1,4 +1,5 @@
-"""Numba kernels: server update rules (and, later, codecs and the buddy allocator).
+"""Numba kernels: server update rules and gradient codecs (``casts``, ``sign1``, ``sparse``;
+each module also holds the numpy reference it is tested against).
 
 Imports numpy and numba only. Kernels take flat numpy arrays and scalars, never allocate, and
 document their byte layout and buffer ownership.
@@ -9,7 +10,9 @@ from native.update_rules import (
     adam_step,
     all_finite,
     momentum_step,
+    onebit_adam_delta,
     sgd_step,
 )
 
-__all__ = ["accumulate", "adam_step", "all_finite", "momentum_step", "sgd_step"]
+__all__ = ["accumulate", "adam_step", "all_finite", "momentum_step", "onebit_adam_delta",
+           "sgd_step"]

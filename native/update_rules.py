@@ -29,7 +29,8 @@ import numba
 import numpy as np
 from numba.extending import intrinsic
 
-__all__ = ["accumulate", "adam_step", "all_finite", "fma", "momentum_step", "sgd_step"]
+__all__ = ["accumulate", "adam_step", "all_finite", "fma", "momentum_step", "onebit_adam_delta",
+           "sgd_step"]
 
 _jit = numba.njit(cache=True, nogil=True, fastmath=False, boundscheck=False, error_model="numpy")
 
@@ -112,6 +113,24 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, grad_scale, one_minus_beta1, bet
         denom = np.sqrt(v) / bias_correction2_sqrt + eps
         p = p + neg_step_size * m / denom
         param[i] = p
+
+
+@_jit
+def onebit_adam_delta(param, grad, exp_avg, exp_avg_sq, delta, grad_scale, one_minus_beta1,
+                      eps, weight_decay, neg_lr, bias_correction2_sqrt):
+    """1-bit Adam's compression stage: ``m = lerp(m, g, 1 - beta1)`` with the frozen ``v``,
+    ``delta = -lr * (m / (sqrt(v) / bias_correction2_sqrt + eps) + weight_decay * param)``
+    (decoupled decay, as DeepSpeed adds it to the update). Writes ``delta`` (its own array);
+    ``param`` and ``exp_avg_sq`` are only read."""
+    for i in range(param.shape[0]):
+        g = grad[i] * grad_scale
+        m = exp_avg[i]
+        m = fma(one_minus_beta1, g - m, m)
+        exp_avg[i] = m
+        d = m / (np.sqrt(exp_avg_sq[i]) / bias_correction2_sqrt + eps)
+        if weight_decay != 0:
+            d = fma(weight_decay, param[i], d)
+        delta[i] = neg_lr * d
 
 
 @_jit

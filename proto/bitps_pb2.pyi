@@ -21,6 +21,14 @@ class Op(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REPLY: _ClassVar[Op]
     ERROR: _ClassVar[Op]
 
+class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CODEC_RAW: _ClassVar[Codec]
+    CODEC_BF16: _ClassVar[Codec]
+    CODEC_FP16: _ClassVar[Codec]
+    CODEC_SIGN1: _ClassVar[Codec]
+    CODEC_SPARSE: _ClassVar[Codec]
+
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     DTYPE_UNSPECIFIED: _ClassVar[DType]
@@ -53,6 +61,11 @@ PULL: Op
 PUSH_PULL: Op
 REPLY: Op
 ERROR: Op
+CODEC_RAW: Codec
+CODEC_BF16: Codec
+CODEC_FP16: Codec
+CODEC_SIGN1: Codec
+CODEC_SPARSE: Codec
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 BFLOAT16: DType
@@ -126,7 +139,7 @@ class RegisterMessage(_message.Message):
     def __init__(self, request: _Optional[_Union[RegisterRequest, _Mapping]] = ..., values: _Optional[_Union[KeyValues, _Mapping]] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("shard_id", "num_shards", "data_port", "metrics_port", "mode", "staleness", "start_clock", "max_frame_bytes")
+    __slots__ = ("shard_id", "num_shards", "data_port", "metrics_port", "mode", "staleness", "start_clock", "max_frame_bytes", "freeze_step")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +148,7 @@ class RegisterReply(_message.Message):
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     START_CLOCK_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREEZE_STEP_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     num_shards: int
     data_port: int
@@ -143,7 +157,8 @@ class RegisterReply(_message.Message):
     staleness: int
     start_clock: int
     max_frame_bytes: int
-    def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., data_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., start_clock: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
+    freeze_step: int
+    def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., data_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., start_clock: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., freeze_step: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("rank", "clock", "token")
@@ -222,7 +237,7 @@ class LeaveReply(_message.Message):
     def __init__(self) -> None: ...
 
 class DataHeader(_message.Message):
-    __slots__ = ("op", "protocol", "worker", "request_id", "clock", "keys", "versions", "dtype", "codec", "error", "message", "deadline_s", "token", "min_clock")
+    __slots__ = ("op", "protocol", "worker", "request_id", "clock", "keys", "versions", "dtype", "codec", "error", "message", "deadline_s", "token", "min_clock", "codec_chunk", "codec_flags", "frame_codecs")
     OP_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +252,9 @@ class DataHeader(_message.Message):
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     MIN_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    CODEC_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FLAGS_FIELD_NUMBER: _ClassVar[int]
+    FRAME_CODECS_FIELD_NUMBER: _ClassVar[int]
     op: Op
     protocol: int
     worker: int
@@ -245,10 +263,13 @@ class DataHeader(_message.Message):
     keys: _containers.RepeatedScalarFieldContainer[int]
     versions: _containers.RepeatedScalarFieldContainer[int]
     dtype: DType
-    codec: int
+    codec: Codec
     error: ErrorCode
     message: str
     deadline_s: float
     token: str
     min_clock: int
-    def __init__(self, op: _Optional[_Union[Op, str]] = ..., protocol: _Optional[int] = ..., worker: _Optional[int] = ..., request_id: _Optional[int] = ..., clock: _Optional[int] = ..., keys: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[int] = ..., error: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., deadline_s: _Optional[float] = ..., token: _Optional[str] = ..., min_clock: _Optional[int] = ...) -> None: ...
+    codec_chunk: int
+    codec_flags: int
+    frame_codecs: _containers.RepeatedScalarFieldContainer[Codec]
+    def __init__(self, op: _Optional[_Union[Op, str]] = ..., protocol: _Optional[int] = ..., worker: _Optional[int] = ..., request_id: _Optional[int] = ..., clock: _Optional[int] = ..., keys: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., error: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., deadline_s: _Optional[float] = ..., token: _Optional[str] = ..., min_clock: _Optional[int] = ..., codec_chunk: _Optional[int] = ..., codec_flags: _Optional[int] = ..., frame_codecs: _Optional[_Iterable[_Union[Codec, str]]] = ...) -> None: ...

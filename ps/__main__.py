@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--beta2", type=float, default=_env("beta2", o.beta2))
     add("--eps", type=float, default=_env("eps", o.eps))
     add("--weight-decay", type=float, default=_env("weight-decay", o.weight_decay))
+    add("--freeze-step", type=int, default=_env("freeze-step", o.freeze_step),
+        help="onebit_adam: warmup steps before v freezes and traffic goes 1-bit")
+    add("--onebit-chunk", type=int, default=_env("onebit-chunk", o.onebit_chunk),
+        help="onebit_adam: elements per scale of the published updates")
+    add("--delta-history", type=int, default=_env("delta-history", o.delta_history),
+        help="onebit_adam: compressed updates kept per key")
     add("--heartbeat-timeout", type=float, default=_env("heartbeat-timeout",
                                                          d.heartbeat_timeout_s))
     add("--pull-deadline", type=float, default=_env("pull-deadline", d.pull_deadline_s))
@@ -65,7 +71,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.
     a = build_parser().parse_args(argv)
     opt = OptimizerConfig(name=a.optimizer, lr=a.lr, momentum=a.momentum, dampening=a.dampening,
                           nesterov=a.nesterov, beta1=a.beta1, beta2=a.beta2, eps=a.eps,
-                          weight_decay=a.weight_decay)
+                          weight_decay=a.weight_decay, freeze_step=a.freeze_step,
+                          onebit_chunk=a.onebit_chunk, delta_history=a.delta_history)
     cfg = ServerConfig(shard_id=a.shard_id, num_shards=a.num_shards, host=a.host,
                        grpc_port=a.grpc_port, data_port=a.data_port, metrics_port=a.metrics_port,
                        mode=a.mode, staleness=a.staleness, optimizer=opt,

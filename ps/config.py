@@ -12,7 +12,7 @@ from proto.wire import MAX_FRAME_BYTES
 __all__ = ["MODES", "OPTIMIZERS", "OptimizerConfig", "ServerConfig"]
 
 MODES = ("sync", "async", "ssp")
-OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "onebit_adam")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -36,7 +36,17 @@ class OptimizerConfig:
     eps: float = 1e-8
     """Adam denominator epsilon."""
     weight_decay: float = 0.0
-    """L2 penalty (``sgd``/``momentum``/``adam``) or decoupled decay (``adamw``)."""
+    """L2 penalty (``sgd``/``momentum``/``adam``) or decoupled decay (``adamw``,
+    ``onebit_adam``)."""
+    freeze_step: int = 100
+    """``onebit_adam``: warmup steps of full Adam on bf16 gradients; from this clock on, v is
+    frozen, pushes are sign1 and the shard publishes sign1-compressed updates (DeepSpeed
+    suggests 15-25 % of the run)."""
+    onebit_chunk: int = 2048
+    """``onebit_adam``: elements per scale chunk of the published sign1 updates."""
+    delta_history: int = 16
+    """``onebit_adam``: compressed updates kept per key; a worker further behind gets the full
+    parameters instead."""
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -53,6 +63,12 @@ class OptimizerConfig:
             raise ValueError(f"eps must be > 0, got {self.eps}")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.freeze_step < 1 or self.delta_history < 1:
+            raise ValueError(f"freeze_step and delta_history must be >= 1, got "
+                             f"{self.freeze_step} and {self.delta_history}")
+        if self.onebit_chunk <= 0 or self.onebit_chunk % 64:
+            raise ValueError(f"onebit_chunk must be a positive multiple of 64, got "
+                             f"{self.onebit_chunk}")
 
 
 @dataclass(kw_only=True, frozen=True)

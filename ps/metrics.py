@@ -46,6 +46,12 @@ class ShardMetrics:
         self.requests = m.labeled_counter("bitps_requests_total", "Data-plane requests by op",
                                           "op")
         self.errors = m.labeled_counter("bitps_errors_total", "Error replies by code", "code")
+        self.codec_wire_bytes = m.labeled_counter(
+            "bitps_push_codec_wire_bytes_total", "Compressed gradient bytes received, by codec",
+            "codec")
+        self.codec_decoded_bytes = m.labeled_counter(
+            "bitps_push_codec_decoded_bytes_total",
+            "Float32 bytes those compressed pushes decoded to, by codec", "codec")
         self.registry.register(m)
 
     def watch_clocks(self, snapshot: Callable[[], ClockSnapshot]) -> None:

@@ -46,7 +46,7 @@ class UpdateRule:
         name = self.cfg.name
         if name == "momentum":
             return KeyState(buf1=np.zeros(length, np.float32))
-        if name in ("adam", "adamw"):
+        if name in ("adam", "adamw", "onebit_adam"):
             return KeyState(buf1=np.zeros(length, np.float32), buf2=np.zeros(length, np.float32))
         return KeyState()
 
@@ -78,9 +78,30 @@ class UpdateRule:
             bc2_sqrt = (1 - cfg.beta2**t) ** 0.5
             native.adam_step(param, grad, state.buf1, state.buf2, scale,
                              self._one_minus_beta1, self._beta2, self._one_minus_beta2,
-                             self._eps, self._wd, cfg.name == "adamw",
+                             self._eps, self._wd, cfg.name != "adam",
                              f32(1 - cfg.lr * lr_scale * cfg.weight_decay), f32(neg_step_size),
                              f32(bc2_sqrt))
+
+    @property
+    def onebit(self) -> bool:
+        """True for 1-bit Adam: Adam (decoupled decay) during warmup, then :meth:`delta`."""
+        return self.cfg.name == "onebit_adam"
+
+    def delta(self, param: np.ndarray, grad: np.ndarray, state: KeyState, out: np.ndarray, *,
+              bias_correction2_sqrt: float, grad_scale: float = 1.0) -> None:
+        """1-bit Adam after warmup: update the momentum with ``grad * grad_scale`` and write
+        the parameter update ``-lr * (m / (sqrt(v)/bc2 + eps) + wd * param)`` to ``out`` (v and
+        its bias correction frozen at the switch; m's correction is ~1 by then and omitted, as
+        in DeepSpeed)."""
+        cfg, f32 = self.cfg, np.float32
+        state.step += 1
+        native.onebit_adam_delta(param, grad, state.buf1, state.buf2, out, f32(grad_scale),
+                                 self._one_minus_beta1, self._eps, self._wd, f32(-cfg.lr),
+                                 f32(bias_correction2_sqrt))
+
+    def bias_correction2_sqrt(self, state: KeyState) -> float:
+        """``sqrt(1 - beta2**t)`` at the key's current step (frozen with v at the switch)."""
+        return (1 - self.cfg.beta2 ** max(state.step, 1)) ** 0.5
 
 
 def make_rule(cfg: OptimizerConfig) -> UpdateRule:

@@ -23,10 +23,12 @@ import numpy as np
 
 import native
 from proto import bitps_pb2 as pb
+from proto.codecs import Codec
 from proto.wire import PROTOCOL, PSError, error_name, parse_header
 from ps.clocks import ClockTable
 from ps.config import ServerConfig
 from ps.metrics import ClockSnapshot, ShardMetrics
+from ps.onebit import OneBitState
 from ps.rules import make_rule
 from ps.store import Slot
 
@@ -129,7 +131,8 @@ class ShardCore:
             start = self.clocks.workers[req.rank].clock
         return pb.RegisterReply(shard_id=cfg.shard_id, num_shards=cfg.num_shards, mode=cfg.mode,
                                 staleness=cfg.staleness, start_clock=start,
-                                max_frame_bytes=cfg.max_frame_bytes)
+                                max_frame_bytes=cfg.max_frame_bytes,
+                                freeze_step=cfg.optimizer.freeze_step if self.rule.onebit else 0)
 
     def _new_slots(self, req: pb.RegisterRequest) -> dict[int, Slot]:
         slots = {}
@@ -142,7 +145,11 @@ class ShardCore:
             if spec.length * 4 > self.cfg.max_frame_bytes:
                 raise PSError(pb.TOO_LARGE, f"key {spec.key} is {spec.length * 4} bytes; frames "
                               f"are limited to {self.cfg.max_frame_bytes}")
-            slots[spec.key] = Slot.zeros(spec, self.rule.new_state(spec.length))
+            slots[spec.key] = slot = Slot.zeros(spec, self.rule.new_state(spec.length))
+            if self.rule.onebit:
+                opt = self.cfg.optimizer
+                slot.onebit = OneBitState(spec.length, chunk=opt.onebit_chunk,
+                                          history=opt.delta_history)
         return slots
 
     @staticmethod
@@ -180,7 +187,7 @@ class ShardCore:
             return [self._error(ident, header, err)]
 
     def _dispatch(self, ident: bytes, header: pb.DataHeader, payload: list, t0: float):
-        slots = self._validate(header, payload)
+        slots, grads = self._validate(header, payload)
         op, worker = header.op, header.worker
         self.metrics.requests.labels(_OPS[op]).inc()
         pull_clock = header.clock + 1 if op == pb.PUSH_PULL else header.clock
@@ -188,7 +195,7 @@ class ShardCore:
         min_clock = self.clocks.min_clock()
         replies = []
         if op != pb.PULL:
-            self._push(header, payload, slots, min_clock)
+            self._push(header, payload, grads, slots, min_clock)
             self.metrics.push_latency.observe(self.now() - t0)
         # This request moved a clock or a version: pulls held earlier may go now.
         replies += self._release_held(min_clock)
@@ -228,17 +235,19 @@ class ShardCore:
             if payload:
                 raise PSError(pb.FRAME_COUNT, f"PULL carries {len(payload)} payload frames; "
                               f"expected 0")
-            return slots
-        self._validate_push(header, payload, slots)
-        return slots
+            return slots, []
+        return slots, self._validate_push(header, payload, slots)
 
-    def _validate_push(self, header: pb.DataHeader, payload: list, slots: list[Slot]) -> None:
+    def _validate_push(self, header: pb.DataHeader, payload: list,
+                       slots: list[Slot]) -> list[np.ndarray]:
+        """Check every frame, decode compressed ones; returns the float32 gradients."""
         cfg = self.cfg
         if len(payload) != len(slots):
             raise PSError(pb.FRAME_COUNT, f"{len(payload)} payload frames for {len(slots)} keys")
-        if header.dtype != pb.FLOAT32 or header.codec != 0:
-            raise PSError(pb.BAD_DTYPE, f"payload dtype {_dtype_name(header.dtype)} codec "
-                          f"{header.codec}; expected FLOAT32 with codec 0 (raw)")
+        if header.dtype != pb.FLOAT32:
+            raise PSError(pb.BAD_DTYPE, f"payload dtype {_dtype_name(header.dtype)}; expected "
+                          f"FLOAT32 (compressed payloads name their codec instead)")
+        codec = Codec.from_header(header)
         if header.versions and len(header.versions) != len(slots):
             raise PSError(pb.BAD_HEADER, f"{len(header.versions)} versions for {len(slots)} keys")
         for slot, frame in zip(slots, payload):
@@ -246,13 +255,24 @@ class ShardCore:
             if n > cfg.max_frame_bytes:
                 raise PSError(pb.TOO_LARGE, f"key {slot.spec.key}: frame of {n} bytes exceeds "
                               f"{cfg.max_frame_bytes}")
-            if n != slot.nbytes:
+            if codec.is_raw and n != slot.nbytes:
                 raise PSError(pb.BAD_LENGTH, f"key {slot.spec.key}: payload is {n} bytes; "
                               f"expected {slot.nbytes} ({slot.length} float32)")
+            problem = None if codec.is_raw else codec.check(frame, slot.length)
+            if problem:
+                raise PSError(pb.BAD_LENGTH, f"key {slot.spec.key}: {problem}")
+        grads = [codec.decode(frame, slot.length, slot.decode_buffer())
+                 for slot, frame in zip(slots, payload)]
         if cfg.reject_nonfinite:
-            for slot, frame in zip(slots, payload):
-                if not native.all_finite(np.frombuffer(frame, _F32)):
-                    raise PSError(pb.NON_FINITE, f"key {slot.spec.key}: gradient holds NaN or Inf")
+            for slot, grad in zip(slots, grads):
+                if not native.all_finite(grad):
+                    raise PSError(pb.NON_FINITE, f"key {slot.spec.key}: gradient holds NaN or Inf"
+                                  + ("" if codec.is_raw else f" (decoded from {codec.name})"))
+        if not codec.is_raw:
+            self.metrics.codec_wire_bytes.labels(codec.name).inc(
+                sum(len(f) if not isinstance(f, memoryview) else f.nbytes for f in payload))
+            self.metrics.codec_decoded_bytes.labels(codec.name).inc(
+                sum(s.nbytes for s in slots))
         if cfg.mode == "sync":
             for slot in slots:
                 if header.clock != slot.version or header.worker in slot.pushed:
@@ -261,13 +281,16 @@ class ShardCore:
                                   f"aggregating clock {slot.version}"
                                   + (" and already has this worker's push"
                                      if header.worker in slot.pushed else ""))
+        return grads
 
-    def _push(self, header: pb.DataHeader, payload: list, slots: list[Slot], min_clock: int):
+    def _push(self, header: pb.DataHeader, payload: list, grads: list[np.ndarray],
+              slots: list[Slot], min_clock: int):
         m, sync = self.metrics, self.cfg.mode == "sync"
-        nbytes = 0
-        for i, (slot, frame) in enumerate(zip(slots, payload)):
-            grad = np.frombuffer(frame, _F32)
-            nbytes += grad.nbytes
+        nbytes = sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in payload)
+        freeze = self.rule.onebit and header.clock >= self.cfg.optimizer.freeze_step
+        for i, (slot, grad) in enumerate(zip(slots, grads)):
+            if freeze and not slot.onebit.compressing:
+                slot.onebit.freeze(self.rule.bias_correction2_sqrt(slot.state))
             if sync:
                 slot.accumulate(header.worker, grad)
                 self._try_aggregate(slot)
@@ -305,8 +328,13 @@ class ShardCore:
 
     def _answer(self, ident, header, clock, slots, since, min_clock) -> Reply:
         now, m = self.now(), self.metrics
-        frames = [s.reply_frame() for s in slots]
-        m.pull_bytes.inc(sum(s.nbytes for s in slots))
+        frame_codecs = []
+        if self.rule.onebit:
+            frames, frame_codecs = self._onebit_frames(header, slots)
+        else:
+            frames = [s.reply_frame() for s in slots]
+        m.pull_bytes.inc(sum(f.nbytes if isinstance(f, np.ndarray) else len(f)
+                             for f, _ in frames))
         m.pull_latency.observe(now - since)
         if self.cfg.mode == "ssp":
             m.admission_gap.observe(max(clock - min_clock, 0))
@@ -314,8 +342,20 @@ class ShardCore:
         out = pb.DataHeader(op=pb.REPLY, protocol=PROTOCOL, worker=header.worker,
                             request_id=header.request_id, clock=clock, keys=header.keys,
                             versions=[s.version for s in slots], dtype=pb.FLOAT32,
-                            min_clock=min_clock)
+                            min_clock=min_clock, frame_codecs=frame_codecs)
+        if frame_codecs:
+            out.codec_chunk = self.cfg.optimizer.onebit_chunk
         return Reply(ident, out, [f for f, _ in frames], [buf for _, buf in frames])
+
+    def _onebit_frames(self, header, slots) -> tuple[list, list[int]]:
+        """Per key: the compressed updates since the worker's version, or the parameters."""
+        bases = header.versions if len(header.versions) == len(slots) else [-1] * len(slots)
+        frames, codecs = [], []
+        for base, slot in zip(bases, slots):
+            codec, data = slot.onebit.reply_frame(int(base), slot.version)
+            frames.append(slot.reply_frame() if data is None else (data, None))
+            codecs.append(codec)
+        return frames, codecs
 
     def _ack(self, ident: bytes, header: pb.DataHeader, min_clock: int) -> Reply:
         out = pb.DataHeader(op=pb.REPLY, protocol=PROTOCOL, worker=header.worker,

@@ -3,11 +3,11 @@
 Replies are sent zero-copy: a parameter buffer handed to ZeroMQ must not change until ZeroMQ is
 done with it. So a key's parameters live in a :class:`Buffer` that records the sends still using
 it (``zmq.MessageTracker``). An update writes in place when nothing is in flight (the common
-case: a worker's next push arrives a round trip after its last pull was sent) and into a spare
-buffer otherwise, which then becomes the key's parameters; retired buffers are reused once their
-sends complete, so steady state allocates nothing and a pull never copies in Python. Keys under
-:data:`ZERO_COPY_MIN_BYTES` are sent by a copying send instead (ZeroMQ's one copy is cheaper than
-tracking a frame that small).
+case: a worker's next push arrives a round trip after its last pull was sent) and otherwise on
+a copy in a spare buffer, which then becomes the key's parameters; retired buffers are reused
+once their sends complete, so steady state allocates nothing and a pull never copies in
+Python. Keys under :data:`ZERO_COPY_MIN_BYTES` are sent by a copying send instead (ZeroMQ's one
+copy is cheaper than tracking a frame that small).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 
 import native
 from proto import bitps_pb2 as pb
+from ps.onebit import OneBitState
 from ps.rules import KeyState, UpdateRule
 
 __all__ = ["ZERO_COPY_MIN_BYTES", "Buffer", "Slot"]
@@ -59,6 +60,10 @@ class Slot:
     pushed: set[int] = field(default_factory=set)
     """Sync mode: ranks whose push is in ``acc``."""
     spare: list[Buffer] = field(default_factory=list)
+    onebit: OneBitState | None = None
+    """1-bit Adam state (``onebit_adam`` shards only)."""
+    decoded: np.ndarray = field(default_factory=lambda: _EMPTY)
+    """Where compressed pushes are decoded to (allocated on the first one)."""
 
     @classmethod
     def zeros(cls, spec: pb.KeySpec, state: KeyState) -> Slot:
@@ -80,21 +85,46 @@ class Slot:
     # -- updates ------------------------------------------------------------------------------
     def apply(self, rule: UpdateRule, grad: np.ndarray, *, grad_scale: float = 1.0,
               lr_scale: float = 1.0) -> None:
-        """One optimizer step, in place unless the current parameters are being sent."""
-        current = self.buffer
-        if current.in_flight():
-            fresh = self._spare_buffer()
-            rule.apply(current.array, grad, self.state, grad_scale=grad_scale,
-                       lr_scale=lr_scale, dst=fresh.array)
-            self.buffer = fresh
-            self.spare.append(current)
-            if len(self.spare) > _MAX_SPARE:
-                # ZeroMQ holds its own reference to buffers it is still sending: dropping ours
-                # only means the memory is freed instead of reused.
-                self.spare.pop(0)
-        else:
-            rule.apply(current.array, grad, self.state, grad_scale=grad_scale, lr_scale=lr_scale)
+        """One optimizer step, in place unless the current parameters are being sent (1-bit
+        Adam: :meth:`apply_onebit`)."""
+        if self.onebit is not None:
+            return self.apply_onebit(rule, grad, grad_scale=grad_scale)
+        rule.apply(self._writable(), grad, self.state, grad_scale=grad_scale,
+                   lr_scale=lr_scale)
         self.version += 1
+
+    def apply_onebit(self, rule: UpdateRule, grad: np.ndarray, *,
+                     grad_scale: float = 1.0) -> None:
+        """One 1-bit Adam step (``ps.onebit``): full Adam during warmup; then the compressed
+        update, added to the parameters exactly as workers will add it, and published."""
+        ob = self.onebit
+        if not ob.compressing:
+            rule.apply(self._writable(), grad, self.state, grad_scale=grad_scale)
+            self.version += 1
+            ob.forget()
+            return
+        rule.delta(self.param, grad, self.state, ob.delta, grad_scale=grad_scale,
+                   bias_correction2_sqrt=ob.bias_correction2_sqrt)
+        payload = ob.server.encode(ob.delta)
+        ob.codec.decode_add(payload, self.length, self._writable())
+        self.version += 1
+        ob.publish(self.version, payload)
+
+    def _writable(self) -> np.ndarray:
+        """The parameters to update in place: the current array, or a copy of it in a spare
+        buffer when ZeroMQ is still sending the current one (which then retires)."""
+        current = self.buffer
+        if not current.in_flight():
+            return current.array
+        fresh = self._spare_buffer()
+        np.copyto(fresh.array, current.array)
+        self.buffer = fresh
+        self.spare.append(current)
+        if len(self.spare) > _MAX_SPARE:
+            # ZeroMQ holds its own reference to buffers it is still sending: dropping ours
+            # only means the memory is freed instead of reused.
+            self.spare.pop(0)
+        return fresh.array
 
     def set_values(self, data: bytes) -> None:
         """Overwrite the parameters (initial values from rank 0)."""
@@ -112,6 +142,12 @@ class Slot:
         n = len(self.pushed)
         self.apply(rule, self.acc, grad_scale=1.0 / n)
         self.pushed.clear()
+
+    def decode_buffer(self) -> np.ndarray:
+        """A float32 scratch array of the key's length for decoding a compressed push."""
+        if self.decoded is _EMPTY:
+            self.decoded = np.empty(self.length, np.float32)
+        return self.decoded
 
     # -- replies ------------------------------------------------------------------------------
     def reply_frame(self) -> tuple[np.ndarray, Buffer | None]:

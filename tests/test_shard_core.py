@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from proto import bitps_pb2 as pb
+from proto.codecs import Codec, Compressor
 from proto.wire import PROTOCOL, PSError
 from ps import store
 from ps.config import OptimizerConfig, ServerConfig
@@ -117,6 +118,12 @@ _NAN1[3] = np.nan
 _INF2 = _G2.copy()
 _INF2[-1] = -np.inf
 
+_SIGN1 = {k: bytes(Compressor(Codec(pb.CODEC_SIGN1, 64), n).encode(_grad(0, k)))
+          for k, n in KEYS.items()}
+_SIGN1_NAN = bytearray(_SIGN1[2])
+_SIGN1_NAN[4:8] = np.array([np.nan], "<f4").tobytes()  # the second chunk's scale
+_SIGN1_NAN = bytes(_SIGN1_NAN)
+
 BAD = {
     "unknown_key": (dict(op=pb.PUSH, keys=[0, 7], grads=[_G0, _G0]), pb.UNKNOWN_KEY,
                     ["key 7"]),
@@ -127,7 +134,19 @@ BAD = {
                    ["key 1", "41 bytes", "40"]),
     "float16": (dict(op=pb.PUSH, keys=[0], grads=[_G0.astype(np.float16).tobytes() * 2],
                      dtype=pb.FLOAT16), pb.BAD_DTYPE, ["FLOAT16"]),
-    "codec": (dict(op=pb.PUSH, keys=[0], grads=[_G0], codec=3), pb.BAD_DTYPE, ["codec 3"]),
+    "codec": (dict(op=pb.PUSH, keys=[0], grads=[_G0], codec=9), pb.BAD_DTYPE,
+              ["codec 9 is unknown"]),
+    "codec_chunk": (dict(op=pb.PUSH, keys=[0], grads=[_SIGN1[0]], codec=pb.CODEC_SIGN1,
+                         codec_chunk=100), pb.BAD_DTYPE, ["chunk 100"]),
+    # A compressed payload whose length disagrees with its header (key 2 has 16384 elements).
+    "sign1_length": (dict(op=pb.PUSH, keys=[0, 2], grads=[_SIGN1[0], _SIGN1[2][:-1]],
+                          codec=pb.CODEC_SIGN1, codec_chunk=64), pb.BAD_LENGTH,
+                     ["key 2", "sign1 payload is 3071 bytes", "expected 3072"]),
+    "sign1_nan_scale": (dict(op=pb.PUSH, keys=[0, 2], grads=[_SIGN1[0], _SIGN1_NAN],
+                             codec=pb.CODEC_SIGN1, codec_chunk=64), pb.NON_FINITE,
+                        ["key 2", "decoded from sign1"]),
+    "sparse_garbage": (dict(op=pb.PUSH, keys=[2], grads=[b"\xff" * 40],
+                            codec=pb.CODEC_SPARSE, codec_chunk=64), pb.BAD_LENGTH, ["key 2"]),
     "op_99": (dict(op=99, keys=[0], grads=[_G0]), pb.UNKNOWN_OP, ["op 99"]),
     "frames_missing": (dict(op=pb.PUSH, keys=[0, 1], grads=[_G0]), pb.FRAME_COUNT,
                        ["1 payload frames for 2 keys"]),

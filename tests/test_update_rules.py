@@ -1,5 +1,6 @@
 """Tests for ps.rules and the native update kernels: equality with torch.optim, grad/lr scaling,
-copy-on-write ``dst``, the NaN/Inf test, the pure-Python path (``NUMBA_DISABLE_JIT=1``) and the small kernels."""
+copy-on-write ``dst``, the NaN/Inf test, the pure-Python path (``NUMBA_DISABLE_JIT=1``) and the
+small kernels."""
 
 from __future__ import annotations
 

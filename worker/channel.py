@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
+from native import sign1
 from proto import bitps_pb2 as pb
 from proto.wire import PSError, parse_header
 from worker.metrics import WorkerMetrics
@@ -108,6 +109,8 @@ class Request:
     deadline: float
     op: int
     nbytes: int
+    copy: bool = False
+    """Send payload frames by copy: they live in buffers reused by the next encode."""
 
 
 class Channel:
@@ -144,7 +147,7 @@ class Channel:
                     # Zero-copy for big payloads; below ZeroMQ's copy threshold a copying send
                     # is cheaper than building a zero-copy frame that copies anyway.
                     sock.send(part, 0 if i == last else _SNDMORE,
-                              copy=part.nbytes < _ZERO_COPY_MIN if i else True)
+                              copy=req.copy or part.nbytes < _ZERO_COPY_MIN if i else True)
 
     def progress(self, timeout_s: float, *, blocking: bool = True) -> None:
         """Receive and dispatch replies for up to ``timeout_s``; expire overdue requests."""
@@ -203,11 +206,17 @@ class Channel:
             err = (PSTimeoutError(header.message, shard=shard) if header.error == pb.DEADLINE
                    else PSError(header.error, header.message, shard=shard))
             return req.handle._part_done(err)
-        error, nbytes = None, 0
-        for key, out in zip(req.keys, req.outs):
+        error, nbytes, codecs = None, 0, header.frame_codecs
+        for i, (key, out) in enumerate(zip(req.keys, req.outs)):
             if not sock.get(_RCVMORE):
                 error = PSError(pb.FRAME_COUNT, f"reply ends before key {key}", shard=shard)
                 break
+            if codecs and codecs[i] == pb.CODEC_SIGN1:
+                frame = sock.recv(copy=False).buffer
+                nbytes += frame.nbytes
+                error = error or self._apply_updates(frame, out, key, header.versions[i],
+                                                     header.codec_chunk, shard)
+                continue
             n = sock.recv_into(out)
             if n != out.nbytes and error is None:
                 error = PSError(pb.BAD_LENGTH, f"reply for key {key} is {n} bytes; expected "
@@ -232,6 +241,22 @@ class Channel:
                 m.pull_latency.observe(elapsed)
             m.min_clock.set(header.min_clock)
         req.handle._part_done()
+
+    def _apply_updates(self, frame: memoryview, out: np.ndarray, key: int, version: int,
+                       chunk: int, shard: int) -> PSError | None:
+        """Add a onebit_adam shard's compressed updates (``ps.onebit``) to this worker's copy
+        ``out``, oldest first, exactly as the shard added them to its own; checked whole before
+        anything is added, so a bad frame leaves the copy as it was."""
+        n, base = out.shape[0], self.versions.get(key, 0)
+        size = sign1.payload_bytes(n, chunk or sign1.DEFAULT_CHUNK)
+        count, rest = divmod(frame.nbytes, size)
+        if rest or count != version - base:
+            return PSError(pb.BAD_LENGTH, f"key {key}: {frame.nbytes} bytes of sign1 updates "
+                           f"from version {base} to {version}; expected {version - base} x "
+                           f"{size} bytes", shard=shard)
+        for j in range(count):
+            sign1.decode_add(frame[j * size:(j + 1) * size], n, out, chunk=chunk)
+        return None
 
     @staticmethod
     def _discard(sock: zmq.Socket) -> None:

@@ -28,6 +28,7 @@ import zmq
 
 from proto import bitps_pb2 as pb
 from proto import bitps_pb2_grpc as pb_grpc
+from proto.codecs import MEAN_ABS, Codec, Compressor
 from proto.keyplan import KeyPlan
 from proto.wire import PROTOCOL, PSError
 from worker.channel import Channel, Handle, PSTimeoutError, Request
@@ -39,6 +40,9 @@ __all__ = ["Handle", "PSClient", "PSTimeoutError"]
 log = logging.getLogger(__name__)
 _F32 = np.dtype("<f4")
 _ERROR_METADATA_KEY = "bitps-error-code"
+_U64 = (1 << 64) - 1
+_WARMUP_CODEC = Codec(pb.CODEC_BF16)
+_SIGN1 = Codec(pb.CODEC_SIGN1)
 
 
 class PSClient:
@@ -65,6 +69,11 @@ class PSClient:
         self._channels_lock = threading.Lock()
         self._closing = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        self._push_codec = Codec.from_config(cfg.push_codec)
+        self._compressors: dict[tuple[int, int], Compressor] = {}
+        self.freeze_step = 0
+        """Set by a ``onebit_adam`` shard at registration: pushes for clocks before it go bf16,
+        from it on sign1 (with this client's push codec chunk when that is sign1)."""
 
     # -- control plane ------------------------------------------------------------------------
     def register(self, plan: KeyPlan, values: Mapping[int, np.ndarray] | None = None) -> None:
@@ -86,6 +95,7 @@ class PSClient:
             host = self.cfg.servers[shard].rsplit(":", 1)[0]
             endpoints.append(f"tcp://{host}:{reply.data_port}")
             self.start_clock = max(self.start_clock, reply.start_clock)
+            self.freeze_step = reply.freeze_step
         self.clock = self.start_clock
         self.versions = {k.key: 0 for k in plan.keys}
         self._endpoints = endpoints
@@ -157,29 +167,82 @@ class PSClient:
             raise RuntimeError("the client is closed")
         if grads and len(grads) != len(keys) or outs and len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(grads)} grads and {len(outs)} outs")
-        groups = self._group(keys, grads, outs)
+        codec = self.push_codec_at(clock)
+        groups = self._group(keys, grads, outs, compress=bool(grads) and not codec.is_raw)
         channel = self._channel()
         handle = Handle(channel, len(groups), (self.cfg.rank, op, clock, keys),
                         self.cfg.deadline_s, keep=(grads,))
         deadline = time.monotonic() + self.cfg.deadline_s
         requests = []
-        for shard, idx in groups:
+        for shard, compressed, idx in groups:
             ks = [keys[i] for i in idx]
             header = pb.DataHeader(op=op, protocol=PROTOCOL, worker=self.cfg.rank,
                                    request_id=next(self._ids), clock=clock, keys=ks,
                                    dtype=pb.FLOAT32, deadline_s=self.cfg.deadline_s,
                                    token=self.cfg.token)
-            nbytes = 0
+            # The versions of this worker's copies: what a gradient was computed from, and
+            # where a onebit_adam shard's compressed updates start.
+            header.versions.extend(self.versions[k] for k in ks)
+            payload, nbytes = [], 0
             if grads:
-                header.versions.extend(self.versions[k] for k in ks)
                 nbytes = sum(grads[i].nbytes for i in idx)
-            frames = [header.SerializeToString(), *(grads[i] for i in idx)] if grads else \
-                [header.SerializeToString()]
-            requests.append(Request(shard, header.request_id, ks, frames,
+                payload = self._compress(codec, header, ks, [grads[i] for i in idx], clock) \
+                    if compressed else [grads[i] for i in idx]
+            requests.append(Request(shard, header.request_id, ks,
+                                    [header.SerializeToString(), *payload],
                                     [outs[i] for i in idx] if outs else (), handle, deadline,
-                                    op, nbytes))
+                                    op, nbytes, copy=compressed))
         channel.send(requests)
         return handle
+
+    def push_codec_at(self, clock: int) -> Codec:
+        """The codec pushes for ``clock`` use: the configured push codec, or 1-bit Adam's (bf16
+        during warmup, then sign1)."""
+        if not self.freeze_step:
+            return self._push_codec
+        if clock < self.freeze_step:
+            return _WARMUP_CODEC
+        chunk = self._push_codec.chunk if self._push_codec.id == pb.CODEC_SIGN1 else \
+            _SIGN1.chunk
+        return Codec(pb.CODEC_SIGN1, chunk, self._push_codec.flags & MEAN_ABS)
+
+    def _compress(self, codec: Codec, header: pb.DataHeader, keys: list[int],
+                  grads: list[np.ndarray], clock: int) -> list[memoryview]:
+        """Encode one message's gradients with ``codec`` (error feedback per key)."""
+        header.codec, header.codec_chunk, header.codec_flags = codec.wire_fields()
+        seed = (self.cfg.codec_seed * 1_000_003 + clock) * 65_537 + self.cfg.rank
+        payload = []
+        for key, grad in zip(keys, grads):
+            comp = self._compressors.get((key, codec.id))
+            if comp is None:
+                comp = self._compressors[key, codec.id] = Compressor(codec, grad.shape[0])
+            payload.append(comp.encode(grad, seed=(seed * 131 + key) & _U64))
+        wire = sum(p.nbytes for p in payload)
+        with self.metrics.lock:
+            self.metrics.codec_raw_bytes.labels(codec.name).inc(sum(g.nbytes for g in grads))
+            self.metrics.codec_wire_bytes.labels(codec.name).inc(wire)
+        return payload
+
+    def residuals(self) -> dict[int, np.ndarray]:
+        """Every key's error-feedback residual (the state to save; arrays owned by the
+        client, updated by each push)."""
+        return {k: c.residual for (k, _), c in self._compressors.items()
+                if c.residual is not None and c.codec == self._push_codec}
+
+    def load_residuals(self, residuals: Mapping[int, np.ndarray]) -> None:
+        """Restore residuals saved by :meth:`residuals` (same plan and push codec)."""
+        if self.plan is None:
+            raise RuntimeError("register() before load_residuals()")
+        for key, r in residuals.items():
+            n = self.plan.keys[key].length
+            if r.shape != (n,) or r.dtype != _F32:
+                raise ValueError(f"residual of key {key} is {r.dtype}{r.shape}; expected "
+                                 f"float32[{n}]")
+            comp = self._compressors.get((key, self._push_codec.id))
+            if comp is None:
+                comp = self._compressors[key, self._push_codec.id] = \
+                    Compressor(self._push_codec, n)
+            np.copyto(comp.residual, r)
 
     def _channel(self) -> Channel:
         channel = getattr(self._local, "channel", None)
@@ -197,10 +260,12 @@ class PSClient:
         channel = getattr(self._local, "channel", None)
         return channel.min_clock if channel is not None else self._heartbeat_min_clock
 
-    def _group(self, keys, grads, outs) -> list[tuple[int, list[int]]]:
-        """Split the request per shard, then into messages of at most ``message_bytes``."""
+    def _group(self, keys, grads, outs, *, compress: bool) -> list[tuple[int, bool, list[int]]]:
+        """Split the request per shard and codec (compressed or raw), then into messages of at
+        most ``message_bytes`` (counted in float32 bytes)."""
         plan_keys, limit = self.plan.keys, self.cfg.message_bytes
-        by_shard: dict[int, list[int]] = {}
+        min_bytes = self.cfg.compress_min_bytes
+        by_shard: dict[tuple[int, bool], list[int]] = {}
         for i, k in enumerate(keys):
             if not 0 <= k < len(plan_keys):
                 raise PSError(pb.UNKNOWN_KEY, f"key {k} is not in the plan "
@@ -212,18 +277,20 @@ class PSClient:
                                      f"expected float32[{spec.length}]")
             if outs and not (outs[i].flags.c_contiguous and outs[i].flags.writeable):
                 raise ValueError(f"key {k}: output must be a writable contiguous array")
-            by_shard.setdefault(spec.shard, []).append(i)
+            # One codec per message: keys the push codec compresses travel apart from raw ones.
+            compressed = compress and spec.nbytes >= min_bytes
+            by_shard.setdefault((spec.shard, compressed), []).append(i)
         groups = []
-        for shard, idx in by_shard.items():
+        for (shard, compressed), idx in by_shard.items():
             batch, size = [], 0
             for i in idx:
                 n = plan_keys[keys[i]].nbytes
                 if batch and size + n > limit:
-                    groups.append((shard, batch))
+                    groups.append((shard, compressed, batch))
                     batch, size = [], 0
                 batch.append(i)
                 size += n
-            groups.append((shard, batch))
+            groups.append((shard, compressed, batch))
         return groups
 
     # -- lifetime -----------------------------------------------------------------------------

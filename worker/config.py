@@ -5,8 +5,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from proto.codecs import CodecConfig
 from proto.keyplan import DEFAULT_PARTITION_BYTES
 
 __all__ = ["ClientConfig"]
@@ -37,6 +38,19 @@ class ClientConfig:
     keys share a message to amortise the per-message cost (~100 us of Python per side here),
     and a larger key travels alone, so the shard updates one key while the next arrives."""
 
+    push_codec: CodecConfig = field(default_factory=CodecConfig)
+    """How gradients are pushed (``proto.codecs``): ``raw`` float32 by default; ``bf16``,
+    ``fp16``, ``sign1`` or ``sparse`` compress each key with error feedback kept per key."""
+    compress_min_bytes: int = 1 << 20
+    """Keys smaller than this many (float32) bytes are pushed raw even with a push codec: for
+    small messages the per-message cost dominates and compressing gains nothing."""
+    clip_norm: float = 1.0
+    """With a push codec, ``PSModel`` clips the local gradient to this global L2 norm before
+    error feedback (0 = no clipping; raw pushes are never clipped)."""
+    codec_seed: int = 0
+    """Seed of the sparse codec's sampling and stochastic rounding (mixed with rank, key and
+    step, so runs repeat exactly)."""
+
     def __post_init__(self) -> None:
         if not self.servers:
             raise ValueError("servers must name at least one shard as host:port")
@@ -49,6 +63,9 @@ class ClientConfig:
         for attr in ("deadline_s", "register_timeout_s", "heartbeat_s"):
             if not getattr(self, attr) > 0:
                 raise ValueError(f"{attr} must be > 0, got {getattr(self, attr)}")
+        if self.compress_min_bytes < 0 or self.clip_norm < 0:
+            raise ValueError(f"compress_min_bytes and clip_norm must be >= 0, got "
+                             f"{self.compress_min_bytes} and {self.clip_norm}")
         if self.partition_bytes < 1024 or self.message_bytes < 1024:
             raise ValueError(f"partition_bytes and message_bytes must be >= 1024, got "
                              f"{self.partition_bytes} and {self.message_bytes}")

@@ -37,4 +37,10 @@ class WorkerMetrics:
         self.min_clock = m.gauge("bitps_worker_min_clock_steps",
                                  "Smallest live clock the shards last reported")
         self.loss = m.gauge("bitps_worker_loss", "Training loss of the last step")
+        self.codec_raw_bytes = m.labeled_counter(
+            "bitps_worker_codec_raw_bytes_total",
+            "Float32 gradient bytes handed to the push codec, by codec", "codec")
+        self.codec_wire_bytes = m.labeled_counter(
+            "bitps_worker_codec_wire_bytes_total",
+            "Bytes the push codec sent for them, by codec (ratio = raw / wire)", "codec")
         self.registry.register(m)

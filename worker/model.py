@@ -94,6 +94,12 @@ class PSModel:
 
     def step(self) -> None:
         """Push this step's gradients, pull the parameters the shards computed, zero the grads."""
+        cfg = self.client.cfg
+        if cfg.push_codec.name != "raw" and cfg.clip_norm > 0:
+            # Clip the raw local gradient before error feedback adds the residual (DGC's local
+            # clipping): clipping the compensated vector would eat the mass EF is carrying.
+            torch.nn.utils.clip_grad_norm_([p for _, p in self.params if p.grad is not None],
+                                           cfg.clip_norm)
         grads = self._grads()
         if self._uploaded is not None:
             self._uploaded.synchronize()

@@ -1,0 +1,127 @@
+"""``bitps-bench codec``: the codec kernels on one thread against memcpy, the numpy references
+and the torch-ops implementation, all in the same run.
+
+A float32 gradient of ``mib`` MiB (standard normal, seed 0) is compressed with error feedback
+and decompressed-and-accumulated. Every implementation is called ``repeats`` times, round-robin
+with the others and with ``np.copyto`` of the same bytes into a preallocated buffer (memcpy), so
+machine noise hits all alike; medians are reported. "vs memcpy" = memcpy time / this time (1.0 =
+as fast as copying the float32 gradient once); "kernel speedup" = this time / the numba
+kernel's time for the same operation.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.report import check, median, write_results
+from native import casts, sign1, sparse
+
+__all__ = ["run"]
+
+MIB = 1 << 20
+
+
+def _cases(grad: np.ndarray) -> dict:
+    """(operation, implementation) -> a zero-argument callable doing it once."""
+    import torch
+
+    from worker import codec_torch
+
+    n, chunk = grad.shape[0], sign1.DEFAULT_CHUNK
+    res = {name: np.zeros(n, np.float32) for name in ("k", "np", "sk", "snp", "bf")}
+    out = np.empty(sign1.payload_bytes(n, chunk), np.uint8)
+    sign1.encode(grad, res["k"], out)
+    payload = out.tobytes()
+    acc = np.zeros(n, np.float32)
+    tgrad, tres, tacc = torch.from_numpy(grad), torch.zeros(n), torch.zeros(n)
+    tpayload = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    sp_out = np.empty(sparse.max_payload_bytes(n, chunk, sparse.NATEXP8), np.uint8)
+    scratch = np.empty(sparse.sample_size(n), np.float32)
+    size = sparse.encode(grad, res["sk"], sp_out, scratch, np.uint64(1), chunk, sparse.NATEXP8)
+    sp_payload = sp_out[:size].copy()
+    bf_out = np.empty(n, np.uint16)
+    dst = np.empty_like(grad)
+    return {
+        ("copy float32 gradient", "memcpy (np.copyto)"): lambda: np.copyto(dst, grad),
+        ("sign1 compress + EF", "numba kernel"): lambda: sign1.encode(grad, res["k"], out),
+        ("sign1 compress + EF", "numpy reference"):
+            lambda: sign1.encode_reference(grad, res["np"]),
+        ("sign1 compress + EF", "torch ops"):
+            lambda: codec_torch.sign1_encode(tgrad, tres, chunk=chunk),
+        ("sign1 decompress + accumulate", "numba kernel"):
+            lambda: sign1.decode_add(payload, n, acc),
+        ("sign1 decompress + accumulate", "numpy reference"):
+            lambda: np.add(acc, sign1.decode_reference(payload, n), out=acc),
+        ("sign1 decompress + accumulate", "torch ops"):
+            lambda: codec_torch.sign1_decode_add(tpayload, n, tacc, chunk=chunk),
+        ("sparse natexp8 compress + EF", "numba kernel"):
+            lambda: sparse.encode(grad, res["sk"], sp_out, scratch, np.uint64(1), chunk,
+                                  sparse.NATEXP8),
+        ("sparse natexp8 compress + EF", "numpy reference"):
+            lambda: sparse.encode_reference(grad, res["snp"], np.uint64(1), chunk,
+                                            sparse.NATEXP8),
+        ("sparse decompress + accumulate", "numba kernel"):
+            lambda: sparse.decode_add(sp_payload, n, chunk, acc),
+        ("bf16 compress + EF", "numba kernel"): lambda: casts.bf16_encode(grad, res["bf"],
+                                                                          bf_out),
+        ("bf16 decompress + accumulate", "numba kernel"):
+            lambda: casts.bf16_decode_add(bf_out, n, acc),
+    }
+
+
+def run(*, mib: int = 64, repeats: int = 7, out: Path | None = None) -> dict:
+    """Run the scenario, write ``codec.json``/``.md`` under ``out``, return the document."""
+    import numba
+    import torch
+
+    torch.set_num_threads(1)
+    numba.set_num_threads(1)
+    grad = np.random.default_rng(0).standard_normal(mib * MIB // 4).astype(np.float32)
+    cases = _cases(grad)
+    for fn in cases.values():
+        fn()  # compile and touch every buffer once
+    times: dict = {key: [] for key in cases}
+    for _ in range(repeats):
+        for key, fn in cases.items():
+            t0 = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - t0)
+    med = {key: median(ts) for key, ts in times.items()}
+    memcpy = med[("copy float32 gradient", "memcpy (np.copyto)")]
+    kernel = {op: t for (op, impl), t in med.items() if impl == "numba kernel"}
+    rows = [{"operation": op, "implementation": impl, "ms": t * 1e3,
+             "GBps": grad.nbytes / t / 1e9, "vs_memcpy": memcpy / t,
+             "kernel_speedup": t / kernel[op] if op in kernel else None}
+            for (op, impl), t in med.items()]
+    by = {(r["operation"], r["implementation"]): r for r in rows}
+
+    def ratio(op: str, impl: str, key: str) -> float:
+        return round(by[(op, impl)][key], 2)
+
+    enc, dec = "sign1 compress + EF", "sign1 decompress + accumulate"
+    checks = {
+        "sign1_compress_vs_memcpy": _goal(ratio(enc, "numba kernel", "vs_memcpy"), 0.4),
+        "sign1_decompress_vs_memcpy": _goal(ratio(dec, "numba kernel", "vs_memcpy"), 0.8),
+        "sign1_compress_vs_numpy": _goal(ratio(enc, "numpy reference", "kernel_speedup"), 5),
+        "sign1_decompress_vs_numpy": _goal(ratio(dec, "numpy reference", "kernel_speedup"), 5),
+        "sign1_compress_vs_torch": _goal(ratio(enc, "torch ops", "kernel_speedup"), 10),
+        "sign1_decompress_vs_torch": _goal(ratio(dec, "torch ops", "kernel_speedup"), 10),
+        "sparse_compress_vs_memcpy": _goal(
+            ratio("sparse natexp8 compress + EF", "numba kernel", "vs_memcpy"), 0.2),
+    }
+    notes = (f"{mib} MiB float32 gradient (standard normal), one thread (numba and torch set to "
+             f"1), medians of {repeats} round-robin calls. vs memcpy = memcpy time / this time; "
+             "kernel speedup = this time / the numba kernel's time.")
+    write_results("codec", config={"mib": mib, "repeats": repeats, "chunk": sign1.DEFAULT_CHUNK,
+                                   "threads": 1}, rows=rows, checks=checks, out=out, notes=notes,
+                  columns=[("operation", "operation"), ("implementation", "implementation"),
+                           ("ms", "ms"), ("GBps", "GB/s (fp32 in)"),
+                           ("vs_memcpy", "vs memcpy"), ("kernel_speedup", "kernel speedup")])
+    return {"rows": rows, "checks": checks}
+
+
+def _goal(value: float, at_least: float) -> dict:
+    return check(value, f">= {at_least:g}", value >= at_least)

@@ -1,0 +1,196 @@
+"""The ``sign1`` codec: one sign bit per element plus one float32 scale per chunk, with error
+feedback fused into the encoder.
+
+Payload of a key of ``n`` float32 elements with chunk size ``C`` (a multiple of 64)::
+
+    offset 0              ceil(n/C) float32 scales, little-endian, one per chunk
+    offset 4*ceil(n/C)    ceil(n/8) bytes of sign bits: element j is bit (j & 7) of byte j >> 3
+                          (LSB first, numpy ``bitorder="little"``); 1 = negative, 0 = positive
+                          or zero; unused high bits of the last byte are 0
+
+    total = ceil(n/8) + 4*ceil(n/C) bytes; element j decodes to ``scale[j // C] * (1 - 2*bit)``.
+
+Encoding with error feedback (``residual`` is the key's EF state, updated in place)::
+
+    u = grad + residual                       (float32)
+    scale[c] = RMS of u over chunk c          (default)  or mean |u| (``mean_abs``)
+    residual = u - decode(payload)            (float32)
+
+The chunk's sum of squares (or of |u|) is taken in float64 in a fixed order, so every
+implementation (this kernel, the numpy reference, the torch one) gets the same bits: 64 lanes,
+lane l summing elements ``l, l+64, l+128, ...`` of the chunk sequentially, then the lanes folded
+pairwise (lane l += lane l + w/2 for w = 64, 32, ..., 2). The scale is
+``float32(sqrt(sum / count))`` (RMS) or ``float32(sum / count)`` (mean |u|), with ``count`` the
+chunk's element count (the last chunk may be short). An all-zero chunk has scale 0 and decodes to
+zeros. Squares of float32 values are exact in float64, so only the fixed-order sums round.
+
+Buffer ownership: the caller owns every array; kernels never allocate beyond 64 float64 lanes.
+``grad`` may be a read-only view of a received frame. ``payload`` arguments of the decoder are
+read only.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+__all__ = ["DEFAULT_CHUNK", "LANES", "decode_add", "decode_reference", "encode",
+           "encode_reference", "payload_bytes", "split"]
+
+DEFAULT_CHUNK = 2048
+LANES = 64
+
+_jit = numba.njit(cache=True, nogil=True, fastmath=False, boundscheck=False, error_model="numpy")
+
+
+def payload_bytes(n: int, chunk: int = DEFAULT_CHUNK) -> int:
+    """Exact payload size of a key of ``n`` elements: ``ceil(n/8) + 4*ceil(n/chunk)``."""
+    return (n + 7) // 8 + 4 * ((n + chunk - 1) // chunk)
+
+
+def split(payload: np.ndarray, n: int, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """The scales (float32) and sign bytes (uint8) of a ``payload`` of ``payload_bytes(n, chunk)``
+    bytes; views, no copy (scales may be unaligned when the payload is)."""
+    nchunks = (n + chunk - 1) // chunk
+    scales = np.frombuffer(payload, np.float32, count=nchunks)
+    bits = np.frombuffer(payload, np.uint8, count=(n + 7) // 8, offset=4 * nchunks)
+    return scales, bits
+
+
+def _check_chunk(chunk: int) -> None:
+    if chunk <= 0 or chunk % LANES:
+        raise ValueError(f"sign1 chunk is {chunk}; expected a positive multiple of {LANES}")
+
+
+def encode(grad: np.ndarray, residual: np.ndarray, out: np.ndarray, *,
+           chunk: int = DEFAULT_CHUNK, mean_abs: bool = False) -> int:
+    """Compress ``grad + residual`` into ``out`` (uint8, at least ``payload_bytes`` long) and
+    store the new residual; returns the payload size."""
+    _check_chunk(chunk)
+    n = grad.shape[0]
+    if residual.shape != grad.shape or residual.dtype != np.float32 or grad.dtype != np.float32:
+        raise ValueError(f"grad {grad.dtype}{grad.shape} and residual {residual.dtype}"
+                         f"{residual.shape} must both be float32 of one length")
+    size = payload_bytes(n, chunk)
+    if out.dtype != np.uint8 or out.shape[0] < size:
+        raise ValueError(f"out is {out.dtype}[{out.shape[0]}]; expected uint8 of >= {size} bytes")
+    nchunks = (n + chunk - 1) // chunk
+    _encode(grad, residual, out[:4 * nchunks].view(np.float32), out[4 * nchunks:size],
+            np.int64(chunk), mean_abs)
+    return size
+
+
+def decode_add(payload, n: int, acc: np.ndarray, *, chunk: int = DEFAULT_CHUNK) -> None:
+    """``acc += decode(payload)`` for a payload of exactly ``payload_bytes(n, chunk)`` bytes
+    (the caller checks the length: it comes off the wire)."""
+    _check_chunk(chunk)
+    scales, bits = split(payload, n, chunk)
+    _decode_add(scales, bits, acc[:n], np.int64(chunk))
+
+
+@_jit
+def _encode(grad, residual, scales, bits, chunk, mean_abs):
+    # Loops index chunk-local slices from 0: with absolute indices numba cannot rule out
+    # negative ones, wraps each access, and the loops stop vectorizing (2-3x slower).
+    n = grad.shape[0]
+    lanes = np.zeros(LANES, np.float64)
+    for c in range(scales.shape[0]):
+        lo = c * chunk
+        m = min(n, lo + chunk) - lo
+        g = grad[lo:lo + m]
+        u = residual[lo:lo + m]
+        for j in range(m):
+            u[j] = g[j] + u[j]
+        lanes[:] = 0.0
+        full = m - m % LANES
+        for base in range(0, full, LANES):
+            x = u[base:base + LANES]
+            for lane in range(LANES):
+                v = np.float64(x[lane])
+                lanes[lane] += abs(v) if mean_abs else v * v
+        for lane in range(m - full):
+            v = np.float64(u[full + lane])
+            lanes[lane] += abs(v) if mean_abs else v * v
+        width = LANES
+        while width > 1:
+            width //= 2
+            for lane in range(width):
+                lanes[lane] = lanes[lane] + lanes[lane + width]
+        mean = lanes[0] / m
+        s = np.float32(mean) if mean_abs else np.float32(np.sqrt(mean))
+        _pack_signs(u, bits[lo >> 3:(lo + m + 7) >> 3])
+        neg_s = -s
+        for j in range(m):
+            x = u[j]
+            u[j] = x - (neg_s if x < 0 else s)
+        scales[c] = s
+
+
+@_jit
+def _pack_signs(u, out):
+    m = u.shape[0]
+    full = m - m % 8
+    for i in range(full >> 3):
+        byte = np.uint8(0)
+        for k in range(8):
+            byte |= np.uint8(u[8 * i + k] < 0) << np.uint8(k)
+        out[i] = byte
+    if full < m:
+        byte = np.uint8(0)
+        for k in range(m - full):
+            byte |= np.uint8(u[full + k] < 0) << np.uint8(k)
+        out[full >> 3] = byte
+
+
+@_jit
+def _decode_add(scales, bits, acc, chunk):
+    n = acc.shape[0]
+    for c in range(scales.shape[0]):
+        lo = c * chunk
+        m = min(n, lo + chunk) - lo
+        s = scales[c]
+        neg_s = -s
+        a = acc[lo:lo + m]
+        b = bits[lo >> 3:(lo + m + 7) >> 3]
+        full = m - m % 8
+        for i in range(full >> 3):
+            byte = b[i]
+            for k in range(8):
+                a[8 * i + k] = a[8 * i + k] + (neg_s if (byte >> k) & 1 else s)
+        for j in range(full, m):
+            a[j] = a[j] + (neg_s if (b[j >> 3] >> (j & 7)) & 1 else s)
+
+
+# -- numpy reference (the spec check; written independently of the kernels) --------------------
+
+def encode_reference(grad: np.ndarray, residual: np.ndarray, *, chunk: int = DEFAULT_CHUNK,
+                     mean_abs: bool = False) -> tuple[bytes, np.ndarray]:
+    """The payload and the new residual, in plain numpy."""
+    _check_chunk(chunk)
+    n = grad.shape[0]
+    u = (grad + residual).astype(np.float32)
+    nchunks = (n + chunk - 1) // chunk
+    padded = np.zeros(nchunks * chunk, np.float64)
+    padded[:n] = np.abs(u) if mean_abs else u.astype(np.float64) ** 2
+    # lane sums: sequential down each lane (cumsum is a plain left-to-right loop), then folded
+    lanes = np.cumsum(padded.reshape(nchunks, chunk // LANES, LANES), axis=1)[:, -1, :]
+    width = LANES
+    while width > 1:
+        width //= 2
+        lanes = lanes[:, :width] + lanes[:, width:2 * width]
+    counts = np.minimum(chunk, n - np.arange(nchunks) * chunk)
+    mean = lanes[:, 0] / counts
+    scales = (mean if mean_abs else np.sqrt(mean)).astype(np.float32)
+    negative = u < 0
+    per_elem = np.repeat(scales, chunk)[:n]
+    decoded = np.where(negative, -per_elem, per_elem)
+    payload = scales.astype("<f4").tobytes() + np.packbits(negative, bitorder="little").tobytes()
+    return payload, (u - decoded).astype(np.float32)
+
+
+def decode_reference(payload: bytes, n: int, *, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
+    """The dense float32 values of a payload, in plain numpy."""
+    scales, bits = split(payload, n, chunk)
+    negative = np.unpackbits(bits, count=n, bitorder="little").astype(bool)
+    per_elem = np.repeat(scales, chunk)[:n]
+    return np.where(negative, -per_elem, per_elem).astype(np.float32)
