@@ -10,9 +10,10 @@ from native.update_rules import (
     adam_step,
     all_finite,
     momentum_step,
+    onebit_adam_apply,
     onebit_adam_delta,
     sgd_step,
 )
 
-__all__ = ["accumulate", "adam_step", "all_finite", "momentum_step", "onebit_adam_delta",
-           "sgd_step"]
+__all__ = ["accumulate", "adam_step", "all_finite", "momentum_step", "onebit_adam_apply",
+           "onebit_adam_delta", "sgd_step"]

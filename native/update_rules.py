@@ -29,8 +29,8 @@ import numba
 import numpy as np
 from numba.extending import intrinsic
 
-__all__ = ["accumulate", "adam_step", "all_finite", "fma", "momentum_step", "onebit_adam_delta",
-           "sgd_step"]
+__all__ = ["accumulate", "adam_step", "all_finite", "fma", "momentum_step", "onebit_adam_apply",
+           "onebit_adam_delta", "sgd_step"]
 
 _jit = numba.njit(cache=True, nogil=True, fastmath=False, boundscheck=False, error_model="numpy")
 
@@ -121,8 +121,18 @@ def onebit_adam_delta(param, grad, exp_avg, exp_avg_sq, delta, grad_scale, one_m
     """1-bit Adam's compression stage: ``m = lerp(m, g, 1 - beta1)`` with the frozen ``v``,
     ``delta = -lr * (m / (sqrt(v) / bias_correction2_sqrt + eps) + weight_decay * param)``
     (decoupled decay, as DeepSpeed adds it to the update). Writes ``delta`` (its own array);
-    ``param`` and ``exp_avg_sq`` are only read."""
+    ``param`` and ``exp_avg_sq`` are only read.
+
+    Coordinates whose frozen ``v`` is exactly 0 (no gradient at all during warmup: embedding and
+    output rows of tokens never seen, say) are masked: ``m`` stays 0 and ``delta`` is 0. Without
+    the mask the compression noise a 1-bit code puts on them is divided by ``sqrt(v) + eps ~
+    eps`` and blows up; DeepSpeed asks users for this mask (``exp_avg_mask``), the frozen ``v``
+    already knows it."""
     for i in range(param.shape[0]):
+        if exp_avg_sq[i] == 0:
+            exp_avg[i] = 0
+            delta[i] = 0
+            continue
         g = grad[i] * grad_scale
         m = exp_avg[i]
         m = fma(one_minus_beta1, g - m, m)
@@ -131,6 +141,23 @@ def onebit_adam_delta(param, grad, exp_avg, exp_avg_sq, delta, grad_scale, one_m
         if weight_decay != 0:
             d = fma(weight_decay, param[i], d)
         delta[i] = neg_lr * d
+
+
+@_jit
+def onebit_adam_apply(param, exp_avg, exp_avg_sq, eps, weight_decay, neg_lr,
+                      bias_correction2_sqrt):
+    """sync 1-bit Adam, run identically by the shard and every worker once ``exp_avg`` holds the
+    published momentum: ``param += -lr * (m / (sqrt(v)/bc2 + eps) + weight_decay * param)``,
+    skipping coordinates whose frozen ``v`` is 0 (the mask of :func:`onebit_adam_delta`)."""
+    for i in range(param.shape[0]):
+        v = exp_avg_sq[i]
+        if v == 0:
+            continue
+        p = param[i]
+        d = exp_avg[i] / (np.sqrt(v) / bias_correction2_sqrt + eps)
+        if weight_decay != 0:
+            d = fma(weight_decay, p, d)
+        param[i] = p + neg_lr * d
 
 
 @_jit

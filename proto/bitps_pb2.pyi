@@ -139,7 +139,7 @@ class RegisterMessage(_message.Message):
     def __init__(self, request: _Optional[_Union[RegisterRequest, _Mapping]] = ..., values: _Optional[_Union[KeyValues, _Mapping]] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("shard_id", "num_shards", "data_port", "metrics_port", "mode", "staleness", "start_clock", "max_frame_bytes", "freeze_step")
+    __slots__ = ("shard_id", "num_shards", "data_port", "metrics_port", "mode", "staleness", "start_clock", "max_frame_bytes", "onebit")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -148,7 +148,7 @@ class RegisterReply(_message.Message):
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     START_CLOCK_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
-    FREEZE_STEP_FIELD_NUMBER: _ClassVar[int]
+    ONEBIT_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     num_shards: int
     data_port: int
@@ -157,8 +157,48 @@ class RegisterReply(_message.Message):
     staleness: int
     start_clock: int
     max_frame_bytes: int
+    onebit: OneBitParams
+    def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., data_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., start_clock: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., onebit: _Optional[_Union[OneBitParams, _Mapping]] = ...) -> None: ...
+
+class OneBitParams(_message.Message):
+    __slots__ = ("freeze_step", "chunk", "codec_flags", "lr", "beta1", "eps", "weight_decay")
+    FREEZE_STEP_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FLAGS_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
     freeze_step: int
-    def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., data_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., start_clock: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., freeze_step: _Optional[int] = ...) -> None: ...
+    chunk: int
+    codec_flags: int
+    lr: float
+    beta1: float
+    eps: float
+    weight_decay: float
+    def __init__(self, freeze_step: _Optional[int] = ..., chunk: _Optional[int] = ..., codec_flags: _Optional[int] = ..., lr: _Optional[float] = ..., beta1: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ...) -> None: ...
+
+class OptimizerStateRequest(_message.Message):
+    __slots__ = ("rank", "token")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    token: str
+    def __init__(self, rank: _Optional[int] = ..., token: _Optional[str] = ...) -> None: ...
+
+class KeyOptimizerState(_message.Message):
+    __slots__ = ("key", "version", "exp_avg", "exp_avg_sq", "bias_correction2_sqrt")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    EXP_AVG_FIELD_NUMBER: _ClassVar[int]
+    EXP_AVG_SQ_FIELD_NUMBER: _ClassVar[int]
+    BIAS_CORRECTION2_SQRT_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    version: int
+    exp_avg: bytes
+    exp_avg_sq: bytes
+    bias_correction2_sqrt: float
+    def __init__(self, key: _Optional[int] = ..., version: _Optional[int] = ..., exp_avg: _Optional[bytes] = ..., exp_avg_sq: _Optional[bytes] = ..., bias_correction2_sqrt: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("rank", "clock", "token")

@@ -58,6 +58,11 @@ class ControlStub:
                 request_serializer=proto_dot_bitps__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=proto_dot_bitps__pb2.LeaveReply.FromString,
                 _registered_method=True)
+        self.OptimizerState = channel.unary_stream(
+                '/bitps.Control/OptimizerState',
+                request_serializer=proto_dot_bitps__pb2.OptimizerStateRequest.SerializeToString,
+                response_deserializer=proto_dot_bitps__pb2.KeyOptimizerState.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -98,6 +103,14 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OptimizerState(self, request, context):
+        """sync 1-bit Adam after warmup: the momentum and frozen second moment of every key of this
+        shard, one message per key (FAILED_PRECONDITION before the freeze).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -120,6 +133,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=proto_dot_bitps__pb2.LeaveRequest.FromString,
                     response_serializer=proto_dot_bitps__pb2.LeaveReply.SerializeToString,
+            ),
+            'OptimizerState': grpc.unary_stream_rpc_method_handler(
+                    servicer.OptimizerState,
+                    request_deserializer=proto_dot_bitps__pb2.OptimizerStateRequest.FromString,
+                    response_serializer=proto_dot_bitps__pb2.KeyOptimizerState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -234,6 +252,33 @@ class Control:
             '/bitps.Control/Leave',
             proto_dot_bitps__pb2.LeaveRequest.SerializeToString,
             proto_dot_bitps__pb2.LeaveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OptimizerState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/bitps.Control/OptimizerState',
+            proto_dot_bitps__pb2.OptimizerStateRequest.SerializeToString,
+            proto_dot_bitps__pb2.KeyOptimizerState.FromString,
             options,
             channel_credentials,
             insecure,

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="onebit_adam: warmup steps before v freezes and traffic goes 1-bit")
     add("--onebit-chunk", type=int, default=_env("onebit-chunk", o.onebit_chunk),
         help="onebit_adam: elements per scale of the published updates")
+    add("--onebit-scale", choices=("auto", "mean_abs", "rms"),
+        default=_env("onebit-scale", o.onebit_scale),
+        help="onebit_adam: scale rule of the published sign1 codes")
     add("--delta-history", type=int, default=_env("delta-history", o.delta_history),
         help="onebit_adam: compressed updates kept per key")
     add("--heartbeat-timeout", type=float, default=_env("heartbeat-timeout",
@@ -72,7 +75,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.
     opt = OptimizerConfig(name=a.optimizer, lr=a.lr, momentum=a.momentum, dampening=a.dampening,
                           nesterov=a.nesterov, beta1=a.beta1, beta2=a.beta2, eps=a.eps,
                           weight_decay=a.weight_decay, freeze_step=a.freeze_step,
-                          onebit_chunk=a.onebit_chunk, delta_history=a.delta_history)
+                          onebit_chunk=a.onebit_chunk, onebit_scale=a.onebit_scale,
+                          delta_history=a.delta_history)
     cfg = ServerConfig(shard_id=a.shard_id, num_shards=a.num_shards, host=a.host,
                        grpc_port=a.grpc_port, data_port=a.data_port, metrics_port=a.metrics_port,
                        mode=a.mode, staleness=a.staleness, optimizer=opt,

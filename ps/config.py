@@ -44,6 +44,11 @@ class OptimizerConfig:
     suggests 15-25 % of the run)."""
     onebit_chunk: int = 2048
     """``onebit_adam``: elements per scale chunk of the published sign1 updates."""
+    onebit_scale: str = "auto"
+    """``onebit_adam``: scale rule of the shard's sign1 codes, ``rms``, ``mean_abs`` or ``auto``
+    (``rms`` in sync mode, where the codes are momenta as in DeepSpeed; ``mean_abs``, the
+    least-squares scale that never overshoots, for the heavy-tailed parameter updates of
+    async/ssp). Both choices trained the demo model best in their mode (README, 1-bit Adam)."""
     delta_history: int = 16
     """``onebit_adam``: compressed updates kept per key; a worker further behind gets the full
     parameters instead."""
@@ -66,6 +71,9 @@ class OptimizerConfig:
         if self.freeze_step < 1 or self.delta_history < 1:
             raise ValueError(f"freeze_step and delta_history must be >= 1, got "
                              f"{self.freeze_step} and {self.delta_history}")
+        if self.onebit_scale not in ("auto", "mean_abs", "rms"):
+            raise ValueError(f"onebit_scale {self.onebit_scale!r}; expected auto, mean_abs or "
+                             f"rms")
         if self.onebit_chunk <= 0 or self.onebit_chunk % 64:
             raise ValueError(f"onebit_chunk must be a positive multiple of 64, got "
                              f"{self.onebit_chunk}")

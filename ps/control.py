@@ -1,4 +1,4 @@
-"""The shard's gRPC control service: Register, Heartbeat, Status, Leave.
+"""The shard's gRPC control service: Register, Heartbeat, Status, Leave, OptimizerState.
 
 Failures are gRPC status codes whose details read ``"<ERROR_CODE>: <message>"`` and whose trailing
 metadata carries ``bitps-error-code``, so clients re-raise the same typed ``PSError``.
@@ -93,6 +93,14 @@ class ControlServicer(pb_grpc.ControlServicer):
                 num_elements=sum(s.length for s in core.slots.values()),
                 updates_applied=core.updates_applied, initialized=core.initialized.is_set(),
                 signature=core.signature)
+
+    def OptimizerState(self, request, context):
+        self._check_token(request.token, context)
+        try:
+            states = self.core.optimizer_state(request.rank)
+        except PSError as err:
+            _abort(context, err)
+        yield from states
 
     def Leave(self, request, context):
         self._check_token(request.token, context)

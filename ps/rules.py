@@ -99,6 +99,15 @@ class UpdateRule:
                                  self._one_minus_beta1, self._eps, self._wd, f32(-cfg.lr),
                                  f32(bias_correction2_sqrt))
 
+    def apply_momentum(self, param: np.ndarray, state: KeyState, *,
+                       bias_correction2_sqrt: float) -> None:
+        """sync 1-bit Adam: ``state.buf1`` holds the published momentum; apply it with the
+        frozen v, exactly as workers do (``native.onebit_adam_apply``)."""
+        cfg, f32 = self.cfg, np.float32
+        state.step += 1
+        native.onebit_adam_apply(param, state.buf1, state.buf2, self._eps, self._wd,
+                                 f32(-cfg.lr), f32(bias_correction2_sqrt))
+
     def bias_correction2_sqrt(self, state: KeyState) -> float:
         """``sqrt(1 - beta2**t)`` at the key's current step (frozen with v at the switch)."""
         return (1 - self.cfg.beta2 ** max(state.step, 1)) ** 0.5

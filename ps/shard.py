@@ -23,7 +23,7 @@ import numpy as np
 
 import native
 from proto import bitps_pb2 as pb
-from proto.codecs import Codec
+from proto.codecs import MEAN_ABS, Codec
 from proto.wire import PROTOCOL, PSError, error_name, parse_header
 from ps.clocks import ClockTable
 from ps.config import ServerConfig
@@ -131,8 +131,43 @@ class ShardCore:
             start = self.clocks.workers[req.rank].clock
         return pb.RegisterReply(shard_id=cfg.shard_id, num_shards=cfg.num_shards, mode=cfg.mode,
                                 staleness=cfg.staleness, start_clock=start,
-                                max_frame_bytes=cfg.max_frame_bytes,
-                                freeze_step=cfg.optimizer.freeze_step if self.rule.onebit else 0)
+                                max_frame_bytes=cfg.max_frame_bytes, onebit=self._onebit_params())
+
+    def _onebit_params(self) -> pb.OneBitParams | None:
+        if not self.rule.onebit:
+            return None
+        o = self.cfg.optimizer
+        return pb.OneBitParams(freeze_step=o.freeze_step, chunk=o.onebit_chunk,
+                               codec_flags=MEAN_ABS if self._onebit_mean_abs() else 0,
+                               lr=o.lr, beta1=o.beta1, eps=o.eps, weight_decay=o.weight_decay)
+
+    def _onebit_mean_abs(self) -> bool:
+        scale = self.cfg.optimizer.onebit_scale
+        return scale == "mean_abs" or (scale == "auto" and self.cfg.mode != "sync")
+
+    def optimizer_state(self, rank: int) -> list[pb.KeyOptimizerState]:
+        """sync 1-bit Adam: every key's momentum and frozen v, for a worker at the freeze.
+        Raises :class:`PSError` before the freeze or for another rule."""
+        with self.lock:
+            if not self.clocks.is_registered(rank):
+                raise PSError(pb.NOT_REGISTERED, f"rank {rank} is not registered with shard "
+                              f"{self.cfg.shard_id}")
+            if not self.rule.onebit or self.cfg.mode != "sync":
+                raise PSError(pb.BAD_HEADER, f"shard {self.cfg.shard_id} runs "
+                              f"{self.cfg.optimizer.name} in {self.cfg.mode} mode; optimizer "
+                              f"state is only shared by sync onebit_adam")
+            out = []
+            for key, slot in sorted(self.slots.items()):
+                ob = slot.onebit
+                if not ob.compressing:
+                    raise PSError(pb.BAD_CLOCK, f"key {key} is still in warmup (version "
+                                  f"{slot.version}, freeze_step "
+                                  f"{self.cfg.optimizer.freeze_step})")
+                out.append(pb.KeyOptimizerState(
+                    key=key, version=slot.version, exp_avg=slot.state.buf1.tobytes(),
+                    exp_avg_sq=slot.state.buf2.tobytes(),
+                    bias_correction2_sqrt=ob.bias_correction2_sqrt))
+            return out
 
     def _new_slots(self, req: pb.RegisterRequest) -> dict[int, Slot]:
         slots = {}
@@ -149,7 +184,9 @@ class ShardCore:
             if self.rule.onebit:
                 opt = self.cfg.optimizer
                 slot.onebit = OneBitState(spec.length, chunk=opt.onebit_chunk,
-                                          history=opt.delta_history)
+                                          history=opt.delta_history,
+                                          mean_abs=self._onebit_mean_abs(),
+                                          sync=self.cfg.mode == "sync")
         return slots
 
     @staticmethod
@@ -287,7 +324,9 @@ class ShardCore:
               slots: list[Slot], min_clock: int):
         m, sync = self.metrics, self.cfg.mode == "sync"
         nbytes = sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in payload)
-        freeze = self.rule.onebit and header.clock >= self.cfg.optimizer.freeze_step
+        # async/ssp: pushes for clocks >= freeze_step are compression-stage pushes (sync
+        # freezes in _try_aggregate, once the last warmup step is applied).
+        freeze = self.rule.onebit and not sync and header.clock >= self.cfg.optimizer.freeze_step
         for i, (slot, grad) in enumerate(zip(slots, grads)):
             if freeze and not slot.onebit.compressing:
                 slot.onebit.freeze(self.rule.bias_correction2_sqrt(slot.state))
@@ -306,6 +345,11 @@ class ShardCore:
             return False
         slot.apply_aggregate(self.rule)
         self._applied(0, 0)
+        ob = slot.onebit
+        if ob is not None and not ob.compressing and \
+                slot.version >= self.cfg.optimizer.freeze_step:
+            # the warmup is complete: workers now fetch m and v (OptimizerState) and push momenta
+            ob.freeze(self.rule.bias_correction2_sqrt(slot.state))
         return True
 
     def _applied(self, clock_gap: int, version_gap: int) -> None:

@@ -103,10 +103,19 @@ class Slot:
             self.version += 1
             ob.forget()
             return
-        rule.delta(self.param, grad, self.state, ob.delta, grad_scale=grad_scale,
-                   bias_correction2_sqrt=ob.bias_correction2_sqrt)
-        payload = ob.server.encode(ob.delta)
-        ob.codec.decode_add(payload, self.length, self._writable())
+        if ob.sync:
+            # grad is the sum of the workers' momenta: publish their compressed mean as m
+            np.multiply(grad, np.float32(grad_scale), out=ob.delta)
+            payload = ob.server.encode(ob.delta)
+            self.state.buf1.fill(0.0)
+            ob.codec.decode_add(payload, self.length, self.state.buf1)
+            rule.apply_momentum(self._writable(), self.state,
+                                bias_correction2_sqrt=ob.bias_correction2_sqrt)
+        else:
+            rule.delta(self.param, grad, self.state, ob.delta, grad_scale=grad_scale,
+                       bias_correction2_sqrt=ob.bias_correction2_sqrt)
+            payload = ob.server.encode(ob.delta)
+            ob.codec.decode_add(payload, self.length, self._writable())
         self.version += 1
         ob.publish(self.version, payload)
 

@@ -4,7 +4,8 @@ The one place that reads worker flags and environment variables. Rank and world 
 ``--rank``/``--world-size``, else torchrun's ``RANK``/``WORLD_SIZE``; the servers from
 ``--servers`` or ``BITPS_SERVERS``. With ``--json`` it prints one JSON object per line on stdout
 (``start``, ``step`` every ``--log-every`` steps, ``done`` whose ``final_loss`` is the mean of
-the last 10 steps), which ``bitps-launch`` reads.
+the last 10 steps and which counts the bytes pushed on the wire and pulled), which
+``bitps-launch`` reads.
 """
 
 from __future__ import annotations
@@ -47,6 +48,20 @@ def build_parser() -> argparse.ArgumentParser:
     add("--deadline", type=float, default=60.0, help="seconds any push/pull may wait")
     add("--step-delay", type=float, default=0.0,
         help="extra seconds of sleep per step (simulates a straggler)")
+    add("--push-codec", default=env("BITPS_PUSH_CODEC", "raw"),
+        choices=("raw", "bf16", "fp16", "sign1", "sparse"),
+        help="gradient codec, with error feedback (a onebit_adam shard overrides it)")
+    add("--codec-chunk", type=int, default=int(env("BITPS_CODEC_CHUNK", "2048")),
+        help="elements per scale chunk (sign1, sparse)")
+    add("--sign1-scale", default="rms", choices=("rms", "mean_abs"), help="sign1 scale rule")
+    add("--sparse-values", default="natexp8", choices=("natexp8", "bf16"),
+        help="sparse value encoding")
+    add("--compress-min-bytes", type=int,
+        default=int(env("BITPS_COMPRESS_MIN_BYTES", str(1 << 20))),
+        help="keys smaller than this go uncompressed")
+    add("--clip-norm", type=float, default=1.0,
+        help="clip the local gradient to this L2 norm before error feedback (0 = off)")
+    add("--codec-seed", type=int, default=0, help="seed of sparse sampling and rounding")
     add("--log-every", type=int, default=10, help="progress line every N steps")
     add("--json", action="store_true", help="print JSON progress lines (for bitps-launch)")
     return p
@@ -71,14 +86,19 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from prometheus_client import start_http_server
 
+    from proto.codecs import CodecConfig
     from worker.client import PSClient
     from worker.config import ClientConfig
     from worker.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
     from worker.model import PSModel
 
     try:
+        codec = CodecConfig(name=args.push_codec, chunk=args.codec_chunk,
+                            scale=args.sign1_scale, values=args.sparse_values)
         cfg = ClientConfig(servers=servers, rank=args.rank, world_size=args.world_size,
-                           token=args.token, deadline_s=args.deadline)
+                           token=args.token, deadline_s=args.deadline, push_codec=codec,
+                           compress_min_bytes=args.compress_min_bytes,
+                           clip_norm=args.clip_norm, codec_seed=args.codec_seed)
         demo = DemoConfig(seq_len=args.seq_len, batch_size=args.batch_size,
                           corpus_bytes=args.corpus_bytes, seed=args.seed)
     except ValueError as err:
@@ -131,9 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ps_model.close()
     wall = time.perf_counter() - t_start
+    wire = m.push_bytes.value + sum(
+        c.value for c in m.codec_wire_bytes.children.values()) - sum(
+        c.value for c in m.codec_raw_bytes.children.values())
     _emit(args, event="done", rank=args.rank, steps=args.steps, first_loss=first,
           final_loss=sum(recent) / max(len(recent), 1), last_loss=last, seconds=wall,
-          samples_per_s=args.steps * demo.batch_size / wall)
+          samples_per_s=args.steps * demo.batch_size / wall,
+          push_wire_bytes=wire, pull_bytes=m.pull_bytes.value)
     return 0
 
 

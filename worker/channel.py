@@ -24,6 +24,7 @@ from native import sign1
 from proto import bitps_pb2 as pb
 from proto.wire import PSError, parse_header
 from worker.metrics import WorkerMetrics
+from worker.onebit import OneBitMomentum
 
 __all__ = ["Channel", "Handle", "PSTimeoutError"]
 
@@ -117,8 +118,10 @@ class Channel:
     """DEALER sockets to every shard for one submitting thread."""
 
     def __init__(self, context: zmq.Context, endpoints: list[str], *, servers: Sequence[str],
-                 metrics: WorkerMetrics, versions: dict[int, int]) -> None:
+                 metrics: WorkerMetrics, versions: dict[int, int],
+                 momentum: OneBitMomentum | None = None) -> None:
         self.lock = threading.Lock()
+        self.momentum = momentum
         self.servers = servers
         self.metrics = metrics
         self.versions = versions
@@ -255,7 +258,11 @@ class Channel:
                            f"from version {base} to {version}; expected {version - base} x "
                            f"{size} bytes", shard=shard)
         for j in range(count):
-            sign1.decode_add(frame[j * size:(j + 1) * size], n, out, chunk=chunk)
+            code = frame[j * size:(j + 1) * size]
+            if self.momentum is not None:  # sync 1-bit Adam: the code is the momentum
+                self.momentum.apply(key, code, out, chunk)
+            else:
+                sign1.decode_add(code, n, out, chunk=chunk)
         return None
 
     @staticmethod

@@ -34,6 +34,7 @@ from proto.wire import PROTOCOL, PSError
 from worker.channel import Channel, Handle, PSTimeoutError, Request
 from worker.config import ClientConfig
 from worker.metrics import WorkerMetrics
+from worker.onebit import OneBitMomentum
 
 __all__ = ["Handle", "PSClient", "PSTimeoutError"]
 
@@ -74,6 +75,7 @@ class PSClient:
         self.freeze_step = 0
         """Set by a ``onebit_adam`` shard at registration: pushes for clocks before it go bf16,
         from it on sign1 (with this client's push codec chunk when that is sign1)."""
+        self._momentum: OneBitMomentum | None = None  # sync 1-bit Adam (worker/onebit.py)
 
     # -- control plane ------------------------------------------------------------------------
     def register(self, plan: KeyPlan, values: Mapping[int, np.ndarray] | None = None) -> None:
@@ -95,7 +97,10 @@ class PSClient:
             host = self.cfg.servers[shard].rsplit(":", 1)[0]
             endpoints.append(f"tcp://{host}:{reply.data_port}")
             self.start_clock = max(self.start_clock, reply.start_clock)
-            self.freeze_step = reply.freeze_step
+            if reply.HasField("onebit"):
+                self.freeze_step = reply.onebit.freeze_step
+                if reply.mode == "sync":
+                    self._momentum = OneBitMomentum(reply.onebit)
         self.clock = self.start_clock
         self.versions = {k.key: 0 for k in plan.keys}
         self._endpoints = endpoints
@@ -121,14 +126,17 @@ class PSClient:
         try:
             return method(request, timeout=timeout)
         except grpc.RpcError as err:
-            code = dict(err.trailing_metadata() or ()).get(_ERROR_METADATA_KEY)
-            detail = err.details() or str(err.code())
-            if code is not None:
-                raise PSError(int(code), detail.split(": ", 1)[-1], shard=shard) from None
-            raise PSError(pb.DEADLINE if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-                          else pb.NOT_REGISTERED,
-                          f"{self.cfg.servers[shard]}: {err.code().name}: {detail}",
-                          shard=shard) from None
+            raise self._rpc_error(err, shard) from None
+
+    def _rpc_error(self, err: grpc.RpcError, shard: int) -> PSError:
+        """The shard's typed error carried by a failed call (or what the failure says)."""
+        code = dict(err.trailing_metadata() or ()).get(_ERROR_METADATA_KEY)
+        detail = err.details() or str(err.code())
+        if code is not None:
+            return PSError(int(code), detail.split(": ", 1)[-1], shard=shard)
+        return PSError(pb.DEADLINE if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                       else pb.NOT_REGISTERED,
+                       f"{self.cfg.servers[shard]}: {err.code().name}: {detail}", shard=shard)
 
     def status(self, shard: int) -> pb.StatusReply:
         """The shard's view of clocks, live workers and held pulls."""
@@ -168,6 +176,11 @@ class PSClient:
         if grads and len(grads) != len(keys) or outs and len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(grads)} grads and {len(outs)} outs")
         codec = self.push_codec_at(clock)
+        momenta = self._momentum is not None and bool(grads) and clock >= self.freeze_step
+        if momenta:
+            # sync 1-bit Adam: push this worker's momentum instead of its gradient
+            self._load_optimizer_state(keys)
+            grads = [self._momentum.momentum(k, g) for k, g in zip(keys, grads)]
         groups = self._group(keys, grads, outs, compress=bool(grads) and not codec.is_raw)
         channel = self._channel()
         handle = Handle(channel, len(groups), (self.cfg.rank, op, clock, keys),
@@ -191,9 +204,25 @@ class PSClient:
             requests.append(Request(shard, header.request_id, ks,
                                     [header.SerializeToString(), *payload],
                                     [outs[i] for i in idx] if outs else (), handle, deadline,
-                                    op, nbytes, copy=compressed))
+                                    op, nbytes, copy=compressed or momenta))
         channel.send(requests)
         return handle
+
+    def _load_optimizer_state(self, keys: Sequence[int]) -> None:
+        """Fetch m and the frozen v of every key from its shard, once (sync 1-bit Adam)."""
+        missing = {self.plan.keys[k].shard for k in keys if not self._momentum.loaded(k)}
+        for shard in sorted(missing):
+            stream = self._stubs[shard].OptimizerState(pb.OptimizerStateRequest(
+                rank=self.cfg.rank, token=self.cfg.token), timeout=self.cfg.deadline_s)
+            try:
+                for state in stream:
+                    if state.version != self.versions.get(state.key):
+                        raise PSError(pb.BAD_CLOCK, f"shard {shard} key {state.key}: optimizer "
+                                      f"state of version {state.version}, parameters of "
+                                      f"version {self.versions.get(state.key)}", shard=shard)
+                    self._momentum.load(state)
+            except grpc.RpcError as err:
+                raise self._rpc_error(err, shard) from None
 
     def push_codec_at(self, clock: int) -> Codec:
         """The codec pushes for ``clock`` use: the configured push codec, or 1-bit Adam's (bf16
@@ -248,7 +277,8 @@ class PSClient:
         channel = getattr(self._local, "channel", None)
         if channel is None:
             channel = Channel(self._ctx, self._endpoints, servers=self.cfg.servers,
-                              metrics=self.metrics, versions=self.versions)
+                              metrics=self.metrics, versions=self.versions,
+                              momentum=self._momentum)
             self._local.channel = channel
             with self._channels_lock:
                 self._channels.append(channel)

@@ -7,7 +7,7 @@ Everything after ``--`` goes to every ``bitps-worker``. Shards start first (each
 step, loss and samples/s; a summary table follows. Any process failing, Ctrl-C or SIGTERM tears the
 whole cluster down (each child runs in its own process group and dies with the launcher), and the
 exit status is non-zero. Logs, ``cluster.json`` (every endpoint, written once all workers have
-started) and ``summary.json`` go to ``--run-dir``.
+started), ``steps.jsonl`` (every worker's step lines) and ``summary.json`` go to ``--run-dir``.
 
 The launcher starts processes; it imports neither ``ps`` nor the torch side of ``worker``.
 """
@@ -176,6 +176,11 @@ def _run(cluster: Cluster, args, worker_args: list[str]) -> int:
         str(args.workers), "--json", *worker_args]) for r in range(args.workers)]
     threading.Thread(target=_write_endpoints, args=(cluster, ready, workers), daemon=True).start()
     code = _follow(cluster, workers, steps)
+    with (cluster.run_dir / "steps.jsonl").open("w") as f:
+        for w in workers:
+            for e in w.events:
+                if e.get("event") == "step":
+                    f.write(json.dumps(e) + "\n")
     summary = {"mode": args.mode, "shards": ready,
                "workers": [next((e for e in w.events if e["event"] == "done"), None)
                            for w in workers],

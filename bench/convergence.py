@@ -1,0 +1,130 @@
+"""``bitps-bench convergence``: does compression cost convergence? The demo model on the pinned
+corpus, 2 shards and 2 workers started by ``bitps-launch``, the same seeds and batches in every
+run, trained with fp32 Adam, 1-bit Adam (sync, and ssp S=2) and sparse + error feedback.
+
+Per run: the loss curve (mean of the two ranks at each step), the final loss (mean over the last
+10 % of steps), the first step whose 20-step moving average reaches the target loss (fp32 Adam's
+final loss x ``target_factor``), and the bytes each worker moved per step (pushes as sent on the
+wire, pulls as received). Curves go to ``convergence.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from bench.report import DEFAULT_OUT, check, write_results
+
+__all__ = ["RUNS", "run"]
+
+RUNS = {
+    "fp32 Adam (sync)": (["--mode", "sync", "--optimizer", "adam"], []),
+    "1-bit Adam (sync)": (["--mode", "sync", "--optimizer", "onebit_adam"],
+                          ["--compress-min-bytes", "0"]),
+    "1-bit Adam (ssp S=2)": (["--mode", "ssp", "--staleness", "2", "--optimizer", "onebit_adam"],
+                             ["--compress-min-bytes", "0"]),
+    "sparse + EF, Adam (sync)": (["--mode", "sync", "--optimizer", "adam"],
+                                 ["--push-codec", "sparse", "--compress-min-bytes", "0"]),
+}
+BASELINE = "fp32 Adam (sync)"
+
+
+def _launch(name: str, launch_args: list[str], worker_args: list[str], *, steps: int,
+            freeze: int, lr: float, run_dir: Path) -> dict:
+    argv = [sys.executable, "-m", "worker.launch", "--shards", "2", "--workers", "2",
+            "--lr", str(lr), "--run-dir", str(run_dir), *launch_args,
+            f"--server-arg=--freeze-step={freeze}", "--",
+            "--steps", str(steps), "--log-every", "1", *worker_args]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name}: bitps-launch exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    losses = np.zeros((2, steps))
+    for line in (run_dir / "steps.jsonl").read_text().splitlines():
+        e = json.loads(line)
+        losses[e["rank"], e["step"]] = e["loss"]
+    done = json.loads((run_dir / "summary.json").read_text())["workers"]
+    return {"curve": losses.mean(axis=0),
+            "push_bytes": sum(d["push_wire_bytes"] for d in done) / 2 / steps,
+            "pull_bytes": sum(d["pull_bytes"] for d in done) / 2 / steps,
+            "seconds": max(d["seconds"] for d in done)}
+
+
+def _steps_to(curve: np.ndarray, target: float, window: int = 20) -> int | None:
+    avg = np.convolve(curve, np.ones(window) / window, mode="valid")
+    hit = np.nonzero(avg <= target)[0]
+    return int(hit[0]) + window if hit.size else None
+
+
+def _plot(curves: dict[str, np.ndarray], path: Path, freeze: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    for name, curve in curves.items():
+        smooth = np.convolve(curve, np.ones(10) / 10, mode="valid")
+        ax.plot(np.arange(smooth.size) + 10, smooth, label=name, lw=1.2)
+    ax.axvline(freeze, color="grey", ls=":", lw=1, label=f"1-bit Adam freeze ({freeze})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (mean of 2 ranks, 10-step average)")
+    ax.set_title("bitps demo model: compression vs fp32 Adam")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def run(*, steps: int = 600, freeze_fraction: float = 0.2, lr: float = 3e-3,
+        target_factor: float = 1.1, out: Path | None = None) -> dict:
+    """Run every configuration, write ``convergence.json``/``.md``/``.png`` under ``out``."""
+    out = Path(out or DEFAULT_OUT)
+    out.mkdir(parents=True, exist_ok=True)
+    freeze = max(1, round(steps * freeze_fraction))
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bitps-conv-") as tmp:
+        for i, (name, (launch_args, worker_args)) in enumerate(RUNS.items()):
+            results[name] = _launch(name, launch_args, worker_args, steps=steps, freeze=freeze,
+                                    lr=lr, run_dir=Path(tmp) / str(i))
+    tail = max(1, steps // 10)
+    base = results[BASELINE]
+    base_final = float(base["curve"][-tail:].mean())
+    target = base_final * target_factor
+    fp32_bytes = base["push_bytes"] + base["pull_bytes"]
+    rows = []
+    for name, r in results.items():
+        final = float(r["curve"][-tail:].mean())
+        moved = r["push_bytes"] + r["pull_bytes"]
+        rows.append({"run": name, "final_loss": final, "vs_fp32": final / base_final,
+                     "steps_to_target": _steps_to(r["curve"], target),
+                     "push_bytes_per_step": r["push_bytes"], "pull_bytes_per_step": r["pull_bytes"],
+                     "traffic_vs_fp32": fp32_bytes / moved, "seconds": r["seconds"]})
+    _plot({n: r["curve"] for n, r in results.items()}, out / "convergence.png", freeze)
+    by = {r["run"]: r for r in rows}
+    checks = {f"{key}_final_loss_vs_fp32": check(round(by[name]["vs_fp32"], 4), "<= 1.01",
+                                                 by[name]["vs_fp32"] <= 1.01)
+              for key, name in (("onebit_sync", "1-bit Adam (sync)"),
+                                ("onebit_ssp", "1-bit Adam (ssp S=2)"))}
+    notes = (f"{steps} steps, 2 shards x 2 workers, batch 8 x 128 bytes per rank, lr {lr}, "
+             f"1-bit Adam freeze_step {freeze} ({freeze_fraction:.0%}); final loss = mean of the "
+             f"last {tail} steps of the 2-rank mean; target = {target_factor} x fp32 Adam's final "
+             f"loss = {target:.3f}; bytes per worker per step (pushes on the wire, pulls as "
+             f"received); curves: convergence.png.")
+    write_results("convergence", config={"steps": steps, "freeze_step": freeze, "lr": lr,
+                                         "target_loss": target, "runs": {
+                                             n: {"launch": a, "worker": w}
+                                             for n, (a, w) in RUNS.items()}},
+                  rows=rows, checks=checks, out=out, notes=notes,
+                  columns=[("run", "run"), ("final_loss", "final loss"),
+                           ("vs_fp32", "vs fp32 Adam"), ("steps_to_target", "steps to target"),
+                           ("push_bytes_per_step", "push B/step"),
+                           ("pull_bytes_per_step", "pull B/step"),
+                           ("traffic_vs_fp32", "traffic reduction"), ("seconds", "seconds")])
+    (out / "convergence_curves.json").write_text(json.dumps(
+        {n: [round(float(x), 5) for x in r["curve"]] for n, r in results.items()}))
+    return {"rows": rows, "checks": checks}

@@ -1,0 +1,68 @@
+"""The worker's part of sync 1-bit Adam (DeepSpeed's compressed-allreduce math; ``ps.onebit``).
+
+After the warmup a worker keeps, per key, the momentum ``m`` (the last published one, the same on
+every replica) and the frozen second moment ``v`` it fetched once from the shard. It pushes its
+own momentum ``lerp(m, g, 1 - beta1)`` (the client compresses it with error feedback) and, for
+every published code in a pull reply, sets ``m = decode(code)`` and applies
+``x -= lr * (m / (sqrt(v)/bc2 + eps) + wd * x)`` with the shard's kernel, so its copy stays
+bit-identical to the shard's.
+
+In ``async``/``ssp`` 1-bit Adam the shard owns the momentum and publishes parameter updates that
+the channel simply adds; nothing here is used.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import native
+from native import sign1
+from proto import bitps_pb2 as pb
+
+__all__ = ["OneBitMomentum"]
+
+
+class OneBitMomentum:
+    """Per-key momentum and frozen second moment of one worker (sync 1-bit Adam)."""
+
+    def __init__(self, params: pb.OneBitParams) -> None:
+        f32 = np.float32
+        self.params = params
+        self._one_minus_beta1 = f32(1 - params.beta1)
+        # the same float32 scalars as the shard's UpdateRule, from the same doubles
+        self._eps, self._wd, self._neg_lr = f32(params.eps), f32(params.weight_decay), \
+            f32(-params.lr)
+        self.m: dict[int, np.ndarray] = {}
+        self.v: dict[int, np.ndarray] = {}
+        self.bc2: dict[int, np.float32] = {}
+        self._u: dict[int, np.ndarray] = {}
+
+    def loaded(self, key: int) -> bool:
+        return key in self.m
+
+    def load(self, state: pb.KeyOptimizerState) -> None:
+        """Take one key's state from the OptimizerState RPC."""
+        self.m[state.key] = np.frombuffer(state.exp_avg, np.float32).copy()
+        self.v[state.key] = np.frombuffer(state.exp_avg_sq, np.float32).copy()
+        self.bc2[state.key] = np.float32(state.bias_correction2_sqrt)
+
+    def momentum(self, key: int, grad: np.ndarray) -> np.ndarray:
+        """This worker's momentum ``m + (1 - beta1) * (g - m)`` for ``grad`` (float32; an array
+        reused per key: send it before the next call)."""
+        m = self.m[key]
+        u = self._u.get(key)
+        if u is None:
+            u = self._u[key] = np.empty_like(m)
+        np.subtract(grad, m, out=u)
+        np.multiply(u, self._one_minus_beta1, out=u)
+        np.add(u, m, out=u)
+        return u
+
+    def apply(self, key: int, code, out: np.ndarray, chunk: int) -> None:
+        """One published momentum ``code`` (a sign1 payload): set m, update ``out`` (this
+        worker's copy of the key) exactly as the shard updated its own."""
+        m = self.m[key]
+        m.fill(0.0)
+        sign1.decode_add(code, m.shape[0], m, chunk=chunk)
+        native.onebit_adam_apply(out, m, self.v[key], self._eps, self._wd, self._neg_lr,
+                                 self.bc2[key])
