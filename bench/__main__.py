@@ -22,9 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("volume", help="bytes per step by codec, by arithmetic (problem's table)")
     cv = sub.add_parser("convergence", help="fp32 Adam vs 1-bit Adam vs sparse on the demo")
     cv.add_argument("--steps", type=int, default=600, help="training steps per run")
-    cv.add_argument("--freeze-fraction", type=float, default=0.2,
+    cv.add_argument("--freeze-fraction", type=float, default=0.25,
                     help="1-bit Adam warmup as a fraction of the steps")
     cv.add_argument("--lr", type=float, default=3e-3, help="learning rate of every run")
+    cv.add_argument("--beta2", type=float, default=0.99, help="Adam beta2 of every run")
+    cv.add_argument("--seeds", type=int, nargs="+", default=[0, 1],
+                    help="model/data seeds; curves are averaged over them")
     cd = sub.add_parser("codec", help="codec kernels vs memcpy, numpy and torch (1 thread)")
     cd.add_argument("--mib", type=int, default=64, help="gradient size")
     cd.add_argument("--repeats", type=int, default=7, help="timed calls per implementation")
@@ -46,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         from bench.convergence import run
 
         result = run(steps=args.steps, freeze_fraction=args.freeze_fraction, lr=args.lr,
-                     out=args.out)
+                     beta2=args.beta2, seeds=tuple(args.seeds), out=args.out)
     else:
         from bench.codec import run
 

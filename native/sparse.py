@@ -66,8 +66,8 @@ import numpy as np
 from llvmlite import ir
 from numba.extending import intrinsic
 
-__all__ = ["BF16", "DEFAULT_CHUNK", "HEADER_BYTES", "NATEXP8", "SAMPLE_ALL_BELOW",
-           "SAMPLE_STRIDE", "check", "decode_add", "decode_reference", "encode",
+__all__ = ["BF16", "BITMAP", "DEFAULT_CHUNK", "HEADER_BYTES", "LIST", "NATEXP8",
+           "SAMPLE_ALL_BELOW", "SAMPLE_STRIDE", "check", "decode_add", "decode_reference", "encode",
            "encode_reference", "max_payload_bytes", "sample_size"]
 
 HEADER_BYTES = 8
@@ -355,14 +355,6 @@ def _encode(grad, residual, out, scratch, seed, chunk, value_mode):
 
 
 @_jit
-def _popcount8(b):
-    b = np.int64(b)
-    b = b - ((b >> 1) & 0x55)
-    b = (b & 0x33) + ((b >> 2) & 0x33)
-    return (b + (b >> 4)) & 0x0F
-
-
-@_jit
 def _decode_add(payload, n, chunk, acc):
     """``acc[j] += decoded_j`` for the elements a checked payload carries."""
     k = _get_u32(payload, 0)
@@ -393,6 +385,7 @@ def _decode_add(payload, n, chunk, acc):
 
 @_jit
 def _value_at(payload, value_mode, vbase, i, cmax):
+    """Decoded value of the ``i``-th element sent (values start at ``vbase``)."""
     if value_mode == BF16:
         q = np.uint32(payload[vbase + 2 * i]) | (np.uint32(payload[vbase + 2 * i + _ONE]) << 8)
         return np.uint32(q << 16).view(np.float32)
@@ -418,6 +411,14 @@ def _first_bad_index(payload, k, n):
             return i, j, prev
         prev = j
     return -1, 0, 0
+
+
+@_jit
+def _popcount8(b):
+    b = np.int64(b)
+    b = b - ((b >> 1) & 0x55)
+    b = (b & 0x33) + ((b >> 2) & 0x33)
+    return (b + (b >> 4)) & 0x0F
 
 
 @_jit

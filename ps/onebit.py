@@ -27,14 +27,73 @@ derives both. Coordinates whose frozen v is 0 never move (``native.onebit_adam_d
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from native import sign1
 from proto import bitps_pb2 as pb
 from proto.codecs import MEAN_ABS, Codec, Compressor
+from proto.wire import PSError
+from ps.config import ServerConfig
 
-__all__ = ["OneBitState"]
+if TYPE_CHECKING:
+    from ps.store import Slot
+
+__all__ = ["OneBitState", "key_states", "new_state", "params", "reply_frames"]
+
+
+def uses_mean_abs(cfg: ServerConfig) -> bool:
+    """The scale rule of the published codes (``onebit_scale``; ``auto`` = RMS in sync)."""
+    scale = cfg.optimizer.onebit_scale
+    return scale == "mean_abs" or (scale == "auto" and cfg.mode != "sync")
+
+
+def params(cfg: ServerConfig) -> pb.OneBitParams | None:
+    """What a RegisterReply tells workers (``None`` unless the shard runs onebit_adam)."""
+    o = cfg.optimizer
+    if o.name != "onebit_adam":
+        return None
+    return pb.OneBitParams(freeze_step=o.freeze_step, chunk=o.onebit_chunk,
+                           codec_flags=MEAN_ABS if uses_mean_abs(cfg) else 0, lr=o.lr,
+                           beta1=o.beta1, eps=o.eps, weight_decay=o.weight_decay)
+
+
+def new_state(n: int, cfg: ServerConfig) -> OneBitState:
+    """A key's 1-bit Adam state, as ``cfg`` sets it up."""
+    o = cfg.optimizer
+    return OneBitState(n, chunk=o.onebit_chunk, history=o.delta_history,
+                       mean_abs=uses_mean_abs(cfg), sync=cfg.mode == "sync")
+
+
+def key_states(slots: dict[int, Slot], cfg: ServerConfig) -> list[pb.KeyOptimizerState]:
+    """sync 1-bit Adam: every key's momentum and frozen v (the OptimizerState RPC); raises
+    :class:`PSError` for another rule or mode, or while a key is still in warmup."""
+    if cfg.optimizer.name != "onebit_adam" or cfg.mode != "sync":
+        raise PSError(pb.BAD_HEADER, f"shard {cfg.shard_id} runs {cfg.optimizer.name} in "
+                      f"{cfg.mode} mode; optimizer state is only shared by sync onebit_adam")
+    out = []
+    for key, slot in sorted(slots.items()):
+        if not slot.onebit.compressing:
+            raise PSError(pb.BAD_CLOCK, f"key {key} is still in warmup (version {slot.version}, "
+                          f"freeze_step {cfg.optimizer.freeze_step})")
+        out.append(pb.KeyOptimizerState(
+            key=key, version=slot.version, exp_avg=slot.state.buf1.tobytes(),
+            exp_avg_sq=slot.state.buf2.tobytes(),
+            bias_correction2_sqrt=slot.onebit.bias_correction2_sqrt))
+    return out
+
+
+def reply_frames(header: pb.DataHeader, slots: list[Slot]) -> tuple[list, list[int]]:
+    """Per key of a pull: ``(frame, buffer to track)`` and its frame codec: the compressed
+    updates since the version the request names, or the parameters."""
+    bases = header.versions if len(header.versions) == len(slots) else [-1] * len(slots)
+    frames, codecs = [], []
+    for base, slot in zip(bases, slots):
+        codec, data = slot.onebit.reply_frame(int(base), slot.version)
+        frames.append(slot.reply_frame() if data is None else (data, None))
+        codecs.append(codec)
+    return frames, codecs
 
 
 class OneBitState:

@@ -21,21 +21,18 @@ from typing import NamedTuple
 
 import numpy as np
 
-import native
 from proto import bitps_pb2 as pb
-from proto.codecs import MEAN_ABS, Codec
+from proto.codecs import Codec
 from proto.wire import PROTOCOL, PSError, error_name, parse_header
+from ps import checks, onebit
 from ps.clocks import ClockTable
 from ps.config import ServerConfig
 from ps.metrics import ClockSnapshot, ShardMetrics
-from ps.onebit import OneBitState
 from ps.rules import make_rule
 from ps.store import Slot
 
 __all__ = ["Admission", "Reply", "ShardCore"]
 
-_F32 = np.dtype("<f4")
-_OPS = {pb.PUSH: "push", pb.PULL: "pull", pb.PUSH_PULL: "push_pull"}
 
 
 @dataclass
@@ -131,19 +128,7 @@ class ShardCore:
             start = self.clocks.workers[req.rank].clock
         return pb.RegisterReply(shard_id=cfg.shard_id, num_shards=cfg.num_shards, mode=cfg.mode,
                                 staleness=cfg.staleness, start_clock=start,
-                                max_frame_bytes=cfg.max_frame_bytes, onebit=self._onebit_params())
-
-    def _onebit_params(self) -> pb.OneBitParams | None:
-        if not self.rule.onebit:
-            return None
-        o = self.cfg.optimizer
-        return pb.OneBitParams(freeze_step=o.freeze_step, chunk=o.onebit_chunk,
-                               codec_flags=MEAN_ABS if self._onebit_mean_abs() else 0,
-                               lr=o.lr, beta1=o.beta1, eps=o.eps, weight_decay=o.weight_decay)
-
-    def _onebit_mean_abs(self) -> bool:
-        scale = self.cfg.optimizer.onebit_scale
-        return scale == "mean_abs" or (scale == "auto" and self.cfg.mode != "sync")
+                                max_frame_bytes=cfg.max_frame_bytes, onebit=onebit.params(cfg))
 
     def optimizer_state(self, rank: int) -> list[pb.KeyOptimizerState]:
         """sync 1-bit Adam: every key's momentum and frozen v, for a worker at the freeze.
@@ -152,22 +137,7 @@ class ShardCore:
             if not self.clocks.is_registered(rank):
                 raise PSError(pb.NOT_REGISTERED, f"rank {rank} is not registered with shard "
                               f"{self.cfg.shard_id}")
-            if not self.rule.onebit or self.cfg.mode != "sync":
-                raise PSError(pb.BAD_HEADER, f"shard {self.cfg.shard_id} runs "
-                              f"{self.cfg.optimizer.name} in {self.cfg.mode} mode; optimizer "
-                              f"state is only shared by sync onebit_adam")
-            out = []
-            for key, slot in sorted(self.slots.items()):
-                ob = slot.onebit
-                if not ob.compressing:
-                    raise PSError(pb.BAD_CLOCK, f"key {key} is still in warmup (version "
-                                  f"{slot.version}, freeze_step "
-                                  f"{self.cfg.optimizer.freeze_step})")
-                out.append(pb.KeyOptimizerState(
-                    key=key, version=slot.version, exp_avg=slot.state.buf1.tobytes(),
-                    exp_avg_sq=slot.state.buf2.tobytes(),
-                    bias_correction2_sqrt=ob.bias_correction2_sqrt))
-            return out
+            return onebit.key_states(self.slots, self.cfg)
 
     def _new_slots(self, req: pb.RegisterRequest) -> dict[int, Slot]:
         slots = {}
@@ -182,11 +152,7 @@ class ShardCore:
                               f"are limited to {self.cfg.max_frame_bytes}")
             slots[spec.key] = slot = Slot.zeros(spec, self.rule.new_state(spec.length))
             if self.rule.onebit:
-                opt = self.cfg.optimizer
-                slot.onebit = OneBitState(spec.length, chunk=opt.onebit_chunk,
-                                          history=opt.delta_history,
-                                          mean_abs=self._onebit_mean_abs(),
-                                          sync=self.cfg.mode == "sync")
+                slot.onebit = onebit.new_state(spec.length, self.cfg)
         return slots
 
     @staticmethod
@@ -224,15 +190,15 @@ class ShardCore:
             return [self._error(ident, header, err)]
 
     def _dispatch(self, ident: bytes, header: pb.DataHeader, payload: list, t0: float):
-        slots, grads = self._validate(header, payload)
+        slots, grads, codec = self._validate(header, payload)
         op, worker = header.op, header.worker
-        self.metrics.requests.labels(_OPS[op]).inc()
+        self.metrics.requests.labels(checks.OPS[op]).inc()
         pull_clock = header.clock + 1 if op == pb.PUSH_PULL else header.clock
         self.clocks.seen(worker, pull_clock)
         min_clock = self.clocks.min_clock()
         replies = []
         if op != pb.PULL:
-            self._push(header, payload, grads, slots, min_clock)
+            self._push(header, payload, grads, codec, slots, min_clock)
             self.metrics.push_latency.observe(self.now() - t0)
         # This request moved a clock or a version: pulls held earlier may go now.
         replies += self._release_held(min_clock)
@@ -242,88 +208,24 @@ class ShardCore:
             replies += self._pull(ident, header, pull_clock, slots, t0, min_clock)
         return replies
 
-    def _validate(self, header: pb.DataHeader, payload: list) -> list[Slot]:
-        cfg = self.cfg
-        if cfg.token and header.token != cfg.token:
-            raise PSError(pb.UNAUTHENTICATED, f"worker {header.worker}: token missing or wrong")
-        if header.protocol != PROTOCOL:
-            raise PSError(pb.PROTOCOL, f"header protocol {header.protocol}; expected {PROTOCOL}")
-        if header.op == pb.OP_UNSPECIFIED:
-            raise PSError(pb.BAD_HEADER, "header has no op; expected PUSH, PULL or PUSH_PULL")
-        if header.op not in _OPS:
-            raise PSError(pb.UNKNOWN_OP, f"op {header.op} ({_op_name(header.op)}); expected PUSH, "
-                          f"PULL or PUSH_PULL")
-        if not self.clocks.is_registered(header.worker):
-            raise PSError(pb.NOT_REGISTERED, f"worker {header.worker} has not registered with "
-                          f"shard {cfg.shard_id}")
-        if not self.initialized.is_set():
-            raise PSError(pb.NOT_INITIALIZED, "rank 0's initial values have not landed yet")
-        keys = header.keys
-        if not keys:
-            raise PSError(pb.BAD_HEADER, "request names no keys")
-        try:
-            slots = [self.slots[k] for k in keys]
-        except KeyError as err:
-            raise PSError(pb.UNKNOWN_KEY, f"key {err.args[0]} is not on shard {cfg.shard_id} "
-                          f"(it holds {len(self.slots)} keys)") from None
-        if len(slots) > 1 and len(set(keys)) != len(slots):
-            raise PSError(pb.BAD_HEADER, "a key appears twice in one request")
+    def _validate(self, header: pb.DataHeader, payload: list):
+        """The request's slots, decoded gradients (none for a pull) and codec; raises
+        :class:`PSError` before anything changes (``ps.checks``)."""
+        slots = checks.request_slots(self.cfg, header, payload, self.slots,
+                                     registered=self.clocks.is_registered(header.worker),
+                                     initialized=self.initialized.is_set())
         if header.op == pb.PULL:
-            if payload:
-                raise PSError(pb.FRAME_COUNT, f"PULL carries {len(payload)} payload frames; "
-                              f"expected 0")
-            return slots, []
-        return slots, self._validate_push(header, payload, slots)
-
-    def _validate_push(self, header: pb.DataHeader, payload: list,
-                       slots: list[Slot]) -> list[np.ndarray]:
-        """Check every frame, decode compressed ones; returns the float32 gradients."""
-        cfg = self.cfg
-        if len(payload) != len(slots):
-            raise PSError(pb.FRAME_COUNT, f"{len(payload)} payload frames for {len(slots)} keys")
-        if header.dtype != pb.FLOAT32:
-            raise PSError(pb.BAD_DTYPE, f"payload dtype {_dtype_name(header.dtype)}; expected "
-                          f"FLOAT32 (compressed payloads name their codec instead)")
-        codec = Codec.from_header(header)
-        if header.versions and len(header.versions) != len(slots):
-            raise PSError(pb.BAD_HEADER, f"{len(header.versions)} versions for {len(slots)} keys")
-        for slot, frame in zip(slots, payload):
-            n = frame.nbytes if isinstance(frame, memoryview) else len(frame)
-            if n > cfg.max_frame_bytes:
-                raise PSError(pb.TOO_LARGE, f"key {slot.spec.key}: frame of {n} bytes exceeds "
-                              f"{cfg.max_frame_bytes}")
-            if codec.is_raw and n != slot.nbytes:
-                raise PSError(pb.BAD_LENGTH, f"key {slot.spec.key}: payload is {n} bytes; "
-                              f"expected {slot.nbytes} ({slot.length} float32)")
-            problem = None if codec.is_raw else codec.check(frame, slot.length)
-            if problem:
-                raise PSError(pb.BAD_LENGTH, f"key {slot.spec.key}: {problem}")
-        grads = [codec.decode(frame, slot.length, slot.decode_buffer())
-                 for slot, frame in zip(slots, payload)]
-        if cfg.reject_nonfinite:
-            for slot, grad in zip(slots, grads):
-                if not native.all_finite(grad):
-                    raise PSError(pb.NON_FINITE, f"key {slot.spec.key}: gradient holds NaN or Inf"
-                                  + ("" if codec.is_raw else f" (decoded from {codec.name})"))
-        if not codec.is_raw:
-            self.metrics.codec_wire_bytes.labels(codec.name).inc(
-                sum(len(f) if not isinstance(f, memoryview) else f.nbytes for f in payload))
-            self.metrics.codec_decoded_bytes.labels(codec.name).inc(
-                sum(s.nbytes for s in slots))
-        if cfg.mode == "sync":
-            for slot in slots:
-                if header.clock != slot.version or header.worker in slot.pushed:
-                    raise PSError(pb.BAD_CLOCK, f"key {slot.spec.key}: sync push from worker "
-                                  f"{header.worker} at clock {header.clock}; the shard is "
-                                  f"aggregating clock {slot.version}"
-                                  + (" and already has this worker's push"
-                                     if header.worker in slot.pushed else ""))
-        return grads
+            return slots, [], None
+        grads, codec = checks.decode_push(self.cfg, header, payload, slots)
+        return slots, grads, codec
 
     def _push(self, header: pb.DataHeader, payload: list, grads: list[np.ndarray],
-              slots: list[Slot], min_clock: int):
+              codec: Codec, slots: list[Slot], min_clock: int):
         m, sync = self.metrics, self.cfg.mode == "sync"
         nbytes = sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in payload)
+        if not codec.is_raw:
+            m.codec_wire_bytes.labels(codec.name).inc(nbytes)
+            m.codec_decoded_bytes.labels(codec.name).inc(sum(s.nbytes for s in slots))
         # async/ssp: pushes for clocks >= freeze_step are compression-stage pushes (sync
         # freezes in _try_aggregate, once the last warmup step is applied).
         freeze = self.rule.onebit and not sync and header.clock >= self.cfg.optimizer.freeze_step
@@ -374,7 +276,7 @@ class ShardCore:
         now, m = self.now(), self.metrics
         frame_codecs = []
         if self.rule.onebit:
-            frames, frame_codecs = self._onebit_frames(header, slots)
+            frames, frame_codecs = onebit.reply_frames(header, slots)
         else:
             frames = [s.reply_frame() for s in slots]
         m.pull_bytes.inc(sum(f.nbytes if isinstance(f, np.ndarray) else len(f)
@@ -390,16 +292,6 @@ class ShardCore:
         if frame_codecs:
             out.codec_chunk = self.cfg.optimizer.onebit_chunk
         return Reply(ident, out, [f for f, _ in frames], [buf for _, buf in frames])
-
-    def _onebit_frames(self, header, slots) -> tuple[list, list[int]]:
-        """Per key: the compressed updates since the worker's version, or the parameters."""
-        bases = header.versions if len(header.versions) == len(slots) else [-1] * len(slots)
-        frames, codecs = [], []
-        for base, slot in zip(bases, slots):
-            codec, data = slot.onebit.reply_frame(int(base), slot.version)
-            frames.append(slot.reply_frame() if data is None else (data, None))
-            codecs.append(codec)
-        return frames, codecs
 
     def _ack(self, ident: bytes, header: pb.DataHeader, min_clock: int) -> Reply:
         out = pb.DataHeader(op=pb.REPLY, protocol=PROTOCOL, worker=header.worker,
@@ -471,16 +363,3 @@ class ShardCore:
             return {h.header.worker: self._waiting_for(h.header.worker, h.clock, h.slots)
                     for h in self.held}
 
-
-def _op_name(op: int) -> str:
-    try:
-        return pb.Op.Name(op)
-    except ValueError:
-        return "unknown"
-
-
-def _dtype_name(dtype: int) -> str:
-    try:
-        return pb.DType.Name(dtype)
-    except ValueError:
-        return str(dtype)

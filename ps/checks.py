@@ -1,0 +1,109 @@
+"""Validation of data-plane requests: everything is checked before anything changes.
+
+:func:`request_slots` checks the header (token, protocol, op, registration, keys);
+:func:`decode_push` checks a push's frames against its codec and the keys, decodes compressed
+ones and refuses non-finite gradients. Both raise :class:`PSError` naming the offending value
+and what was expected; the shard turns that into one ``ERROR`` reply.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import native
+from proto import bitps_pb2 as pb
+from proto.codecs import Codec
+from proto.wire import PROTOCOL, PSError
+from ps.config import ServerConfig
+from ps.store import Slot
+
+__all__ = ["OPS", "decode_push", "request_slots"]
+
+OPS = {pb.PUSH: "push", pb.PULL: "pull", pb.PUSH_PULL: "push_pull"}
+
+
+def request_slots(cfg: ServerConfig, header: pb.DataHeader, payload: list,
+                  slots: dict[int, Slot], *, registered: bool, initialized: bool) -> list[Slot]:
+    """The slots a request names, once its header is acceptable."""
+    if cfg.token and header.token != cfg.token:
+        raise PSError(pb.UNAUTHENTICATED, f"worker {header.worker}: token missing or wrong")
+    if header.protocol != PROTOCOL:
+        raise PSError(pb.PROTOCOL, f"header protocol {header.protocol}; expected {PROTOCOL}")
+    if header.op == pb.OP_UNSPECIFIED:
+        raise PSError(pb.BAD_HEADER, "header has no op; expected PUSH, PULL or PUSH_PULL")
+    if header.op not in OPS:
+        raise PSError(pb.UNKNOWN_OP, f"op {header.op} ({_op_name(header.op)}); expected PUSH, "
+                      f"PULL or PUSH_PULL")
+    if not registered:
+        raise PSError(pb.NOT_REGISTERED, f"worker {header.worker} has not registered with "
+                      f"shard {cfg.shard_id}")
+    if not initialized:
+        raise PSError(pb.NOT_INITIALIZED, "rank 0's initial values have not landed yet")
+    keys = header.keys
+    if not keys:
+        raise PSError(pb.BAD_HEADER, "request names no keys")
+    try:
+        named = [slots[k] for k in keys]
+    except KeyError as err:
+        raise PSError(pb.UNKNOWN_KEY, f"key {err.args[0]} is not on shard {cfg.shard_id} "
+                      f"(it holds {len(slots)} keys)") from None
+    if len(named) > 1 and len(set(keys)) != len(named):
+        raise PSError(pb.BAD_HEADER, "a key appears twice in one request")
+    if header.op == pb.PULL and payload:
+        raise PSError(pb.FRAME_COUNT, f"PULL carries {len(payload)} payload frames; expected 0")
+    return named
+
+
+def decode_push(cfg: ServerConfig, header: pb.DataHeader, payload: list,
+                slots: list[Slot]) -> tuple[list[np.ndarray], Codec]:
+    """Check every frame of a push, decode compressed ones (into each slot's scratch array);
+    returns the float32 gradients and the codec."""
+    if len(payload) != len(slots):
+        raise PSError(pb.FRAME_COUNT, f"{len(payload)} payload frames for {len(slots)} keys")
+    if header.dtype != pb.FLOAT32:
+        raise PSError(pb.BAD_DTYPE, f"payload dtype {_dtype_name(header.dtype)}; expected "
+                      f"FLOAT32 (compressed payloads name their codec instead)")
+    codec = Codec.from_header(header)
+    if header.versions and len(header.versions) != len(slots):
+        raise PSError(pb.BAD_HEADER, f"{len(header.versions)} versions for {len(slots)} keys")
+    for slot, frame in zip(slots, payload):
+        n = frame.nbytes if isinstance(frame, memoryview) else len(frame)
+        if n > cfg.max_frame_bytes:
+            raise PSError(pb.TOO_LARGE, f"key {slot.spec.key}: frame of {n} bytes exceeds "
+                          f"{cfg.max_frame_bytes}")
+        if codec.is_raw and n != slot.nbytes:
+            raise PSError(pb.BAD_LENGTH, f"key {slot.spec.key}: payload is {n} bytes; "
+                          f"expected {slot.nbytes} ({slot.length} float32)")
+        problem = None if codec.is_raw else codec.check(frame, slot.length)
+        if problem:
+            raise PSError(pb.BAD_LENGTH, f"key {slot.spec.key}: {problem}")
+    grads = [codec.decode(frame, slot.length, slot.decode_buffer())
+             for slot, frame in zip(slots, payload)]
+    if cfg.reject_nonfinite:
+        for slot, grad in zip(slots, grads):
+            if not native.all_finite(grad):
+                raise PSError(pb.NON_FINITE, f"key {slot.spec.key}: gradient holds NaN or Inf"
+                              + ("" if codec.is_raw else f" (decoded from {codec.name})"))
+    if cfg.mode == "sync":
+        for slot in slots:
+            if header.clock != slot.version or header.worker in slot.pushed:
+                raise PSError(pb.BAD_CLOCK, f"key {slot.spec.key}: sync push from worker "
+                              f"{header.worker} at clock {header.clock}; the shard is "
+                              f"aggregating clock {slot.version}"
+                              + (" and already has this worker's push"
+                                 if header.worker in slot.pushed else ""))
+    return grads, codec
+
+
+def _op_name(op: int) -> str:
+    try:
+        return pb.Op.Name(op)
+    except ValueError:
+        return "unknown"
+
+
+def _dtype_name(dtype: int) -> str:
+    try:
+        return pb.DType.Name(dtype)
+    except ValueError:
+        return str(dtype)
