@@ -68,6 +68,10 @@ class ClockSnapshot:
     min_clock: int
     live: int
     held: int
+    onebit_keys: int = -1
+    """Keys past the 1-bit Adam warmup (-1: the shard runs another rule)."""
+    onebit_residual_norm: float = 0.0
+    """L2 norm of the server's error-feedback residuals over all keys."""
 
 
 class _ClockCollector(Collector):
@@ -87,3 +91,10 @@ class _ClockCollector(Collector):
         yield GaugeMetricFamily("bitps_live_workers", "Workers counted as live", value=snap.live)
         yield GaugeMetricFamily("bitps_pending_pulls", "Pulls held by the consistency policy",
                                 value=snap.held)
+        if snap.onebit_keys >= 0:
+            yield GaugeMetricFamily("bitps_onebit_compressing_keys",
+                                    "Keys past the 1-bit Adam warmup (v frozen, 1-bit traffic)",
+                                    value=snap.onebit_keys)
+            yield GaugeMetricFamily("bitps_onebit_residual_norm",
+                                    "L2 norm of the shard's error-feedback residuals",
+                                    value=snap.onebit_residual_norm)

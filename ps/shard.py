@@ -139,6 +139,28 @@ class ShardCore:
                               f"{self.cfg.shard_id}")
             return onebit.key_states(self.slots, self.cfg)
 
+    def codec_state(self) -> dict[int, np.ndarray]:
+        """The shard's error-feedback residuals by key (copies; 1-bit Adam only): the codec
+        state a checkpoint saves beside parameters and optimizer state."""
+        with self.lock:
+            return {k: s.onebit.server.residual.copy() for k, s in self.slots.items()
+                    if s.onebit is not None}
+
+    def load_codec_state(self, residuals: dict[int, np.ndarray]) -> None:
+        """Restore :meth:`codec_state`; raises :class:`PSError` (nothing changed) when a key or
+        a length does not match."""
+        with self.lock:
+            for key, r in residuals.items():
+                slot = self.slots.get(key)
+                if slot is None or slot.onebit is None:
+                    raise PSError(pb.UNKNOWN_KEY, f"key {key} has no codec state on shard "
+                                  f"{self.cfg.shard_id}")
+                if r.shape != (slot.length,):
+                    raise PSError(pb.BAD_LENGTH, f"key {key}: residual of shape {r.shape}; "
+                                  f"expected ({slot.length},)")
+            for key, r in residuals.items():
+                np.copyto(self.slots[key].onebit.server.residual, r, casting="same_kind")
+
     def _new_slots(self, req: pb.RegisterRequest) -> dict[int, Slot]:
         slots = {}
         for spec in req.keys:
@@ -323,8 +345,13 @@ class ShardCore:
         """Clocks for the metrics endpoint (read at scrape time)."""
         with self.lock:
             c = self.clocks
-            return ClockSnapshot(clocks={r: w.clock for r, w in c.workers.items()},
-                                 min_clock=c.min_clock(), live=len(c.live()), held=len(self.held))
+            states = [s.onebit for s in self.slots.values() if s.onebit is not None]
+            return ClockSnapshot(
+                clocks={r: w.clock for r, w in c.workers.items()}, min_clock=c.min_clock(),
+                live=len(c.live()), held=len(self.held),
+                onebit_keys=sum(o.compressing for o in states) if self.rule.onebit else -1,
+                onebit_residual_norm=float(np.sqrt(sum(o.server.residual_norm() ** 2
+                                                       for o in states))))
 
     def _release_held(self, min_clock: int) -> list[Reply]:
         """Answer held pulls that are admitted now, fail those past their deadline."""

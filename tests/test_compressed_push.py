@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from native import sign1
 from proto.codecs import CodecConfig
@@ -66,9 +68,28 @@ def test_sign1_push_applies_reference_decode_and_keeps_reference_residuals(shard
         assert raw == 3 * 3000 * 4
         assert m == 3 * sum(sign1.payload_bytes(k.length, 64) for k in plan.keys
                             if k.name != "bias")
+        scraped = _scrape(client.metrics.registry)
+        assert scraped["bitps_worker_compression_ratio"][()] == pytest.approx(raw / m)
+        norms = {k.shard: 0.0 for k in plan.keys}
+        for i, k in enumerate(plan.keys):
+            if k.name != "bias":
+                norms[k.shard] = float(np.hypot(norms[k.shard], np.linalg.norm(residuals[i])))
+        for shard, norm in norms.items():
+            assert scraped["bitps_worker_residual_norm"][(("shard", str(shard)),)] == \
+                pytest.approx(norm, rel=1e-5)
+        assert "bitps_worker_onebit_phase" not in scraped
     decoded = sum(s.core.metrics.codec_decoded_bytes.labels("sign1").value for s in shards)
     wire = sum(s.core.metrics.codec_wire_bytes.labels("sign1").value for s in shards)
     assert decoded == raw and wire == m
+
+
+def _scrape(registry) -> dict:
+    """``{metric name: {labels tuple: value}}`` parsed from the registry's exposition text."""
+    out: dict = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for sample in family.samples:
+            out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp16", "sparse"])

@@ -11,8 +11,11 @@ import threading
 
 import numpy as np
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from native import sign1
+from proto.codecs import CodecConfig
 from proto.keyplan import ParamSpec, make_plan
 from ps import OptimizerConfig, ServerConfig, create_server
 from worker import ClientConfig, PSClient
@@ -85,6 +88,12 @@ def test_workers_hold_the_shards_parameters_bit_for_bit(mode):
             assert pulled < 0.4 * 52 * 4 * N
         assert all(by_key[k].onebit.compressing for k in plan.keys)
         assert all(by_key[k].onebit.history for k in plan.keys)
+        for s in shards:
+            text = generate_latest(s.core.metrics.registry).decode()
+            values = {x.name: x.value for f in text_string_to_metric_families(text)
+                      for x in f.samples}
+            assert values["bitps_onebit_compressing_keys"] == len(s.core.slots)
+            assert values["bitps_onebit_residual_norm"] > 0
     finally:
         for s in shards:
             s.stop(0)
@@ -114,5 +123,50 @@ def test_compressed_traffic_is_about_one_bit_per_element():
         assert wire == 2 * size  # two sign1 pushes
         assert down == 2 * size  # two sign1 updates pulled
         assert np.array_equal(copy, shard.core.slots[keys[0]].param)
+    finally:
+        shard.stop(0)
+
+
+def test_error_feedback_state_saves_and_restores():
+    """Worker and shard residuals come out as arrays and go back in unchanged; bad input to
+    the shard is refused whole."""
+    from proto.wire import PSError
+
+    opt = OptimizerConfig(name="onebit_adam", lr=0.01, freeze_step=1, onebit_chunk=256)
+    shard = create_server(ServerConfig(mode="async", optimizer=opt, metrics_port=-1))
+    try:
+        plan = make_plan([ParamSpec("w", (N,))], num_shards=1, partition_bytes=16384)
+        keys = [k.key for k in plan.keys]
+        copy = np.zeros(N, np.float32)
+        outs = [copy[k.offset:k.offset + k.length] for k in plan.keys]
+        cfg = ClientConfig(servers=(f"127.0.0.1:{shard.ports['grpc_port']}",),
+                           partition_bytes=16384, compress_min_bytes=0)
+        grads = [np.random.default_rng(k).standard_normal(len(o)).astype(np.float32)
+                 for k, o in zip(keys, outs)]
+        with PSClient(cfg) as client:
+            client.register(plan, dict(zip(keys, outs)))
+            for step in range(3):
+                client.push_pull(keys, grads, outs, clock=step).wait()
+            saved = {k: r.copy() for k, r in client.residuals(clock=2).items()}
+            assert set(saved) == set(keys) and all(np.any(r) for r in saved.values())
+        core = shard.core
+        server = core.codec_state()
+        assert set(server) == set(keys) and all(np.any(r) for r in server.values())
+        before = {k: r.copy() for k, r in server.items()}
+        for r in core.codec_state().values():
+            r[:] = 7  # copies: the shard's state is untouched
+        assert all(np.array_equal(before[k], r) for k, r in core.codec_state().items())
+        zeroed = {k: np.zeros_like(r) for k, r in before.items()}
+        with pytest.raises(PSError, match="expected"):
+            core.load_codec_state({**zeroed, keys[-1]: np.zeros(3, np.float32)})
+        assert all(np.array_equal(before[k], r) for k, r in core.codec_state().items())
+        core.load_codec_state(before)
+        assert all(np.array_equal(before[k], r) for k, r in core.codec_state().items())
+        with PSClient(ClientConfig(servers=cfg.servers, partition_bytes=16384,
+                                   compress_min_bytes=0, push_codec=CodecConfig(name="sign1")))\
+                as other:
+            other.plan = plan
+            other.load_residuals(saved)
+            assert all(np.array_equal(saved[k], r) for k, r in other.residuals().items())
     finally:
         shard.stop(0)

@@ -33,7 +33,7 @@ from proto.keyplan import KeyPlan
 from proto.wire import PROTOCOL, PSError
 from worker.channel import Channel, Handle, PSTimeoutError, Request
 from worker.config import ClientConfig
-from worker.metrics import WorkerMetrics
+from worker.metrics import CodecSnapshot, WorkerMetrics
 from worker.onebit import OneBitMomentum
 
 __all__ = ["Handle", "PSClient", "PSTimeoutError"]
@@ -76,6 +76,7 @@ class PSClient:
         """Set by a ``onebit_adam`` shard at registration: pushes for clocks before it go bf16,
         from it on sign1 (with this client's push codec chunk when that is sign1)."""
         self._momentum: OneBitMomentum | None = None  # sync 1-bit Adam (worker/onebit.py)
+        self.metrics.watch_codecs(self._codec_snapshot)
 
     # -- control plane ------------------------------------------------------------------------
     def register(self, plan: KeyPlan, values: Mapping[int, np.ndarray] | None = None) -> None:
@@ -252,25 +253,39 @@ class PSClient:
             self.metrics.codec_wire_bytes.labels(codec.name).inc(wire)
         return payload
 
-    def residuals(self) -> dict[int, np.ndarray]:
-        """Every key's error-feedback residual (the state to save; arrays owned by the
-        client, updated by each push)."""
-        return {k: c.residual for (k, _), c in self._compressors.items()
-                if c.residual is not None and c.codec == self._push_codec}
+    def _codec_snapshot(self) -> CodecSnapshot:
+        norms: dict[int, float] = {}
+        if self.plan is not None:
+            for (key, _), comp in list(self._compressors.items()):
+                shard = self.plan.keys[key].shard
+                norms[shard] = float(np.hypot(norms.get(shard, 0.0), comp.residual_norm()))
+        phase = int(self.clock >= self.freeze_step) if self.freeze_step else -1
+        return CodecSnapshot(residual_norms=norms, onebit_phase=phase)
 
-    def load_residuals(self, residuals: Mapping[int, np.ndarray]) -> None:
-        """Restore residuals saved by :meth:`residuals` (same plan and push codec)."""
+    def residuals(self, *, clock: int | None = None) -> dict[int, np.ndarray]:
+        """Every key's error-feedback residual for the codec pushes use at ``clock`` (default:
+        :attr:`clock`): the state to save. Arrays owned by the client, updated by each push."""
+        codec = self.push_codec_at(self.clock if clock is None else clock)
+        return {k: c.residual for (k, _), c in self._compressors.items()
+                if c.residual is not None and c.codec == codec}
+
+    def load_residuals(self, residuals: Mapping[int, np.ndarray], *,
+                       clock: int | None = None) -> None:
+        """Restore residuals saved by :meth:`residuals` (same plan, same codec at ``clock``)."""
         if self.plan is None:
             raise RuntimeError("register() before load_residuals()")
+        codec = self.push_codec_at(self.clock if clock is None else clock)
+        if codec.is_raw:
+            raise ValueError("raw pushes keep no residuals; set a push codec")
         for key, r in residuals.items():
             n = self.plan.keys[key].length
             if r.shape != (n,) or r.dtype != _F32:
                 raise ValueError(f"residual of key {key} is {r.dtype}{r.shape}; expected "
                                  f"float32[{n}]")
-            comp = self._compressors.get((key, self._push_codec.id))
+        for key, r in residuals.items():
+            comp = self._compressors.get((key, codec.id))
             if comp is None:
-                comp = self._compressors[key, self._push_codec.id] = \
-                    Compressor(self._push_codec, n)
+                comp = self._compressors[key, codec.id] = Compressor(codec, r.shape[0])
             np.copyto(comp.residual, r)
 
     def _channel(self) -> Channel:

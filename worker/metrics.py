@@ -4,11 +4,16 @@ writers hold :attr:`WorkerMetrics.lock`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from proto.metrics import MetricSet
 
-__all__ = ["WorkerMetrics"]
+__all__ = ["CodecSnapshot", "WorkerMetrics"]
 
 _LATENCY = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 5)
 _STEP = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -44,3 +49,41 @@ class WorkerMetrics:
             "bitps_worker_codec_wire_bytes_total",
             "Bytes the push codec sent for them, by codec (ratio = raw / wire)", "codec")
         self.registry.register(m)
+
+    def watch_codecs(self, snapshot: Callable[[], CodecSnapshot]) -> None:
+        """Export, read at scrape time from ``snapshot``: the push compression ratio, the
+        error-feedback residual norm per shard, and the 1-bit Adam phase."""
+        self.registry.register(_CodecCollector(self, snapshot))
+
+
+@dataclass(frozen=True)
+class CodecSnapshot:
+    """What the codec gauges show."""
+
+    residual_norms: dict[int, float]
+    """Shard -> L2 norm of this worker's residuals for that shard's keys."""
+    onebit_phase: int = -1
+    """1-bit Adam: 0 warmup, 1 compression; -1 when the shards run another rule."""
+
+
+class _CodecCollector(Collector):
+    def __init__(self, metrics: WorkerMetrics, snapshot: Callable[[], CodecSnapshot]) -> None:
+        self.metrics, self.snapshot = metrics, snapshot
+
+    def collect(self):
+        snap, m = self.snapshot(), self.metrics
+        raw = sum(c.value for c in m.codec_raw_bytes.children.values())
+        wire = sum(c.value for c in m.codec_wire_bytes.children.values())
+        yield GaugeMetricFamily("bitps_worker_compression_ratio",
+                                "Float32 bytes / wire bytes of compressed pushes so far",
+                                value=raw / wire if wire else 0.0)
+        norms = GaugeMetricFamily("bitps_worker_residual_norm",
+                                  "L2 norm of the error-feedback residuals, by shard",
+                                  labels=["shard"])
+        for shard, norm in sorted(snap.residual_norms.items()):
+            norms.add_metric([str(shard)], norm)
+        yield norms
+        if snap.onebit_phase >= 0:
+            yield GaugeMetricFamily("bitps_worker_onebit_phase",
+                                    "1-bit Adam: 0 = warmup (bf16 pushes), 1 = compression",
+                                    value=snap.onebit_phase)
