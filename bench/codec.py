@@ -1,12 +1,13 @@
 """``bitps-bench codec``: the codec kernels on one thread against memcpy, the numpy references
 and the torch-ops implementation, all in the same run.
 
-A float32 gradient of ``mib`` MiB (standard normal, seed 0) is compressed with error feedback
-and decompressed-and-accumulated. Every implementation is called ``repeats`` times, round-robin
-with the others and with ``np.copyto`` of the same bytes into a preallocated buffer (memcpy), so
-machine noise hits all alike; medians are reported. "vs memcpy" = memcpy time / this time (1.0 =
-as fast as copying the float32 gradient once); "kernel speedup" = this time / the numba
-kernel's time for the same operation.
+Float32 gradients of ``mib`` MiB (standard normal, seed 0; two, taken in turn, so every
+compression sees a new gradient plus the carried residual, as in training) are compressed with
+error feedback and decompressed-and-accumulated. Every implementation is called ``repeats``
+times, round-robin with the others and with ``np.copyto`` of the same bytes into a preallocated
+buffer (memcpy), so machine noise hits all alike; medians are reported. "vs memcpy" = memcpy
+time / this time (1.0 = as fast as copying the float32 gradient once); "kernel speedup" = this
+time / the numba kernel's time for the same operation.
 """
 
 from __future__ import annotations
@@ -24,19 +25,26 @@ __all__ = ["run"]
 MIB = 1 << 20
 
 
-def _cases(grad: np.ndarray) -> dict:
-    """(operation, implementation) -> a zero-argument callable doing it once."""
+def _cases(grads: list[np.ndarray]) -> dict:
+    """(operation, implementation) -> a zero-argument callable doing it once. Encoders take the
+    next of ``grads`` on every call, as training brings a new gradient each step (the residual
+    carries over); encoding one gradient again and again would thin sparse's selection."""
+    import itertools
+
     import torch
 
     from worker import codec_torch
 
+    grad = grads[0]
     n, chunk = grad.shape[0], sign1.DEFAULT_CHUNK
+    turn = {name: itertools.cycle(grads) for name in ("k", "np", "t", "sk", "snp", "bf")}
+    tgrads = itertools.cycle([torch.from_numpy(g) for g in grads])
     res = {name: np.zeros(n, np.float32) for name in ("k", "np", "sk", "snp", "bf")}
     out = np.empty(sign1.payload_bytes(n, chunk), np.uint8)
     sign1.encode(grad, res["k"], out)
     payload = out.tobytes()
     acc = np.zeros(n, np.float32)
-    tgrad, tres, tacc = torch.from_numpy(grad), torch.zeros(n), torch.zeros(n)
+    tres, tacc = torch.zeros(n), torch.zeros(n)
     tpayload = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     sp_out = np.empty(sparse.max_payload_bytes(n, chunk, sparse.NATEXP8), np.uint8)
     scratch = np.empty(sparse.sample_size(n), np.float32)
@@ -46,11 +54,12 @@ def _cases(grad: np.ndarray) -> dict:
     dst = np.empty_like(grad)
     return {
         ("copy float32 gradient", "memcpy (np.copyto)"): lambda: np.copyto(dst, grad),
-        ("sign1 compress + EF", "numba kernel"): lambda: sign1.encode(grad, res["k"], out),
+        ("sign1 compress + EF", "numba kernel"):
+            lambda: sign1.encode(next(turn["k"]), res["k"], out),
         ("sign1 compress + EF", "numpy reference"):
-            lambda: sign1.encode_reference(grad, res["np"]),
+            lambda: sign1.encode_reference(next(turn["np"]), res["np"]),
         ("sign1 compress + EF", "torch ops"):
-            lambda: codec_torch.sign1_encode(tgrad, tres, chunk=chunk),
+            lambda: codec_torch.sign1_encode(next(tgrads), tres, chunk=chunk),
         ("sign1 decompress + accumulate", "numba kernel"):
             lambda: sign1.decode_add(payload, n, acc),
         ("sign1 decompress + accumulate", "numpy reference"):
@@ -58,15 +67,15 @@ def _cases(grad: np.ndarray) -> dict:
         ("sign1 decompress + accumulate", "torch ops"):
             lambda: codec_torch.sign1_decode_add(tpayload, n, tacc, chunk=chunk),
         ("sparse natexp8 compress + EF", "numba kernel"):
-            lambda: sparse.encode(grad, res["sk"], sp_out, scratch, np.uint64(1), chunk,
-                                  sparse.NATEXP8),
+            lambda: sparse.encode(next(turn["sk"]), res["sk"], sp_out, scratch, np.uint64(1),
+                                  chunk, sparse.NATEXP8),
         ("sparse natexp8 compress + EF", "numpy reference"):
-            lambda: sparse.encode_reference(grad, res["snp"], np.uint64(1), chunk,
+            lambda: sparse.encode_reference(next(turn["snp"]), res["snp"], np.uint64(1), chunk,
                                             sparse.NATEXP8),
         ("sparse decompress + accumulate", "numba kernel"):
             lambda: sparse.decode_add(sp_payload, n, chunk, acc),
-        ("bf16 compress + EF", "numba kernel"): lambda: casts.bf16_encode(grad, res["bf"],
-                                                                          bf_out),
+        ("bf16 compress + EF", "numba kernel"):
+            lambda: casts.bf16_encode(next(turn["bf"]), res["bf"], bf_out),
         ("bf16 decompress + accumulate", "numba kernel"):
             lambda: casts.bf16_decode_add(bf_out, n, acc),
     }
@@ -79,8 +88,10 @@ def run(*, mib: int = 64, repeats: int = 7, out: Path | None = None) -> dict:
 
     torch.set_num_threads(1)
     numba.set_num_threads(1)
-    grad = np.random.default_rng(0).standard_normal(mib * MIB // 4).astype(np.float32)
-    cases = _cases(grad)
+    rng = np.random.default_rng(0)
+    grads = [rng.standard_normal(mib * MIB // 4).astype(np.float32) for _ in range(2)]
+    grad = grads[0]
+    cases = _cases(grads)
     for fn in cases.values():
         fn()  # compile and touch every buffer once
     times: dict = {key: [] for key in cases}
@@ -112,9 +123,9 @@ def run(*, mib: int = 64, repeats: int = 7, out: Path | None = None) -> dict:
         "sparse_compress_vs_memcpy": _goal(
             ratio("sparse natexp8 compress + EF", "numba kernel", "vs_memcpy"), 0.2),
     }
-    notes = (f"{mib} MiB float32 gradient (standard normal), one thread (numba and torch set to "
-             f"1), medians of {repeats} round-robin calls. vs memcpy = memcpy time / this time; "
-             "kernel speedup = this time / the numba kernel's time.")
+    notes = (f"{mib} MiB float32 gradients (standard normal, two in turn), one thread (numba and "
+             f"torch set to 1), medians of {repeats} round-robin calls. vs memcpy = memcpy time "
+             "/ this time; kernel speedup = this time / the numba kernel's time.")
     write_results("codec", config={"mib": mib, "repeats": repeats, "chunk": sign1.DEFAULT_CHUNK,
                                    "threads": 1}, rows=rows, checks=checks, out=out, notes=notes,
                   columns=[("operation", "operation"), ("implementation", "implementation"),

@@ -1,4 +1,4 @@
-"""bitps-bench runs the real path and writes the agreed JSON + Markdown layout (a smoke run:
+"""bitps-bench runs the real path and writes the agreed JSON + Markdown layout (smoke runs:
 figures from a loaded test machine prove nothing, so no ratio is asserted here)."""
 
 from __future__ import annotations
@@ -28,3 +28,45 @@ def test_pushpull_quick_writes_results(tmp_path):
         assert set(c) == {"value", "goal", "ok"} and isinstance(c["ok"], bool)
     md = (tmp_path / "pushpull.md").read_text()
     assert "| push+pull 0.25 MiB |" in md and "| check | value | goal | ok |" in md
+
+
+def _bench(tmp_path, *args, timeout=300) -> dict:
+    out = subprocess.run([sys.executable, "-m", "bench", "--out", str(tmp_path), *args],
+                         cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode in (0, 1), out.stderr  # 1 = a goal missed, still a complete run
+    doc = json.loads((tmp_path / f"{args[0]}.json").read_text())
+    assert set(doc) >= {"config", "versions", "machine", "rows", "checks"}
+    for c in doc["checks"].values():
+        assert set(c) == {"value", "goal", "ok"} and isinstance(c["ok"], bool)
+    assert (tmp_path / f"{args[0]}.md").read_text().count("|") > 10
+    return doc
+
+
+def test_volume_table_is_exact_arithmetic(tmp_path):
+    doc = _bench(tmp_path, "volume")
+    rows = {(r["model"].split()[0], r["scheme"]): r for r in doc["rows"]}
+    assert rows[("30B", "fp32")]["push_GB"] == 120.0
+    # 1 MiB keys: 262144 / 8 bytes of signs + 128 scales of 4 bytes per key
+    per_key = 262144 // 8 + 4 * 128
+    keys = -(-30_000_000_000 // 262144)
+    assert abs(rows[("30B", "1-bit Adam (both ways)")]["push_GB"] * 1e9 - keys * per_key) \
+        < 1e6  # the last key is partial
+    assert doc["checks"]["stage_fp32_push_GB"]["ok"]
+
+
+def test_codec_bench_runs_every_implementation(tmp_path):
+    doc = _bench(tmp_path, "codec", "--mib", "1", "--repeats", "1")
+    impls = {(r["operation"], r["implementation"]) for r in doc["rows"]}
+    assert ("sign1 compress + EF", "torch ops") in impls
+    assert ("sparse natexp8 compress + EF", "numpy reference") in impls
+    assert all(r["ms"] > 0 for r in doc["rows"])
+
+
+def test_convergence_bench_smoke(tmp_path):
+    """A few steps of every run: the curves, the PNG and the byte counts come out."""
+    doc = _bench(tmp_path, "convergence", "--steps", "12", "--seeds", "0", timeout=600)
+    assert len(doc["rows"]) == 5
+    assert (tmp_path / "convergence.png").read_bytes()[:4] == b"\x89PNG"
+    onebit = next(r for r in doc["rows"] if r["run"] == "1-bit Adam (sync)")
+    fp32 = next(r for r in doc["rows"] if r["run"] == "fp32 Adam (sync)")
+    assert 0 < onebit["push_bytes_per_step"] < fp32["push_bytes_per_step"]
