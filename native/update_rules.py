@@ -117,7 +117,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, grad_scale, one_minus_beta1, bet
 
 @_jit
 def onebit_adam_delta(param, grad, exp_avg, exp_avg_sq, delta, grad_scale, one_minus_beta1,
-                      eps, weight_decay, neg_lr, bias_correction2_sqrt):
+                      eps, weight_decay, neg_lr, bias_correction2_sqrt, ratio_clip):
     """1-bit Adam's compression stage: ``m = lerp(m, g, 1 - beta1)`` with the frozen ``v``,
     ``delta = -lr * (m / (sqrt(v) / bias_correction2_sqrt + eps) + weight_decay * param)``
     (decoupled decay, as DeepSpeed adds it to the update). Writes ``delta`` (its own array);
@@ -127,7 +127,13 @@ def onebit_adam_delta(param, grad, exp_avg, exp_avg_sq, delta, grad_scale, one_m
     output rows of tokens never seen, say) are masked: ``m`` stays 0 and ``delta`` is 0. Without
     the mask the compression noise a 1-bit code puts on them is divided by ``sqrt(v) + eps ~
     eps`` and blows up; DeepSpeed asks users for this mask (``exp_avg_mask``), the frozen ``v``
-    already knows it."""
+    already knows it.
+
+    ``|m / (sqrt(v)/bc2 + eps)|`` is clipped to ``ratio_clip``, the most Adam itself can reach
+    (``(1-beta1) / (sqrt(1-beta2) * (1 - beta1/sqrt(beta2)))``): a coordinate that was rare
+    during warmup (a rarely routed expert, a rare token's embedding) has a tiny frozen v, and
+    its first real gradients after the freeze would otherwise step it hundreds of learning rates
+    at once; Adam's moving v would have grown instead."""
     for i in range(param.shape[0]):
         if exp_avg_sq[i] == 0:
             exp_avg[i] = 0
@@ -137,7 +143,8 @@ def onebit_adam_delta(param, grad, exp_avg, exp_avg_sq, delta, grad_scale, one_m
         m = exp_avg[i]
         m = fma(one_minus_beta1, g - m, m)
         exp_avg[i] = m
-        d = m / (np.sqrt(exp_avg_sq[i]) / bias_correction2_sqrt + eps)
+        d = min(max(m / (np.sqrt(exp_avg_sq[i]) / bias_correction2_sqrt + eps), -ratio_clip),
+                ratio_clip)
         if weight_decay != 0:
             d = fma(weight_decay, param[i], d)
         delta[i] = neg_lr * d
@@ -145,16 +152,17 @@ def onebit_adam_delta(param, grad, exp_avg, exp_avg_sq, delta, grad_scale, one_m
 
 @_jit
 def onebit_adam_apply(param, exp_avg, exp_avg_sq, eps, weight_decay, neg_lr,
-                      bias_correction2_sqrt):
+                      bias_correction2_sqrt, ratio_clip):
     """sync 1-bit Adam, run identically by the shard and every worker once ``exp_avg`` holds the
     published momentum: ``param += -lr * (m / (sqrt(v)/bc2 + eps) + weight_decay * param)``,
-    skipping coordinates whose frozen ``v`` is 0 (the mask of :func:`onebit_adam_delta`)."""
+    with the mask and the ratio clip of :func:`onebit_adam_delta`."""
     for i in range(param.shape[0]):
         v = exp_avg_sq[i]
         if v == 0:
             continue
         p = param[i]
-        d = exp_avg[i] / (np.sqrt(v) / bias_correction2_sqrt + eps)
+        d = min(max(exp_avg[i] / (np.sqrt(v) / bias_correction2_sqrt + eps), -ratio_clip),
+                ratio_clip)
         if weight_decay != 0:
             d = fma(weight_decay, p, d)
         param[i] = p + neg_lr * d

@@ -161,7 +161,7 @@ class RegisterReply(_message.Message):
     def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., data_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., start_clock: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., onebit: _Optional[_Union[OneBitParams, _Mapping]] = ...) -> None: ...
 
 class OneBitParams(_message.Message):
-    __slots__ = ("freeze_step", "chunk", "codec_flags", "lr", "beta1", "eps", "weight_decay")
+    __slots__ = ("freeze_step", "chunk", "codec_flags", "lr", "beta1", "eps", "weight_decay", "ratio_clip")
     FREEZE_STEP_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     CODEC_FLAGS_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +169,7 @@ class OneBitParams(_message.Message):
     BETA1_FIELD_NUMBER: _ClassVar[int]
     EPS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    RATIO_CLIP_FIELD_NUMBER: _ClassVar[int]
     freeze_step: int
     chunk: int
     codec_flags: int
@@ -176,7 +177,8 @@ class OneBitParams(_message.Message):
     beta1: float
     eps: float
     weight_decay: float
-    def __init__(self, freeze_step: _Optional[int] = ..., chunk: _Optional[int] = ..., codec_flags: _Optional[int] = ..., lr: _Optional[float] = ..., beta1: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ...) -> None: ...
+    ratio_clip: float
+    def __init__(self, freeze_step: _Optional[int] = ..., chunk: _Optional[int] = ..., codec_flags: _Optional[int] = ..., lr: _Optional[float] = ..., beta1: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., ratio_clip: _Optional[float] = ...) -> None: ...
 
 class OptimizerStateRequest(_message.Message):
     __slots__ = ("rank", "token")

@@ -36,6 +36,7 @@ from proto import bitps_pb2 as pb
 from proto.codecs import MEAN_ABS, Codec, Compressor
 from proto.wire import PSError
 from ps.config import ServerConfig
+from ps.rules import make_rule
 
 if TYPE_CHECKING:
     from ps.store import Slot
@@ -56,7 +57,8 @@ def params(cfg: ServerConfig) -> pb.OneBitParams | None:
         return None
     return pb.OneBitParams(freeze_step=o.freeze_step, chunk=o.onebit_chunk,
                            codec_flags=MEAN_ABS if uses_mean_abs(cfg) else 0, lr=o.lr,
-                           beta1=o.beta1, eps=o.eps, weight_decay=o.weight_decay)
+                           beta1=o.beta1, eps=o.eps, weight_decay=o.weight_decay,
+                           ratio_clip=make_rule(o).ratio_clip)
 
 
 def new_state(n: int, cfg: ServerConfig) -> OneBitState:

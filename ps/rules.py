@@ -97,7 +97,7 @@ class UpdateRule:
         state.step += 1
         native.onebit_adam_delta(param, grad, state.buf1, state.buf2, out, f32(grad_scale),
                                  self._one_minus_beta1, self._eps, self._wd, f32(-cfg.lr),
-                                 f32(bias_correction2_sqrt))
+                                 f32(bias_correction2_sqrt), f32(self.ratio_clip))
 
     def apply_momentum(self, param: np.ndarray, state: KeyState, *,
                        bias_correction2_sqrt: float) -> None:
@@ -106,7 +106,17 @@ class UpdateRule:
         cfg, f32 = self.cfg, np.float32
         state.step += 1
         native.onebit_adam_apply(param, state.buf1, state.buf2, self._eps, self._wd,
-                                 f32(-cfg.lr), f32(bias_correction2_sqrt))
+                                 f32(-cfg.lr), f32(bias_correction2_sqrt), f32(self.ratio_clip))
+
+    @property
+    def ratio_clip(self) -> float:
+        """The largest ``|m| / sqrt(v)`` Adam can reach with these betas (bias corrections
+        aside): ``(1-beta1) / (sqrt(1-beta2) * (1 - beta1/sqrt(beta2)))``; 1-bit Adam clips its
+        frozen-v ratio there (``native.onebit_adam_delta``)."""
+        b1, b2 = self.cfg.beta1, self.cfg.beta2
+        if b1 >= b2 ** 0.5:
+            return float("inf")  # Adam's ratio is unbounded then; nothing to clip to
+        return (1 - b1) / ((1 - b2) ** 0.5 * (1 - b1 / b2 ** 0.5))
 
     def bias_correction2_sqrt(self, state: KeyState) -> float:
         """``sqrt(1 - beta2**t)`` at the key's current step (frozen with v at the switch)."""

@@ -32,6 +32,7 @@ class OneBitMomentum:
         # the same float32 scalars as the shard's UpdateRule, from the same doubles
         self._eps, self._wd, self._neg_lr = f32(params.eps), f32(params.weight_decay), \
             f32(-params.lr)
+        self._ratio_clip = f32(params.ratio_clip)
         self.m: dict[int, np.ndarray] = {}
         self.v: dict[int, np.ndarray] = {}
         self.bc2: dict[int, np.float32] = {}
@@ -65,4 +66,4 @@ class OneBitMomentum:
         m.fill(0.0)
         sign1.decode_add(code, m.shape[0], m, chunk=chunk)
         native.onebit_adam_apply(out, m, self.v[key], self._eps, self._wd, self._neg_lr,
-                                 self.bc2[key])
+                                 self.bc2[key], self._ratio_clip)
