@@ -29,7 +29,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-__all__ = ["HotCounter", "HotGauge", "HotHistogram", "LabeledCounter", "MetricSet"]
+__all__ = ["HotCounter", "HotGauge", "HotHistogram", "LabeledCounter", "MetricSet",
+           "labeled_gauge"]
 
 
 class HotCounter:
@@ -136,6 +137,15 @@ class MetricSet(Collector):
                     running += c
                     buckets.append((_le(bound), running))
                 yield HistogramMetricFamily(name, doc, buckets=buckets, sum_value=metric.sum)
+
+
+def labeled_gauge(name: str, doc: str, label: str, values: dict) -> GaugeMetricFamily:
+    """A gauge family with one sample per ``{label value: value}`` item, in sorted order (for
+    collectors that read state at scrape time)."""
+    family = GaugeMetricFamily(name, doc, labels=[label])
+    for key, value in sorted(values.items()):
+        family.add_metric([str(key)], value)
+    return family
 
 
 def _le(bound: float) -> str:

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from proto.metrics import MetricSet
+from proto.metrics import MetricSet, labeled_gauge
 
 __all__ = ["ClockSnapshot", "ShardMetrics"]
 
@@ -80,12 +80,9 @@ class _ClockCollector(Collector):
 
     def collect(self):
         snap = self.snapshot()
-        per_worker = GaugeMetricFamily("bitps_worker_clock_steps",
-                                       "Steps completed, per worker, as this shard has seen",
-                                       labels=["worker"])
-        for rank, clock in sorted(snap.clocks.items()):
-            per_worker.add_metric([str(rank)], clock)
-        yield per_worker
+        yield labeled_gauge("bitps_worker_clock_steps",
+                            "Steps completed, per worker, as this shard has seen", "worker",
+                            snap.clocks)
         yield GaugeMetricFamily("bitps_min_clock_steps", "Smallest clock over live workers",
                                 value=snap.min_clock)
         yield GaugeMetricFamily("bitps_live_workers", "Workers counted as live", value=snap.live)

@@ -4,11 +4,7 @@ registry's handling of untrusted headers and frames. The sparse codec has tests/
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +14,6 @@ from proto import bitps_pb2 as pb
 from proto.codecs import Codec, CodecConfig, Compressor
 from proto.wire import PSError
 
-REPO = Path(__file__).resolve().parents[1]
 SIZES = (1, 63, 64, 100, 2048, 2049, 5000, 100_003)
 SPECIAL = np.array([0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFFFFFFF,
                     0x7F800001, 0x00000001, 0x80000000, 0x3F808000, 0x3F818000, 0x3F80FFFF],
@@ -187,16 +182,10 @@ _NOJIT_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_pure_python_kernels_equal_reference(tmp_path):
+def test_pure_python_kernels_equal_reference(run_without_jit):
     n = 301
     grads = _grads(9, n)
-    np.savez(tmp_path / "in.npz", **{f"g{i}": g for i, g in enumerate(grads)})
-    env = {**os.environ, "NUMBA_DISABLE_JIT": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", _NOJIT_SCRIPT, str(tmp_path / "in.npz"),
-                           str(tmp_path / "out.npz")], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    got = np.load(tmp_path / "out.npz")
+    got = run_without_jit(_NOJIT_SCRIPT, **{f"g{i}": g for i, g in enumerate(grads)})
     for chunk, mean_abs in ((64, False), (128, True)):
         residual = np.zeros(n, np.float32)
         for step, grad in enumerate(grads):

@@ -5,19 +5,14 @@ pure-Python path (``NUMBA_DISABLE_JIT=1``)."""
 
 from __future__ import annotations
 
-import os
 import struct
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from native import sparse as sp
 
-REPO = Path(__file__).resolve().parents[1]
 MODES = [sp.BF16, sp.NATEXP8]
 STEPS = 3
 
@@ -421,17 +416,11 @@ _NOJIT_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_pure_python_path_matches_reference(tmp_path):
+def test_pure_python_path_matches_reference(run_without_jit):
     inputs = {"gauss": np.stack([gaussian(4500, s) for s in range(STEPS)]),
               "spiky": np.stack([spiky(1500, s) for s in range(STEPS)]),
               "wide": np.stack([wide(700, s) for s in range(STEPS)])}
-    np.savez(tmp_path / "in.npz", **inputs)
-    env = {**os.environ, "NUMBA_DISABLE_JIT": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", _NOJIT_SCRIPT, str(tmp_path / "in.npz"),
-                           str(tmp_path / "out.npz")], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    got = np.load(tmp_path / "out.npz")
+    got = run_without_jit(_NOJIT_SCRIPT, **inputs)
     for name, grads in inputs.items():
         n = grads.shape[1]
         for mode in MODES:

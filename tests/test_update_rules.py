@@ -4,11 +4,7 @@ small kernels."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +13,6 @@ import native
 from ps.config import OptimizerConfig
 from ps.rules import make_rule
 
-REPO = Path(__file__).resolve().parents[1]
 # Odd length so the scalar tail of torch's vectorised loops is exercised too.
 N = 1037
 STEPS = 20
@@ -217,15 +212,9 @@ _NOJIT_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_pure_python_path_matches_jit(tmp_path):
+def test_pure_python_path_matches_jit(run_without_jit):
     param, grads = _data(9, n=301, steps=5)
-    np.savez(tmp_path / "in.npz", param=param, grads=grads)
-    env = {**os.environ, "NUMBA_DISABLE_JIT": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", _NOJIT_SCRIPT, str(tmp_path / "in.npz"),
-                           str(tmp_path / "out.npz")], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    got = np.load(tmp_path / "out.npz")
+    got = run_without_jit(_NOJIT_SCRIPT, param=param, grads=grads)
     for name in ("sgd", "momentum", "adam"):
         cfg = OptimizerConfig(name=name, lr=0.01, weight_decay=0.01)
         jitted = _ours(cfg, param, grads)

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from proto.metrics import MetricSet
+from proto.metrics import MetricSet, labeled_gauge
 
 __all__ = ["CodecSnapshot", "WorkerMetrics"]
 
@@ -77,12 +77,9 @@ class _CodecCollector(Collector):
         yield GaugeMetricFamily("bitps_worker_compression_ratio",
                                 "Float32 bytes / wire bytes of compressed pushes so far",
                                 value=raw / wire if wire else 0.0)
-        norms = GaugeMetricFamily("bitps_worker_residual_norm",
-                                  "L2 norm of the error-feedback residuals, by shard",
-                                  labels=["shard"])
-        for shard, norm in sorted(snap.residual_norms.items()):
-            norms.add_metric([str(shard)], norm)
-        yield norms
+        yield labeled_gauge("bitps_worker_residual_norm",
+                            "L2 norm of the error-feedback residuals, by shard", "shard",
+                            snap.residual_norms)
         if snap.onebit_phase >= 0:
             yield GaugeMetricFamily("bitps_worker_onebit_phase",
                                     "1-bit Adam: 0 = warmup (bf16 pushes), 1 = compression",
