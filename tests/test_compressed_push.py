@@ -112,3 +112,42 @@ def test_other_codecs_train_a_key_through_the_shard(shards, name):
         # parameters = -lr * decoded, and decoded + residual == gradient (error feedback)
         np.testing.assert_allclose(-out / LR + kept[k.key], g, rtol=0, atol=1e-5, err_msg=name)
         assert np.count_nonzero(out) > (0.1 if name == "sparse" else 0.99) * k.length
+
+
+@pytest.mark.parametrize("codec", ["sign1", "bf16"])
+def test_psmodel_device_codec_path_trains_like_the_host_path(codec):
+    """PSModel's GPU path (torch-ops codec next to the gradients, caller-kept error feedback)
+    run on CPU tensors: the same bytes reach the shard as from the host path (numba kernels), so
+    the two trainings end bit-identical."""
+    torch = pytest.importorskip("torch")
+    from worker.model import PSModel
+
+    def train(device_codec: bool):
+        shard = create_server(ServerConfig(mode="sync", metrics_port=-1,
+                                           optimizer=OptimizerConfig(name="sgd", lr=0.05)))
+        try:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
+                                        torch.nn.Linear(64, 4))
+            cfg = ClientConfig(servers=(f"127.0.0.1:{shard.ports['grpc_port']}",),
+                               partition_bytes=4096, compress_min_bytes=1024,
+                               push_codec=CodecConfig(name=codec, chunk=64))
+            with PSClient(cfg) as client:
+                ps_model = PSModel(model, client, device_codec=device_codec)
+                assert ps_model.device_codec == device_codec
+                data = torch.Generator().manual_seed(1)
+                for _ in range(6):
+                    x = torch.randn(16, 32, generator=data)
+                    loss = model(x).square().mean()
+                    loss.backward()
+                    ps_model.step()
+                sent = client.metrics.codec_wire_bytes.labels(codec).value
+            return [p.detach().clone() for p in model.parameters()], sent
+        finally:
+            shard.stop(0)
+
+    host, host_bytes = train(False)
+    device, device_bytes = train(True)
+    assert host_bytes == device_bytes > 0
+    for a, b in zip(host, device):
+        assert torch.equal(a, b)

@@ -156,20 +156,31 @@ class PSClient:
                     log.warning("heartbeat to shard %d failed: %s", shard, err.code().name)
 
     # -- data plane ---------------------------------------------------------------------------
-    def push(self, keys: Sequence[int], grads: Sequence[np.ndarray], *, clock: int) -> Handle:
-        """Send gradients of ``keys`` for step ``clock``."""
-        return self._submit(pb.PUSH, keys, grads, (), clock)
+    def push(self, keys: Sequence[int], grads: Sequence[np.ndarray], *, clock: int,
+             encoded: Mapping[int, np.ndarray] | None = None) -> Handle:
+        """Send gradients of ``keys`` for step ``clock``. ``encoded`` maps keys to payloads
+        already compressed with :meth:`push_codec_at` (``clock``) by the caller, who then keeps
+        their error feedback (``PSModel``'s GPU path); those keys' ``grads`` are not read."""
+        return self._submit(pb.PUSH, keys, grads, (), clock, encoded)
 
     def pull(self, keys: Sequence[int], outs: Sequence[np.ndarray], *, clock: int) -> Handle:
         """Fetch parameters of ``keys`` for step ``clock`` into ``outs``."""
         return self._submit(pb.PULL, keys, (), outs, clock)
 
     def push_pull(self, keys: Sequence[int], grads: Sequence[np.ndarray],
-                  outs: Sequence[np.ndarray], *, clock: int) -> Handle:
-        """Push gradients for step ``clock`` and pull parameters for ``clock + 1``."""
-        return self._submit(pb.PUSH_PULL, keys, grads, outs, clock)
+                  outs: Sequence[np.ndarray], *, clock: int,
+                  encoded: Mapping[int, np.ndarray] | None = None) -> Handle:
+        """Push gradients for step ``clock`` and pull parameters for ``clock + 1`` (``encoded``
+        as for :meth:`push`)."""
+        return self._submit(pb.PUSH_PULL, keys, grads, outs, clock, encoded)
 
-    def _submit(self, op, keys, grads, outs, clock) -> Handle:
+    def compresses(self, key: int, clock: int) -> bool:
+        """Whether a push of ``key`` for ``clock`` goes compressed (a push codec is in force and
+        the key has at least ``compress_min_bytes``)."""
+        return not self.push_codec_at(clock).is_raw and \
+            self.plan.keys[key].nbytes >= self.cfg.compress_min_bytes
+
+    def _submit(self, op, keys, grads, outs, clock, encoded=None) -> Handle:
         if self.plan is None:
             raise RuntimeError("register() before push/pull")
         if self._closing.is_set():
@@ -177,6 +188,8 @@ class PSClient:
         if grads and len(grads) != len(keys) or outs and len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(grads)} grads and {len(outs)} outs")
         codec = self.push_codec_at(clock)
+        if encoded:
+            self._check_encoded(encoded, codec, clock)
         momenta = self._momentum is not None and bool(grads) and clock >= self.freeze_step
         if momenta:
             # sync 1-bit Adam: push this worker's momentum instead of its gradient
@@ -200,8 +213,8 @@ class PSClient:
             payload, nbytes = [], 0
             if grads:
                 nbytes = sum(grads[i].nbytes for i in idx)
-                payload = self._compress(codec, header, ks, [grads[i] for i in idx], clock) \
-                    if compressed else [grads[i] for i in idx]
+                payload = self._compress(codec, header, ks, [grads[i] for i in idx], clock,
+                                         encoded) if compressed else [grads[i] for i in idx]
             requests.append(Request(shard, header.request_id, ks,
                                     [header.SerializeToString(), *payload],
                                     [outs[i] for i in idx] if outs else (), handle, deadline,
@@ -236,13 +249,27 @@ class PSClient:
             _SIGN1.chunk
         return Codec(pb.CODEC_SIGN1, chunk, self._push_codec.flags & MEAN_ABS)
 
+    def _check_encoded(self, encoded: Mapping[int, np.ndarray], codec: Codec,
+                       clock: int) -> None:
+        for key, data in encoded.items():
+            if not self.compresses(key, clock):
+                raise ValueError(f"key {key} is pushed raw at clock {clock}; only keys the "
+                                 f"push codec compresses may come encoded")
+            problem = codec.check(data, self.plan.keys[key].length)
+            if problem:
+                raise ValueError(f"encoded key {key}: {problem}")
+
     def _compress(self, codec: Codec, header: pb.DataHeader, keys: list[int],
-                  grads: list[np.ndarray], clock: int) -> list[memoryview]:
-        """Encode one message's gradients with ``codec`` (error feedback per key)."""
+                  grads: list[np.ndarray], clock: int, encoded=None) -> list[memoryview]:
+        """Encode one message's gradients with ``codec`` (error feedback per key), or take the
+        caller's ``encoded`` payloads."""
         header.codec, header.codec_chunk, header.codec_flags = codec.wire_fields()
         seed = (self.cfg.codec_seed * 1_000_003 + clock) * 65_537 + self.cfg.rank
         payload = []
         for key, grad in zip(keys, grads):
+            if encoded and key in encoded:
+                payload.append(memoryview(encoded[key]).cast("B"))
+                continue
             comp = self._compressors.get((key, codec.id))
             if comp is None:
                 comp = self._compressors[key, codec.id] = Compressor(codec, grad.shape[0])
