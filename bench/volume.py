@@ -9,6 +9,7 @@ threshold keeps on Gaussian data, 2*median(|u|) -> P(|u| > 1.349 sigma) = 0.177.
 
 Directions: push = gradients worker -> shard; pull = parameters (or 1-bit Adam's compressed
 update) shard -> worker. A codec that only compresses pushes still pulls float32 parameters.
+sign1 uses its default chunk (2048); 1-bit Adam its own default (``onebit_chunk``, 256).
 """
 
 from __future__ import annotations
@@ -18,17 +19,19 @@ from pathlib import Path
 
 from native import sign1, sparse
 from proto.keyplan import DEFAULT_PARTITION_BYTES, ParamSpec, make_plan
+from ps.config import OptimizerConfig
 
 __all__ = ["run"]
 
 SPARSE_DENSITY = 0.177
+ONEBIT_CHUNK = OptimizerConfig().onebit_chunk
 _KEY_ELEMS = DEFAULT_PARTITION_BYTES // 4
 # name -> (push codec, pull codec)
 SCHEMES = {
     "fp32": ("raw", "raw"),
     "bf16": ("bf16", "bf16"),
     "sign1 + EF (pull fp32)": ("sign1", "raw"),
-    "1-bit Adam (both ways)": ("sign1", "sign1"),
+    "1-bit Adam (both ways)": ("onebit", "onebit"),
     "sparse natexp8 + EF (pull fp32)": ("sparse_natexp8", "raw"),
     "sparse bf16 + EF (pull fp32)": ("sparse_bf16", "raw"),
 }
@@ -42,6 +45,8 @@ def key_bytes(codec: str, n: int, chunk: int = sign1.DEFAULT_CHUNK) -> int:
         return 2 * n
     if codec == "sign1":
         return sign1.payload_bytes(n, chunk)
+    if codec == "onebit":
+        return sign1.payload_bytes(n, ONEBIT_CHUNK)
     k = round(SPARSE_DENSITY * n)
     index = (n + 7) // 8 if k * 32 > n else 4 * k
     values = 2 * k if codec == "sparse_bf16" else (n + chunk - 1) // chunk + k

@@ -46,8 +46,8 @@ def test_volume_table_is_exact_arithmetic(tmp_path):
     doc = _bench(tmp_path, "volume")
     rows = {(r["model"].split()[0], r["scheme"]): r for r in doc["rows"]}
     assert rows[("30B", "fp32")]["push_GB"] == 120.0
-    # 1 MiB keys: 262144 / 8 bytes of signs + 128 scales of 4 bytes per key
-    per_key = 262144 // 8 + 4 * 128
+    # 1 MiB keys: 262144 / 8 bytes of signs + 1024 scales (1-bit Adam's chunk of 256) per key
+    per_key = 262144 // 8 + 4 * 1024
     keys = -(-30_000_000_000 // 262144)
     assert abs(rows[("30B", "1-bit Adam (both ways)")]["push_GB"] * 1e9 - keys * per_key) \
         < 1e6  # the last key is partial

@@ -43,7 +43,6 @@ _F32 = np.dtype("<f4")
 _ERROR_METADATA_KEY = "bitps-error-code"
 _U64 = (1 << 64) - 1
 _WARMUP_CODEC = Codec(pb.CODEC_BF16)
-_SIGN1 = Codec(pb.CODEC_SIGN1)
 
 
 class PSClient:
@@ -73,8 +72,9 @@ class PSClient:
         self._push_codec = Codec.from_config(cfg.push_codec)
         self._compressors: dict[tuple[int, int], Compressor] = {}
         self.freeze_step = 0
+        self._onebit_chunk = 0
         """Set by a ``onebit_adam`` shard at registration: pushes for clocks before it go bf16,
-        from it on sign1 (with this client's push codec chunk when that is sign1)."""
+        from it on sign1 (with the shard's ``onebit_chunk``)."""
         self._momentum: OneBitMomentum | None = None  # sync 1-bit Adam (worker/onebit.py)
         self.metrics.watch_codecs(self._codec_snapshot)
 
@@ -100,6 +100,7 @@ class PSClient:
             self.start_clock = max(self.start_clock, reply.start_clock)
             if reply.HasField("onebit"):
                 self.freeze_step = reply.onebit.freeze_step
+                self._onebit_chunk = reply.onebit.chunk
                 if reply.mode == "sync":
                     self._momentum = OneBitMomentum(reply.onebit)
         self.clock = self.start_clock
@@ -245,9 +246,8 @@ class PSClient:
             return self._push_codec
         if clock < self.freeze_step:
             return _WARMUP_CODEC
-        chunk = self._push_codec.chunk if self._push_codec.id == pb.CODEC_SIGN1 else \
-            _SIGN1.chunk
-        return Codec(pb.CODEC_SIGN1, chunk, self._push_codec.flags & MEAN_ABS)
+        # the shard's chunk: one knob for both directions
+        return Codec(pb.CODEC_SIGN1, self._onebit_chunk, self._push_codec.flags & MEAN_ABS)
 
     def _check_encoded(self, encoded: Mapping[int, np.ndarray], codec: Codec,
                        clock: int) -> None:
