@@ -45,8 +45,9 @@ class ClientConfig:
     """Keys smaller than this many (float32) bytes are pushed raw even with a push codec: for
     small messages the per-message cost dominates and compressing gains nothing."""
     clip_norm: float = 1.0
-    """With a push codec, ``PSModel`` clips the local gradient to this global L2 norm before
-    error feedback (0 = no clipping; raw pushes are never clipped)."""
+    """When pushes are compressed (a push codec, or 1-bit Adam), ``PSModel`` clips the local
+    gradient to this global L2 norm before error feedback (0 = no clipping; raw pushes are
+    never clipped)."""
     codec_seed: int = 0
     """Seed of the sparse codec's sampling and stochastic rounding (mixed with rank, key and
     step, so runs repeat exactly)."""

@@ -163,7 +163,7 @@ class PSModel:
         """Push this step's gradients, pull the parameters the shards computed, zero the grads."""
         cfg = self.client.cfg
         self._fill_missing_grads()
-        if cfg.push_codec.name != "raw" and cfg.clip_norm > 0:
+        if cfg.clip_norm > 0 and not self.client.push_codec_at(self.clock).is_raw:
             # Clip the raw local gradient before error feedback adds the residual (DGC's local
             # clipping): clipping the compensated vector would eat the mass EF is carrying.
             torch.nn.utils.clip_grad_norm_([p for _, p in self.params], cfg.clip_norm)
