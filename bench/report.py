@@ -94,5 +94,5 @@ def write_results(scenario: str, *, config: dict, rows: list[dict], checks: dict
 
 def _fmt(v) -> str:
     if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+        return f"{v:.4g}" if abs(v) < 100 else f"{v:.0f}"
     return "" if v is None else str(v)
