@@ -24,8 +24,11 @@ demo: venv
 test: venv
 	$(VPY) -m pytest -q tests
 
-bench: venv
-	$(VENV)/bin/bitps-bench pushpull
+bench: venv  # every scenario, results in bench/results (convergence takes about 5 minutes)
+	$(VENV)/bin/bitps-bench pushpull; \
+	$(VENV)/bin/bitps-bench volume; \
+	$(VENV)/bin/bitps-bench codec; \
+	$(VENV)/bin/bitps-bench convergence
 
 proto: venv
 	$(VPY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/bitps.proto
