@@ -346,12 +346,14 @@ class ShardCore:
         with self.lock:
             c = self.clocks
             states = [s.onebit for s in self.slots.values() if s.onebit is not None]
-            return ClockSnapshot(
-                clocks={r: w.clock for r, w in c.workers.items()}, min_clock=c.min_clock(),
-                live=len(c.live()), held=len(self.held),
-                onebit_keys=sum(o.compressing for o in states) if self.rule.onebit else -1,
-                onebit_residual_norm=float(np.sqrt(sum(o.server.residual_norm() ** 2
-                                                       for o in states))))
+            clocks = {r: w.clock for r, w in c.workers.items()}
+            min_clock, live, held = c.min_clock(), len(c.live()), len(self.held)
+        # A pass over every residual: outside the lock, so the data loop never waits for a
+        # scrape (a residual updated meanwhile only moves the reading).
+        norm = float(np.sqrt(sum(o.server.residual_norm() ** 2 for o in states)))
+        return ClockSnapshot(clocks=clocks, min_clock=min_clock, live=live, held=held,
+                             onebit_keys=sum(o.compressing for o in states)
+                             if self.rule.onebit else -1, onebit_residual_norm=norm)
 
     def _release_held(self, min_clock: int) -> list[Reply]:
         """Answer held pulls that are admitted now, fail those past their deadline."""
