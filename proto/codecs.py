@@ -38,7 +38,8 @@ from native import casts, sign1, sparse
 from proto import bitps_pb2 as pb
 from proto.wire import PSError
 
-__all__ = ["CODECS", "Codec", "CodecConfig", "Compressor", "MEAN_ABS", "SPARSE_BF16"]
+__all__ = ["CODECS", "RAW", "Codec", "CodecConfig", "Compressor", "MEAN_ABS", "SPARSE_BF16",
+           "chunk_problem"]
 
 CODECS = {"raw": pb.CODEC_RAW, "bf16": pb.CODEC_BF16, "fp16": pb.CODEC_FP16,
           "sign1": pb.CODEC_SIGN1, "sparse": pb.CODEC_SPARSE}
@@ -50,6 +51,14 @@ SPARSE_BF16 = 2
 _MAX_CHUNK = 1 << 20
 _SCALES = ("rms", "mean_abs")
 _VALUES = ("natexp8", "bf16")
+
+
+def chunk_problem(chunk: int) -> str | None:
+    """What is wrong with a scale/exponent chunk size (a multiple of 64 up to 2**20), or
+    ``None``: the one rule for configs, headers and the 1-bit Adam setting."""
+    if 0 < chunk <= _MAX_CHUNK and chunk % sign1.LANES == 0:
+        return None
+    return f"chunk {chunk}; expected a multiple of {sign1.LANES} in 64 .. {_MAX_CHUNK}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,9 +77,8 @@ class CodecConfig:
     def __post_init__(self) -> None:
         if self.name not in CODECS:
             raise ValueError(f"codec {self.name!r}; expected one of {sorted(CODECS)}")
-        if not 0 < self.chunk <= _MAX_CHUNK or self.chunk % sign1.LANES:
-            raise ValueError(f"codec chunk {self.chunk}; expected a multiple of {sign1.LANES} "
-                             f"in 64 .. {_MAX_CHUNK}")
+        if problem := chunk_problem(self.chunk):
+            raise ValueError(f"codec {problem}")
         if self.scale not in _SCALES:
             raise ValueError(f"sign1 scale {self.scale!r}; expected one of {_SCALES}")
         if self.values not in _VALUES:
@@ -96,13 +104,13 @@ class Codec:
         """The codec a received header names; :class:`PSError` ``BAD_DTYPE`` when this side
         cannot decode it."""
         codec, chunk, flags = header.codec, header.codec_chunk, header.codec_flags
+        if not (codec or chunk or flags):
+            return RAW  # every uncompressed message: no object per message
         if codec not in _NAMES:
             raise PSError(pb.BAD_DTYPE, f"codec {codec} is unknown; expected one of "
                           f"{sorted(_NAMES)} ({', '.join(CODECS)})")
-        if codec in (pb.CODEC_SIGN1, pb.CODEC_SPARSE) and (
-                not 0 < chunk <= _MAX_CHUNK or chunk % sign1.LANES):
-            raise PSError(pb.BAD_DTYPE, f"{_NAMES[codec]} chunk {chunk}; expected a multiple of "
-                          f"{sign1.LANES} in 64 .. {_MAX_CHUNK}")
+        if codec in (pb.CODEC_SIGN1, pb.CODEC_SPARSE) and (problem := chunk_problem(chunk)):
+            raise PSError(pb.BAD_DTYPE, f"{_NAMES[codec]} {problem}")
         if flags & ~(MEAN_ABS | SPARSE_BF16):
             raise PSError(pb.BAD_DTYPE, f"codec flags {flags:#x}; only bits 0 and 1 are defined")
         return cls(codec, chunk or sign1.DEFAULT_CHUNK, flags)
@@ -171,11 +179,11 @@ class Compressor:
     """One key's sender side: the codec, its error-feedback residual (the state to save and
     restore) and a reusable output buffer. Not thread-safe; one per key and direction."""
 
-    def __init__(self, codec: Codec, n: int, *, error_feedback: bool = True) -> None:
+    def __init__(self, codec: Codec, n: int) -> None:
         if codec.is_raw:
             raise ValueError("raw values need no compressor; send the array itself")
         self.codec, self.n = codec, n
-        self.residual = np.zeros(n, np.float32) if error_feedback else None
+        self.residual = np.zeros(n, np.float32)
         self._out = np.empty(codec.max_bytes(n), np.uint8)
         self._scratch = (np.empty(sparse.sample_size(n), np.float32)
                          if codec.id == pb.CODEC_SPARSE else None)
@@ -191,17 +199,17 @@ class Compressor:
         elif codec.id == pb.CODEC_FP16:
             size = casts.fp16_encode(grad, self.residual, out.view(np.uint16))
         elif codec.id == pb.CODEC_SIGN1:
-            residual = self.residual if self.residual is not None else np.zeros_like(grad)
-            size = sign1.encode(grad, residual, out, chunk=codec.chunk,
+            size = sign1.encode(grad, self.residual, out, chunk=codec.chunk,
                                 mean_abs=bool(codec.flags & MEAN_ABS))
         else:
-            residual = self.residual if self.residual is not None else np.zeros_like(grad)
-            size = sparse.encode(grad, residual, out, self._scratch, np.uint64(seed),
+            size = sparse.encode(grad, self.residual, out, self._scratch, np.uint64(seed),
                                  codec.chunk, codec._sparse_values)
         return memoryview(out)[:size]
 
     def residual_norm(self) -> float:
-        """L2 norm of the residual (0 without error feedback), for metrics."""
-        if self.residual is None:
-            return 0.0
+        """L2 norm of the residual, for metrics."""
         return float(np.sqrt(np.dot(self.residual, self.residual)))
+
+
+RAW = Codec(pb.CODEC_RAW)
+"""Raw float32 values: what a header without codec fields means."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from proto.codecs import chunk_problem
 from proto.wire import MAX_FRAME_BYTES
 
 __all__ = ["MODES", "OPTIMIZERS", "OptimizerConfig", "ServerConfig"]
@@ -76,9 +77,8 @@ class OptimizerConfig:
         if self.onebit_scale not in ("auto", "mean_abs", "rms"):
             raise ValueError(f"onebit_scale {self.onebit_scale!r}; expected auto, mean_abs or "
                              f"rms")
-        if self.onebit_chunk <= 0 or self.onebit_chunk % 64:
-            raise ValueError(f"onebit_chunk must be a positive multiple of 64, got "
-                             f"{self.onebit_chunk}")
+        if problem := chunk_problem(self.onebit_chunk):
+            raise ValueError(f"onebit_{problem}")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from native import sign1
 from proto import bitps_pb2 as pb
 from proto.codecs import MEAN_ABS, Codec, Compressor
 from proto.wire import PSError
@@ -114,7 +113,6 @@ class OneBitState:
         self.server = Compressor(self.codec, n)  # its residual is the server error feedback
         self.delta = np.empty(n, np.float32)
         self.history: deque[tuple[int, bytes]] = deque(maxlen=history)
-        self.payload_bytes = sign1.payload_bytes(n, chunk)
 
     def freeze(self, bias_correction2_sqrt: float) -> None:
         """Enter the compression stage: v and its bias correction stop changing."""

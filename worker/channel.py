@@ -251,7 +251,8 @@ class Channel:
         ``out``, oldest first, exactly as the shard added them to its own; checked whole before
         anything is added, so a bad frame leaves the copy as it was."""
         n, base = out.shape[0], self.versions.get(key, 0)
-        size = sign1.payload_bytes(n, chunk or sign1.DEFAULT_CHUNK)
+        chunk = chunk or sign1.DEFAULT_CHUNK
+        size = sign1.payload_bytes(n, chunk)
         count, rest = divmod(frame.nbytes, size)
         if rest or count != version - base:
             return PSError(pb.BAD_LENGTH, f"key {key}: {frame.nbytes} bytes of sign1 updates "

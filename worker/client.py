@@ -293,8 +293,7 @@ class PSClient:
         """Every key's error-feedback residual for the codec pushes use at ``clock`` (default:
         :attr:`clock`): the state to save. Arrays owned by the client, updated by each push."""
         codec = self.push_codec_at(self.clock if clock is None else clock)
-        return {k: c.residual for (k, _), c in self._compressors.items()
-                if c.residual is not None and c.codec == codec}
+        return {k: c.residual for (k, _), c in self._compressors.items() if c.codec == codec}
 
     def load_residuals(self, residuals: Mapping[int, np.ndarray], *,
                        clock: int | None = None) -> None:
