@@ -31,6 +31,20 @@ def build_parser() -> argparse.ArgumentParser:
     cd = sub.add_parser("codec", help="codec kernels vs memcpy, numpy and torch (1 thread)")
     cd.add_argument("--mib", type=int, default=64, help="gradient size")
     cd.add_argument("--repeats", type=int, default=7, help="timed calls per implementation")
+    ov = sub.add_parser("overlap", help="step time and utilization, overlap off/on vs compute "
+                                         "only, over a tc-shaped link")
+    ov.add_argument("--rate", default="1gbit", help="tc tbf rate of the link, each way")
+    ov.add_argument("--width", type=int, default=512, help="width of each linear layer")
+    ov.add_argument("--depth", type=int, default=16, help="number of linear layers")
+    ov.add_argument("--comm-ratios", type=float, nargs="+", default=[0.6, 0.8, 1.0],
+                    help="size the batch so communication = this x compute, for each; the "
+                         "checks apply to the first")
+    ov.add_argument("--steps", type=int, default=12, help="measured steps per run")
+    ov.add_argument("--bucket-bytes", type=int, default=1 << 20)
+    ov.add_argument("--partition-bytes", type=int, default=128 << 10)
+    ov.add_argument("--inflight-bytes", type=int, default=2 << 20)
+    ov.add_argument("--device", default="auto", help="torch device (auto: cuda if available)")
+    ov.add_argument("--quick", action="store_true", help="few steps (smoke test)")
     return p
 
 
@@ -50,6 +64,14 @@ def main(argv: list[str] | None = None) -> int:
 
         result = run(steps=args.steps, freeze_fraction=args.freeze_fraction, lr=args.lr,
                      beta2=args.beta2, seeds=tuple(args.seeds), out=args.out)
+    elif args.scenario == "overlap":
+        from bench.overlap import run
+
+        result = run(rate=args.rate, width=args.width, depth=args.depth,
+                     comm_ratios=tuple(args.comm_ratios), steps=args.steps,
+                     bucket_bytes=args.bucket_bytes, partition_bytes=args.partition_bytes,
+                     inflight_bytes=args.inflight_bytes, device=args.device, out=args.out,
+                     quick=args.quick)
     else:
         from bench.codec import run
 

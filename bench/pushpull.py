@@ -10,8 +10,6 @@ machine noise hits both alike; medians are reported, and ratios bitps / raw.
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import time
 from functools import partial
@@ -20,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 
+from bench.proc import ReadyProcess
 from bench.report import check, median, write_results
 from proto.keyplan import DEFAULT_PARTITION_BYTES, ParamSpec, make_plan
 from worker.client import PSClient
@@ -28,25 +27,6 @@ from worker.config import ClientConfig
 __all__ = ["run"]
 
 MIB = 1 << 20
-
-
-class _Proc:
-    """A child process that prints one JSON ready line first."""
-
-    def __init__(self, argv: list[str]) -> None:
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{argv[2]} exited before it was ready")
-        self.ready = json.loads(line)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 class _Raw:
@@ -97,10 +77,10 @@ class _Bitps:
         self.client.close()
 
 
-def _fresh(old: _Proc | None, argv: list[str]) -> _Proc:
+def _fresh(old: ReadyProcess | None, argv: list[str]) -> ReadyProcess:
     if old is not None:
         old.stop()
-    return _Proc(argv)
+    return ReadyProcess(argv)
 
 
 def _compare(ps: _Bitps, raw_round_trip, iters: int, rounds: int):
@@ -137,7 +117,7 @@ def run(*, sizes_mib=(1, 16, 64), rounds: int = 7, small_bytes: int = 1024,
     py = sys.executable
     shard_argv = [py, "-m", "ps", "--mode", "async", "--optimizer", "sgd", "--lr", "1e-3",
                   "--metrics-port", "-1"]
-    raw_peer = _Proc([py, "-m", "bench.rawzmq"])
+    raw_peer = ReadyProcess([py, "-m", "bench.rawzmq"])
     raw = _Raw(raw_peer.ready["port"])
     rows, checks, shard = [], {}, None
     cases = [(f"push+pull {mib:g} MiB", int(mib * MIB)) for mib in sizes_mib]

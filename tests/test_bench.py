@@ -70,3 +70,15 @@ def test_convergence_bench_smoke(tmp_path):
     onebit = next(r for r in doc["rows"] if r["run"] == "1-bit Adam (sync)")
     fp32 = next(r for r in doc["rows"] if r["run"] == "fp32 Adam (sync)")
     assert 0 < onebit["push_bytes_per_step"] < fp32["push_bytes_per_step"]
+
+
+def test_overlap_bench_smoke(tmp_path):
+    """A small model, one ratio, few steps: three cases, the link named (a shaped veth link
+    where namespaces can be made, else loopback with the reason), the two checks."""
+    doc = _bench(tmp_path, "overlap", "--quick", "--width", "128", "--depth", "4",
+                 "--comm-ratios", "0.8", "--bucket-bytes", "65536", timeout=300)
+    assert [r["case"] for r in doc["rows"]] == ["compute-only", "overlap off", "overlap on"]
+    assert all(r["step_ms"] > 0 for r in doc["rows"])
+    assert doc["config"]["link"] in ("netns", "loopback") and doc["config"]["link_note"]
+    assert set(doc["checks"]) == {"overlap_on_utilization_at_ratio_0.8",
+                                  "overlap_on_step_vs_compute_only_at_ratio_0.8"}

@@ -62,6 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
     add("--clip-norm", type=float, default=1.0,
         help="clip the local gradient to this L2 norm before error feedback (0 = off)")
     add("--codec-seed", type=int, default=0, help="seed of sparse sampling and rounding")
+    add("--overlap", default=env("BITPS_OVERLAP", "auto"), choices=("auto", "on", "off"),
+        help="push buckets from backward hooks; auto = on when communication exceeds "
+             "--overlap-min-ratio of compute, measured over the first steps")
+    add("--overlap-min-ratio", type=float, default=0.2,
+        help="auto overlap: the communication/compute ratio above which overlap turns on")
+    add("--bucket-bytes", type=int, default=1 << 20, help="overlap: bytes per gradient bucket")
+    add("--inflight-bytes", type=int, default=2 << 20,
+        help="overlap: gradient bytes in flight before the next bucket waits")
+    add("--profile", default="",
+        help="directory: write a torch.profiler trace of --profile-steps steps (after 2 "
+             "warm-up steps) to DIR/trace-rank<R>.json and print the top operators")
+    add("--profile-steps", type=int, default=5, help="steps the profiler records")
     add("--log-every", type=int, default=10, help="progress line every N steps")
     add("--json", action="store_true", help="print JSON progress lines (for bitps-launch)")
     return p
@@ -88,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from proto.codecs import CodecConfig
     from worker.client import PSClient
-    from worker.config import ClientConfig
+    from worker.config import ClientConfig, OverlapConfig
     from worker.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
     from worker.model import PSModel
 
@@ -99,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
                            token=args.token, deadline_s=args.deadline, push_codec=codec,
                            compress_min_bytes=args.compress_min_bytes,
                            clip_norm=args.clip_norm, codec_seed=args.codec_seed)
+        overlap = OverlapConfig(mode=args.overlap, min_ratio=args.overlap_min_ratio,
+                                bucket_bytes=args.bucket_bytes,
+                                inflight_bytes=args.inflight_bytes)
+        if args.profile_steps < 1:
+            raise ValueError(f"--profile-steps must be >= 1, got {args.profile_steps}")
         demo = DemoConfig(seq_len=args.seq_len, batch_size=args.batch_size,
                           corpus_bytes=args.corpus_bytes, seed=args.seed)
     except ValueError as err:
@@ -117,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     corpus = load_corpus(demo.corpus_bytes)
     model = build_model(demo).to(device)
-    ps_model = PSModel(model, client)
+    ps_model = PSModel(model, client, overlap=overlap)
     m = client.metrics
     _emit(args, event="start", rank=args.rank, metrics_port=metrics_port, device=str(device),
           params=sum(p.numel() for p in model.parameters()), keys=len(ps_model.keys),
@@ -127,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                    world_size=args.world_size, seed=demo.seed)
     first = last = None
     recent: deque[float] = deque(maxlen=10)
+    profiler = _profiler(args, device) if args.profile else None
+    utilization: deque[float] = deque(maxlen=10)
     t_start = time.perf_counter()
     try:
         for step in range(args.steps):
@@ -137,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.step_delay:
                 time.sleep(args.step_delay)
             ps_model.step()
+            utilization.append(ps_model.last_stats.utilization)
+            if profiler is not None:
+                profiler.step()
             dt = time.perf_counter() - t0
             last = loss.item()
             first = last if first is None else first
@@ -149,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                 _emit(args, event="step", rank=args.rank, step=step, loss=last,
                       samples_per_s=demo.batch_size / dt, clock=ps_model.clock)
     finally:
+        if profiler is not None:
+            profiler.stop()
         ps_model.close()
     wall = time.perf_counter() - t_start
     wire = m.push_bytes.value + sum(
@@ -157,8 +181,36 @@ def main(argv: list[str] | None = None) -> int:
     _emit(args, event="done", rank=args.rank, steps=args.steps, first_loss=first,
           final_loss=sum(recent) / max(len(recent), 1), last_loss=last, seconds=wall,
           samples_per_s=args.steps * demo.batch_size / wall,
-          push_wire_bytes=wire, pull_bytes=m.pull_bytes.value)
+          push_wire_bytes=wire, pull_bytes=m.pull_bytes.value,
+          overlap=bool(ps_model.decision and ps_model.decision.enabled),
+          overlap_decision=ps_model.decision.describe() if ps_model.decision else "",
+          utilization=sum(utilization) / max(len(utilization), 1))
     return 0
+
+
+def _profiler(args, device):
+    """A started ``torch.profiler`` recording ``--profile-steps`` steps after 2 warm-up steps;
+    when done it writes the Chrome trace to ``--profile``/trace-rank<R>.json and prints the
+    top operators by self time on stderr (balance stages or buckets by what dominates)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+
+    path = os.path.join(args.profile, f"trace-rank{args.rank}.json")
+    os.makedirs(args.profile, exist_ok=True)
+
+    def ready(prof) -> None:
+        prof.export_chrome_trace(path)
+        print(prof.key_averages().table(sort_by=sort, row_limit=15), file=sys.stderr)
+        logging.info("profiler trace of %d steps written to %s", args.profile_steps, path)
+
+    prof = profile(activities=activities, on_trace_ready=ready, record_shapes=False,
+                   schedule=schedule(wait=1, warmup=1, active=args.profile_steps, repeat=1))
+    prof.start()
+    return prof
 
 
 if __name__ == "__main__":

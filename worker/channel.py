@@ -131,6 +131,7 @@ class Channel:
         self.dealers = []
         self.pending = [0] * len(endpoints)  # requests in flight per shard
         self.poller = zmq.Poller()
+        self._wake_fd: int | None = None  # registered in the poller by progress(wake_fd=...)
         for ep in endpoints:
             d = context.socket(zmq.DEALER)
             d.setsockopt(zmq.LINGER, 0)
@@ -152,12 +153,15 @@ class Channel:
                     sock.send(part, 0 if i == last else _SNDMORE,
                               copy=req.copy or part.nbytes < _ZERO_COPY_MIN if i else True)
 
-    def progress(self, timeout_s: float, *, blocking: bool = True) -> None:
-        """Receive and dispatch replies for up to ``timeout_s``; expire overdue requests."""
+    def progress(self, timeout_s: float, *, blocking: bool = True,
+                 wake_fd: int | None = None) -> None:
+        """Receive and dispatch replies for up to ``timeout_s``; expire overdue requests. With
+        ``wake_fd`` the wait also ends as soon as that file descriptor is readable (the caller
+        drains it): a thread that both sends and receives is woken by new work."""
         if not self.lock.acquire(blocking=blocking, timeout=timeout_s if blocking else -1):
             return
         try:
-            self._receive(timeout_s if blocking else 0.0)
+            self._receive(timeout_s if blocking else 0.0, wake_fd)
             now = time.monotonic()
             if self.inflight and now >= self._next_expiry_check:
                 # Deadlines are seconds long: scanning every request per reply would make a
@@ -167,9 +171,19 @@ class Channel:
         finally:
             self.lock.release()
 
-    def _receive(self, timeout_s: float) -> None:
+    def _receive(self, timeout_s: float, wake_fd: int | None = None) -> None:
         busy = [s for s, n in enumerate(self.pending) if n]
         if not busy:
+            return
+        if wake_fd is not None:
+            if wake_fd != self._wake_fd:
+                if self._wake_fd is not None:
+                    self.poller.unregister(self._wake_fd)
+                self.poller.register(wake_fd, zmq.POLLIN)
+                self._wake_fd = wake_fd
+            for sock, _ in self.poller.poll(timeout_s * 1000):
+                if sock != wake_fd:
+                    self._drain(self.dealers.index(sock))
             return
         if len(busy) == 1 and timeout_s >= _SLICE_S:
             # One shard to hear from: a blocking receive (RCVTIMEO = one slice) is cheaper
@@ -182,7 +196,8 @@ class Channel:
             self._drain(shard)
             return
         for sock, _ in self.poller.poll(timeout_s * 1000):
-            self._drain(self.dealers.index(sock))
+            if sock != self._wake_fd:
+                self._drain(self.dealers.index(sock))
 
     def _drain(self, shard: int) -> None:
         sock = self.dealers[shard]

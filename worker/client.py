@@ -175,6 +175,12 @@ class PSClient:
         as for :meth:`push`)."""
         return self._submit(pb.PUSH_PULL, keys, grads, outs, clock, encoded)
 
+    def progress(self, timeout_s: float, *, wake_fd: int | None = None) -> None:
+        """Receive replies to this thread's requests for up to ``timeout_s`` seconds, returning
+        early when ``wake_fd`` is readable (``worker.comm.CommThread`` waits for replies and
+        new buckets at once this way)."""
+        self._channel().progress(timeout_s, wake_fd=wake_fd)
+
     def compresses(self, key: int, clock: int) -> bool:
         """Whether a push of ``key`` for ``clock`` goes compressed (a push codec is in force and
         the key has at least ``compress_min_bytes``)."""

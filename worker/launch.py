@@ -269,12 +269,13 @@ def _explain(child: _Child, why: str | None) -> None:
 
 def _report(summary: dict, expect_drop: float) -> int:
     table = Table(title=f"bitps run ({summary['mode']})")
-    for col in ("rank", "steps", "first loss", "final loss", "drop", "samples/s", "seconds"):
+    for col in ("rank", "steps", "first loss", "final loss", "drop", "samples/s", "seconds",
+                "overlap", "util"):
         table.add_column(col, justify="right")
     code = 0
     for rank, done in enumerate(summary["workers"]):
         if done is None:
-            table.add_row(str(rank), "-", "-", "-", "-", "-", "-")
+            table.add_row(str(rank), *["-"] * 8)
             code = 1
             continue
         drop = 1 - done["final_loss"] / done["first_loss"]
@@ -282,8 +283,12 @@ def _report(summary: dict, expect_drop: float) -> int:
             code = 1
         table.add_row(str(rank), str(done["steps"]), f"{done['first_loss']:.3f}",
                       f"{done['final_loss']:.3f}", f"{drop:.1%}", f"{done['samples_per_s']:.1f}",
-                      f"{done['seconds']:.1f}")
+                      f"{done['seconds']:.1f}", "on" if done.get("overlap") else "off",
+                      f"{done.get('utilization', 1.0):.2f}")
     console.print(table)
+    for rank, done in enumerate(summary["workers"]):
+        if done and done.get("overlap_decision"):
+            console.print(f"rank {rank}: {done['overlap_decision']}", markup=False)
     if code:
         console.print(f"[red]expected every rank's loss to fall by >= {expect_drop:.0%}")
     return code

@@ -48,6 +48,25 @@ class WorkerMetrics:
         self.codec_wire_bytes = m.labeled_counter(
             "bitps_worker_codec_wire_bytes_total",
             "Bytes the push codec sent for them, by codec (ratio = raw / wire)", "codec")
+        self.compute_utilization = m.gauge(
+            "bitps_worker_compute_utilization_ratio",
+            "Last step: (wall time - exposed communication) / wall time")
+        self.exposed_comm = m.histogram(
+            "bitps_worker_exposed_comm_seconds",
+            "Per step: time the training thread waited for communication", _STEP)
+        self.comm_time = m.histogram(
+            "bitps_worker_comm_seconds",
+            "Per step: time during which communication was under way, hidden or not", _STEP)
+        self.overlap_ratio = m.gauge(
+            "bitps_worker_overlap_ratio",
+            "Last step: share of communication time hidden behind compute (1 - exposed/comm)")
+        self.inflight_bytes = m.gauge("bitps_worker_inflight_bytes",
+                                      "Gradient bytes of buckets in flight (overlap on)")
+        self.overlap_enabled = m.gauge("bitps_worker_overlap_enabled",
+                                       "1 when gradients are pushed from backward hooks")
+        self.comm_compute_ratio = m.gauge(
+            "bitps_worker_comm_compute_ratio",
+            "Communication time / compute time as measured to decide on overlap")
         self.registry.register(m)
 
     def watch_codecs(self, snapshot: Callable[[], CodecSnapshot]) -> None:

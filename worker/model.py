@@ -15,29 +15,56 @@ parameters copied back after the pull; with a sign1 or bf16 push codec they are 
 GPU first (``worker.codec_torch``, the same bytes as the CPU kernels) and only the packed bytes
 cross to the host. A parameter without a gradient in a step is pushed as zeros, as DDP reduces
 unused parameters.
+
+**Overlap** (``OverlapConfig``, default ``auto``). With overlap on, parameters are grouped into
+buckets (``worker.buckets``); a post-accumulate-grad hook hands each bucket to the communication
+thread (``worker.comm``) as soon as all its gradients exist, so pushes run during the rest of
+backward; a forward pre-hook of every module that owns parameters waits for their bucket's
+answer, so pulls overlap the end of backward and the early layers of the next forward. On CUDA
+the thread waits on an event recorded on the compute stream, compresses or downloads on its own
+stream into pinned memory, and uploads the pulled values on that stream; the compute stream only
+waits (on an event) where a module needs its parameters. ``step()`` then only pushes what no hook
+pushed, and returns without waiting. Contracts under overlap: gradients are read when backward
+produces them (change them in a hook, not between ``backward()`` and ``step()``); accumulate
+over several backwards inside :meth:`PSModel.no_sync`; read parameters outside a forward only
+after :meth:`PSModel.synchronize`. ``auto`` runs the first steps with overlap off, measures
+communication against compute, and turns overlap on above ``min_ratio`` (logged, and exported as
+``bitps_worker_overlap_enabled`` / ``bitps_worker_comm_compute_ratio``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
 
 from proto import bitps_pb2 as pb
 from proto.codecs import MEAN_ABS
-from proto.keyplan import KeyPlan, ParamSpec, make_plan
+from proto.keyplan import Key, KeyPlan, ParamSpec, make_plan
 from worker import codec_torch
+from worker.buckets import Bucket, make_buckets
 from worker.client import PSClient
+from worker.comm import CommThread, Job, Payload
+from worker.config import OverlapConfig
+from worker.utilization import Decision, StepStats, StepTimer, decide
 
 __all__ = ["PSModel"]
+
+log = logging.getLogger(__name__)
 
 
 class PSModel:
     """Binds ``model``'s trainable parameters to the shards behind ``client``."""
 
     def __init__(self, model: torch.nn.Module, client: PSClient, *,
-                 device_codec: bool | None = None) -> None:
+                 device_codec: bool | None = None,
+                 overlap: OverlapConfig | None = None) -> None:
         self.model = model
         self.client = client
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -51,9 +78,7 @@ class PSModel:
         self._index = {n: i for i, (n, _) in enumerate(self.params)}
         self._host = [self._host_buffer(p) for _, p in self.params]
         self._grad_host = [self._host_buffer(p) for _, p in self.params] if self.cuda else None
-        self._stream = torch.cuda.Stream() if self.cuda else None
-        # Host buffers are written by the next pull only after the last upload has finished.
-        self._uploaded = torch.cuda.Event() if self.cuda else None
+        self._stream = torch.cuda.Stream() if self.cuda else None  # the comm stream
         self.keys = [k.key for k in self.plan.keys]
         self._outs = self._key_views(self._host)
         values = None
@@ -67,7 +92,9 @@ class PSModel:
         self._staged: dict[int, torch.Tensor] = {}  # pinned host payloads per key (CUDA)
         client.pull(self.keys, self._outs, clock=self.clock).wait()
         self._copy_in()
+        self._init_overlap(overlap or OverlapConfig())
 
+    # -- codecs and staging ---------------------------------------------------------------------
     def _wants_device_codec(self, asked: bool | None) -> bool:
         """Compress where the gradients are (CUDA) with ``worker.codec_torch``: sign1 and bf16
         pushes, outside 1-bit Adam (whose sync mode pushes momenta). ``True`` on CPU runs the
@@ -79,39 +106,55 @@ class PSModel:
                              f"without onebit_adam; push codec is {name!r}")
         return possible and (self.cuda if asked is None else asked)
 
-    def _encode_on_device(self) -> dict[int, np.ndarray] | None:
-        """This step's payloads for the keys the push codec compresses, encoded next to the
-        gradients (on CUDA: on the side stream, then only packed bytes go to pinned memory)."""
-        keys = [k for k in self.plan.keys if self.client.compresses(k.key, self.clock)]
-        if not keys:
-            return None
-        codec = self.client.push_codec_at(self.clock)
-        flat = {name: p.grad.reshape(-1) for name, p in self.params}
-        if self.cuda:
-            self._stream.wait_stream(torch.cuda.current_stream())
-        out = {}
-        with torch.cuda.stream(self._stream) if self.cuda else contextlib.nullcontext():
-            for k in keys:
-                g = flat[k.name][k.offset:k.offset + k.length]
-                r = self._residuals.get(k.key)
-                if r is None:
-                    r = self._residuals[k.key] = torch.zeros_like(g)
-                if codec.id == pb.CODEC_SIGN1:
-                    code = codec_torch.sign1_encode(g, r, chunk=codec.chunk,
-                                                    mean_abs=bool(codec.flags & MEAN_ABS))
-                else:
-                    code = codec_torch.bf16_encode(g, r)
-                if self.cuda:
-                    host = self._staged.get(k.key)
-                    if host is None:
-                        host = self._staged[k.key] = torch.empty(
-                            code.numel(), dtype=torch.uint8, pin_memory=True)
-                    host.copy_(code, non_blocking=True)
-                    code = host
-                out[k.key] = code
+    def _payload(self, keys: Sequence[Key], flat: Sequence[torch.Tensor], clock: int) -> Payload:
+        """The push of ``keys`` for ``clock`` from the flat gradients ``flat`` (by parameter).
+        On CUDA it must run with the comm stream current, after that stream has waited for the
+        gradients; compressed keys are encoded on it (device codec) and everything else is
+        downloaded to pinned memory, then the stream is synchronized. On CPU gradients are
+        read in place."""
+        codec = self.client.push_codec_at(clock)
+        encoded: dict[int, torch.Tensor] = {}
+        grads: list[np.ndarray] = []
+        for k in keys:
+            g = flat[self._index[k.name]][k.offset:k.offset + k.length]
+            if self.device_codec and self.client.compresses(k.key, clock):
+                encoded[k.key] = self._encode(k.key, g, codec)
+                grads.append(self._grad_view(k) if self.cuda else g.detach().numpy())
+                continue
+            if self.cuda:
+                host = self._grad_view(k)
+                torch.from_numpy(host).copy_(g, non_blocking=True)
+                grads.append(host)
+            else:
+                grads.append(g.detach().numpy())
         if self.cuda:
             self._stream.synchronize()
-        return {key: code.numpy() for key, code in out.items()}
+        return Payload(keys=[k.key for k in keys], grads=grads,
+                       outs=[self._outs[k.key] for k in keys],
+                       encoded={key: code.numpy() for key, code in encoded.items()} or None)
+
+    def _grad_view(self, k: Key) -> np.ndarray:
+        return self._grad_host[self._index[k.name]][k.offset:k.offset + k.length]
+
+    def _encode(self, key: int, g: torch.Tensor, codec) -> torch.Tensor:
+        """One key's compressed push with its error feedback kept next to the gradient; on CUDA
+        the packed bytes are copied to a pinned buffer (not yet synchronized)."""
+        r = self._residuals.get(key)
+        if r is None:
+            r = self._residuals[key] = torch.zeros_like(g)
+        if codec.id == pb.CODEC_SIGN1:
+            code = codec_torch.sign1_encode(g, r, chunk=codec.chunk,
+                                            mean_abs=bool(codec.flags & MEAN_ABS))
+        else:
+            code = codec_torch.bf16_encode(g, r)
+        if not self.cuda:
+            return code
+        host = self._staged.get(key)
+        if host is None:
+            host = self._staged[key] = torch.empty(code.numel(), dtype=torch.uint8,
+                                                   pin_memory=True)
+        host.copy_(code, non_blocking=True)
+        return host
 
     def _host_buffer(self, p: torch.Tensor) -> np.ndarray:
         if p.is_cuda:
@@ -124,56 +167,59 @@ class PSModel:
     def _key_views(self, flats: list[np.ndarray]) -> list[np.ndarray]:
         return [flats[self._index[k.name]][k.offset:k.offset + k.length] for k in self.plan.keys]
 
-    def _fill_missing_grads(self) -> None:
-        for _, p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-
-    def _grads(self, skip=frozenset()) -> list[np.ndarray]:
-        """Flat float32 views of every gradient (zeros where a parameter got none); on CUDA
-        the keys in ``skip`` (sent encoded) are not downloaded."""
-        if not self.cuda:
-            return self._key_views([p.grad.detach().reshape(-1).numpy() for _, p in self.params])
-        # Download on the side stream once backward's kernels are done, into pinned memory.
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
-            if not skip:
-                for (_, p), host in zip(self.params, self._grad_host):
-                    torch.from_numpy(host).copy_(p.grad.reshape(-1), non_blocking=True)
-            else:
-                flat = {name: p.grad.reshape(-1) for name, p in self.params}
-                for k in self.plan.keys:
-                    if k.key not in skip:
-                        host = self._grad_host[self._index[k.name]]
-                        torch.from_numpy(host[k.offset:k.offset + k.length]).copy_(
-                            flat[k.name][k.offset:k.offset + k.length], non_blocking=True)
-        self._stream.synchronize()
-        return self._key_views(self._grad_host)
-
     def _copy_in(self) -> None:
+        """Upload every pulled value on the comm stream, which the compute stream then waits
+        for (CUDA; on CPU pulls wrote the parameters in place)."""
         if not self.cuda:
-            return  # pulls wrote the parameters in place
+            return
         with torch.no_grad(), torch.cuda.stream(self._stream):
             for (_, p), host in zip(self.params, self._host):
                 p.data.view(-1).copy_(torch.from_numpy(host), non_blocking=True)
-            self._uploaded.record()
         torch.cuda.current_stream().wait_stream(self._stream)
 
+    # -- step ---------------------------------------------------------------------------------
     def step(self) -> None:
-        """Push this step's gradients, pull the parameters the shards computed, zero the grads."""
+        """Push this step's gradients, pull the parameters the shards computed, zero the grads.
+        With overlap on, only what backward's hooks did not push goes now, and the pulls are
+        waited for where the next forward needs them."""
+        if self._comm is not None:
+            with self._timer.exposed():
+                self._flush()
+            comm_s = self._comm.busy_seconds()
+            comm_s, self._comm_seen = comm_s - self._comm_seen, comm_s
+        else:
+            comm_s = self._step_blocking()
+        self._advance()
+        stats = self._timer.end_step(comm_s=comm_s, overlapped=self._comm is not None)
+        self._record(stats)
+
+    def _step_blocking(self) -> float:
+        """Overlap off: clip, push and pull everything, wait; return the communication time."""
         cfg = self.client.cfg
-        self._fill_missing_grads()
-        if cfg.clip_norm > 0 and not self.client.push_codec_at(self.clock).is_raw:
+        for _, p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self._clips:
             # Clip the raw local gradient before error feedback adds the residual (DGC's local
             # clipping): clipping the compensated vector would eat the mass EF is carrying.
             torch.nn.utils.clip_grad_norm_([p for _, p in self.params], cfg.clip_norm)
-        encoded = self._encode_on_device() if self.device_codec else None
-        grads = self._grads(skip=frozenset(encoded or ()))
-        if self._uploaded is not None:
-            self._uploaded.synchronize()
-        self.client.push_pull(self.keys, grads, self._outs, clock=self.clock,
-                              encoded=encoded).wait()
-        self._copy_in()
+        flat = [p.grad.reshape(-1) for _, p in self.params]
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()  # compute ends here, not in the timer
+        t0 = time.perf_counter()
+        with self._timer.exposed():
+            if self.cuda:
+                self._stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self._stream):
+                    payload = self._payload(self.plan.keys, flat, self.clock)
+            else:
+                payload = self._payload(self.plan.keys, flat, self.clock)
+            self.client.push_pull(payload.keys, payload.grads, payload.outs, clock=self.clock,
+                                  encoded=payload.encoded).wait()
+            self._copy_in()
+        return time.perf_counter() - t0
+
+    def _advance(self) -> None:
         self.clock += 1
         self.client.clock = self.clock
         with self.client.metrics.lock:
@@ -181,6 +227,203 @@ class PSModel:
         for _, p in self.params:
             p.grad = None
 
+    def _record(self, stats: StepStats) -> None:
+        self.last_stats = stats
+        m = self.client.metrics
+        with m.lock:
+            m.compute_utilization.set(stats.utilization)
+            m.exposed_comm.observe(stats.exposed_s)
+            m.comm_time.observe(stats.comm_s)
+            m.overlap_ratio.set(stats.overlap_ratio)
+        if self.decision is None:
+            self._probe.append(stats)
+            if len(self._probe) > self.overlap.probe_steps:  # the first step warms up
+                self._decide(decide(self._probe[1:], self.overlap.min_ratio))
+
+    # -- overlap ------------------------------------------------------------------------------
+    def _init_overlap(self, cfg: OverlapConfig) -> None:
+        self.overlap = cfg
+        self.buckets: list[Bucket] = make_buckets(self.plan, [n for n, _ in self.params],
+                                                  cfg.bucket_bytes)
+        self._bucket_of = [0] * len(self.params)
+        for b in self.buckets:
+            for i in b.params:
+                self._bucket_of[i] = b.index
+        self._lock = threading.Lock()
+        self._reset_bucket_state()
+        self._jobs: list[Job | None] = [None] * len(self.buckets)
+        self._ready_events: list[torch.cuda.Event | None] = [None] * len(self.buckets)
+        self._comm: CommThread | None = None
+        self._comm_seen = 0.0
+        self._no_sync = False
+        self._timer = StepTimer()
+        self.last_stats: StepStats | None = None
+        self._probe: list[StepStats] = []
+        self.decision: Decision | None = None
+        cfg_c = self.client.cfg
+        self._clips = cfg_c.clip_norm > 0 and (not self.client.push_codec_at(self.clock).is_raw
+                                                or bool(self.client.freeze_step))
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i))
+                       for i, (_, p) in enumerate(self.params)]
+        ours = {id(p): i for i, (_, p) in enumerate(self.params)}
+        for module in self.model.modules():
+            owned = sorted({self._bucket_of[ours[id(p)]] for p in module._parameters.values()
+                            if p is not None and id(p) in ours})
+            if owned:
+                self._hooks.append(module.register_forward_pre_hook(self._pre_hook_for(owned)))
+        if self._clips and cfg.mode == "on":
+            raise ValueError(
+                f"overlap pushes each bucket during backward, before a global gradient norm "
+                f"exists; with compressed pushes set clip_norm=0 (it is "
+                f"{cfg_c.clip_norm}) or overlap mode 'off'/'auto'")
+        if cfg.mode != "auto" or self._clips:
+            reason = ("pushes are compressed and clip_norm > 0 (clipping needs every gradient "
+                      "before the first push)" if self._clips and cfg.mode == "auto"
+                      else f"overlap mode {cfg.mode!r}")
+            self._decide(Decision(enabled=cfg.mode == "on", ratio=math.nan,
+                                  min_ratio=cfg.min_ratio, reason=reason))
+
+    def _decide(self, decision: Decision) -> None:
+        self.decision = decision
+        log.info("rank %d: %s", self.client.cfg.rank, decision.describe())
+        m = self.client.metrics
+        with m.lock:
+            m.overlap_enabled.set(int(decision.enabled))
+            if not math.isnan(decision.ratio):
+                m.comm_compute_ratio.set(decision.ratio)
+        if decision.enabled:
+            self._comm = CommThread(self.client, inflight_bytes=self.overlap.inflight_bytes,
+                                    on_inflight=self._inflight_metric)
+            self._comm_seen = 0.0
+
+    def _inflight_metric(self, nbytes: int) -> None:
+        with self.client.metrics.lock:
+            self.client.metrics.inflight_bytes.set(nbytes)
+
+    def _reset_bucket_state(self) -> None:
+        self._fired = [False] * len(self.params)
+        self._grads: dict[int, torch.Tensor] = {}
+        self._left = [len(b.params) for b in self.buckets]
+
+    def _hook_for(self, i: int):
+        def hook(p: torch.Tensor) -> None:
+            if self._comm is None or self._no_sync:
+                return
+            with self._lock:
+                if self._fired[i]:
+                    raise RuntimeError(
+                        f"parameter {self.params[i][0]!r} got a second gradient in step "
+                        f"{self.clock} after it was pushed; accumulate inside "
+                        f"PSModel.no_sync() and call step() once per step")
+                self._fired[i] = True
+                self._grads[i] = p.grad
+                b = self._bucket_of[i]
+                self._left[b] -= 1
+                ready = self._left[b] == 0
+            if ready:
+                self._submit(self.buckets[b])
+        return hook
+
+    def _pre_hook_for(self, buckets: list[int]):
+        def pre_hook(module, args) -> None:
+            for b in buckets:
+                self._await(b)
+        return pre_hook
+
+    def _await(self, b: int) -> None:
+        job = self._jobs[b]
+        if job is None:
+            return
+        if not job.done.is_set():
+            with self._timer.exposed():
+                job.wait(self.client.cfg.deadline_s)
+        elif job.error is not None:
+            job.wait(0)
+        if self.cuda and self._ready_events[b] is not None:
+            torch.cuda.current_stream().wait_event(self._ready_events[b])
+            self._ready_events[b] = None
+
+    def _flush(self) -> None:
+        """Push every bucket no hook pushed this step (zeros for missing gradients); then the
+        next step starts with empty buckets."""
+        pending = []
+        with self._lock:
+            for i, (_, p) in enumerate(self.params):
+                if not self._fired[i]:
+                    self._fired[i] = True
+                    self._grads[i] = p.grad if p.grad is not None else torch.zeros_like(p)
+                    b = self._bucket_of[i]
+                    self._left[b] -= 1
+                    if self._left[b] == 0:
+                        pending.append(b)
+        for b in pending:
+            self._submit(self.buckets[b])
+        self._reset_bucket_state()
+
+    def _submit(self, bucket: Bucket) -> None:
+        """Hand ``bucket``'s gradients for this step to the communication thread."""
+        prev = self._jobs[bucket.index]
+        if prev is not None and not prev.done.is_set():
+            prev.wait(self.client.cfg.deadline_s)  # its buffers are about to be reused
+        grads = {i: self._grads[i] for i in bucket.params}
+        clock = self.clock
+        keys = [self.plan.keys[k] for k in bucket.keys]
+        produced = ready = None
+        if self.cuda:
+            produced = torch.cuda.Event()
+            produced.record()  # on the compute stream, after backward made these gradients
+            ready = torch.cuda.Event()
+
+        def prepare() -> Payload:
+            flat: list[torch.Tensor | None] = [None] * len(self.params)
+            for i, g in grads.items():
+                flat[i] = g.reshape(-1)
+            if not self.cuda:
+                return self._payload(keys, flat, clock)
+            self._stream.wait_event(produced)
+            for g in grads.values():
+                g.record_stream(self._stream)  # freed grads are not reused under our reads
+            with torch.cuda.stream(self._stream):
+                return self._payload(keys, flat, clock)
+
+        def finish() -> None:
+            with torch.no_grad(), torch.cuda.stream(self._stream):
+                for i in bucket.params:
+                    self.params[i][1].data.view(-1).copy_(torch.from_numpy(self._host[i]),
+                                                          non_blocking=True)
+                ready.record()
+
+        job = Job(priority=bucket.priority, clock=clock, nbytes=bucket.nbytes, prepare=prepare,
+                  finish=finish if self.cuda else None, label=f"bucket {bucket.index}")
+        self._jobs[bucket.index] = job
+        self._ready_events[bucket.index] = ready
+        self._comm.submit(job)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside do not push (gradient accumulation); the next backward
+        outside pushes the accumulated gradients. Without overlap this changes nothing."""
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
+
+    def synchronize(self) -> None:
+        """Wait until every bucket in flight has its parameters back (overlap on): after this
+        the module's parameters are the shards' values for :attr:`clock`."""
+        for b in range(len(self.buckets)):
+            self._await(b)
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()
+
     def close(self) -> None:
-        """Leave the shards and stop the client."""
-        self.client.close()
+        """Finish what is in flight, leave the shards and stop the client."""
+        try:
+            self.synchronize()
+        finally:
+            if self._comm is not None:
+                self._comm.close()
+            for h in self._hooks:
+                h.remove()
+            self.client.close()

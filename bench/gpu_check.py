@@ -1,0 +1,211 @@
+"""``python -m bench.gpu_check``: the overlap checks on the CUDA stream path, for a machine with
+a GPU; on one without, it says so and checks nothing.
+
+1. **No race** (issue 4, acceptance 3): with overlap on, what the communication thread sends for
+   every bucket (hashed when sent and again once answered) equals the bytes computed from a
+   copy of the gradients taken after backward returned: raw pushes, and sign1 compressed on the
+   device with error feedback (replayed by the numpy reference). ``tests/test_overlap.py`` runs
+   the same function on the CPU.
+2. **Same result**: in sync mode, parameters after 20 steps are bit-identical with overlap on
+   and off (the model on the GPU, one worker).
+3. The CUDA codec tests (``tests/test_codec_torch.py``, skipped on machines without CUDA).
+4. ``bitps-bench overlap --device cuda`` (unless ``--no-bench``).
+
+Writes ``<out>/gpu_check.json`` and ``.md`` (``--out``, default ``bench/results``) and exits
+non-zero when a check fails. ``--device cpu`` runs checks 1-2 on the CPU (a dry run of the
+script itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from bench.report import check, write_results
+
+__all__ = ["main", "pushed_bytes_match", "sync_result"]
+
+
+def _digest(a) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).view(np.uint8)).hexdigest()
+
+
+def _recording_client(cfg):
+    """A ``PSClient`` that hashes every payload the communication thread sends, as sent."""
+    from worker.client import PSClient
+
+    class Recording(PSClient):
+        def __init__(self, cfg) -> None:
+            super().__init__(cfg)
+            self.sent: list[tuple[int, list[int], list[np.ndarray], list[str]]] = []
+
+        def push_pull(self, keys, grads, outs, *, clock, encoded=None):
+            if threading.current_thread().name != "bitps-comm":
+                raise AssertionError("a bucket was pushed off the communication thread")
+            arrays = [encoded[k] if encoded and k in encoded else g
+                      for k, g in zip(keys, grads)]
+            self.sent.append((clock, list(keys), arrays, [_digest(a) for a in arrays]))
+            return super().push_pull(keys, grads, outs, clock=clock, encoded=encoded)
+
+    return Recording(cfg)
+
+
+def _demo(device):
+    from worker.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
+
+    demo = DemoConfig(seq_len=32, batch_size=4, corpus_bytes=100_000)
+    corpus = load_corpus(demo.corpus_bytes)
+    data = batches(corpus, batch_size=4, seq_len=32, rank=0, world_size=1, seed=0)
+    batch = (lambda: [t.to(device) for t in next(data)])
+    return build_model(demo).to(device), batch, loss_fn
+
+
+def pushed_bytes_match(server: str, *, device: str = "cpu", codec: str = "raw",
+                       steps: int = 6) -> list[str]:
+    """Train the demo model ``steps`` steps with overlap on against the shard at ``server``
+    (async, any update rule) and return every difference between what was pushed and what a
+    synchronous copy of the gradients gives (empty = no race)."""
+    import torch
+
+    from native import sign1
+    from proto.codecs import CodecConfig
+    from worker.config import ClientConfig, OverlapConfig
+    from worker.model import PSModel
+
+    chunk = 64
+    cfg = ClientConfig(servers=(server,), partition_bytes=8 << 10, compress_min_bytes=4096,
+                       clip_norm=0.0, push_codec=CodecConfig(name=codec, chunk=chunk))
+    client = _recording_client(cfg)
+    model, batch, loss_fn = _demo(torch.device(device))
+    ps_model = PSModel(model, client, device_codec=codec == "sign1",
+                       overlap=OverlapConfig(mode="on", bucket_bytes=16 << 10))
+    plan = ps_model.plan
+    residual = {k.key: np.zeros(k.length, np.float32) for k in plan.keys}
+    expected: dict[tuple[int, int], str] = {}
+    for step in range(steps):
+        loss_fn(model, *batch()).backward()
+        # the synchronous copy: backward has returned, the device is idle
+        flat = {n: p.grad.detach().reshape(-1).cpu().clone().numpy() for n, p in ps_model.params}
+        for k in plan.keys:
+            g = flat[k.name][k.offset:k.offset + k.length]
+            if codec == "sign1" and k.nbytes >= cfg.compress_min_bytes:
+                payload, residual[k.key] = sign1.encode_reference(g, residual[k.key],
+                                                                  chunk=chunk)
+                expected[step, k.key] = hashlib.sha256(payload).hexdigest()
+            else:
+                expected[step, k.key] = _digest(g)
+        ps_model.step()
+    ps_model.synchronize()
+    problems: list[str] = []
+    seen: dict[tuple[int, int], str] = {}
+    per_clock: dict[int, list[tuple[int, ...]]] = {}
+    for clock, keys, arrays, digests in client.sent:
+        per_clock.setdefault(clock, []).append(tuple(keys))
+        for key, a, digest in zip(keys, arrays, digests):
+            if (clock, key) in seen:
+                problems.append(f"clock {clock} key {key}: pushed twice")
+            seen[clock, key] = digest
+            if digest != _digest(a):
+                problems.append(f"clock {clock} key {key}: changed while in flight")
+    for where, digest in expected.items():
+        if seen.get(where) != digest:
+            problems.append(f"clock {where[0]} key {where[1]}: pushed bytes differ from the "
+                            f"synchronous copy" if where in seen else
+                            f"clock {where[0]} key {where[1]}: never pushed")
+    buckets = sorted(tuple(b.keys) for b in ps_model.buckets)
+    for clock, pushes in per_clock.items():
+        if sorted(pushes) != buckets:
+            problems.append(f"clock {clock}: pushes {sorted(pushes)} are not the buckets")
+    ps_model.close()
+    return problems
+
+
+def sync_result(server_for_run, *, device: str = "cpu", steps: int = 20) -> bool:
+    """Whether ``steps`` steps of the demo model against a fresh sync shard end with the same
+    parameters, bit for bit, with overlap off and on. ``server_for_run()`` starts a sync shard
+    and returns its ``host:port``."""
+    import torch
+
+    from worker.client import PSClient
+    from worker.config import ClientConfig, OverlapConfig
+    from worker.model import PSModel
+
+    finals = []
+    for mode in ("off", "on"):
+        model, batch, loss_fn = _demo(torch.device(device))
+        client = PSClient(ClientConfig(servers=(server_for_run(),), partition_bytes=16 << 10))
+        ps_model = PSModel(model, client, overlap=OverlapConfig(mode=mode,
+                                                                bucket_bytes=32 << 10))
+        for _ in range(steps):
+            loss_fn(model, *batch()).backward()
+            ps_model.step()
+        ps_model.synchronize()
+        finals.append([p.detach().cpu().clone() for p in model.parameters()])
+        ps_model.close()
+    return all(torch.equal(a, b) for a, b in zip(*finals))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split(
+        "\n")[0])
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (dry run)")
+    p.add_argument("--out", type=Path, default=None, help="results directory")
+    p.add_argument("--no-bench", action="store_true", help="skip bitps-bench overlap")
+    args = p.parse_args(argv)
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("bench.gpu_check: no CUDA device on this machine; the CUDA stream path was NOT "
+              "checked (run it on a machine with a GPU, or --device cpu for a dry run)")
+        return 0
+    from ps import OptimizerConfig, ServerConfig, create_server
+
+    shards = []
+
+    def shard(mode: str, name: str) -> str:
+        s = create_server(ServerConfig(mode=mode, metrics_port=-1,
+                                       optimizer=OptimizerConfig(name=name, lr=0.01)))
+        shards.append(s)
+        return f"127.0.0.1:{s.ports['grpc_port']}"
+
+    checks, rows = {}, []
+    try:
+        for codec in ("raw", "sign1"):
+            problems = pushed_bytes_match(shard("async", "sgd"), device=args.device, codec=codec)
+            rows.append({"check": f"pushed bytes = synchronous copy ({codec})",
+                         "result": "; ".join(problems[:3]) or "match"})
+            checks[f"no_race_{codec}"] = check(len(problems), "0 differences", not problems)
+        same = sync_result(lambda: shard("sync", "adam"), device=args.device)
+        rows.append({"check": "sync: overlap on == off after 20 steps",
+                     "result": "bit-identical" if same else "DIFFERENT"})
+        checks["sync_overlap_on_equals_off"] = check(same, "True", same)
+    finally:
+        for s in shards:
+            s.stop(0)
+    if args.device.startswith("cuda"):
+        code = subprocess.call([sys.executable, "-m", "pytest", "-q", "tests/test_codec_torch.py"])
+        rows.append({"check": "tests/test_codec_torch.py on CUDA", "result": f"exit {code}"})
+        checks["codec_torch_cuda_tests"] = check(code, "exit 0", code == 0)
+        if not args.no_bench:
+            code = subprocess.call([sys.executable, "-m", "bench", *(
+                ["--out", str(args.out)] if args.out else []), "overlap", "--device", "cuda"])
+            rows.append({"check": "bitps-bench overlap --device cuda", "result": f"exit {code}"})
+            checks["overlap_bench_cuda"] = check(code, "exit 0", code == 0)
+    write_results("gpu_check", config={"device": args.device,
+                                       "cuda": torch.cuda.get_device_name(0)
+                                       if torch.cuda.is_available() else None},
+                  rows=rows, checks=checks, out=args.out,
+                  columns=[("check", "check"), ("result", "result")])
+    for row in rows:
+        print(f"{row['check']}: {row['result']}")
+    return 0 if all(c["ok"] for c in checks.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

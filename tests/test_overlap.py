@@ -1,0 +1,213 @@
+"""Overlap: buckets pushed from backward hooks by the communication thread, pulls awaited in
+forward pre-hooks, the 20 % rule, and the step timing behind it.
+
+In-process shards on real loopback sockets; the model trains on the CPU (the CUDA stream path is
+checked by ``bench/gpu_check.py`` on a GPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+
+from proto.codecs import CodecConfig
+from proto.keyplan import ParamSpec, make_plan
+from ps import OptimizerConfig, ServerConfig, create_server
+from worker import ClientConfig, PSClient
+from worker.buckets import make_buckets
+from worker.config import OverlapConfig
+from worker.utilization import StepStats, decide
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture
+def shard_factory():
+    started = []
+
+    def make(**kw):
+        shard = create_server(ServerConfig(metrics_port=-1, **kw))
+        started.append(shard)
+        return f"127.0.0.1:{shard.ports['grpc_port']}"
+
+    yield make
+    for s in started:
+        s.stop(0)
+
+
+# -- pieces -------------------------------------------------------------------------------------
+def test_buckets_follow_backward_order_and_cover_every_key_once():
+    names = ["embed", "l0.w", "l0.b", "l1.w", "l1.b", "head"]
+    shapes = [(256, 16), (64, 64), (64,), (64, 64), (64,), (16, 256)]
+    plan = make_plan([ParamSpec(n, s) for n, s in zip(names, shapes)], num_shards=2,
+                     partition_bytes=4096)
+    buckets = make_buckets(plan, names, bucket_bytes=16_384)
+    assert [b.params for b in buckets] == [(5,), (3, 4), (1, 2), (0,)]  # last layer first
+    assert [b.priority for b in buckets] == [5, 3, 1, 0]
+    assert sorted(k for b in buckets for k in b.keys) == [k.key for k in plan.keys]
+    assert sum(b.nbytes for b in buckets) == sum(k.nbytes for k in plan.keys)
+    assert make_buckets(plan, names, bucket_bytes=16_384) == buckets  # deterministic
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        make_buckets(plan, names, bucket_bytes=0)
+
+
+def test_overlap_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="overlap mode"):
+        OverlapConfig(mode="sometimes")
+    with pytest.raises(ValueError, match="min_ratio"):
+        OverlapConfig(min_ratio=-1)
+    with pytest.raises(ValueError, match="probe_steps"):
+        OverlapConfig(probe_steps=0)
+
+
+def test_decide_applies_the_20_percent_rule_to_the_median():
+    def step(compute, comm):
+        return StepStats(wall_s=compute + comm, exposed_s=comm, comm_s=comm, overlapped=False)
+
+    cheap = decide([step(1.0, 0.1), step(1.0, 0.15), step(1.0, 5.0)], 0.2)
+    assert not cheap.enabled and cheap.ratio == pytest.approx(0.15)
+    assert "0.150 of compute" in cheap.describe() and "off" in cheap.describe()
+    dear = decide([step(1.0, 0.5)] * 3, 0.2)
+    assert dear.enabled and "on" in dear.describe()
+    assert not decide([step(1.0, 0.5)], 0.2, reason="clipping").enabled
+    s = step(0.9, 0.1)
+    assert s.utilization == pytest.approx(0.9) and s.overlap_ratio == 0.0
+
+
+# -- the model path -----------------------------------------------------------------------------
+def _demo():
+    from worker.demo import DemoConfig, batches, build_model, load_corpus
+
+    demo = DemoConfig(seq_len=32, batch_size=4, corpus_bytes=100_000)
+    corpus = load_corpus(demo.corpus_bytes)
+    return demo, corpus, build_model, batches
+
+
+def test_sync_parameters_after_20_steps_are_bit_identical_with_overlap_on_and_off(
+        shard_factory):
+    """Acceptance 1: two workers, a sync shard running Adam, 20 steps of the demo model."""
+    from worker.demo import loss_fn
+    from worker.model import PSModel
+
+    torch.set_num_threads(1)
+    demo, corpus, build_model, batches = _demo()
+
+    def train(mode: str) -> list[torch.Tensor]:
+        server = shard_factory(mode="sync", optimizer=OptimizerConfig(name="adam", lr=3e-3))
+        results: dict[int, list[torch.Tensor]] = {}
+        errors: list[BaseException] = []
+        models = [build_model(demo) for _ in range(2)]  # torch's seed is global: not in threads
+
+        def rank(r: int) -> None:
+            try:
+                model = models[r]
+                client = PSClient(ClientConfig(servers=(server,), rank=r, world_size=2,
+                                               partition_bytes=16 << 10))
+                ps_model = PSModel(model, client,
+                                   overlap=OverlapConfig(mode=mode, bucket_bytes=32 << 10))
+                assert ps_model.decision.enabled == (mode == "on")
+                data = batches(corpus, batch_size=4, seq_len=32, rank=r, world_size=2, seed=0)
+                for _ in range(20):
+                    loss_fn(model, *next(data)).backward()
+                    ps_model.step()
+                ps_model.synchronize()
+                results[r] = [p.detach().clone() for p in model.parameters()]
+                if mode == "on":
+                    assert len(ps_model.buckets) > 4 and ps_model.last_stats.overlapped
+                ps_model.close()
+            except BaseException as err:  # noqa: BLE001 - re-raised on the test thread
+                errors.append(err)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        if errors:
+            raise errors[0]
+        for a, b in zip(results[0], results[1]):
+            assert torch.equal(a, b)  # sync: both ranks hold the shard's values
+        return results[0]
+
+    off, on = train("off"), train("on")
+    assert any(not torch.equal(p, q) for p, q in zip(off, build_model(demo).parameters()))
+    for a, b in zip(off, on):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("codec", ["raw", "sign1"])
+def test_bytes_pushed_per_bucket_equal_a_synchronous_copy_of_the_gradient(shard_factory, codec):
+    """Acceptance 3 (CPU): what the communication thread sends for every bucket, hashed when
+    sent and again once answered, equals the bytes computed from a copy of the gradients taken
+    after backward returned (sign1: compressed by the torch codec next to the gradients, error
+    feedback replayed by the numpy reference). ``bench/gpu_check.py`` runs this same function
+    on CUDA."""
+    from bench.gpu_check import pushed_bytes_match
+
+    torch.set_num_threads(1)
+    server = shard_factory(mode="async", optimizer=OptimizerConfig(name="sgd", lr=0.05))
+    assert pushed_bytes_match(server, device="cpu", codec=codec) == []
+
+
+def test_auto_rule_is_observable_both_ways(shard_factory, caplog):
+    """Acceptance 4: cheap communication (a small model whose step computes for a while) is
+    reported with overlap off and its ratio; dear communication (a large model with almost no
+    compute) with overlap on. Logged, exported as gauges, and on ``PSModel.decision``."""
+    import time
+
+    from worker.model import PSModel
+
+    torch.set_num_threads(1)
+
+    def run(width: int, busy_s: float):
+        server = shard_factory(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=0.01))
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, 1))
+        client = PSClient(ClientConfig(servers=(server,)))
+        ps_model = PSModel(model, client, overlap=OverlapConfig(mode="auto", probe_steps=3))
+        for _ in range(6):
+            model(torch.ones(2, width)).sum().backward()
+            time.sleep(busy_s)  # stands for compute: it is on the training thread
+            ps_model.step()
+        m = client.metrics
+        gauges = (m.overlap_enabled.value, m.comm_compute_ratio.value)
+        decision = ps_model.decision
+        ps_model.close()
+        return decision, gauges
+
+    with caplog.at_level(logging.INFO, logger="worker.model"):
+        cheap, cheap_gauges = run(width=16, busy_s=0.05)
+        dear, dear_gauges = run(width=2048, busy_s=0.0)  # 16 MiB of parameters
+    assert not cheap.enabled and cheap.ratio < 0.2 and cheap_gauges == (0, cheap.ratio)
+    assert dear.enabled and dear.ratio > 0.2 and dear_gauges == (1, dear.ratio)
+    text = caplog.text
+    assert f"overlap off: communication is {cheap.ratio:.3f} of compute" in text
+    assert f"overlap on: communication is {dear.ratio:.3f} of compute" in text
+
+
+def test_misuse_gets_clear_errors(shard_factory):
+    from worker.model import PSModel
+
+    server = shard_factory(mode="async", optimizer=OptimizerConfig(name="sgd", lr=0.01))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    sign = ClientConfig(servers=(server,), push_codec=CodecConfig(name="sign1", chunk=64))
+    with PSClient(sign) as client, pytest.raises(ValueError, match="clip_norm=0"):
+        PSModel(model, client, overlap=OverlapConfig(mode="on"))
+    with PSClient(sign) as client:  # auto: off, and says why
+        ps_model = PSModel(model, client)
+        assert not ps_model.decision.enabled and "clip" in ps_model.decision.reason
+    client = PSClient(ClientConfig(servers=(server,)))
+    ps_model = PSModel(model, client, overlap=OverlapConfig(mode="on"))
+    model(torch.ones(1, 8)).sum().backward()
+    with pytest.raises(RuntimeError, match="second gradient"):
+        model(torch.ones(1, 8)).sum().backward()
+    ps_model.step()
+    with ps_model.no_sync():  # accumulation: nothing pushed until the backward outside
+        model(torch.ones(1, 8)).sum().backward()
+    model(torch.ones(1, 8)).sum().backward()
+    ps_model.step()
+    ps_model.close()
+    assert ps_model.clock == 2

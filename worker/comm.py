@@ -1,0 +1,217 @@
+"""``CommThread``: the worker thread that sends buckets and receives their parameters.
+
+``PSModel`` (overlap on) hands it one :class:`Job` per bucket from a backward hook, and waits on
+the job in the forward pre-hook of the module that owns the bucket. The thread:
+
+1. takes the waiting job with the lowest ``priority`` (front layers first: the next forward
+   needs them first), unless ``inflight_bytes`` of gradients are already in flight (the credit
+   window; one job may always go);
+2. runs ``job.prepare()`` (on CUDA: wait for the compute stream's event, compress or download
+   on the comm stream into pinned memory) and sends a ``push_pull`` for the bucket's keys;
+3. while jobs are in flight, waits for replies *or* a new job at once (a pipe it polls beside
+   the sockets), so neither a reply nor a new bucket waits for the other;
+4. runs ``job.finish()`` (on CUDA: upload the pulled parameters on the comm stream) and marks
+   the job done; a failure is kept on the job and raised by ``Job.wait`` on the waiting thread.
+
+Torch-free: what is CUDA-specific lives in the ``prepare``/``finish`` callables. The thread owns
+its ZeroMQ channel (``PSClient`` keeps channels per thread), so no socket is shared.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import select
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from worker.channel import Handle, PSTimeoutError
+from worker.client import PSClient
+
+__all__ = ["CommThread", "Job", "Payload"]
+
+log = logging.getLogger(__name__)
+_SLICE_S = 0.05  # longest single wait; the loop re-checks for closing between waits
+
+
+@dataclass(frozen=True)
+class Payload:
+    """What ``Job.prepare`` returns: one ``push_pull``'s arguments."""
+
+    keys: Sequence[int]
+    grads: Sequence[np.ndarray]
+    outs: Sequence[np.ndarray]
+    encoded: Mapping[int, np.ndarray] | None = None
+
+
+@dataclass(eq=False)
+class Job:
+    """One bucket's push_pull for one step."""
+
+    priority: int
+    """Lower is sent first."""
+    clock: int
+    """The step the gradients belong to."""
+    nbytes: int
+    """Float32 gradient bytes (what the credit window counts)."""
+    prepare: Callable[[], Payload]
+    """Runs on the communication thread right before sending."""
+    finish: Callable[[], None] | None = None
+    """Runs on the communication thread once the parameters have arrived."""
+    label: str = ""
+    """Names the job in errors (``bucket 3``)."""
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    handle: Handle | None = None
+    submitted: float = 0.0
+    """``time.perf_counter()`` when handed to the thread, when sent, and when done."""
+    sent: float = 0.0
+    finished: float = 0.0
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until the job is done; re-raise its failure here, or raise
+        :class:`PSTimeoutError` after ``timeout_s``."""
+        if not self.done.wait(timeout_s):
+            raise PSTimeoutError(f"{self.label} of clock {self.clock}: not done after "
+                                 f"{timeout_s:.1f} s")
+        if self.error is not None:
+            raise self.error
+
+
+class CommThread:
+    """Sends queued jobs by priority under a credit window and completes them."""
+
+    def __init__(self, client: PSClient, *, inflight_bytes: int,
+                 on_inflight: Callable[[int], None] | None = None) -> None:
+        self.client = client
+        self.inflight_bytes = inflight_bytes
+        self._on_inflight = on_inflight or (lambda nbytes: None)
+        self._lock = threading.Lock()
+        self._ready: list[tuple[int, int, Job]] = []  # heap of (priority, seq, job)
+        self._seq = itertools.count()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._closing = False
+        self._busy_since: float | None = None
+        self.busy_s = 0.0
+        """Seconds during which at least one job was being prepared or in flight (the union
+        of their intervals): the communication time, overlapped or not."""
+        self._thread = threading.Thread(target=self._run, name="bitps-comm", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job`` (any thread)."""
+        job.submitted = time.perf_counter()
+        with self._lock:
+            if self._closing:
+                raise RuntimeError("the communication thread is closed")
+            heapq.heappush(self._ready, (job.priority, next(self._seq), job))
+        os.write(self._wake_w, b"\0")
+
+    def busy_seconds(self) -> float:
+        """:attr:`busy_s` including the interval still open."""
+        with self._lock:
+            since = self._busy_since
+            return self.busy_s + (time.perf_counter() - since if since is not None else 0.0)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop after the jobs already queued or in flight are done (or ``timeout_s``)."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        os.write(self._wake_w, b"\0")
+        self._thread.join(timeout_s)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # -- the thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        inflight: list[Job] = []
+        used = 0
+        while True:
+            self._drain_wake()
+            used = self._launch(inflight, used)
+            used = self._complete(inflight, used)
+            with self._lock:
+                idle = not inflight and not self._ready
+                if idle and self._busy_since is not None:
+                    self.busy_s += time.perf_counter() - self._busy_since
+                    self._busy_since = None
+                if idle and self._closing:
+                    return
+            if inflight:
+                try:
+                    self.client.progress(_SLICE_S, wake_fd=self._wake_r)
+                except Exception:  # a broken channel: fail what waits on it, keep serving
+                    log.exception("communication thread: receive failed")
+                    for job in inflight:
+                        self._fail(job, RuntimeError(f"{job.label}: receive failed"))
+                    inflight.clear()
+                    used = 0
+                    self._on_inflight(0)
+            elif idle:
+                select.select([self._wake_r], [], [], _SLICE_S)
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _launch(self, inflight: list[Job], used: int) -> int:
+        while True:
+            with self._lock:
+                if not self._ready:
+                    return used
+                job = self._ready[0][2]
+                if inflight and used + job.nbytes > self.inflight_bytes:
+                    return used
+                heapq.heappop(self._ready)
+                if self._busy_since is None:
+                    self._busy_since = time.perf_counter()
+            try:
+                p = job.prepare()
+                job.sent = time.perf_counter()
+                job.handle = self.client.push_pull(p.keys, p.grads, p.outs, clock=job.clock,
+                                                   encoded=p.encoded)
+            except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
+                self._fail(job, err)
+                continue
+            inflight.append(job)
+            used += job.nbytes
+            self._on_inflight(used)
+
+    def _complete(self, inflight: list[Job], used: int) -> int:
+        finished = [j for j in inflight if j.handle.done()]
+        for job in finished:
+            inflight.remove(job)
+            used -= job.nbytes
+            try:
+                job.handle.wait(0.0)  # raises the shard's error, if any
+                if job.finish is not None:
+                    job.finish()
+            except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
+                self._fail(job, err)
+                continue
+            job.finished = time.perf_counter()
+            job.done.set()
+        if finished:
+            self._on_inflight(used)
+        return used
+
+    @staticmethod
+    def _fail(job: Job, err: BaseException) -> None:
+        if not isinstance(err, Exception):
+            err = RuntimeError(f"{job.label}: {err!r}")
+        job.error = err
+        job.finished = time.perf_counter()
+        job.done.set()
+
