@@ -73,7 +73,7 @@ def shaped_link(rate: str = "1gbit", *, burst: str = "256kb",
     except (OSError, subprocess.SubprocessError) as err:
         _teardown(ns, here, created)
         yield Link(kind="loopback", server_ip="127.0.0.1", prefix=(), rate="unshaped",
-                   note=f"network namespaces unavailable ({err}); fell back to unshaped "
+                   note=f"could not set up a shaped link ({err}); fell back to unshaped "
                         f"loopback, so communication is cheaper than on a {rate} link")
         return
     try:
