@@ -267,8 +267,8 @@ class PSModel:
                        for i, (_, p) in enumerate(self.params)]
         ours = {id(p): i for i, (_, p) in enumerate(self.params)}
         for module in self.model.modules():
-            owned = sorted({self._bucket_of[ours[id(p)]] for p in module._parameters.values()
-                            if p is not None and id(p) in ours})
+            owned = sorted({self._bucket_of[ours[id(p)]] for p in module.parameters(recurse=False)
+                            if id(p) in ours})
             if owned:
                 self._hooks.append(module.register_forward_pre_hook(self._pre_hook_for(owned)))
         if self._clips and cfg.mode == "on":
