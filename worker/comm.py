@@ -128,6 +128,9 @@ class CommThread:
             self._closing = True
         os.write(self._wake_w, b"\0")
         self._thread.join(timeout_s)
+        if self._thread.is_alive():  # stuck on a dead shard: it ends at the jobs' deadlines
+            log.warning("communication thread still busy after %.0f s; leaving it", timeout_s)
+            return
         os.close(self._wake_r)
         os.close(self._wake_w)
 
