@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["Allocator", "AllocatorError", "ArenaStats"]
+__all__ = ["Allocator", "AllocatorError", "ArenaStats", "in_range"]
 
 
 class AllocatorError(RuntimeError):
@@ -33,11 +33,16 @@ class ArenaStats:
     allocated: int
     """Sum of the blocks handed out for them (rounding included)."""
     free: int
+    """Free bytes in the whole arena."""
     largest_free: int
     high_water: int
     """Highest end offset any allocation has reached: the arena this run needed."""
     live: int
     """Live allocations."""
+    free_in_range: int
+    """Free bytes below :attr:`high_water` (the holes between what was used)."""
+    largest_free_in_range: int
+    """Largest free block below :attr:`high_water` (clipped to it)."""
 
     @property
     def internal(self) -> float:
@@ -46,14 +51,29 @@ class ArenaStats:
 
     @property
     def external(self) -> float:
-        """1 - largest free block / total free (0 when nothing is free)."""
-        return 1.0 - self.largest_free / self.free if self.free else 0.0
+        """1 - largest free block / total free, inside the range used so far (0 when none of
+        it is free). Counting the untouched rest of a large arena would make any arena look
+        fragmented once its largest block is capped (a buddy's ``max_block``)."""
+        if not self.free_in_range:
+            return 0.0
+        return 1.0 - self.largest_free_in_range / self.free_in_range
+
+
+def in_range(free_blocks: list[tuple[int, int]], high_water: int) -> tuple[int, int]:
+    """(free bytes, largest free block) of ``free_blocks`` below ``high_water``."""
+    sizes = [min(size, high_water - off) for off, size in free_blocks if off < high_water]
+    return sum(sizes), max(sizes, default=0)
 
 
 class Allocator(Protocol):
     """The interface ``worker.pool.ActivationPool`` and the memory bench use."""
 
     capacity: int
+    requested: int
+    """Bytes callers asked for, over live allocations. This, :attr:`allocated` and
+    :attr:`high_water` are plain attributes, cheap to read on every call."""
+    allocated: int
+    high_water: int
 
     def alloc(self, nbytes: int) -> int | None:
         """Offset of a region of at least ``nbytes`` (> 0), or None when none is free."""

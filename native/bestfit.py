@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 
-from native.arena import AllocatorError, ArenaStats
+from native.arena import AllocatorError, ArenaStats, in_range
 
 __all__ = ["BestFitAllocator"]
 
@@ -32,7 +32,7 @@ class BestFitAllocator:
         self._sizes: dict[int, int] = {0: managed} if managed else {}
         self._managed = managed
         self._live: dict[int, tuple[int, int]] = {}  # offset -> (requested, size)
-        self._requested = self._allocated = self._high_water = 0
+        self.requested = self.allocated = self.high_water = 0
 
     def alloc(self, nbytes: int) -> int | None:
         if nbytes <= 0:
@@ -55,9 +55,9 @@ class BestFitAllocator:
         else:
             del self._starts[i]
         self._live[best] = (nbytes, size)
-        self._requested += nbytes
-        self._allocated += size
-        self._high_water = max(self._high_water, best + size)
+        self.requested += nbytes
+        self.allocated += size
+        self.high_water = max(self.high_water, best + size)
         return best
 
     def free(self, offset: int) -> None:
@@ -66,8 +66,8 @@ class BestFitAllocator:
             raise AllocatorError(f"free of offset {offset}: not an allocation (double free, or "
                                  f"an offset inside one)")
         requested, size = entry
-        self._requested -= requested
-        self._allocated -= size
+        self.requested -= requested
+        self.allocated -= size
         i = bisect.bisect_left(self._starts, offset)
         if i < len(self._starts) and self._starts[i] == offset + size:  # merge the right one
             size += self._sizes.pop(self._starts[i])
@@ -79,10 +79,12 @@ class BestFitAllocator:
         self._sizes[offset] = size
 
     def stats(self) -> ArenaStats:
-        return ArenaStats(capacity=self.capacity, requested=self._requested,
-                          allocated=self._allocated, free=self._managed - self._allocated,
+        free_in, largest_in = in_range(self.free_blocks(), self.high_water)
+        return ArenaStats(capacity=self.capacity, requested=self.requested,
+                          allocated=self.allocated, free=self._managed - self.allocated,
                           largest_free=max(self._sizes.values(), default=0),
-                          high_water=self._high_water, live=len(self._live))
+                          high_water=self.high_water, live=len(self._live),
+                          free_in_range=free_in, largest_free_in_range=largest_in)
 
     def blocks(self) -> list[tuple[int, int]]:
         return sorted((o, s) for o, (_, s) in self._live.items())
@@ -109,6 +111,6 @@ class BestFitAllocator:
         if pos != self._managed or pos > self.capacity:
             raise AllocatorError(f"ranges cover {pos} bytes; the arena manages "
                                  f"{self._managed} of {self.capacity}")
-        if sum(s for _, s in self._live.values()) != self._allocated or \
-                sum(r for r, _ in self._live.values()) != self._requested:
+        if sum(s for _, s in self._live.values()) != self.allocated or \
+                sum(r for r, _ in self._live.values()) != self.requested:
             raise AllocatorError("byte counts disagree with the live allocations")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from native.arena import AllocatorError, ArenaStats
+from native.arena import AllocatorError, ArenaStats, in_range
 
 __all__ = ["BuddyAllocator"]
 
@@ -63,7 +63,7 @@ class BuddyAllocator:
             off += size
         self._managed = off
         self._live: dict[int, _Allocation] = {}
-        self._requested = self._allocated = self._high_water = 0
+        self.requested = self.allocated = self.high_water = 0
 
     # -- alloc / free ---------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> int | None:
@@ -86,10 +86,10 @@ class BuddyAllocator:
         else:
             pieces = [(off, size)]
         self._live[off] = _Allocation(nbytes, pieces)
-        self._requested += nbytes
-        self._allocated += sum(s for _, s in pieces)
+        self.requested += nbytes
+        self.allocated += sum(s for _, s in pieces)
         end = pieces[-1][0] + pieces[-1][1]
-        self._high_water = max(self._high_water, end)
+        self.high_water = max(self.high_water, end)
         return off
 
     def _trim(self, off: int, size: int, keep: int) -> list[tuple[int, int]]:
@@ -114,9 +114,9 @@ class BuddyAllocator:
         if a is None:
             raise AllocatorError(f"free of offset {offset}: not an allocation (double free, or "
                                  f"an offset inside one)")
-        self._requested -= a.requested
+        self.requested -= a.requested
         for off, size in a.pieces:
-            self._allocated -= size
+            self.allocated -= size
             self._release(off, size)
 
     def _release(self, off: int, size: int) -> None:
@@ -135,11 +135,13 @@ class BuddyAllocator:
 
     # -- introspection --------------------------------------------------------------------------
     def stats(self) -> ArenaStats:
-        free = self._managed - self._allocated
+        free = self._managed - self.allocated
         largest = max((s for s, lst in self._free.items() if lst), default=0)
-        return ArenaStats(capacity=self.capacity, requested=self._requested,
-                          allocated=self._allocated, free=free, largest_free=largest,
-                          high_water=self._high_water, live=len(self._live))
+        free_in, largest_in = in_range(self.free_blocks(), self.high_water)
+        return ArenaStats(capacity=self.capacity, requested=self.requested,
+                          allocated=self.allocated, free=free, largest_free=largest,
+                          high_water=self.high_water, live=len(self._live),
+                          free_in_range=free_in, largest_free_in_range=largest_in)
 
     def blocks(self) -> list[tuple[int, int]]:
         return sorted(p for a in self._live.values() for p in a.pieces)
@@ -177,7 +179,7 @@ class BuddyAllocator:
             if self._top.get(off) != size and (buddy, size) in free_set:
                 raise AllocatorError(f"free buddies ({off}, {size}) and ({buddy}, {size}) "
                                      f"were not merged")
-        if sum(s for _, s in used) != self._allocated:
+        if sum(s for _, s in used) != self.allocated:
             raise AllocatorError("allocated byte count disagrees with the live blocks")
-        if sum(a.requested for a in self._live.values()) != self._requested:
+        if sum(a.requested for a in self._live.values()) != self.requested:
             raise AllocatorError("requested byte count disagrees with the live allocations")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from proto.codecs import CodecConfig
 from proto.keyplan import DEFAULT_PARTITION_BYTES
 
-__all__ = ["ClientConfig", "OverlapConfig"]
+__all__ = ["ClientConfig", "OverlapConfig", "PoolConfig"]
 
 OVERLAP_MODES = ("auto", "on", "off")
 
@@ -109,3 +109,48 @@ class OverlapConfig:
         if self.bucket_bytes < 1 or self.inflight_bytes < 1:
             raise ValueError(f"bucket_bytes and inflight_bytes must be >= 1, got "
                              f"{self.bucket_bytes} and {self.inflight_bytes}")
+
+
+POOL_ALLOCATORS = ("buddy", "bestfit")
+POOL_POLICIES = ("lru", "schedule")
+
+
+@dataclass(kw_only=True, frozen=True)
+class PoolConfig:
+    """The activation pool (``worker.pool.ActivationPool``)."""
+
+    capacity_bytes: int = 0
+    """Arena size; 0 = ``fraction`` of the device's memory (CUDA: total memory; CPU: RAM)."""
+    fraction: float = 0.3
+    """Share of device memory reserved when ``capacity_bytes`` is 0 (the problem statement's
+    30 %)."""
+    allocator: str = "buddy"
+    """``buddy`` (power-of-two blocks, ``native.buddy``) or ``bestfit`` (``native.bestfit``)."""
+    trim: bool = True
+    """buddy: give the unused tail of each block back (allocations keep their size rounded up
+    to ``min_block`` instead of to a power of two)."""
+    policy: str = "lru"
+    """What to offload to host memory under pressure: ``lru`` (least recently used) or
+    ``schedule`` (the entry needed furthest in the future: the latest micro-batch's backward,
+    then the earliest layer). LRU is the worst order for 1F1B, which runs the oldest
+    micro-batch's backward first; measure with ``bitps-bench memory``."""
+    min_block: int = 4 << 20
+    """buddy: smallest block (the problem statement's 4 MB unit)."""
+    max_block: int = 2 << 30
+    """buddy: largest block; larger tensors bypass the pool (counted as fallbacks)."""
+    align: int = 512
+    """bestfit: allocation granularity in bytes."""
+    min_tensor_bytes: int = 1 << 20
+    """Saved tensors smaller than this stay with the framework allocator (not counted)."""
+
+    def __post_init__(self) -> None:
+        if self.allocator not in POOL_ALLOCATORS:
+            raise ValueError(f"allocator must be one of {POOL_ALLOCATORS}, got "
+                             f"{self.allocator!r}")
+        if self.policy not in POOL_POLICIES:
+            raise ValueError(f"policy must be one of {POOL_POLICIES}, got {self.policy!r}")
+        if self.capacity_bytes < 0 or not 0 < self.fraction <= 1:
+            raise ValueError(f"capacity_bytes must be >= 0 and fraction in (0, 1], got "
+                             f"{self.capacity_bytes} and {self.fraction}")
+        if self.min_tensor_bytes < 1:
+            raise ValueError(f"min_tensor_bytes must be >= 1, got {self.min_tensor_bytes}")
