@@ -45,6 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
     ov.add_argument("--inflight-bytes", type=int, default=2 << 20)
     ov.add_argument("--device", default="auto", help="torch device (auto: cuda if available)")
     ov.add_argument("--quick", action="store_true", help="few steps (smoke test)")
+    me = sub.add_parser("memory", help="activation-pool allocators on a dynamic-batch trace, "
+                                       "and the pool in training at budgets")
+    me.add_argument("--trace-steps", type=int, default=12, help="demo steps recorded")
+    me.add_argument("--train-steps", type=int, default=6, help="training steps per budget")
+    me.add_argument("--micro", type=int, default=8, help="micro-batches per step (1F1B)")
+    me.add_argument("--in-flight", type=int, default=4,
+                    help="micro-batches whose activations are alive at once (pipeline depth)")
+    me.add_argument("--scale", type=int, default=1024,
+                    help="divide the problem's block sizes (4 MiB, 2 GiB) by this")
+    me.add_argument("--seed", type=int, default=0)
+    me.add_argument("--quick", action="store_true", help="few steps (smoke test)")
     return p
 
 
@@ -64,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
 
         result = run(steps=args.steps, freeze_fraction=args.freeze_fraction, lr=args.lr,
                      beta2=args.beta2, seeds=tuple(args.seeds), out=args.out)
+    elif args.scenario == "memory":
+        from bench.memory import run
+
+        result = run(trace_steps=args.trace_steps, train_steps=args.train_steps,
+                     micro=args.micro, in_flight=args.in_flight, scale=args.scale,
+                     seed=args.seed, out=args.out, quick=args.quick)
     elif args.scenario == "overlap":
         from bench.overlap import run
 

@@ -82,3 +82,14 @@ def test_overlap_bench_smoke(tmp_path):
     assert doc["config"]["link"] in ("netns", "loopback") and doc["config"]["link_note"]
     assert set(doc["checks"]) == {"overlap_on_utilization_at_ratio_0.8",
                                   "overlap_on_step_vs_compute_only_at_ratio_0.8"}
+
+
+def test_memory_bench_smoke(tmp_path):
+    """Every allocator replays the recorded trace; every budget and policy trains."""
+    doc = _bench(tmp_path, "memory", "--quick", "--micro", "3", "--in-flight", "2", timeout=300)
+    replay = [r for r in doc["rows"] if r["part"] == "replay"]
+    assert {r["config"] for r in replay} >= {"buddy", "buddy+trim", "best-fit (default)"}
+    assert all(r["allocs"] > 0 for r in replay)
+    training = [r for r in doc["rows"] if r["part"] == "training"]
+    assert len(training) == 9 and all(r.get("grads_identical", True) for r in training)
+    assert "schedule_vs_lru_bytes_at_50pct" in doc["checks"]

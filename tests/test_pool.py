@@ -84,9 +84,12 @@ def test_gradients_are_bit_identical_with_the_pool_on_and_off(demo, reference, b
 def test_no_leak_over_100_steps(demo):
     """Acceptance 3: the arena is empty after every backward (checked in ``_train``), and the
     allocator's free blocks are back to the fully-free arena."""
-    _, pool = _train(demo, 100, PoolConfig(capacity_bytes=1 << 20, **SMALL))  # ~half the peak
-    assert pool.stats().evictions > 0
-    assert pool.allocator.free_blocks() == pool.allocator.top_blocks()
+    for allocator in ("bestfit", "buddy"):
+        cfg = PoolConfig(capacity_bytes=1 << 20, allocator=allocator, **SMALL)  # ~half the peak
+        fresh = ActivationPool(cfg).allocator.free_blocks()
+        _, pool = _train(demo, 100 if allocator == "bestfit" else 20, cfg)
+        assert pool.stats().evictions > 0
+        assert pool.allocator.free_blocks() == fresh
 
 
 def test_retain_graph_keeps_entries_until_the_graph_goes():

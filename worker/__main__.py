@@ -11,6 +11,7 @@ the last 10 steps and which counts the bytes pushed on the wire and pulled), whi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -74,6 +75,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory: write a torch.profiler trace of --profile-steps steps (after 2 "
              "warm-up steps) to DIR/trace-rank<R>.json and print the top operators")
     add("--profile-steps", type=int, default=5, help="steps the profiler records")
+    add("--activation-pool", action="store_true",
+        default=env("BITPS_ACTIVATION_POOL", "") not in ("", "0"),
+        help="keep saved activations in a pre-reserved arena with host offload "
+             "(env BITPS_ACTIVATION_POOL=1)")
+    add("--pool-capacity", type=int, default=0,
+        help="arena bytes; 0 = --pool-fraction of the device's memory")
+    add("--pool-fraction", type=float, default=0.3, help="share of device memory for the arena")
+    add("--pool-allocator", default="buddy", choices=("buddy", "bestfit"))
+    add("--pool-policy", default="lru", choices=("lru", "schedule"),
+        help="what to offload under pressure")
+    add("--pool-min-block", type=int, default=4 << 20, help="buddy: smallest block")
+    add("--pool-min-tensor-bytes", type=int, default=1 << 20,
+        help="saved tensors below this stay with the framework allocator")
     add("--log-every", type=int, default=10, help="progress line every N steps")
     add("--json", action="store_true", help="print JSON progress lines (for bitps-launch)")
     return p
@@ -100,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from proto.codecs import CodecConfig
     from worker.client import PSClient
-    from worker.config import ClientConfig, OverlapConfig
+    from worker.config import ClientConfig, OverlapConfig, PoolConfig
     from worker.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
     from worker.model import PSModel
 
@@ -114,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         overlap = OverlapConfig(mode=args.overlap, min_ratio=args.overlap_min_ratio,
                                 bucket_bytes=args.bucket_bytes,
                                 inflight_bytes=args.inflight_bytes)
+        pool_cfg = PoolConfig(capacity_bytes=args.pool_capacity, fraction=args.pool_fraction,
+                              allocator=args.pool_allocator, policy=args.pool_policy,
+                              min_block=args.pool_min_block,
+                              min_tensor_bytes=args.pool_min_tensor_bytes)
         if args.profile_steps < 1:
             raise ValueError(f"--profile-steps must be >= 1, got {args.profile_steps}")
         demo = DemoConfig(seq_len=args.seq_len, batch_size=args.batch_size,
@@ -135,6 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     corpus = load_corpus(demo.corpus_bytes)
     model = build_model(demo).to(device)
     ps_model = PSModel(model, client, overlap=overlap)
+    pool = None
+    if args.activation_pool:
+        from worker.pool import ActivationPool
+
+        pool = ActivationPool(pool_cfg, device=device, params=model.parameters())
+        client.metrics.registry.register(pool.collector())
     m = client.metrics
     _emit(args, event="start", rank=args.rank, metrics_port=metrics_port, device=str(device),
           params=sum(p.numel() for p in model.parameters()), keys=len(ps_model.keys),
@@ -151,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         for step in range(args.steps):
             t0 = time.perf_counter()
             input_ids, labels = (t.to(device, non_blocking=True) for t in next(data))
-            loss = loss_fn(model, input_ids, labels)
+            with pool.hooks() if pool is not None else contextlib.nullcontext():
+                loss = loss_fn(model, input_ids, labels)
             loss.backward()
             if args.step_delay:
                 time.sleep(args.step_delay)
@@ -184,8 +209,19 @@ def main(argv: list[str] | None = None) -> int:
           push_wire_bytes=wire, pull_bytes=m.pull_bytes.value,
           overlap=bool(ps_model.decision and ps_model.decision.enabled),
           overlap_decision=ps_model.decision.describe() if ps_model.decision else "",
-          utilization=sum(utilization) / max(len(utilization), 1))
+          utilization=sum(utilization) / max(len(utilization), 1),
+          pool=_pool_summary(pool))
     return 0
+
+
+def _pool_summary(pool) -> dict | None:
+    if pool is None:
+        return None
+    s = pool.stats()
+    return {"stored": s.stored, "passthrough": s.passthrough, "fallbacks": s.fallbacks,
+            "evicted_bytes": s.evicted_bytes, "fetched_bytes": s.fetched_bytes,
+            "peak_requested": s.peak_requested, "internal_at_peak": s.internal_at_peak,
+            "external_at_peak": s.external_at_peak}
 
 
 def _profiler(args, device):

@@ -124,16 +124,19 @@ class PoolConfig:
     fraction: float = 0.3
     """Share of device memory reserved when ``capacity_bytes`` is 0 (the problem statement's
     30 %)."""
-    allocator: str = "buddy"
-    """``buddy`` (power-of-two blocks, ``native.buddy``) or ``bestfit`` (``native.bestfit``)."""
+    allocator: str = "bestfit"
+    """``bestfit`` (``native.bestfit``) or ``buddy`` (power-of-two blocks, ``native.buddy``).
+    ``bitps-bench memory`` measured best-fit needing 0.6 % more arena than the peak of live
+    activations on a dynamic-batch 1F1B trace, against +24 % for a buddy (+21 % trimmed)."""
     trim: bool = True
     """buddy: give the unused tail of each block back (allocations keep their size rounded up
     to ``min_block`` instead of to a power of two)."""
-    policy: str = "lru"
-    """What to offload to host memory under pressure: ``lru`` (least recently used) or
-    ``schedule`` (the entry needed furthest in the future: the latest micro-batch's backward,
-    then the earliest layer). LRU is the worst order for 1F1B, which runs the oldest
-    micro-batch's backward first; measure with ``bitps-bench memory``."""
+    policy: str = "schedule"
+    """What to offload to host memory under pressure: ``schedule`` (the entry needed furthest in
+    the future: the latest micro-batch's backward, then the earliest layer) or ``lru`` (least
+    recently used). Without micro-batches both evict the earliest-saved tensor; under 1F1B, LRU
+    evicts the oldest micro-batch, whose backward runs next (``bitps-bench memory``: LRU
+    offloads 1.5-2.4x the bytes)."""
     min_block: int = 4 << 20
     """buddy: smallest block (the problem statement's 4 MB unit)."""
     max_block: int = 2 << 30

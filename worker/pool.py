@@ -8,7 +8,8 @@ pressure, through ``torch.autograd.graph.saved_tensors_hooks``.
     loss.backward()                       # unpack: copied back out; blocks freed with the graph
 
 **pack(t)** passes ``t`` through untouched (the framework keeps it) when it is a parameter, on
-another device than the arena, smaller than ``min_tensor_bytes``, or not contiguous. Otherwise it
+another device than the arena, smaller than ``min_tensor_bytes``, not strided (sparse), or not
+contiguous. Otherwise it
 stores ``t``'s bytes once per storage span (a second save of the same tensor, or of a contiguous
 view inside a stored span, shares the entry), allocating a block from the arena's allocator
 (``native.buddy`` or ``native.bestfit``). When nothing fits, entries are offloaded to host memory
@@ -223,13 +224,16 @@ class ActivationPool:
 
     # -- hooks --------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
-        if (t.device != self.device or t.nbytes < self.cfg.min_tensor_bytes
-                or not t.is_contiguous() or t.is_sparse or isinstance(t, torch.nn.Parameter)
-                or t.untyped_storage().data_ptr() in self._params):
+        if (t.layout != torch.strided or t.nbytes < self.cfg.min_tensor_bytes
+                or t.device != self.device or not t.is_contiguous()
+                or isinstance(t, torch.nn.Parameter)):
+            storage = None
+        else:
+            storage = t.untyped_storage().data_ptr()
+        if storage is None or storage in self._params:
             with self._lock:
                 self._counts["passthrough"] += 1
             return _Passthrough(t)
-        storage = t.untyped_storage().data_ptr()
         start = t.storage_offset() * t.element_size()
         with self._lock:
             for e in self._by_storage.get(storage, ()):

@@ -1,0 +1,315 @@
+"""``bitps-bench memory``: the activation pool's allocators on a dynamic-batch trace, and the pool
+in training at shrinking budgets.
+
+1. **Trace.** The demo model trains ``trace_steps`` steps of ``micro`` micro-batches in 1F1B
+   order (``in_flight`` alive at once, as on a pipeline's first stage), each micro-batch with its
+   own batch size and sequence length (seeded): the problem statement's dynamic-batch scenario.
+   A recording ``ActivationPool`` logs every saved activation it would hold (``alloc`` at pack,
+   ``free`` when autograd drops it), after its pass-through rules and storage sharing.
+2. **Replay.** The trace runs through buddy, buddy + tail trim and best-fit (``native/``) with
+   no eviction: a request that finds no room is a *fallback* (the framework would serve it). Per
+   allocator: the arena it needs to run with no fallback (binary search; overhead = needed /
+   peak live - 1), internal fragmentation (1 - requested / allocated, over all allocations and
+   at the peak), external fragmentation (1 - largest free / total free below the high-water
+   mark) at the peak and at failed allocations, and fallbacks at 1x, 1.1x and 1.25x the peak.
+   Sizes are the problem statement's scaled by ``1/scale`` (4 MiB min block -> 4 KiB, 2 GiB
+   max -> 2 MiB). On CUDA the same trace also runs through torch's caching allocator
+   (``torch.cuda.memory_stats``).
+3. **Training.** The same schedule with fixed micro-batches, the pool (default allocator) at
+   budgets of infinity, 75 %, 50 % and 10 % of the peak activation bytes, LRU and schedule-aware
+   eviction: bytes offloaded and fetched per step, stall time, step time against the pool off,
+   and whether the gradients are bit-identical to the pool off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import statistics
+import time
+from pathlib import Path
+
+from bench.report import check, write_results
+
+__all__ = ["run"]
+
+MIB = 1 << 20
+
+
+def _schedule(micro: int, in_flight: int) -> list[tuple[str, int]]:
+    """1F1B for one pipeline stage: ``in_flight`` forwards, then one backward (oldest first)
+    per forward, then the remaining backwards."""
+    order = [("F", mb) for mb in range(min(in_flight, micro))]
+    for mb in range(micro - in_flight):
+        order += [("B", mb), ("F", mb + in_flight)]
+    order += [("B", mb) for mb in range(max(micro - in_flight, 0), micro)]
+    return order
+
+
+def _record_trace(steps: int, micro: int, in_flight: int, seed: int,
+                  min_tensor_bytes: int) -> list[tuple]:
+    from worker.config import PoolConfig
+    from worker.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
+    from worker.pool import ActivationPool
+
+    rng = random.Random(seed)
+    demo = DemoConfig(seq_len=128, corpus_bytes=500_000)
+    corpus = load_corpus(demo.corpus_bytes)
+    model = build_model(demo)
+    trace: list[tuple] = []
+    pool = ActivationPool(PoolConfig(capacity_bytes=256 * MIB, allocator="bestfit",
+                                     min_tensor_bytes=min_tensor_bytes),
+                          params=model.parameters(), trace=trace)
+    for step in range(steps):
+        xs = []
+        for mb in range(micro):  # every micro-batch its own batch size and length
+            batch, seq = rng.randint(1, 16), rng.choice((32, 64, 96, 128))
+            xs.append(next(batches(corpus, batch_size=batch, seq_len=seq, rank=0,
+                                   world_size=1, seed=(seed * 1000 + step) * 64 + mb)))
+        losses = {}
+        for op, mb in _schedule(micro, in_flight):
+            if op == "F":
+                with pool.hooks():
+                    losses[mb] = loss_fn(model, *xs[mb])
+            else:
+                losses.pop(mb).backward()
+        model.zero_grad(set_to_none=True)
+    del pool
+    return trace
+
+
+def _replay(trace, a) -> dict:
+    """Run ``trace`` through the fresh allocator ``a``; no eviction."""
+    where: dict[int, int] = {}
+    fallbacks = allocs = requested = allocated = 0
+    peak = 0
+    at_peak = None
+    failures = []
+    for ev in trace:
+        if ev[0] == "alloc":
+            allocs += 1
+            before = a.allocated
+            off = a.alloc(ev[2])
+            if off is None:
+                fallbacks += 1
+                failures.append(a.stats().external)
+                continue
+            where[ev[1]] = off
+            requested += ev[2]
+            allocated += a.allocated - before
+            if a.requested > peak:
+                peak, at_peak = a.requested, a.stats()
+        elif ev[1] in where:
+            a.free(where.pop(ev[1]))
+    a.check()
+    return {"allocs": allocs, "fallbacks": fallbacks, "fallback_rate": fallbacks / allocs,
+            "peak_live": peak, "high_water": a.high_water,
+            "internal": 1 - requested / allocated if allocated else 0.0,
+            "internal_at_peak": at_peak.internal if at_peak else 0.0,
+            "external_at_peak": at_peak.external if at_peak else 0.0,
+            "external_at_failures": statistics.fmean(failures) if failures else None}
+
+
+def _arena_needed(trace, make, peak: int) -> int:
+    """The smallest capacity (to 1 % of ``peak``) at which ``trace`` replays with no
+    fallback: the arena this allocator needs."""
+    lo, hi = peak, 4 * peak  # a buddy wastes < 2x per block; 4x always fits
+    while _replay(trace, make(hi))["fallbacks"]:
+        lo, hi = hi, hi * 2
+    while hi - lo > peak // 100:
+        mid = (lo + hi) // 2
+        if _replay(trace, make(mid))["fallbacks"]:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def _caching_allocator(trace) -> dict | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    held = {}
+    for ev in trace:
+        if ev[0] == "alloc":
+            held[ev[1]] = torch.empty(ev[2], dtype=torch.uint8, device="cuda")
+        else:
+            held.pop(ev[1], None)
+    s = torch.cuda.memory_stats()
+    reserved, allocated = s["reserved_bytes.all.peak"], s["allocated_bytes.all.peak"]
+    return {"reserved_peak": reserved, "allocated_peak": allocated,
+            "overhead": reserved / allocated - 1 if allocated else 0.0,
+            "inactive_split_peak": s.get("inactive_split_bytes.all.peak", 0)}
+
+
+def _train(steps: int, pool_cfg, micro: int, in_flight: int, seed: int):
+    """1F1B over ``micro`` micro-batches per step; returns per-step seconds, the final
+    gradients and the pool."""
+    import torch
+
+    from worker.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
+    from worker.pool import ActivationPool
+
+    torch.manual_seed(seed)
+    demo = DemoConfig(seq_len=128, batch_size=8, corpus_bytes=500_000, seed=seed)
+    corpus = load_corpus(demo.corpus_bytes)
+    model = build_model(demo)
+    pool = (ActivationPool(pool_cfg, params=model.parameters()) if pool_cfg is not None
+            else None)
+    data = batches(corpus, batch_size=8, seq_len=128, rank=0, world_size=1, seed=seed)
+    times = []
+    for _ in range(steps):
+        xs = [next(data) for _ in range(micro)]
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        losses = {}
+        for op, mb in _schedule(micro, in_flight):
+            if op == "F":
+                with pool.hooks() if pool else contextlib.nullcontext(), \
+                        pool.microbatch(mb) if pool else contextlib.nullcontext():
+                    losses[mb] = loss_fn(model, *xs[mb]) / micro
+            else:
+                losses.pop(mb).backward()
+        times.append(time.perf_counter() - t0)
+    return times, [p.grad.clone() for p in model.parameters()], pool
+
+
+def run(*, trace_steps: int = 12, train_steps: int = 6, micro: int = 8, in_flight: int = 4,
+        scale: int = 1024, seed: int = 0, out: Path | None = None,
+        quick: bool = False) -> dict:
+    """Run the scenario, write ``memory.json``/``.md`` under ``out``, return the document."""
+    import torch
+
+    from native.bestfit import BestFitAllocator
+    from native.buddy import BuddyAllocator
+    from worker.config import PoolConfig
+
+    torch.set_num_threads(1)
+    if quick:
+        trace_steps, train_steps = 4, 2
+    min_block, max_block = (4 * MIB) // scale, (2 << 30) // scale
+    min_tensor = MIB // scale
+    trace = _record_trace(trace_steps, micro, in_flight, seed, min_tensor)
+    allocators = {
+        "buddy": lambda cap: BuddyAllocator(cap, min_block=min_block, max_block=max_block),
+        "buddy+trim": lambda cap: BuddyAllocator(cap, min_block=min_block,
+                                                 max_block=max_block, trim=True),
+        "best-fit (default)": lambda cap: BestFitAllocator(cap, align=512),
+    }
+    live = peak = 0
+    sizes = {}
+    for ev in trace:  # the peak of live bytes, allocator-free
+        if ev[0] == "alloc":
+            sizes[ev[1]] = ev[2]
+            live += ev[2]
+            peak = max(peak, live)
+        else:
+            live -= sizes.pop(ev[1])
+    rows, checks = [], {}
+    for name, make in allocators.items():
+        needed = _arena_needed(trace, make, peak)
+        at_needed = _replay(trace, make(needed))
+        rows.append({"part": "replay", "config": name, "capacity": "needed",
+                     "capacity_mib": needed / MIB, "allocs": at_needed["allocs"],
+                     "fallbacks": 0, "fallback_rate": 0.0, "internal": at_needed["internal"],
+                     "internal_at_peak": at_needed["internal_at_peak"],
+                     "external": at_needed["external_at_peak"],
+                     "overhead": needed / peak - 1})
+        if name.endswith("(default)"):
+            checks["default_external_fragmentation_at_peak"] = check(
+                round(at_needed["external_at_peak"], 4), "<= 0.032",
+                at_needed["external_at_peak"] <= 0.032)
+        for factor in (1.0, 1.1, 1.25):
+            capacity = int(peak * factor)
+            r = _replay(trace, make(capacity))
+            rows.append({"part": "replay", "config": name, "capacity": f"{factor:g}x peak",
+                         "capacity_mib": capacity / MIB, "allocs": r["allocs"],
+                         "fallbacks": r["fallbacks"], "fallback_rate": r["fallback_rate"],
+                         "internal": r["internal"], "internal_at_peak": r["internal_at_peak"],
+                         "external": r["external_at_peak"],
+                         "external_at_failures": r["external_at_failures"]})
+            if name.endswith("(default)") and factor == 1.1:
+                checks["default_fallbacks_at_1.1x_peak"] = check(
+                    round(r["fallback_rate"], 4), "<= 0.001", r["fallback_rate"] <= 0.001)
+    cached = _caching_allocator(trace)
+    if cached is not None:
+        rows.append({"part": "replay", "config": "torch CUDA caching allocator",
+                     "capacity": "grows", "allocs": sum(e[0] == "alloc" for e in trace),
+                     "fallbacks": 0, "overhead": cached["overhead"]})
+    # 3. training at budgets
+    off_times, off_grads, _ = _train(train_steps, None, micro, in_flight, seed)
+    _, _, probe = _train(1, PoolConfig(capacity_bytes=256 * MIB, min_block=min_block,
+                                       max_block=max_block, min_tensor_bytes=min_tensor),
+                         micro, in_flight, seed)
+    act_peak = probe.stats().peak_requested
+    base = statistics.median(off_times[1:] or off_times)
+    rows.append({"part": "training", "config": "pool off", "budget": "-",
+                 "step_ms": base * 1e3, "vs_off": 1.0})
+    moved = {}
+    for budget in (None, 0.75, 0.5, 0.1):
+        for policy in ("lru", "schedule"):
+            capacity = 256 * MIB if budget is None else int(act_peak * budget)
+            cfg = PoolConfig(capacity_bytes=capacity, policy=policy, min_block=min_block,
+                             max_block=max_block, min_tensor_bytes=min_tensor)
+            times, grads, pool = _train(train_steps, cfg, micro, in_flight, seed)
+            s = pool.stats()
+            step = statistics.median(times[1:] or times)
+            same = all(torch.equal(a, b) for a, b in zip(grads, off_grads))
+            moved[budget, policy] = s.evicted_bytes
+            rows.append({"part": "training", "config": f"pool {policy}",
+                         "budget": "inf" if budget is None else f"{budget:.0%}",
+                         "step_ms": step * 1e3, "vs_off": step / base,
+                         "evicted_mib_per_step": s.evicted_bytes / train_steps / MIB,
+                         "fetched_mib_per_step": s.fetched_bytes / train_steps / MIB,
+                         "fallbacks": s.fallbacks, "stall_ms_per_step":
+                             s.stall_s / train_steps * 1e3,
+                         "grads_identical": same})
+            if budget == 0.5 and policy == PoolConfig().policy:
+                checks["step_at_50pct_vs_pool_off"] = check(round(step / base, 3), "<= 1.3",
+                                                            step / base <= 1.3)
+            checks.setdefault("gradients_identical", check(True, "True", True))
+            if not same:
+                checks["gradients_identical"] = check(False, "True", False)
+    ratios = {b: moved[b, "schedule"] / moved[b, "lru"] if moved[b, "lru"] else 0.0
+              for b in (0.75, 0.5, 0.1)}
+    checks["schedule_vs_lru_bytes_at_50pct"] = check(round(ratios[0.5], 3), "<= 0.5",
+                                                     ratios[0.5] <= 0.5)
+    config = {"trace_steps": trace_steps, "batch": "1..16", "seq_len": "32/64/96/128",
+              "in_flight": in_flight,
+              "schedule_vs_lru_bytes": {f"{b:.0%}": round(r, 3) for b, r in ratios.items()},
+              "scale": f"1/{scale}", "min_block": min_block, "max_block": max_block,
+              "min_tensor_bytes": min_tensor, "trace_allocs": sum(e[0] == "alloc" for e in trace),
+              "trace_peak_live_bytes": peak, "train_steps": train_steps, "micro_batches": micro,
+              "schedule": f"1F1B, {in_flight} in flight", "activation_peak_bytes": act_peak,
+              "seed": seed, "caching_allocator": cached, "quick": quick}
+    notes = (f"Trace: demo model, {trace_steps} steps of {micro} micro-batches in 1F1B order "
+             f"({in_flight} in flight, as on the first stage of a {in_flight}-stage pipeline), "
+             f"each micro-batch with its own batch size (1-16) and sequence length (32-128): "
+             f"{config['trace_allocs']} stored activations, peak live {peak / MIB:.2f} MiB. "
+             f"Sizes scaled by 1/{scale}: min block {min_block >> 10} KiB, max block "
+             f"{max_block >> 20} MiB, tensors under {min_tensor} B pass through. Replay has no "
+             f"eviction: a request with no room is a fallback. internal = 1 - requested / "
+             f"allocated over every allocation (and at the peak); external = 1 - largest free / "
+             f"total free below the high-water mark at the peak, and at failed allocations; "
+             f"overhead = arena needed / peak live - 1. Training: the same schedule with "
+             f"micro-batches of 8 x 128, budgets of the activation peak "
+             f"({act_peak / MIB:.2f} MiB), best-fit; step time median of {train_steps} "
+             f"steps; evicted/fetched = bytes offloaded / copied back per step.")
+    write_results("memory", config=config, rows=rows, checks=checks, out=out, notes=notes,
+                  columns=[("part", "part"), ("config", "config"), ("capacity", "capacity"),
+                           ("capacity_mib", "MiB"),
+                           ("budget", "budget"), ("fallbacks", "fallbacks"),
+                           ("fallback_rate", "fallback rate"), ("internal", "internal"),
+                           ("internal_at_peak", "internal at peak"),
+                           ("external", "external"),
+                           ("external_at_failures", "external at failures"),
+                           ("overhead", "overhead"), ("step_ms", "step ms"),
+                           ("vs_off", "x pool off"),
+                           ("evicted_mib_per_step", "evicted MiB/step"),
+                           ("fetched_mib_per_step", "fetched MiB/step"),
+                           ("stall_ms_per_step", "stall ms/step"),
+                           ("grads_identical", "grads identical")])
+    return {"rows": rows, "checks": checks}
