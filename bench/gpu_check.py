@@ -8,17 +8,20 @@ a GPU; on one without, it says so and checks nothing.
    the same function on the CPU.
 2. **Same result**: in sync mode, parameters after 20 steps are bit-identical with overlap on
    and off (the model on the GPU, one worker).
-3. The CUDA codec tests (``tests/test_codec_torch.py``, skipped on machines without CUDA).
-4. ``bitps-bench overlap --device cuda`` (unless ``--no-bench``).
+3. **Activation pool**: gradients bit-identical with the pool at a 50 % budget (offloads through
+   pinned memory on a side stream) and without it (issue 5's CUDA path).
+4. The CUDA codec tests (``tests/test_codec_torch.py``, skipped on machines without CUDA).
+5. ``bitps-bench overlap --device cuda`` (unless ``--no-bench``).
 
 Writes ``<out>/gpu_check.json`` and ``.md`` (``--out``, default ``bench/results``) and exits
-non-zero when a check fails. ``--device cpu`` runs checks 1-2 on the CPU (a dry run of the
+non-zero when a check fails. ``--device cpu`` runs checks 1-3 on the CPU (a dry run of the
 script itself).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import subprocess
 import sys
@@ -151,6 +154,41 @@ def sync_result(server_for_run, *, device: str = "cpu", steps: int = 20) -> bool
     return all(torch.equal(a, b) for a, b in zip(*finals))
 
 
+def pool_gradients_match(*, device: str = "cpu", budget: float = 0.5, steps: int = 3) -> bool:
+    """Whether the demo model's gradients are bit-identical with the activation pool at
+    ``budget`` of the activation peak (offloads to host memory: pinned buffers and a side
+    stream on CUDA) and without it."""
+    import torch
+
+    from worker.config import PoolConfig
+    from worker.pool import ActivationPool
+
+    small = dict(min_block=4096, max_block=2 << 20, min_tensor_bytes=1024)
+    results = []
+    peak = 0
+    for capacity in (None, 256 << 20, "budget"):
+        model, batch, loss_fn = _demo(torch.device(device))
+        pool = None
+        if capacity is not None:
+            size = int(peak * budget) if capacity == "budget" else capacity
+            pool = ActivationPool(PoolConfig(capacity_bytes=size, **small), device=device,
+                                  params=model.parameters())
+        grads = []
+        for _ in range(steps):
+            with pool.hooks() if pool else contextlib.nullcontext():
+                loss = loss_fn(model, *batch())
+            loss.backward()
+            grads.append([p.grad.detach().cpu().clone() for p in model.parameters()])
+            model.zero_grad(set_to_none=True)
+        if capacity == 256 << 20:
+            peak = pool.stats().peak_requested
+        if capacity == "budget" and pool.stats().evictions == 0:
+            return False  # the budget did not force offloads: nothing was checked
+        results.append(grads)
+    return all(torch.equal(a, b) for ref, got in zip(results[0], results[2])
+               for a, b in zip(ref, got))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split(
         "\n")[0])
@@ -185,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"check": "sync: overlap on == off after 20 steps",
                      "result": "bit-identical" if same else "DIFFERENT"})
         checks["sync_overlap_on_equals_off"] = check(same, "True", same)
+        pooled = pool_gradients_match(device=args.device)
+        rows.append({"check": "activation pool at 50 % budget: gradients == pool off",
+                     "result": "bit-identical" if pooled else "DIFFERENT or no offload"})
+        checks["pool_gradients_identical"] = check(pooled, "True", pooled)
     finally:
         for s in shards:
             s.stop(0)

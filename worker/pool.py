@@ -163,6 +163,8 @@ class ActivationPool:
                  trace: list | None = None) -> None:
         self.cfg = cfg
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # compare like t.device
+            self.device = torch.device("cuda", torch.cuda.current_device())
         capacity = cfg.capacity_bytes or int(cfg.fraction * device_memory(self.device))
         self.capacity = capacity
         self.arena = torch.empty(capacity, dtype=torch.uint8, device=self.device)
