@@ -29,6 +29,7 @@ bench: venv  # every scenario, results in bench/results (convergence takes about
 	$(VENV)/bin/bitps-bench volume; \
 	$(VENV)/bin/bitps-bench codec; \
 	$(VENV)/bin/bitps-bench overlap; \
+	$(VENV)/bin/bitps-bench memory; \
 	$(VENV)/bin/bitps-bench convergence
 
 proto: venv
