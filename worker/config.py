@@ -133,10 +133,10 @@ class PoolConfig:
     to ``min_block`` instead of to a power of two)."""
     policy: str = "schedule"
     """What to offload to host memory under pressure: ``schedule`` (the entry needed furthest in
-    the future: the latest micro-batch's backward, then the earliest layer) or ``lru`` (least
-    recently used). Without micro-batches both evict the earliest-saved tensor; under 1F1B, LRU
-    evicts the oldest micro-batch, whose backward runs next (``bitps-bench memory``: LRU
-    offloads 1.5-2.4x the bytes)."""
+    the future: the latest micro-batch's backward, then the earliest layer; fetches are served
+    from host memory) or ``lru`` (least recently used; a fetched entry comes back into the
+    arena, as in any LRU cache). Under 1F1B, LRU evicts the oldest micro-batch, whose backward
+    runs next; ``bitps-bench memory`` measures both."""
     min_block: int = 4 << 20
     """buddy: smallest block (the problem statement's 4 MB unit)."""
     max_block: int = 2 << 30

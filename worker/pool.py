@@ -18,7 +18,10 @@ the block fits; if it never does, ``t`` passes through and the request counts as
 (the "OOM" the problem statement counts).
 
 **unpack(handle)** returns a new tensor with the saved values, copied out of the arena or, for an
-offloaded entry, from host memory (a *fetch*). Entries live as long as autograd holds their
+offloaded entry, from host memory (a *fetch*). Under ``lru`` a fetched entry comes back into the
+arena first (an LRU cache keeps what was used last, evicting others to make room); under
+``schedule`` it is served from host memory, since a saved tensor is rarely read twice and the
+arena is better kept for tensors still to be read. Entries live as long as autograd holds their
 handles (``retain_graph`` and double backward work): when the graph drops the last handle, the
 block goes back to the allocator, so the arena is empty after every backward.
 
@@ -277,11 +280,20 @@ class ActivationPool:
                 return out
             t0 = time.perf_counter()
             self._counts["fetches"] += 1
-            self._counts["fetched_bytes"] += h.nbytes
             if e.copied is not None:
                 torch.cuda.current_stream(self.device).wait_event(e.copied)
-            out.reshape(-1).view(torch.uint8).copy_(e.host[h.rel:h.rel + h.nbytes],
-                                                     non_blocking=self._cuda)
+            offset = self._place(e.nbytes) if self.cfg.policy == "lru" else None
+            if offset is not None:  # an LRU cache: what was just used comes back in
+                self._counts["fetched_bytes"] += e.nbytes
+                self.arena[offset:offset + e.nbytes].copy_(e.host, non_blocking=self._cuda)
+                e.offset, e.host = offset, None
+                self._resident.add(e)
+                self._note_peak()
+                src = self.arena[offset + h.rel:offset + h.rel + h.nbytes]
+            else:
+                self._counts["fetched_bytes"] += h.nbytes
+                src = e.host[h.rel:h.rel + h.nbytes]
+            out.reshape(-1).view(torch.uint8).copy_(src, non_blocking=self._cuda)
             self._counts["stall_s"] += time.perf_counter() - t0
             return out
 
