@@ -22,6 +22,11 @@ __all__ = ["Allocator", "AllocatorError", "ArenaStats", "in_range"]
 class AllocatorError(RuntimeError):
     """A broken invariant, or a free of an offset that is not allocated."""
 
+    @classmethod
+    def not_allocated(cls, offset: int) -> AllocatorError:
+        return cls(f"free of offset {offset}: not an allocation (double free, or an offset "
+                   f"inside one)")
+
 
 @dataclass(frozen=True)
 class ArenaStats:

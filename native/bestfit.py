@@ -63,8 +63,7 @@ class BestFitAllocator:
     def free(self, offset: int) -> None:
         entry = self._live.pop(offset, None)
         if entry is None:
-            raise AllocatorError(f"free of offset {offset}: not an allocation (double free, or "
-                                 f"an offset inside one)")
+            raise AllocatorError.not_allocated(offset)
         requested, size = entry
         self.requested -= requested
         self.allocated -= size

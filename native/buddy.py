@@ -112,8 +112,7 @@ class BuddyAllocator:
     def free(self, offset: int) -> None:
         a = self._live.pop(offset, None)
         if a is None:
-            raise AllocatorError(f"free of offset {offset}: not an allocation (double free, or "
-                                 f"an offset inside one)")
+            raise AllocatorError.not_allocated(offset)
         self.requested -= a.requested
         for off, size in a.pieces:
             self.allocated -= size

@@ -263,6 +263,11 @@ class PSModel:
         cfg_c = self.client.cfg
         self._clips = cfg_c.clip_norm > 0 and (not self.client.push_codec_at(self.clock).is_raw
                                                 or bool(self.client.freeze_step))
+        if self._clips and cfg.mode == "on":
+            raise ValueError(
+                f"overlap pushes each bucket during backward, before a global gradient norm "
+                f"exists; with compressed pushes set clip_norm=0 (it is "
+                f"{cfg_c.clip_norm}) or overlap mode 'off'/'auto'")
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i))
                        for i, (_, p) in enumerate(self.params)]
         ours = {id(p): i for i, (_, p) in enumerate(self.params)}
@@ -271,11 +276,6 @@ class PSModel:
                             if id(p) in ours})
             if owned:
                 self._hooks.append(module.register_forward_pre_hook(self._pre_hook_for(owned)))
-        if self._clips and cfg.mode == "on":
-            raise ValueError(
-                f"overlap pushes each bucket during backward, before a global gradient norm "
-                f"exists; with compressed pushes set clip_norm=0 (it is "
-                f"{cfg_c.clip_norm}) or overlap mode 'off'/'auto'")
         if cfg.mode != "auto" or self._clips:
             reason = ("pushes are compressed and clip_norm > 0 (clipping needs every gradient "
                       "before the first push)" if self._clips and cfg.mode == "auto"
