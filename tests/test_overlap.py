@@ -211,3 +211,30 @@ def test_misuse_gets_clear_errors(shard_factory):
     ps_model.step()
     ps_model.close()
     assert ps_model.clock == 2
+
+
+def test_a_shard_error_in_the_communication_thread_reaches_the_training_thread(shard_factory):
+    """A NaN gradient pushed from a backward hook is refused by the shard (NON_FINITE); the
+    typed error surfaces where the training thread next waits for that bucket, and the
+    parameters keep their values."""
+    from proto import bitps_pb2 as pb
+    from proto.wire import PSError
+    from worker.model import PSModel
+
+    server = shard_factory(mode="async", optimizer=OptimizerConfig(name="sgd", lr=0.1))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    client = PSClient(ClientConfig(servers=(server,)))
+    ps_model = PSModel(model, client, overlap=OverlapConfig(mode="on"))
+    model(torch.full((1, 8), float("nan"))).sum().backward()
+    ps_model.step()
+    with pytest.raises(PSError) as err:
+        model(torch.ones(1, 8))  # the forward pre-hook waits for the bucket
+    assert err.value.code == pb.NON_FINITE and "NaN" in str(err.value)
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), q)
+    with pytest.raises(PSError):
+        ps_model.close()  # close() still leaves the shards, then reports the failure
+    with pytest.raises(RuntimeError, match="closed"):
+        client.pull([], [], clock=0)
