@@ -271,13 +271,12 @@ class ActivationPool:
         if isinstance(h, _Passthrough):
             return h.tensor
         e = h.entry
-        out = torch.empty(h.shape, dtype=h.dtype, device=self.device)
         with self._lock:
             e.last_use = next(self._seq)
-            if e.offset is not None:
-                src = self.arena[e.offset + h.rel:e.offset + h.rel + h.nbytes]
-                out.reshape(-1).view(torch.uint8).copy_(src)
-                return out
+            if e.offset is not None:  # one clone of a typed view of the block
+                start = e.offset + h.rel
+                return self.arena[start:start + h.nbytes].view(h.dtype).view(h.shape).clone()
+            out = torch.empty(h.shape, dtype=h.dtype, device=self.device)
             t0 = time.perf_counter()
             self._counts["fetches"] += 1
             if e.copied is not None:
