@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["Allocator", "AllocatorError", "ArenaStats", "in_range"]
+__all__ = ["Allocator", "AllocatorError", "ArenaStats", "check_tiling", "in_range"]
 
 
 class AllocatorError(RuntimeError):
@@ -62,6 +62,20 @@ class ArenaStats:
         if not self.free_in_range:
             return 0.0
         return 1.0 - self.largest_free_in_range / self.free_in_range
+
+
+def check_tiling(pieces: list[tuple[int, int]], managed: int, capacity: int) -> None:
+    """Raise :class:`AllocatorError` unless the used and free ``(offset, size)`` pieces tile
+    ``[0, managed)`` exactly (no overlap, no hole) and ``managed <= capacity``."""
+    pos = 0
+    for off, size in sorted(pieces):
+        if off != pos:
+            raise AllocatorError(f"blocks overlap or leave a hole at offset {pos} (next block "
+                                 f"at {off})")
+        pos = off + size
+    if pos != managed or pos > capacity:
+        raise AllocatorError(f"blocks cover {pos} bytes; the arena manages {managed} of "
+                             f"{capacity}")
 
 
 def in_range(free_blocks: list[tuple[int, int]], high_water: int) -> tuple[int, int]:

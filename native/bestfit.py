@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 
-from native.arena import AllocatorError, ArenaStats, in_range
+from native.arena import AllocatorError, ArenaStats, check_tiling, in_range
 
 __all__ = ["BestFitAllocator"]
 
@@ -99,17 +99,11 @@ class BestFitAllocator:
         for (o1, s1), (o2, _) in zip(free, free[1:]):
             if o1 + s1 == o2:
                 raise AllocatorError(f"adjacent free ranges at {o1} and {o2} were not merged")
-        pos = 0
-        for off, size in sorted(self.blocks() + free):
+        pieces = self.blocks() + free
+        for off, size in pieces:
             if off % self.align or size % self.align or size <= 0:
                 raise AllocatorError(f"range ({off}, {size}) is not aligned to {self.align}")
-            if off != pos:
-                raise AllocatorError(f"ranges overlap or leave a hole at offset {pos} "
-                                     f"(next range at {off})")
-            pos = off + size
-        if pos != self._managed or pos > self.capacity:
-            raise AllocatorError(f"ranges cover {pos} bytes; the arena manages "
-                                 f"{self._managed} of {self.capacity}")
+        check_tiling(pieces, self._managed, self.capacity)
         if sum(s for _, s in self._live.values()) != self.allocated or \
                 sum(r for r, _ in self._live.values()) != self.requested:
             raise AllocatorError("byte counts disagree with the live allocations")

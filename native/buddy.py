@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from native.arena import AllocatorError, ArenaStats, in_range
+from native.arena import AllocatorError, ArenaStats, check_tiling, in_range
 
 __all__ = ["BuddyAllocator"]
 
@@ -162,16 +162,7 @@ class BuddyAllocator:
                                      f"[{self.min_block}, {self.max_block}]")
             if off % size:
                 raise AllocatorError(f"block ({off}, {size}) is not aligned to its size")
-        tiles = sorted(used + free)
-        pos = 0
-        for off, size in tiles:
-            if off != pos:
-                raise AllocatorError(f"blocks overlap or leave a hole at offset {pos} "
-                                     f"(next block at {off})")
-            pos = off + size
-        if pos != self._managed or pos > self.capacity:
-            raise AllocatorError(f"blocks cover {pos} bytes; the arena manages "
-                                 f"{self._managed} of {self.capacity}")
+        check_tiling(used + free, self._managed, self.capacity)
         free_set = set(free)
         for off, size in free:
             buddy = off ^ size

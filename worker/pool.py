@@ -90,8 +90,11 @@ class PoolStats:
     """1 - requested / allocated when resident activations peaked."""
     external_at_peak: float
     """1 - largest free block / total free at that moment."""
-    external_at_failures: tuple[float, ...]
-    """The same, at every allocation that found no room (before evicting)."""
+    failed_allocs: int
+    """Allocations that found no room before evicting."""
+    external_at_failures: float
+    """Mean external fragmentation at those failures (0 when none): whether the room was
+    there but in pieces."""
     stored: int
     stored_bytes: int
     shared: int
@@ -211,7 +214,9 @@ class ActivationPool:
             s = self.allocator.stats()
             return PoolStats(capacity=self.capacity, used=s.allocated,
                              live_entries=sum(len(v) for v in self._by_storage.values()),
-                             external_at_failures=tuple(self._failures), **self._counts)
+                             **self._counts, external_at_failures=(
+                                 self._failure_external / self._counts["failed_allocs"]
+                                 if self._counts["failed_allocs"] else 0.0))
 
     def reset_stats(self) -> None:
         """Zero the counters and peaks (the high-water mark stays: it is the arena's)."""
@@ -220,8 +225,8 @@ class ActivationPool:
                                 internal_at_peak=0.0, external_at_peak=0.0, stored=0,
                                 stored_bytes=0, shared=0, passthrough=0, fallbacks=0,
                                 fallback_bytes=0, evictions=0, evicted_bytes=0, fetches=0,
-                                fetched_bytes=0, stall_s=0.0)
-            self._failures: list[float] = []
+                                fetched_bytes=0, stall_s=0.0, failed_allocs=0)
+            self._failure_external = 0.0  # summed: a per-failure list would grow forever
 
     def collector(self) -> Collector:
         """Prometheus collector of the pool's gauges and counters (``bitps_worker_pool_*``)."""
@@ -300,7 +305,8 @@ class ActivationPool:
     def _place(self, nbytes: int) -> int | None:
         offset = self.allocator.alloc(nbytes)
         if offset is None and self._resident:
-            self._failures.append(self.allocator.stats().external)
+            self._counts["failed_allocs"] += 1
+            self._failure_external += self.allocator.stats().external
         while offset is None and self._resident:
             self._offload(self._victim())
             offset = self.allocator.alloc(nbytes)
@@ -366,28 +372,36 @@ class _PoolCollector(Collector):
 
     def collect(self):
         s = self.pool.stats()
-        for name, doc, value in (
-                ("capacity_bytes", "Arena size", s.capacity),
-                ("used_bytes", "Bytes of arena blocks held now", s.used),
-                ("peak_used_bytes", "Most arena bytes held at once", s.peak_used),
-                ("peak_requested_bytes", "Most saved-activation bytes resident at once",
-                 s.peak_requested),
-                ("internal_fragmentation_ratio", "1 - requested/allocated at the peak",
-                 s.internal_at_peak),
-                ("external_fragmentation_ratio", "1 - largest free/total free at the peak",
-                 s.external_at_peak),
-                ("overhead_ratio", "Arena needed / peak live requested - 1", s.overhead)):
-            yield GaugeMetricFamily(f"bitps_worker_pool_{name}", doc, value=value)
-        for name, doc, value in (
-                ("evictions", "Entries offloaded to host memory", s.evictions),
-                ("evicted_bytes", "Bytes offloaded to host memory", s.evicted_bytes),
-                ("fetches", "Unpacks served from host memory", s.fetches),
-                ("fetched_bytes", "Bytes copied back from host memory", s.fetched_bytes),
-                ("fallbacks", "Saves the pool could not hold (left to the framework)",
-                 s.fallbacks),
-                ("stall_seconds", "Training-thread time in offload and fetch copies",
-                 s.stall_s)):
-            yield CounterMetricFamily(f"bitps_worker_pool_{name}", doc, value=value)
+        for kind, name, doc, value in (
+                (GaugeMetricFamily, "capacity_bytes", "Arena size", s.capacity),
+                (GaugeMetricFamily, "used_bytes", "Bytes of arena blocks held now", s.used),
+                (GaugeMetricFamily, "peak_used_bytes", "Most arena bytes held at once",
+                 s.peak_used),
+                (GaugeMetricFamily, "peak_requested_bytes",
+                 "Most saved-activation bytes resident at once", s.peak_requested),
+                (GaugeMetricFamily, "internal_fragmentation_ratio",
+                 "1 - requested/allocated at the peak", s.internal_at_peak),
+                (GaugeMetricFamily, "external_fragmentation_ratio",
+                 "1 - largest free/total free at the peak", s.external_at_peak),
+                (GaugeMetricFamily, "external_fragmentation_at_failures_ratio",
+                 "Mean 1 - largest free/total free at failed allocations",
+                 s.external_at_failures),
+                (GaugeMetricFamily, "overhead_ratio", "Arena needed / peak live requested - 1",
+                 s.overhead),
+                (CounterMetricFamily, "failed_allocs", "Allocations that found no room",
+                 s.failed_allocs),
+                (CounterMetricFamily, "evictions", "Entries offloaded to host memory",
+                 s.evictions),
+                (CounterMetricFamily, "evicted_bytes", "Bytes offloaded to host memory",
+                 s.evicted_bytes),
+                (CounterMetricFamily, "fetches", "Unpacks served from host memory", s.fetches),
+                (CounterMetricFamily, "fetched_bytes", "Bytes copied back from host memory",
+                 s.fetched_bytes),
+                (CounterMetricFamily, "fallbacks",
+                 "Saves the pool could not hold (left to the framework)", s.fallbacks),
+                (CounterMetricFamily, "stall_seconds",
+                 "Training-thread time in offload and fetch copies", s.stall_s)):
+            yield kind(f"bitps_worker_pool_{name}", doc, value=value)
         if self.pool.device.type == "cuda":
             stats = torch.cuda.memory_stats(self.pool.device)
             for key in ("reserved_bytes.all.peak", "allocated_bytes.all.peak",
