@@ -172,12 +172,16 @@ def onebit_adam_apply(param, exp_avg, exp_avg_sq, eps, weight_decay, neg_lr,
 def all_finite(x):
     """True when no element of the float32 array ``x`` is NaN or +-Inf: a float is not finite
     exactly when its bits without the sign are >= ``0x7F800000`` (exponent all ones), so one
-    unsigned max over the bits decides. An integer reduction vectorizes; ~1.8x faster than
-    ``np.isfinite(x).all()``, which also allocates a bool array."""
+    unsigned max over the bits decides. Every value is cast back to ``uint32`` and the max is a
+    compare-and-select: numba otherwise widens ``uint32 & uint32`` to 64 bits, which AVX2 has
+    no unsigned max for, and the loop ran 3x slower (51 vs 16 us per MiB on this machine's
+    EPYC; ``np.isfinite(x).all()`` takes 28-37 us and allocates a bool array)."""
     bits = x.view(np.uint32)
+    mask = np.uint32(0x7FFFFFFF)
     top = np.uint32(0)
     for i in range(bits.shape[0]):
-        top = max(top, bits[i] & np.uint32(0x7FFFFFFF))
+        b = np.uint32(bits[i] & mask)
+        top = b if b > top else top
     return top < np.uint32(0x7F800000)
 
 
