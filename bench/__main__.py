@@ -48,9 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     me = sub.add_parser("memory", help="activation-pool allocators on a dynamic-batch trace, "
                                        "and the pool in training at budgets")
     me.add_argument("--trace-steps", type=int, default=12, help="demo steps recorded")
-    me.add_argument("--train-steps", type=int, default=6, help="training steps per run")
-    me.add_argument("--rounds", type=int, default=3,
-                    help="runs per configuration, each beside a pool-off run")
+    me.add_argument("--train-steps", type=int, default=18,
+                    help="timed steps per configuration, each beside a pool-off step")
     me.add_argument("--micro", type=int, default=8, help="micro-batches per step (1F1B)")
     me.add_argument("--in-flight", type=int, default=4,
                     help="micro-batches whose activations are alive at once (pipeline depth)")
@@ -81,7 +80,6 @@ def main(argv: list[str] | None = None) -> int:
         from bench.memory import run
 
         result = run(trace_steps=args.trace_steps, train_steps=args.train_steps,
-                     rounds=args.rounds,
                      micro=args.micro, in_flight=args.in_flight, scale=args.scale,
                      seed=args.seed, out=args.out, quick=args.quick)
     elif args.scenario == "overlap":

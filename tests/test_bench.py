@@ -91,5 +91,28 @@ def test_memory_bench_smoke(tmp_path):
     assert {r["config"] for r in replay} >= {"buddy", "buddy+trim", "best-fit (default)"}
     assert all(r["allocs"] > 0 for r in replay)
     training = [r for r in doc["rows"] if r["part"] == "training"]
-    assert len(training) == 9 and all(r.get("grads_identical", True) for r in training)
+    assert len(training) == 12 and all(r.get("grads_identical", True) for r in training)
     assert "schedule_vs_lru_bytes_at_50pct" in doc["checks"]
+    # The optimum is a lower bound: no policy offloads fewer bytes at the same budget.
+    for budget in ("75%", "50%", "10%"):
+        at = {r["config"]: r["evicted_mib_per_step"] for r in training if r["budget"] == budget}
+        assert at["optimum (Belady bound)"] <= min(at["pool lru"], at["pool schedule"])
+        assert at["optimum (Belady bound)"] > 0
+
+
+def test_fewest_evicted_is_beladys_optimum_on_hand_traces():
+    """Three tensors of 4 bytes in 8: the one freed last is offloaded (4 bytes); with sizes
+    3, 3, 4 only the 2 bytes over capacity must go; nothing when everything fits, and a
+    tensor freed before the next birth never counts."""
+    from bench.memory import _fewest_evicted
+
+    def trace(sizes, frees):
+        return [("alloc", i, n) for i, n in enumerate(sizes)] + [("free", i) for i in frees]
+
+    assert _fewest_evicted(trace([4, 4, 4], [0, 1, 2]), 8) == 4
+    assert _fewest_evicted(trace([3, 3, 4], [2, 1, 0]), 8) == 2
+    assert _fewest_evicted(trace([4, 4, 4], [0, 1, 2]), 12) == 0
+    # ids are reused after a free, as Python ids are
+    reuse = [("alloc", 0, 8), ("free", 0), ("alloc", 0, 8), ("alloc", 1, 4), ("free", 1),
+             ("free", 0)]
+    assert _fewest_evicted(reuse, 8) == 4

@@ -7,8 +7,9 @@ pressure, through ``torch.autograd.graph.saved_tensors_hooks``.
         loss = loss_fn(model(x), y)       # pack: activations are copied into the arena
     loss.backward()                       # unpack: copied back out; blocks freed with the graph
 
-**pack(t)** passes ``t`` through untouched (the framework keeps it) when it is a parameter, on
-another device than the arena, smaller than ``min_tensor_bytes``, not strided (sparse), or not
+**pack(t)** passes ``t`` through untouched (the framework keeps it) when it is a parameter (or
+any leaf that requires grad: its owner holds it anyway), on another device than the arena,
+smaller than ``min_tensor_bytes``, not strided (sparse), or not
 contiguous. Otherwise it
 stores ``t``'s bytes once per storage span (a second save of the same tensor, or of a contiguous
 view inside a stored span, shares the entry), allocating a block from the arena's allocator
@@ -38,6 +39,7 @@ forward in ``pool.microbatch(i)``; micro-batches' backwards are assumed to run o
 from __future__ import annotations
 
 import contextlib
+import heapq
 import itertools
 import os
 import threading
@@ -124,7 +126,7 @@ class PoolStats:
 
 class _Entry:
     __slots__ = ("offset", "host", "nbytes", "storage", "start", "version", "source", "refs",
-                 "seq", "last_use", "microbatch", "copied")
+                 "seq", "microbatch", "copied")
 
     def __init__(self, nbytes, storage, start, version, source, seq, microbatch) -> None:
         self.offset: int | None = None
@@ -132,7 +134,7 @@ class _Entry:
         self.nbytes, self.storage, self.start, self.version = nbytes, storage, start, version
         self.source = source  # weakref to the first tensor saved: its storage is still alive
         self.refs = 0
-        self.seq = self.last_use = seq
+        self.seq = seq
         self.microbatch = microbatch
         self.copied: torch.cuda.Event | None = None  # offload copy (CUDA)
 
@@ -177,12 +179,17 @@ class ActivationPool:
         self.allocator = allocator or make_allocator(cfg, capacity)
         self._params = {p.untyped_storage().data_ptr() for p in params}
         self._lock = threading.RLock()
-        self._resident: set[_Entry] = set()
+        # Entries in the arena, least recently used first (the LRU order: a use moves an entry
+        # to the end), and a heap of them by schedule key for the schedule policy (stale items
+        # are skipped when popped): both policies pick a victim without scanning the arena.
+        self._resident: dict[_Entry, None] = {}
+        self._furthest: list[tuple[int, int, _Entry]] = []
         self._by_storage: dict[int, list[_Entry]] = {}
         self._seq = itertools.count(1)
         self._microbatch = 0
         self._backward_rank: dict[int, int] = {}
         self._cuda = self.device.type == "cuda"
+        self._device_index = self.device.index if self._cuda else -1  # as Tensor.get_device()
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self.trace = trace
         """When a list: ``("alloc", id, nbytes)`` and ``("free", id)`` events of every entry,
@@ -207,7 +214,10 @@ class ActivationPool:
 
     def set_backward_order(self, order: Sequence[int]) -> None:
         """The order in which micro-batches' backwards will run (default: by index)."""
-        self._backward_rank = {mb: i for i, mb in enumerate(order)}
+        with self._lock:
+            self._backward_rank = {mb: i for i, mb in enumerate(order)}
+            self._furthest = [(*self._schedule_key(e), e) for e in self._resident]
+            heapq.heapify(self._furthest)
 
     def stats(self) -> PoolStats:
         with self._lock:
@@ -234,9 +244,12 @@ class ActivationPool:
 
     # -- hooks --------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
+        # Cheap tests only: this runs for every saved tensor. A leaf that requires grad is a
+        # parameter or an input its caller holds anyway (isinstance(t, Parameter) goes through
+        # a Python metaclass hook).
         if (t.layout != torch.strided or t.nbytes < self.cfg.min_tensor_bytes
-                or t.device != self.device or not t.is_contiguous()
-                or isinstance(t, torch.nn.Parameter)):
+                or t.get_device() != self._device_index or not t.is_contiguous()
+                or (t.requires_grad and t.is_leaf)):
             storage = None
         else:
             storage = t.untyped_storage().data_ptr()
@@ -250,7 +263,7 @@ class ActivationPool:
                 if (e.source() is not None and e.version == t._version
                         and e.start <= start and start + t.nbytes <= e.start + e.nbytes):
                     self._counts["shared"] += 1
-                    e.last_use = next(self._seq)
+                    self._touch(e)
                     return _Handle(self, e, start - e.start, t)
             offset = self._place(t.nbytes)
             if offset is None:
@@ -261,14 +274,13 @@ class ActivationPool:
                        self._microbatch)
             e.offset = offset
             self._by_storage.setdefault(storage, []).append(e)
-            self._resident.add(e)
+            self._make_resident(e)
             self._counts["stored"] += 1
             self._counts["stored_bytes"] += t.nbytes
             if self.trace is not None:
                 self.trace.append(("alloc", id(e), t.nbytes))
-            with torch.no_grad():
-                self.arena[offset:offset + t.nbytes].copy_(
-                    t.detach().reshape(-1).view(torch.uint8))
+            # detached: the copy records no autograd node (cheaper than a no_grad block)
+            self.arena[offset:offset + t.nbytes].copy_(t.detach().reshape(-1).view(torch.uint8))
             self._note_peak()
             return _Handle(self, e, 0, t)
 
@@ -277,8 +289,8 @@ class ActivationPool:
             return h.tensor
         e = h.entry
         with self._lock:
-            e.last_use = next(self._seq)
             if e.offset is not None:  # one clone of a typed view of the block
+                self._touch(e)
                 start = e.offset + h.rel
                 return self.arena[start:start + h.nbytes].view(h.dtype).view(h.shape).clone()
             out = torch.empty(h.shape, dtype=h.dtype, device=self.device)
@@ -291,7 +303,7 @@ class ActivationPool:
                 self._counts["fetched_bytes"] += e.nbytes
                 self.arena[offset:offset + e.nbytes].copy_(e.host, non_blocking=self._cuda)
                 e.offset, e.host = offset, None
-                self._resident.add(e)
+                self._make_resident(e)
                 self._note_peak()
                 src = self.arena[offset + h.rel:offset + h.rel + h.nbytes]
             else:
@@ -313,10 +325,35 @@ class ActivationPool:
         return offset
 
     def _victim(self) -> _Entry:
+        """The resident entry to offload: least recently used (``lru``), or the one whose
+        micro-batch's backward comes last and, within it, the earliest saved (``schedule``:
+        backward reads a micro-batch's tensors newest first)."""
         if self.cfg.policy == "lru":
-            return min(self._resident, key=lambda e: e.last_use)
-        rank = self._backward_rank
-        return max(self._resident, key=lambda e: (rank.get(e.microbatch, e.microbatch), -e.seq))
+            return next(iter(self._resident))
+        while self._furthest[0][2] not in self._resident:
+            heapq.heappop(self._furthest)  # offloaded or freed since it was pushed
+        return self._furthest[0][2]
+
+    def _schedule_key(self, e: _Entry) -> tuple[int, int]:
+        """Smallest = needed furthest in the future (a min-heap key)."""
+        return -self._backward_rank.get(e.microbatch, e.microbatch), e.seq
+
+    def _make_resident(self, e: _Entry) -> None:
+        self._resident[e] = None
+        if self.cfg.policy != "schedule":
+            return
+        if len(self._furthest) > 2 * len(self._resident) + 64:
+            # freed entries stay in the heap until popped: rebuild before it outgrows the arena
+            self._furthest = [(*self._schedule_key(r), r) for r in self._resident]
+            heapq.heapify(self._furthest)
+        else:
+            heapq.heappush(self._furthest, (*self._schedule_key(e), e))
+
+    def _touch(self, e: _Entry) -> None:
+        """A use of an entry: if resident, it becomes the most recently used."""
+        if e in self._resident:
+            del self._resident[e]
+            self._resident[e] = None
 
     def _offload(self, e: _Entry) -> None:
         t0 = time.perf_counter()
@@ -334,7 +371,7 @@ class ActivationPool:
             host.copy_(src)
         self.allocator.free(e.offset)
         e.offset, e.host = None, host
-        self._resident.discard(e)
+        del self._resident[e]
         self._counts["evictions"] += 1
         self._counts["evicted_bytes"] += e.nbytes
         self._counts["stall_s"] += time.perf_counter() - t0
@@ -346,7 +383,7 @@ class ActivationPool:
                 return
             if e.offset is not None:
                 self.allocator.free(e.offset)
-                self._resident.discard(e)
+                del self._resident[e]
             e.host = None
             entries = self._by_storage.get(e.storage, [])
             if e in entries:
