@@ -132,8 +132,10 @@ def test_rules_pass_parameters_small_and_strided_tensors_through_and_share_stora
         (strided.t() * strided.t()).sum()  # non-contiguous
         leaf = torch.randn(64, 64, requires_grad=True)
         (leaf * leaf).sum()  # a leaf that requires grad: its owner holds it
+        frozen = torch.nn.Parameter(torch.randn(64, 64), requires_grad=False)
+        (x @ frozen).sum()  # saves only the frozen parameter (not in params): passes through
     s = pool.stats()
-    assert s.stored == 2 and s.shared >= 1 and s.passthrough >= 5
+    assert s.stored == 2 and s.shared >= 1 and s.passthrough >= 6
     z.backward()
     got = w.grad.clone()
     w.grad = None

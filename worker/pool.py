@@ -9,10 +9,9 @@ pressure, through ``torch.autograd.graph.saved_tensors_hooks``.
 
 **pack(t)** passes ``t`` through untouched (the framework keeps it) when it is a parameter (or
 any leaf that requires grad: its owner holds it anyway), on another device than the arena,
-smaller than ``min_tensor_bytes``, not strided (sparse), or not
-contiguous. Otherwise it
-stores ``t``'s bytes once per storage span (a second save of the same tensor, or of a contiguous
-view inside a stored span, shares the entry), allocating a block from the arena's allocator
+smaller than ``min_tensor_bytes``, not strided (sparse), or not contiguous. Otherwise it stores
+``t``'s bytes once per storage span (a second save of the same tensor, or of a contiguous view
+inside a stored span, shares the entry), allocating a block from the arena's allocator
 (``native.buddy`` or ``native.bestfit``). When nothing fits, entries are offloaded to host memory
 by the policy (``lru``: least recently used; ``schedule``: needed furthest in the future) until
 the block fits; if it never does, ``t`` passes through and the request counts as a *fallback*
@@ -189,7 +188,6 @@ class ActivationPool:
         self._microbatch = 0
         self._backward_rank: dict[int, int] = {}
         self._cuda = self.device.type == "cuda"
-        self._device_index = self.device.index if self._cuda else -1  # as Tensor.get_device()
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self.trace = trace
         """When a list: ``("alloc", id, nbytes)`` and ``("free", id)`` events of every entry,
@@ -216,8 +214,7 @@ class ActivationPool:
         """The order in which micro-batches' backwards will run (default: by index)."""
         with self._lock:
             self._backward_rank = {mb: i for i, mb in enumerate(order)}
-            self._furthest = [(*self._schedule_key(e), e) for e in self._resident]
-            heapq.heapify(self._furthest)
+            self._rebuild_furthest()
 
     def stats(self) -> PoolStats:
         with self._lock:
@@ -245,11 +242,11 @@ class ActivationPool:
     # -- hooks --------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
         # Cheap tests only: this runs for every saved tensor. A leaf that requires grad is a
-        # parameter or an input its caller holds anyway (isinstance(t, Parameter) goes through
-        # a Python metaclass hook).
+        # parameter or an input its caller holds anyway; a frozen parameter is caught by its
+        # exact type (isinstance(t, Parameter) would run a Python metaclass hook).
         if (t.layout != torch.strided or t.nbytes < self.cfg.min_tensor_bytes
-                or t.get_device() != self._device_index or not t.is_contiguous()
-                or (t.requires_grad and t.is_leaf)):
+                or t.device != self.device or not t.is_contiguous()
+                or (t.requires_grad and t.is_leaf) or type(t) is torch.nn.Parameter):
             storage = None
         else:
             storage = t.untyped_storage().data_ptr()
@@ -344,10 +341,14 @@ class ActivationPool:
             return
         if len(self._furthest) > 2 * len(self._resident) + 64:
             # freed entries stay in the heap until popped: rebuild before it outgrows the arena
-            self._furthest = [(*self._schedule_key(r), r) for r in self._resident]
-            heapq.heapify(self._furthest)
+            self._rebuild_furthest()
         else:
             heapq.heappush(self._furthest, (*self._schedule_key(e), e))
+
+    def _rebuild_furthest(self) -> None:
+        """The schedule heap from the resident entries alone, with the current keys."""
+        self._furthest = [(*self._schedule_key(r), r) for r in self._resident]
+        heapq.heapify(self._furthest)
 
     def _touch(self, e: _Entry) -> None:
         """A use of an entry: if resident, it becomes the most recently used."""
