@@ -163,6 +163,22 @@ def test_saving_an_offloaded_tensor_again_shares_its_host_copy(policy):
     assert s.evictions >= 1 and s.shared >= 1 and s.fetches >= 1 and s.used == 0
 
 
+def test_a_fetched_tensor_outlives_its_entry():
+    """What unpack returns for an offloaded entry (on CPU, a view of the host copy) keeps its
+    values after the graph drops the entry and the arena is reused."""
+    pool = ActivationPool(PoolConfig(capacity_bytes=4096, policy="schedule", **SMALL))
+    a = torch.arange(1024, dtype=torch.float32)
+    first = pool._pack(a)
+    second = pool._pack(a + 1)  # no room for both: a, saved first, goes to host
+    assert pool.stats().evictions == 1
+    got = pool._unpack(first)
+    del first  # the entry is freed; its host copy lives on in ``got``
+    third = pool._pack(a * 3)  # the arena and host buffers turn over
+    assert torch.equal(got, a)
+    del second, third
+    assert pool.stats().used == 0 and pool.stats().live_entries == 0
+
+
 def test_an_arena_too_small_is_pure_passthrough_counted_as_fallbacks(demo, reference):
     ref, _ = reference
     grads, pool = _train(demo, 2, PoolConfig(capacity_bytes=1, **SMALL))  # nothing fits

@@ -21,7 +21,9 @@ the block fits; if it never does, ``t`` passes through and the request counts as
 offloaded entry, from host memory (a *fetch*). Under ``lru`` a fetched entry comes back into the
 arena first (an LRU cache keeps what was used last, evicting others to make room); under
 ``schedule`` it is served from host memory, since a saved tensor is rarely read twice and the
-arena is better kept for tensors still to be read. Entries live as long as autograd holds their
+arena is better kept for tensors still to be read. On CPU, where host memory is the arena's
+memory, that serves the host copy itself, a tensor viewing it; on CUDA it is copied to the
+device. Entries live as long as autograd holds their
 handles (``retain_graph`` and double backward work): when the graph drops the last handle, the
 block goes back to the allocator, so the arena is empty after every backward.
 
@@ -290,7 +292,6 @@ class ActivationPool:
                 self._touch(e)
                 start = e.offset + h.rel
                 return self.arena[start:start + h.nbytes].view(h.dtype).view(h.shape).clone()
-            out = torch.empty(h.shape, dtype=h.dtype, device=self.device)
             t0 = time.perf_counter()
             self._counts["fetches"] += 1
             if e.copied is not None:
@@ -306,6 +307,12 @@ class ActivationPool:
             else:
                 self._counts["fetched_bytes"] += h.nbytes
                 src = e.host[h.rel:h.rel + h.nbytes]
+                if not self._cuda:
+                    # On CPU host memory is the arena's memory: the host copy itself is served
+                    # (nothing writes it again, and it lives as long as any tensor viewing it).
+                    self._counts["stall_s"] += time.perf_counter() - t0
+                    return src.view(h.dtype).view(h.shape)
+            out = torch.empty(h.shape, dtype=h.dtype, device=self.device)
             out.reshape(-1).view(torch.uint8).copy_(src, non_blocking=self._cuda)
             self._counts["stall_s"] += time.perf_counter() - t0
             return out
@@ -433,7 +440,7 @@ class _PoolCollector(Collector):
                 (CounterMetricFamily, "evicted_bytes", "Bytes offloaded to host memory",
                  s.evicted_bytes),
                 (CounterMetricFamily, "fetches", "Unpacks served from host memory", s.fetches),
-                (CounterMetricFamily, "fetched_bytes", "Bytes copied back from host memory",
+                (CounterMetricFamily, "fetched_bytes", "Bytes read back from host memory",
                  s.fetched_bytes),
                 (CounterMetricFamily, "fallbacks",
                  "Saves the pool could not hold (left to the framework)", s.fallbacks),
