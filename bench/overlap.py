@@ -6,7 +6,7 @@ One worker (this process: a real ``PSModel`` over a real ``PSClient``) and one s
 namespace, with ``tc tbf`` at ``--rate`` (1 Gbit/s) on both ends (``bench.link``; unshaped
 loopback, reported, when namespaces cannot be made). The model is a stack of ``depth`` linear
 layers of ``width``; its batch is sized so that communication takes ``comm_ratio`` x compute
-(0.6, 0.8 and 1.0 by default; the checks apply to the first):
+(0.6, 0.8 and 1.0 by default; every target is checked, and the issue's goal is at ~1.0):
 
 1. compute-only at a probe batch gives the compute time per sample;
 2. an overlap-off run at that batch gives the communication time (all of it exposed);
@@ -131,7 +131,7 @@ def run(*, rate: str = "1gbit", width: int = 512, depth: int = 16,
         inflight_bytes: int = 2 << 20, device: str = "auto", out: Path | None = None,
         quick: bool = False) -> dict:
     """Run the scenario, write ``overlap.json``/``.md`` under ``out``, return the document.
-    The checks apply to the first of ``comm_ratios``; the others are reported."""
+    Every target gets the two checks (utilization >= 0.9, step <= 1.1x compute-only)."""
     import torch
 
     torch.set_num_threads(1)
@@ -148,7 +148,7 @@ def run(*, rate: str = "1gbit", width: int = 512, depth: int = 16,
         probe = _steps(_model(width, depth, dev), probe_batch, max(steps // 2, 2), warmup, dev)
         comm = _ps_run(link, _model(width, depth, dev), probe_batch, max(steps // 2, 2),
                        warmup, dev, "off", cfg)
-        for n, target in enumerate(comm_ratios):
+        for target in comm_ratios:
             batch, compute_only = _size_batch(link, width, depth, target, comm["exposed_s"],
                                               probe["step_s"] / probe_batch, steps, warmup,
                                               dev)
@@ -168,12 +168,11 @@ def run(*, rate: str = "1gbit", width: int = 512, depth: int = 16,
                              "exposed_ms": r["exposed_s"] * 1e3, "comm_ms": r["comm_s"] * 1e3,
                              "backward_ms": (r["backward_s"] * 1e3
                                              if r["backward_s"] is not None else None)})
-            if n == 0:
-                on = results["overlap on"]
-                checks[f"overlap_on_utilization_at_ratio_{target:g}"] = check(
-                    round(on["utilization"], 3), ">= 0.9", on["utilization"] >= 0.9)
-                checks[f"overlap_on_step_vs_compute_only_at_ratio_{target:g}"] = check(
-                    round(on["step_s"] / base, 3), "<= 1.1", on["step_s"] / base <= 1.1)
+            on = results["overlap on"]
+            checks[f"overlap_on_utilization_at_ratio_{target:g}"] = check(
+                round(on["utilization"], 3), ">= 0.9", on["utilization"] >= 0.9)
+            checks[f"overlap_on_step_vs_compute_only_at_ratio_{target:g}"] = check(
+                round(on["step_s"] / base, 3), "<= 1.1", on["step_s"] / base <= 1.1)
     config = {"link": link.kind, "rate": link.rate, "link_note": link.note, "width": width,
               "depth": depth, "param_bytes": param_bytes, "comm_ratios": list(comm_ratios),
               "batches": batches, "comm_ms_overlap_off_probe": round(comm["exposed_s"] * 1e3, 2),
@@ -189,8 +188,7 @@ def run(*, rate: str = "1gbit", width: int = 512, depth: int = 16,
              f"{partition_bytes >> 10} KiB. step ms = wall / steps over {steps} steps after "
              f"{warmup}; utilization = (wall - exposed communication) / wall as PSModel measures "
              f"it; compute-only / step is the cross-check; exposed and comm ms are medians per "
-             f"step (comm = time any push/pull was under way). Checks apply to target "
-             f"{comm_ratios[0]:g}.")
+             f"step (comm = time any push/pull was under way). Every target is checked.")
     write_results("overlap", config=config, rows=rows, checks=checks, out=out, notes=notes,
                   columns=[("target", "comm/compute target"), ("measured", "measured"),
                            ("batch", "batch"), ("case", "case"), ("step_ms", "step ms"),
