@@ -37,8 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     ov.add_argument("--width", type=int, default=512, help="width of each linear layer")
     ov.add_argument("--depth", type=int, default=16, help="number of linear layers")
     ov.add_argument("--comm-ratios", type=float, nargs="+", default=[0.6, 0.8, 1.0],
-                    help="size the batch so communication = this x compute, for each; the "
-                         "checks apply to the first")
+                    help="size the batch so communication = this x compute, for each; each "
+                         "is checked")
     ov.add_argument("--steps", type=int, default=12, help="measured steps per run")
     ov.add_argument("--bucket-bytes", type=int, default=1 << 20)
     ov.add_argument("--partition-bytes", type=int, default=128 << 10)
