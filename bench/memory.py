@@ -28,6 +28,7 @@ in training at shrinking budgets.
 from __future__ import annotations
 
 import contextlib
+import heapq
 import random
 import statistics
 import time
@@ -137,8 +138,6 @@ def _fewest_evicted(trace, capacity: int) -> int:
     has to come back, so a byte costs one offload at most and offloading it at birth is never
     worse than later. Whenever resident bytes exceed ``capacity``, bytes of the live tensor
     freed furthest in the future go first (the exchange argument of Belady's MIN)."""
-    import heapq
-
     ends, born = {}, {}
     for pos, ev in enumerate(trace):  # ids are Python ids: reused after a free
         if ev[0] == "alloc":

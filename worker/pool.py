@@ -216,7 +216,8 @@ class ActivationPool:
         """The order in which micro-batches' backwards will run (default: by index)."""
         with self._lock:
             self._backward_rank = {mb: i for i, mb in enumerate(order)}
-            self._rebuild_furthest()
+            if self.cfg.policy == "schedule":
+                self._rebuild_furthest()
 
     def stats(self) -> PoolStats:
         with self._lock:
@@ -358,8 +359,8 @@ class ActivationPool:
         heapq.heapify(self._furthest)
 
     def _touch(self, e: _Entry) -> None:
-        """A use of an entry: if resident, it becomes the most recently used."""
-        if e in self._resident:
+        """A use of an entry: under ``lru``, if resident, it becomes the most recently used."""
+        if self.cfg.policy == "lru" and e in self._resident:
             del self._resident[e]
             self._resident[e] = None
 
