@@ -29,8 +29,8 @@ import numba
 import numpy as np
 from numba.extending import intrinsic
 
-__all__ = ["accumulate", "adam_step", "all_finite", "fma", "momentum_step", "onebit_adam_apply",
-           "onebit_adam_delta", "sgd_step"]
+__all__ = ["accumulate", "adam_direction", "adam_step", "all_finite", "fma", "momentum_step",
+           "onebit_adam_apply", "onebit_adam_delta", "onebit_direction_delta", "sgd_step"]
 
 _jit = numba.njit(cache=True, nogil=True, fastmath=False, boundscheck=False, error_model="numpy")
 
@@ -145,6 +145,39 @@ def onebit_adam_delta(param, grad, exp_avg, exp_avg_sq, delta, grad_scale, one_m
         exp_avg[i] = m
         d = min(max(m / (np.sqrt(exp_avg_sq[i]) / bias_correction2_sqrt + eps), -ratio_clip),
                 ratio_clip)
+        if weight_decay != 0:
+            d = fma(weight_decay, param[i], d)
+        delta[i] = neg_lr * d
+
+
+@_jit
+def adam_direction(grad, exp_avg, exp_avg_sq, out, one_minus_beta1, beta2, one_minus_beta2,
+                   eps, inv_bias_correction1, bias_correction2_sqrt):
+    """A worker's Adam step without the learning rate (1-bit Adam with worker moments): update
+    ``m = lerp(m, g, 1 - beta1)`` and ``v = beta2 * v + (1 - beta2) * g * g`` in place (the
+    arithmetic of :func:`adam_step`) and write the direction
+    ``out = m * inv_bias_correction1 / (sqrt(v) / bias_correction2_sqrt + eps)`` (its own
+    array). Adam's update is ``-lr * out``; the shard applies it (:func:`onebit_direction_delta`)
+    from the sign1 code of ``out`` the worker pushes."""
+    for i in range(grad.shape[0]):
+        g = grad[i]
+        m = exp_avg[i]
+        m = fma(one_minus_beta1, g - m, m)
+        v = fma(one_minus_beta2 * g, g, exp_avg_sq[i] * beta2)
+        exp_avg[i] = m
+        exp_avg_sq[i] = v
+        out[i] = m * inv_bias_correction1 / (np.sqrt(v) / bias_correction2_sqrt + eps)
+
+
+@_jit
+def onebit_direction_delta(param, direction, delta, grad_scale, weight_decay, neg_lr,
+                           ratio_clip):
+    """1-bit Adam with worker moments, on the shard: ``delta = -lr * (clip(direction *
+    grad_scale) + weight_decay * param)`` (decoupled decay), ``direction`` being a worker's
+    decoded Adam direction (:func:`adam_direction`), clipped to ``ratio_clip`` as
+    :func:`onebit_adam_delta` clips its ratio. Writes ``delta`` (its own array)."""
+    for i in range(param.shape[0]):
+        d = min(max(direction[i] * grad_scale, -ratio_clip), ratio_clip)
         if weight_decay != 0:
             d = fma(weight_decay, param[i], d)
         delta[i] = neg_lr * d

@@ -161,7 +161,7 @@ class RegisterReply(_message.Message):
     def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., data_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., start_clock: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., onebit: _Optional[_Union[OneBitParams, _Mapping]] = ...) -> None: ...
 
 class OneBitParams(_message.Message):
-    __slots__ = ("freeze_step", "chunk", "codec_flags", "lr", "beta1", "eps", "weight_decay", "ratio_clip")
+    __slots__ = ("freeze_step", "chunk", "codec_flags", "lr", "beta1", "eps", "weight_decay", "ratio_clip", "beta2", "worker_moments")
     FREEZE_STEP_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     CODEC_FLAGS_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +170,8 @@ class OneBitParams(_message.Message):
     EPS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
     RATIO_CLIP_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    WORKER_MOMENTS_FIELD_NUMBER: _ClassVar[int]
     freeze_step: int
     chunk: int
     codec_flags: int
@@ -178,7 +180,9 @@ class OneBitParams(_message.Message):
     eps: float
     weight_decay: float
     ratio_clip: float
-    def __init__(self, freeze_step: _Optional[int] = ..., chunk: _Optional[int] = ..., codec_flags: _Optional[int] = ..., lr: _Optional[float] = ..., beta1: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., ratio_clip: _Optional[float] = ...) -> None: ...
+    beta2: float
+    worker_moments: bool
+    def __init__(self, freeze_step: _Optional[int] = ..., chunk: _Optional[int] = ..., codec_flags: _Optional[int] = ..., lr: _Optional[float] = ..., beta1: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., ratio_clip: _Optional[float] = ..., beta2: _Optional[float] = ..., worker_moments: _Optional[bool] = ...) -> None: ...
 
 class OptimizerStateRequest(_message.Message):
     __slots__ = ("rank", "token")

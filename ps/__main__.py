@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 
-from ps.config import MODES, OPTIMIZERS, OptimizerConfig, ServerConfig
+from ps.config import MODES, ONEBIT_MOMENTS, OPTIMIZERS, OptimizerConfig, ServerConfig
 from ps.server import create_server
 
 __all__ = ["main", "parse_config"]
@@ -49,12 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     add("--eps", type=float, default=_env("eps", o.eps))
     add("--weight-decay", type=float, default=_env("weight-decay", o.weight_decay))
     add("--freeze-step", type=int, default=_env("freeze-step", o.freeze_step),
-        help="onebit_adam: warmup steps before v freezes and traffic goes 1-bit")
+        help="onebit_adam: warmup clocks of full Adam on bf16 pushes before traffic goes 1-bit")
     add("--onebit-chunk", type=int, default=_env("onebit-chunk", o.onebit_chunk),
         help="onebit_adam: elements per scale of the published updates")
     add("--onebit-scale", choices=("auto", "mean_abs", "rms"),
         default=_env("onebit-scale", o.onebit_scale),
         help="onebit_adam: scale rule of the published sign1 codes")
+    add("--onebit-moments", choices=ONEBIT_MOMENTS,
+        default=_env("onebit-moments", o.onebit_moments),
+        help="onebit_adam, async/ssp: Adam's moments on each worker (auto) or on the shard")
     add("--delta-history", type=int, default=_env("delta-history", o.delta_history),
         help="onebit_adam: compressed updates kept per key")
     add("--heartbeat-timeout", type=float, default=_env("heartbeat-timeout",
@@ -76,7 +79,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.
                           nesterov=a.nesterov, beta1=a.beta1, beta2=a.beta2, eps=a.eps,
                           weight_decay=a.weight_decay, freeze_step=a.freeze_step,
                           onebit_chunk=a.onebit_chunk, onebit_scale=a.onebit_scale,
-                          delta_history=a.delta_history)
+                          onebit_moments=a.onebit_moments, delta_history=a.delta_history)
     cfg = ServerConfig(shard_id=a.shard_id, num_shards=a.num_shards, host=a.host,
                        grpc_port=a.grpc_port, data_port=a.data_port, metrics_port=a.metrics_port,
                        mode=a.mode, staleness=a.staleness, optimizer=opt,

@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 from proto.codecs import chunk_problem
 from proto.wire import MAX_FRAME_BYTES
 
-__all__ = ["MODES", "OPTIMIZERS", "OptimizerConfig", "ServerConfig"]
+__all__ = ["MODES", "ONEBIT_MOMENTS", "OPTIMIZERS", "OptimizerConfig", "ServerConfig"]
 
 MODES = ("sync", "async", "ssp")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "onebit_adam")
+ONEBIT_MOMENTS = ("auto", "worker", "shard")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -40,9 +41,9 @@ class OptimizerConfig:
     """L2 penalty (``sgd``/``momentum``/``adam``) or decoupled decay (``adamw``,
     ``onebit_adam``)."""
     freeze_step: int = 100
-    """``onebit_adam``: warmup steps of full Adam on bf16 gradients; from this clock on, v is
-    frozen, pushes are sign1 and the shard publishes sign1-compressed updates (DeepSpeed
-    suggests 15-25 % of the run)."""
+    """``onebit_adam``: warmup steps of full Adam on bf16 gradients; from this clock on, pushes
+    are sign1 and the shard publishes sign1-compressed updates, and v is frozen in ``sync`` and
+    with shard moments (DeepSpeed suggests 15-25 % of the run)."""
     onebit_chunk: int = 256
     """``onebit_adam``: elements per scale of every sign1 code, pushed and published (1 +
     32/256 = 1.125 bits per element). 2048 cost the demo model 1.8 % in final loss against fp32
@@ -52,6 +53,15 @@ class OptimizerConfig:
     (``rms`` in sync mode, where the codes are momenta as in DeepSpeed; ``mean_abs``, the
     least-squares scale that never overshoots, for the heavy-tailed parameter updates of
     async/ssp). Both choices trained the demo model best in their mode (README, 1-bit Adam)."""
+    onebit_moments: str = "auto"
+    """``onebit_adam`` in ``async``/``ssp``: where Adam's moments live after the warmup.
+    ``worker``: each worker keeps m and v of its own gradients in float32 and pushes its
+    sign1-compressed Adam direction ``m/(1-beta1^t) / (sqrt(v/(1-beta2^t)) + eps)``; the shard
+    applies ``-lr * (direction + wd * x)`` (Efficient-Adam's two-way compressed update; v is
+    never frozen). ``shard``: the shard keeps m and freezes v at the switch, workers push
+    sign1 gradients (reference/compression.md section 8.2). ``auto`` = ``worker``; it trained
+    the demo model within 1 % of fp32 Adam in ssp, ``shard`` 9-18 % worse (README, 1-bit
+    Adam). ``sync`` always uses DeepSpeed's layout and accepts only ``auto``."""
     delta_history: int = 16
     """``onebit_adam``: compressed updates kept per key; a worker further behind gets the full
     parameters instead."""
@@ -77,6 +87,9 @@ class OptimizerConfig:
         if self.onebit_scale not in ("auto", "mean_abs", "rms"):
             raise ValueError(f"onebit_scale {self.onebit_scale!r}; expected auto, mean_abs or "
                              f"rms")
+        if self.onebit_moments not in ONEBIT_MOMENTS:
+            raise ValueError(f"onebit_moments {self.onebit_moments!r}; expected one of "
+                             f"{ONEBIT_MOMENTS}")
         if problem := chunk_problem(self.onebit_chunk):
             raise ValueError(f"onebit_{problem}")
 
@@ -138,3 +151,6 @@ class ServerConfig:
         if not 1024 <= self.max_frame_bytes <= 1 << 30:
             raise ValueError(f"max_frame_bytes must be in [1 KiB, 1 GiB], got "
                              f"{self.max_frame_bytes}")
+        if self.mode == "sync" and self.optimizer.onebit_moments != "auto":
+            raise ValueError(f"onebit_moments {self.optimizer.onebit_moments!r} applies to "
+                             f"async/ssp; sync 1-bit Adam keeps DeepSpeed's layout (use auto)")

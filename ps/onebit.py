@@ -1,8 +1,18 @@
-"""1-bit Adam on a shard (async/SSP and sync): the shard owns the momentum, workers push
-error-feedback-compressed gradients, and the shard publishes compressed parameter updates.
+"""1-bit Adam on a shard (async/SSP and sync): workers push error-feedback-compressed
+directions, momenta or gradients, and the shard publishes compressed parameter updates.
 
 Per key, after the warmup (``freeze_step`` clocks of full Adam on bf16 pushes), ``async`` and
-``ssp`` (the shard owns the momentum)::
+``ssp`` with worker moments (``onebit_moments`` auto/worker, the default): every worker keeps
+Adam's m and v of its own gradients (float32, never frozen; ``worker.onebit.WorkerMoments``)
+and pushes ``sign1(direction + worker residual)``, ``direction = m/bc1 / (sqrt(v)/bc2 + eps)``;
+the shard, per push::
+
+    delta   = -lr * (clip(decode(push)) + wd * x)
+    payload = sign1(delta + server residual)
+    x      += decode(payload)                    version += 1; payload kept in the history
+
+This is Efficient-Adam's two-way compressed update. With the moments on the shard
+(``onebit_moments=shard``, reference/compression.md section 8.2)::
 
     g       = decode(push)                       (sync: the mean of the live workers' pushes)
     m       = lerp(m, g, 1 - beta1)              v frozen at the switch
@@ -21,7 +31,8 @@ versions ``b+1 .. now`` (``frame_codecs`` = CODEC_SIGN1) and adds each to its co
 shard did, so worker and shard hold bit-identical parameters; a worker further behind than the
 history (or behind a warmup update, which has no payload) gets the float32 parameters instead
 (CODEC_RAW). Both directions carry about one bit per element. reference/compression.md section 8
-derives both. Coordinates whose frozen v is 0 never move (``native.onebit_adam_delta``).
+derives the shard-moment and sync layouts. With a frozen v, coordinates whose v is 0 never move
+(``native.onebit_adam_delta``).
 """
 
 from __future__ import annotations
@@ -40,7 +51,8 @@ from ps.rules import make_rule
 if TYPE_CHECKING:
     from ps.store import Slot
 
-__all__ = ["OneBitState", "key_states", "new_state", "params", "reply_frames"]
+__all__ = ["OneBitState", "key_states", "new_state", "params", "reply_frames",
+           "uses_worker_moments"]
 
 
 def uses_mean_abs(cfg: ServerConfig) -> bool:
@@ -56,15 +68,22 @@ def params(cfg: ServerConfig) -> pb.OneBitParams | None:
         return None
     return pb.OneBitParams(freeze_step=o.freeze_step, chunk=o.onebit_chunk,
                            codec_flags=MEAN_ABS if uses_mean_abs(cfg) else 0, lr=o.lr,
-                           beta1=o.beta1, eps=o.eps, weight_decay=o.weight_decay,
-                           ratio_clip=make_rule(o).ratio_clip)
+                           beta1=o.beta1, beta2=o.beta2, eps=o.eps,
+                           weight_decay=o.weight_decay, ratio_clip=make_rule(o).ratio_clip,
+                           worker_moments=uses_worker_moments(cfg))
+
+
+def uses_worker_moments(cfg: ServerConfig) -> bool:
+    """async/ssp with ``onebit_moments`` auto or worker: workers keep Adam's moments."""
+    return cfg.mode != "sync" and cfg.optimizer.onebit_moments != "shard"
 
 
 def new_state(n: int, cfg: ServerConfig) -> OneBitState:
     """A key's 1-bit Adam state, as ``cfg`` sets it up."""
     o = cfg.optimizer
     return OneBitState(n, chunk=o.onebit_chunk, history=o.delta_history,
-                       mean_abs=uses_mean_abs(cfg), sync=cfg.mode == "sync")
+                       mean_abs=uses_mean_abs(cfg), sync=cfg.mode == "sync",
+                       worker_moments=uses_worker_moments(cfg))
 
 
 def key_states(slots: dict[int, Slot], cfg: ServerConfig) -> list[pb.KeyOptimizerState]:
@@ -101,12 +120,15 @@ class OneBitState:
     """One key's 1-bit Adam state beyond the Adam moments (which live in ``KeyState``)."""
 
     def __init__(self, n: int, *, chunk: int, history: int, mean_abs: bool,
-                 sync: bool) -> None:
+                 sync: bool, worker_moments: bool = False) -> None:
         self.n = n
         self.codec = Codec(pb.CODEC_SIGN1, chunk, MEAN_ABS if mean_abs else 0)
         self.sync = sync
         """Momentum lives on the workers (DeepSpeed's math): pushes are worker momenta, the
         published codes are the averaged momentum, every replica applies it."""
+        self.worker_moments = worker_moments
+        """async/ssp: pushes are worker Adam directions, not gradients (the shard's m and v
+        are only used during warmup)."""
         self.compressing = False
         """False during warmup; True from the first compressed push on (v is frozen then)."""
         self.bias_correction2_sqrt = 1.0

@@ -108,6 +108,13 @@ class UpdateRule:
         native.onebit_adam_apply(param, state.buf1, state.buf2, self._eps, self._wd,
                                  f32(-cfg.lr), f32(bias_correction2_sqrt), f32(self.ratio_clip))
 
+    def direction_delta(self, param: np.ndarray, direction: np.ndarray, out: np.ndarray, *,
+                        grad_scale: float = 1.0) -> None:
+        """1-bit Adam with worker moments after warmup: write ``-lr * (clip(direction) + wd *
+        param)`` to ``out``, ``direction`` being a worker's decoded Adam direction."""
+        native.onebit_direction_delta(param, direction, out, np.float32(grad_scale), self._wd,
+                                      np.float32(-self.cfg.lr), np.float32(self.ratio_clip))
+
     @property
     def ratio_clip(self) -> float:
         """The largest ``|m| / sqrt(v)`` Adam can reach with these betas (bias corrections

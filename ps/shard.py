@@ -260,7 +260,7 @@ class ShardCore:
                 continue
             vgap = slot.version - header.versions[i] if header.versions else 0
             lr_scale = 1.0 / (1 + max(vgap, 0)) if self.cfg.staleness_damping else 1.0
-            slot.apply(self.rule, grad, lr_scale=lr_scale)
+            slot.apply(self.rule, grad, lr_scale=lr_scale, warmup_push=not freeze)
             self._applied(header.clock - min_clock, vgap)
         m.push_bytes.inc(nbytes)
 

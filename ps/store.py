@@ -84,21 +84,25 @@ class Slot:
 
     # -- updates ------------------------------------------------------------------------------
     def apply(self, rule: UpdateRule, grad: np.ndarray, *, grad_scale: float = 1.0,
-              lr_scale: float = 1.0) -> None:
+              lr_scale: float = 1.0, warmup_push: bool = False) -> None:
         """One optimizer step, in place unless the current parameters are being sent (1-bit
         Adam: :meth:`apply_onebit`)."""
         if self.onebit is not None:
-            return self.apply_onebit(rule, grad, grad_scale=grad_scale)
+            return self.apply_onebit(rule, grad, grad_scale=grad_scale, warmup_push=warmup_push)
         rule.apply(self._writable(), grad, self.state, grad_scale=grad_scale,
                    lr_scale=lr_scale)
         self.version += 1
 
-    def apply_onebit(self, rule: UpdateRule, grad: np.ndarray, *,
-                     grad_scale: float = 1.0) -> None:
+    def apply_onebit(self, rule: UpdateRule, grad: np.ndarray, *, grad_scale: float = 1.0,
+                     warmup_push: bool = False) -> None:
         """One 1-bit Adam step (``ps.onebit``): full Adam during warmup; then the compressed
-        update, added to the parameters exactly as workers will add it, and published."""
+        update, added to the parameters exactly as workers will add it, and published.
+
+        ``warmup_push``: the push was computed before the switch (its clock is below
+        ``freeze_step``). With worker moments it holds a gradient, not an Adam direction, so a
+        late one (a slower async worker's) gets a warmup step even after the switch."""
         ob = self.onebit
-        if not ob.compressing:
+        if not ob.compressing or (ob.worker_moments and warmup_push):
             rule.apply(self._writable(), grad, self.state, grad_scale=grad_scale)
             self.version += 1
             ob.forget()
@@ -112,8 +116,11 @@ class Slot:
             rule.apply_momentum(self._writable(), self.state,
                                 bias_correction2_sqrt=ob.bias_correction2_sqrt)
         else:
-            rule.delta(self.param, grad, self.state, ob.delta, grad_scale=grad_scale,
-                       bias_correction2_sqrt=ob.bias_correction2_sqrt)
+            if ob.worker_moments:
+                rule.direction_delta(self.param, grad, ob.delta, grad_scale=grad_scale)
+            else:
+                rule.delta(self.param, grad, self.state, ob.delta, grad_scale=grad_scale,
+                           bias_correction2_sqrt=ob.bias_correction2_sqrt)
             payload = ob.server.encode(ob.delta)
             ob.codec.decode_add(payload, self.length, self._writable())
         self.version += 1

@@ -65,11 +65,15 @@ def test_codec_bench_runs_every_implementation(tmp_path):
 def test_convergence_bench_smoke(tmp_path):
     """A few steps of every run: the curves, the PNG and the byte counts come out."""
     doc = _bench(tmp_path, "convergence", "--steps", "12", "--seeds", "0", timeout=600)
-    assert len(doc["rows"]) == 5
+    assert len(doc["rows"]) == 6
     assert (tmp_path / "convergence.png").read_bytes()[:4] == b"\x89PNG"
-    onebit = next(r for r in doc["rows"] if r["run"] == "1-bit Adam (sync)")
-    fp32 = next(r for r in doc["rows"] if r["run"] == "fp32 Adam (sync)")
-    assert 0 < onebit["push_bytes_per_step"] < fp32["push_bytes_per_step"]
+    by = {r["run"]: r for r in doc["rows"]}
+    fp32 = by["fp32 Adam (sync)"]["push_bytes_per_step"]
+    for run in ("1-bit Adam (sync)", "1-bit Adam (ssp S=2)", "1-bit Adam (ssp S=2), shard moments"):
+        assert 0 < by[run]["push_bytes_per_step"] < fp32
+        assert by[run]["vs_same_mode_fp32"] > 0
+    assert set(doc["checks"]) == {"onebit_sync_final_loss_vs_fp32_same_mode",
+                                  "onebit_ssp_final_loss_vs_fp32_same_mode"}
 
 
 def test_overlap_bench_smoke(tmp_path):

@@ -56,10 +56,11 @@ def _train(servers, plan, rank: int, world: int, init, results, barrier, mode):
                          client.metrics.push_bytes.value)
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
-def test_workers_hold_the_shards_parameters_bit_for_bit(mode):
+@pytest.mark.parametrize(("mode", "moments"), [("async", "auto"), ("async", "shard"),
+                                               ("sync", "auto")])
+def test_workers_hold_the_shards_parameters_bit_for_bit(mode, moments):
     opt = OptimizerConfig(name="onebit_adam", lr=0.05, freeze_step=FREEZE, onebit_chunk=256,
-                          delta_history=4 if mode == "async" else 16)
+                          delta_history=4 if mode == "async" else 16, onebit_moments=moments)
     shards = [create_server(ServerConfig(shard_id=i, num_shards=2, mode=mode, optimizer=opt,
                                          metrics_port=-1)) for i in range(2)]
     try:
@@ -93,7 +94,12 @@ def test_workers_hold_the_shards_parameters_bit_for_bit(mode):
             values = {x.name: x.value for f in text_string_to_metric_families(text)
                       for x in f.samples}
             assert values["bitps_onebit_compressing_keys"] == len(s.core.slots)
-            assert values["bitps_onebit_residual_norm"] > 0
+            if mode == "async" and moments == "auto":
+                # worker moments, no weight decay: a published update is -lr times a decoded
+                # push, already one magnitude per chunk, so the shard's code is exact
+                assert values["bitps_onebit_residual_norm"] == 0
+            else:
+                assert values["bitps_onebit_residual_norm"] > 0
     finally:
         for s in shards:
             s.stop(0)
@@ -132,7 +138,10 @@ def test_error_feedback_state_saves_and_restores():
     the shard is refused whole."""
     from proto.wire import PSError
 
-    opt = OptimizerConfig(name="onebit_adam", lr=0.01, freeze_step=1, onebit_chunk=256)
+    # shard moments: with worker moments (and no weight decay) the shard's codes are exact
+    # and its residuals stay 0 (test_workers_hold_the_shards_parameters_bit_for_bit)
+    opt = OptimizerConfig(name="onebit_adam", lr=0.01, freeze_step=1, onebit_chunk=256,
+                          onebit_moments="shard")
     shard = create_server(ServerConfig(mode="async", optimizer=opt, metrics_port=-1))
     try:
         plan = make_plan([ParamSpec("w", (N,))], num_shards=1, partition_bytes=16384)
@@ -168,5 +177,128 @@ def test_error_feedback_state_saves_and_restores():
             other.plan = plan
             other.load_residuals(saved)
             assert all(np.array_equal(saved[k], r) for k, r in other.residuals().items())
+    finally:
+        shard.stop(0)
+
+
+def test_worker_moments_save_restore_and_layout_settings():
+    """Worker moments come out per key and go back in; sync accepts only the auto layout."""
+    with pytest.raises(ValueError, match="onebit_moments 'shard' applies to async/ssp"):
+        ServerConfig(mode="sync", optimizer=OptimizerConfig(name="onebit_adam",
+                                                            onebit_moments="shard"))
+    with pytest.raises(ValueError, match="onebit_moments 'both'"):
+        OptimizerConfig(name="onebit_adam", onebit_moments="both")
+    opt = OptimizerConfig(name="onebit_adam", lr=0.01, freeze_step=2, onebit_chunk=256)
+    shard = create_server(ServerConfig(mode="ssp", optimizer=opt, metrics_port=-1))
+    try:
+        plan = make_plan([ParamSpec("w", (N,))], num_shards=1, partition_bytes=16384)
+        keys = [k.key for k in plan.keys]
+        copy = np.zeros(N, np.float32)
+        outs = [copy[k.offset:k.offset + k.length] for k in plan.keys]
+        cfg = ClientConfig(servers=(f"127.0.0.1:{shard.ports['grpc_port']}",),
+                           partition_bytes=16384, compress_min_bytes=0)
+        grads = [np.random.default_rng(k).standard_normal(len(o)).astype(np.float32)
+                 for k, o in zip(keys, outs)]
+        with PSClient(cfg) as client:
+            client.register(plan, dict(zip(keys, outs)))
+            for step in range(3):
+                client.push_pull(keys, grads, outs, clock=step).wait()
+            saved = {k: (t, m.copy(), v.copy()) for k, (t, m, v) in
+                     client.onebit_moments().items()}
+        assert set(saved) == set(keys)
+        assert all(t == 3 and np.any(m) and np.any(v) for t, m, v in saved.values())
+        with PSClient(ClientConfig(servers=cfg.servers, partition_bytes=16384)) as other:
+            with pytest.raises(RuntimeError, match="register"):
+                other.load_onebit_moments(saved)
+            other.register(plan, dict(zip(keys, outs)))  # a restarted rank 0
+            t, m, v = saved[keys[0]]
+            with pytest.raises(ValueError, match="expected float32"):
+                other.load_onebit_moments({keys[0]: (t, m[:5], v)})
+            assert other.onebit_moments() == {}  # nothing loaded from the refused call
+            other.load_onebit_moments(saved)
+            back = other.onebit_moments()
+            assert all(back[k][0] == t and np.array_equal(back[k][1], m)
+                       and np.array_equal(back[k][2], v) for k, (t, m, v) in saved.items())
+    finally:
+        shard.stop(0)
+
+
+@pytest.mark.parametrize("moments", ["auto", "shard"])
+def test_a_nonfinite_gradient_is_refused_before_it_reaches_worker_state(moments):
+    """NaN in a compressed push would poison the error-feedback residual (and the worker's Adam
+    moments) for good: the client refuses it (NON_FINITE, counted), sends nothing, and keeps
+    its state; the shard's parameters stay as they were."""
+    from proto import bitps_pb2 as pb
+    from proto.wire import PSError
+
+    opt = OptimizerConfig(name="onebit_adam", lr=0.01, freeze_step=1, onebit_chunk=256,
+                          onebit_moments=moments)
+    shard = create_server(ServerConfig(mode="async", optimizer=opt, metrics_port=-1))
+    try:
+        plan = make_plan([ParamSpec("w", (N,))], num_shards=1, partition_bytes=1 << 20)
+        keys = [k.key for k in plan.keys]
+        copy = np.zeros(N, np.float32)
+        cfg = ClientConfig(servers=(f"127.0.0.1:{shard.ports['grpc_port']}",),
+                           compress_min_bytes=0)
+        with PSClient(cfg) as client:
+            client.register(plan, {keys[0]: copy})
+            grad = np.random.default_rng(0).standard_normal(N).astype(np.float32)
+            for step in range(2):
+                client.push_pull(keys, [grad], [copy], clock=step).wait()
+            state = [r.copy() for r in client.residuals().values()]
+            state += [a.copy() for _, m, v in client.onebit_moments().values() for a in (m, v)]
+            before = shard.core.slots[keys[0]].param.copy()
+            bad = grad.copy()
+            bad[123] = np.nan
+            with pytest.raises(PSError, match="key 0: gradient holds NaN") as err:
+                client.push_pull(keys, [bad], [copy], clock=2)
+            assert err.value.code == pb.NON_FINITE
+            after = [*client.residuals().values()]
+            after += [a for _, m, v in client.onebit_moments().values() for a in (m, v)]
+            assert len(after) == len(state) == (3 if moments == "auto" else 1)
+            assert all(np.array_equal(a, b) for a, b in zip(after, state))
+            assert client.metrics.nonfinite.value == 1
+            assert np.array_equal(shard.core.slots[keys[0]].param, before)
+            client.push_pull(keys, [grad], [copy], clock=2).wait()  # and training goes on
+            assert np.array_equal(copy, shard.core.slots[keys[0]].param)
+    finally:
+        shard.stop(0)
+
+
+def test_a_late_warmup_push_after_the_switch_is_a_gradient_not_a_direction():
+    """async, worker moments: rank 0 crosses freeze_step and pushes Adam directions; rank 1's
+    warmup gradient (clock below freeze_step) then lands. The shard gives it a warmup step
+    (full Adam, no code published) instead of reading it as a direction; the copies still end
+    equal to the shard's."""
+    opt = OptimizerConfig(name="onebit_adam", lr=0.01, freeze_step=2, onebit_chunk=256)
+    shard = create_server(ServerConfig(mode="async", optimizer=opt, metrics_port=-1))
+    try:
+        plan = make_plan([ParamSpec("w", (N,))], num_shards=1, partition_bytes=1 << 20)
+        keys = [k.key for k in plan.keys]
+        slot = lambda: shard.core.slots[keys[0]]  # noqa: E731
+        servers = (f"127.0.0.1:{shard.ports['grpc_port']}",)
+        copies = [np.zeros(N, np.float32), np.zeros(N, np.float32)]
+        rng = np.random.default_rng(0)
+        with PSClient(ClientConfig(servers=servers, rank=0, world_size=2,
+                                   compress_min_bytes=0)) as fast, \
+                PSClient(ClientConfig(servers=servers, rank=1, world_size=2,
+                                      compress_min_bytes=0)) as slow:
+            registering = threading.Thread(target=slow.register, args=(plan,))
+            registering.start()
+            fast.register(plan, {keys[0]: copies[0]})
+            registering.join()
+            for step in range(3):  # clocks 0, 1 warm up; clock 2 is a direction
+                grad = rng.standard_normal(N).astype(np.float32)
+                fast.push_pull(keys, [grad], [copies[0]], clock=step).wait()
+            assert slot().onebit.compressing and len(slot().onebit.history) == 1
+            steps_before = slot().state.step
+            grad = rng.standard_normal(N).astype(np.float32)
+            slow.push_pull(keys, [grad], [copies[1]], clock=0).wait()
+            assert slot().state.step == steps_before + 1  # the shard's Adam took a step
+            assert not slot().onebit.history  # no code: workers behind it pull parameters
+            assert not np.any(slot().onebit.server.residual)
+            fast.pull(keys, [copies[0]], clock=3).wait()
+            for copy in copies:
+                assert np.array_equal(copy, slot().param)
     finally:
         shard.stop(0)

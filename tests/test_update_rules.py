@@ -190,6 +190,7 @@ _NOJIT_SCRIPT = textwrap.dedent("""
     import native
     from ps.config import OptimizerConfig
     from ps.rules import make_rule
+    from tests.test_update_rules import _worker_moments
 
     data = np.load(sys.argv[1])
     param, grads = data["param"], data["grads"]
@@ -201,6 +202,7 @@ _NOJIT_SCRIPT = textwrap.dedent("""
         for g in grads:
             rule.apply(p, g, state)
         out[name] = p
+    out["direction"] = _worker_moments(param, grads)
     acc = np.empty_like(param)
     native.accumulate(acc, grads[0], True)
     native.accumulate(acc, grads[1], False)
@@ -221,5 +223,33 @@ def test_pure_python_path_matches_jit(run_without_jit):
         assert got[name].dtype == np.float32
         assert not np.array_equal(jitted, param)
         np.testing.assert_allclose(got[name], jitted, rtol=1e-6, err_msg=name)
+    np.testing.assert_allclose(got["direction"], _worker_moments(param, grads), rtol=1e-6)
     assert np.array_equal(got["accumulate"], grads[0] + grads[1])
     assert got["finite"].tolist() == [True, False]
+
+
+def _worker_moments(param: np.ndarray, grads: np.ndarray,
+                    adamw: OptimizerConfig = CONFIGS["adamw_wd"]) -> np.ndarray:
+    """1-bit Adam with worker moments, nothing compressed: the worker's directions
+    (``WorkerMoments``) applied by the shard (``UpdateRule.direction_delta``)."""
+    from proto import bitps_pb2 as pb
+    from worker.onebit import WorkerMoments
+
+    cfg = OptimizerConfig(name="onebit_adam", lr=adamw.lr, beta1=adamw.beta1,
+                          beta2=adamw.beta2, eps=adamw.eps, weight_decay=adamw.weight_decay)
+    rule = make_rule(cfg)
+    moments = WorkerMoments(pb.OneBitParams(beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps))
+    p, delta = param.copy(), np.empty_like(param)
+    for g in grads:
+        rule.direction_delta(p, moments.direction(3, g), delta)
+        p += delta
+    assert moments.steps[3] == len(grads)
+    return p
+
+
+def test_worker_moments_direction_applied_by_the_shard_is_adamw():
+    param, grads = _data(4)
+    ours, ref = _worker_moments(param, grads), _torch(CONFIGS["adamw_wd"], param, grads)
+    assert np.abs(ours - param).max() > 0.05
+    # not bit-exact: the shard adds lr * (d + wd * x) where torch decays x first
+    np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())

@@ -26,6 +26,7 @@ import grpc
 import numpy as np
 import zmq
 
+import native
 from proto import bitps_pb2 as pb
 from proto import bitps_pb2_grpc as pb_grpc
 from proto.codecs import MEAN_ABS, Codec, Compressor
@@ -34,7 +35,7 @@ from proto.wire import PROTOCOL, PSError
 from worker.channel import Channel, Handle, PSTimeoutError, Request
 from worker.config import ClientConfig
 from worker.metrics import CodecSnapshot, WorkerMetrics
-from worker.onebit import OneBitMomentum
+from worker.onebit import OneBitMomentum, WorkerMoments
 
 __all__ = ["Handle", "PSClient", "PSTimeoutError"]
 
@@ -76,6 +77,7 @@ class PSClient:
         """Set by a ``onebit_adam`` shard at registration: pushes for clocks before it go bf16,
         from it on sign1 (with the shard's ``onebit_chunk``)."""
         self._momentum: OneBitMomentum | None = None  # sync 1-bit Adam (worker/onebit.py)
+        self._moments: WorkerMoments | None = None  # async/ssp 1-bit Adam, worker moments
         self.metrics.watch_codecs(self._codec_snapshot)
 
     # -- control plane ------------------------------------------------------------------------
@@ -103,6 +105,8 @@ class PSClient:
                 self._onebit_chunk = reply.onebit.chunk
                 if reply.mode == "sync":
                     self._momentum = OneBitMomentum(reply.onebit)
+                elif reply.onebit.worker_moments and self._moments is None:
+                    self._moments = WorkerMoments(reply.onebit)
         self.clock = self.start_clock
         self.versions = {k.key: 0 for k in plan.keys}
         self._endpoints = endpoints
@@ -197,11 +201,20 @@ class PSClient:
         codec = self.push_codec_at(clock)
         if encoded:
             self._check_encoded(encoded, codec, clock)
+        if grads and (not codec.is_raw or self._momentum is not None
+                      or self._moments is not None):
+            self._check_finite(keys, grads)
         momenta = self._momentum is not None and bool(grads) and clock >= self.freeze_step
         if momenta:
             # sync 1-bit Adam: push this worker's momentum instead of its gradient
             self._load_optimizer_state(keys)
             grads = [self._momentum.momentum(k, g) for k, g in zip(keys, grads)]
+        directions = self._moments is not None and bool(grads) and clock >= self.freeze_step
+        if self._moments is not None and grads:
+            # async/ssp 1-bit Adam with worker moments: every push advances this worker's Adam
+            # moments; from the switch on it carries the Adam direction, not the gradient
+            adam = [self._moments.direction(k, g) for k, g in zip(keys, grads)]
+            grads = adam if directions else grads
         groups = self._group(keys, grads, outs, compress=bool(grads) and not codec.is_raw)
         channel = self._channel()
         handle = Handle(channel, len(groups), (self.cfg.rank, op, clock, keys),
@@ -225,9 +238,20 @@ class PSClient:
             requests.append(Request(shard, header.request_id, ks,
                                     [header.SerializeToString(), *payload],
                                     [outs[i] for i in idx] if outs else (), handle, deadline,
-                                    op, nbytes, copy=compressed or momenta))
+                                    op, nbytes, copy=compressed or momenta or directions))
         channel.send(requests)
         return handle
+
+    def _check_finite(self, keys: Sequence[int], grads: Sequence[np.ndarray]) -> None:
+        """Refuse the push here when a gradient holds NaN or Inf: error feedback and 1-bit Adam
+        moments would fold it into state that every later push carries (the shard refuses raw
+        pushes itself, with the same code)."""
+        for key, grad in zip(keys, grads):
+            if grad.dtype == _F32 and grad.flags.c_contiguous and not native.all_finite(grad):
+                with self.metrics.lock:
+                    self.metrics.nonfinite.inc()
+                raise PSError(pb.NON_FINITE, f"key {key}: gradient holds NaN or Inf; nothing "
+                              f"sent, error feedback and moments unchanged")
 
     def _load_optimizer_state(self, keys: Sequence[int]) -> None:
         """Fetch m and the frozen v of every key from its shard, once (sync 1-bit Adam)."""
@@ -319,6 +343,31 @@ class PSClient:
             if comp is None:
                 comp = self._compressors[key, codec.id] = Compressor(codec, r.shape[0])
             np.copyto(comp.residual, r)
+
+    def onebit_moments(self) -> dict[int, tuple[int, np.ndarray, np.ndarray]]:
+        """async/ssp 1-bit Adam with worker moments: every key's ``(step, m, v)`` this worker
+        has pushed, the state to save beside :meth:`residuals` (arrays owned by the client);
+        empty for any other optimizer or layout."""
+        return self._moments.state() if self._moments is not None else {}
+
+    def load_onebit_moments(self, moments: Mapping[int, tuple[int, np.ndarray, np.ndarray]]
+                            ) -> None:
+        """Restore moments saved by :meth:`onebit_moments` (same plan; after register())."""
+        if self._moments is None:
+            raise RuntimeError("no worker moments here: register() with an async/ssp "
+                               "onebit_adam shard (onebit_moments auto or worker) first")
+        for key, (step, m, v) in moments.items():
+            if not 0 <= key < len(self.plan.keys):
+                raise ValueError(f"key {key} is not in the plan (0 .. {len(self.plan.keys) - 1})")
+            n = self.plan.keys[key].length
+            for name, a in (("m", m), ("v", v)):
+                if a.shape != (n,) or a.dtype != _F32:
+                    raise ValueError(f"{name} of key {key} is {a.dtype}{a.shape}; expected "
+                                     f"float32[{n}]")
+            if step < 1:
+                raise ValueError(f"step of key {key} is {step}; expected >= 1")
+        for key, (step, m, v) in moments.items():
+            self._moments.load(key, step, m, v)
 
     def _channel(self) -> Channel:
         channel = getattr(self._local, "channel", None)

@@ -48,6 +48,10 @@ class WorkerMetrics:
         self.codec_wire_bytes = m.labeled_counter(
             "bitps_worker_codec_wire_bytes_total",
             "Bytes the push codec sent for them, by codec (ratio = raw / wire)", "codec")
+        self.nonfinite = m.counter(
+            "bitps_worker_nonfinite_pushes_total",
+            "Pushes refused on this worker (NON_FINITE) because a gradient held NaN or Inf "
+            "where error feedback or 1-bit Adam moments would have kept it; nothing was sent")
         self.compute_utilization = m.gauge(
             "bitps_worker_compute_utilization_ratio",
             "Last step: (wall time - exposed communication) / wall time")

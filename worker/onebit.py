@@ -1,4 +1,8 @@
-"""The worker's part of sync 1-bit Adam (DeepSpeed's compressed-allreduce math; ``ps.onebit``).
+"""The worker's part of 1-bit Adam (``ps.onebit``): the momentum of sync 1-bit Adam
+(:class:`OneBitMomentum`) and the Adam moments of async/ssp 1-bit Adam with worker moments
+(:class:`WorkerMoments`).
+
+sync (DeepSpeed's compressed-allreduce math):
 
 After the warmup a worker keeps, per key, the momentum ``m`` (the last published one, the same on
 every replica) and the frozen second moment ``v`` it fetched once from the shard. It pushes its
@@ -7,8 +11,12 @@ every published code in a pull reply, sets ``m = decode(code)`` and applies
 ``x -= lr * (m / (sqrt(v)/bc2 + eps) + wd * x)`` with the shard's kernel, so its copy stays
 bit-identical to the shard's.
 
-In ``async``/``ssp`` 1-bit Adam the shard owns the momentum and publishes parameter updates that
-the channel simply adds; nothing here is used.
+``async``/``ssp`` with worker moments (the default): a worker keeps m and v of its own gradients
+for every key, advances them with each push from the first step on, and from the switch on
+pushes the Adam direction ``m/bc1 / (sqrt(v)/bc2 + eps)`` (the client compresses it with error
+feedback, or sends it raw below ``compress_min_bytes``). The shard publishes parameter updates
+that the channel adds, as with shard moments (``onebit_moments=shard``), where nothing here is
+used.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import native
 from native import sign1
 from proto import bitps_pb2 as pb
 
-__all__ = ["OneBitMomentum"]
+__all__ = ["OneBitMomentum", "WorkerMoments"]
 
 
 class OneBitMomentum:
@@ -67,3 +75,46 @@ class OneBitMomentum:
         sign1.decode_add(code, m.shape[0], m, chunk=chunk)
         native.onebit_adam_apply(out, m, self.v[key], self._eps, self._wd, self._neg_lr,
                                  self.bc2[key], self._ratio_clip)
+
+
+class WorkerMoments:
+    """Adam's first and second moments of this worker's own gradients, per key (async/ssp 1-bit
+    Adam with worker moments): float32 arrays and a step count per key, the arithmetic of the
+    shard's Adam (``native.adam_direction``)."""
+
+    def __init__(self, params: pb.OneBitParams) -> None:
+        f32 = np.float32
+        self.beta1, self.beta2 = params.beta1, params.beta2
+        # float32 scalars from the shard's doubles, complements in float64 as torch takes them
+        self._one_minus_beta1, self._beta2 = f32(1 - params.beta1), f32(params.beta2)
+        self._one_minus_beta2, self._eps = f32(1 - params.beta2), f32(params.eps)
+        self.m: dict[int, np.ndarray] = {}
+        self.v: dict[int, np.ndarray] = {}
+        self.steps: dict[int, int] = {}
+        self._out: dict[int, np.ndarray] = {}
+
+    def direction(self, key: int, grad: np.ndarray) -> np.ndarray:
+        """Advance ``key``'s moments with ``grad`` and return Adam's direction for it (float32;
+        an array reused per key: send it before the next call)."""
+        m = self.m.get(key)
+        if m is None:
+            m = self.m[key] = np.zeros_like(grad)
+            self.v[key] = np.zeros_like(grad)
+            self._out[key] = np.empty_like(grad)
+        t = self.steps[key] = self.steps.get(key, 0) + 1
+        out = self._out[key]
+        native.adam_direction(grad, m, self.v[key], out, self._one_minus_beta1, self._beta2,
+                              self._one_minus_beta2, self._eps,
+                              np.float32(1 / (1 - self.beta1**t)),
+                              np.float32((1 - self.beta2**t) ** 0.5))
+        return out
+
+    def state(self) -> dict[int, tuple[int, np.ndarray, np.ndarray]]:
+        """Every key's ``(step, m, v)``: the state to save (arrays owned by this object)."""
+        return {k: (self.steps[k], self.m[k], self.v[k]) for k in self.m}
+
+    def load(self, key: int, step: int, m: np.ndarray, v: np.ndarray) -> None:
+        """Restore one key's moments (shapes and dtypes checked by the caller)."""
+        self.m[key], self.v[key] = m.copy(), v.copy()
+        self.steps[key] = step
+        self._out[key] = np.empty_like(m)
