@@ -151,3 +151,32 @@ def test_psmodel_device_codec_path_trains_like_the_host_path(codec):
     assert host_bytes == device_bytes > 0
     for a, b in zip(host, device):
         assert torch.equal(a, b)
+
+
+def test_nonfinite_gradient_is_refused_on_the_worker_unless_it_arrives_encoded(shards):
+    """A compressed push holding NaN never reaches the error-feedback residual (NON_FINITE
+    on the worker, counted); a key that arrives already encoded (the device codec: its host
+    gradient is not filled) is not read."""
+    from proto import bitps_pb2 as pb
+    from proto.wire import PSError
+
+    plan = make_plan([ParamSpec("big", (2048,))], num_shards=2, partition_bytes=4096)
+    cfg = ClientConfig(servers=tuple(f"127.0.0.1:{s.ports['grpc_port']}" for s in shards),
+                       partition_bytes=4096, compress_min_bytes=0,
+                       push_codec=CodecConfig(name="sign1", chunk=64))
+    keys = [k.key for k in plan.keys]
+    init = np.zeros(2048, np.float32)
+    with PSClient(cfg) as client:
+        client.register(plan, {k.key: init[k.offset:k.offset + k.length] for k in plan.keys})
+        grads = [np.ones(k.length, np.float32) for k in plan.keys]
+        client.push(keys, grads, clock=0).wait()
+        kept = {k: r.copy() for k, r in client.residuals().items()}
+        grads[1][5] = np.inf
+        with pytest.raises(PSError, match=f"key {keys[1]}: gradient holds NaN or Inf") as err:
+            client.push(keys, grads, clock=1)
+        assert err.value.code == pb.NON_FINITE and client.metrics.nonfinite.value == 1
+        assert all(np.array_equal(kept[k], r) for k, r in client.residuals().items())
+        code = sign1.encode_reference(np.ones(1024, np.float32), np.zeros(1024, np.float32),
+                                      chunk=64)[0]
+        client.push(keys, grads, clock=1, encoded={keys[1]: code}).wait()
+        assert client.metrics.nonfinite.value == 1

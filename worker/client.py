@@ -203,7 +203,7 @@ class PSClient:
             self._check_encoded(encoded, codec, clock)
         if grads and (not codec.is_raw or self._momentum is not None
                       or self._moments is not None):
-            self._check_finite(keys, grads)
+            self._check_finite(keys, grads, skip=encoded or {})
         momenta = self._momentum is not None and bool(grads) and clock >= self.freeze_step
         if momenta:
             # sync 1-bit Adam: push this worker's momentum instead of its gradient
@@ -242,11 +242,15 @@ class PSClient:
         channel.send(requests)
         return handle
 
-    def _check_finite(self, keys: Sequence[int], grads: Sequence[np.ndarray]) -> None:
+    def _check_finite(self, keys: Sequence[int], grads: Sequence[np.ndarray],
+                      skip: Mapping[int, object]) -> None:
         """Refuse the push here when a gradient holds NaN or Inf: error feedback and 1-bit Adam
         moments would fold it into state that every later push carries (the shard refuses raw
-        pushes itself, with the same code)."""
+        pushes itself, with the same code). Keys in ``skip`` arrive encoded (device codec):
+        their host gradient is not read."""
         for key, grad in zip(keys, grads):
+            if key in skip:
+                continue
             if grad.dtype == _F32 and grad.flags.c_contiguous and not native.all_finite(grad):
                 with self.metrics.lock:
                     self.metrics.nonfinite.inc()
