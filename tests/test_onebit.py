@@ -6,6 +6,7 @@ directions must carry about one bit per element."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 
@@ -23,6 +24,25 @@ from worker import ClientConfig, PSClient
 N = 20_000
 FREEZE = 10
 STEPS = 50
+
+
+@contextlib.contextmanager
+def _three_steps(shard):
+    """Rank 0 alone on ``shard`` (16 KiB keys, everything compressed) after three push_pulls
+    of seeded gradients: yields ``(client, plan, keys, outs)``."""
+    plan = make_plan([ParamSpec("w", (N,))], num_shards=1, partition_bytes=16384)
+    keys = [k.key for k in plan.keys]
+    copy = np.zeros(N, np.float32)
+    outs = [copy[k.offset:k.offset + k.length] for k in plan.keys]
+    cfg = ClientConfig(servers=(f"127.0.0.1:{shard.ports['grpc_port']}",),
+                       partition_bytes=16384, compress_min_bytes=0)
+    grads = [np.random.default_rng(k).standard_normal(len(o)).astype(np.float32)
+             for k, o in zip(keys, outs)]
+    with PSClient(cfg) as client:
+        client.register(plan, dict(zip(keys, outs)))
+        for step in range(3):
+            client.push_pull(keys, grads, outs, clock=step).wait()
+        yield client, plan, keys, outs
 
 
 def _digest(arrays) -> str:
@@ -144,18 +164,7 @@ def test_error_feedback_state_saves_and_restores():
                           onebit_moments="shard")
     shard = create_server(ServerConfig(mode="async", optimizer=opt, metrics_port=-1))
     try:
-        plan = make_plan([ParamSpec("w", (N,))], num_shards=1, partition_bytes=16384)
-        keys = [k.key for k in plan.keys]
-        copy = np.zeros(N, np.float32)
-        outs = [copy[k.offset:k.offset + k.length] for k in plan.keys]
-        cfg = ClientConfig(servers=(f"127.0.0.1:{shard.ports['grpc_port']}",),
-                           partition_bytes=16384, compress_min_bytes=0)
-        grads = [np.random.default_rng(k).standard_normal(len(o)).astype(np.float32)
-                 for k, o in zip(keys, outs)]
-        with PSClient(cfg) as client:
-            client.register(plan, dict(zip(keys, outs)))
-            for step in range(3):
-                client.push_pull(keys, grads, outs, clock=step).wait()
+        with _three_steps(shard) as (client, plan, keys, outs):
             saved = {k: r.copy() for k, r in client.residuals(clock=2).items()}
             assert set(saved) == set(keys) and all(np.any(r) for r in saved.values())
         core = shard.core
@@ -171,7 +180,8 @@ def test_error_feedback_state_saves_and_restores():
         assert all(np.array_equal(before[k], r) for k, r in core.codec_state().items())
         core.load_codec_state(before)
         assert all(np.array_equal(before[k], r) for k, r in core.codec_state().items())
-        with PSClient(ClientConfig(servers=cfg.servers, partition_bytes=16384,
+        servers = (f"127.0.0.1:{shard.ports['grpc_port']}",)
+        with PSClient(ClientConfig(servers=servers, partition_bytes=16384,
                                    compress_min_bytes=0, push_codec=CodecConfig(name="sign1")))\
                 as other:
             other.plan = plan
@@ -191,23 +201,13 @@ def test_worker_moments_save_restore_and_layout_settings():
     opt = OptimizerConfig(name="onebit_adam", lr=0.01, freeze_step=2, onebit_chunk=256)
     shard = create_server(ServerConfig(mode="ssp", optimizer=opt, metrics_port=-1))
     try:
-        plan = make_plan([ParamSpec("w", (N,))], num_shards=1, partition_bytes=16384)
-        keys = [k.key for k in plan.keys]
-        copy = np.zeros(N, np.float32)
-        outs = [copy[k.offset:k.offset + k.length] for k in plan.keys]
-        cfg = ClientConfig(servers=(f"127.0.0.1:{shard.ports['grpc_port']}",),
-                           partition_bytes=16384, compress_min_bytes=0)
-        grads = [np.random.default_rng(k).standard_normal(len(o)).astype(np.float32)
-                 for k, o in zip(keys, outs)]
-        with PSClient(cfg) as client:
-            client.register(plan, dict(zip(keys, outs)))
-            for step in range(3):
-                client.push_pull(keys, grads, outs, clock=step).wait()
+        with _three_steps(shard) as (client, plan, keys, outs):
             saved = {k: (t, m.copy(), v.copy()) for k, (t, m, v) in
                      client.onebit_moments().items()}
         assert set(saved) == set(keys)
         assert all(t == 3 and np.any(m) and np.any(v) for t, m, v in saved.values())
-        with PSClient(ClientConfig(servers=cfg.servers, partition_bytes=16384)) as other:
+        servers = (f"127.0.0.1:{shard.ports['grpc_port']}",)
+        with PSClient(ClientConfig(servers=servers, partition_bytes=16384)) as other:
             with pytest.raises(RuntimeError, match="register"):
                 other.load_onebit_moments(saved)
             other.register(plan, dict(zip(keys, outs)))  # a restarted rank 0
