@@ -235,32 +235,24 @@ def test_a_nonfinite_gradient_is_refused_before_it_reaches_worker_state(moments)
                           onebit_moments=moments)
     shard = create_server(ServerConfig(mode="async", optimizer=opt, metrics_port=-1))
     try:
-        plan = make_plan([ParamSpec("w", (N,))], num_shards=1, partition_bytes=1 << 20)
-        keys = [k.key for k in plan.keys]
-        copy = np.zeros(N, np.float32)
-        cfg = ClientConfig(servers=(f"127.0.0.1:{shard.ports['grpc_port']}",),
-                           compress_min_bytes=0)
-        with PSClient(cfg) as client:
-            client.register(plan, {keys[0]: copy})
-            grad = np.random.default_rng(0).standard_normal(N).astype(np.float32)
-            for step in range(2):
-                client.push_pull(keys, [grad], [copy], clock=step).wait()
+        with _three_steps(shard) as (client, plan, keys, outs):
             state = [r.copy() for r in client.residuals().values()]
             state += [a.copy() for _, m, v in client.onebit_moments().values() for a in (m, v)]
-            before = shard.core.slots[keys[0]].param.copy()
-            bad = grad.copy()
-            bad[123] = np.nan
-            with pytest.raises(PSError, match="key 0: gradient holds NaN") as err:
-                client.push_pull(keys, [bad], [copy], clock=2)
+            before = [shard.core.slots[k].param.copy() for k in keys]
+            grads = [np.ones(len(o), np.float32) for o in outs]
+            grads[1][123] = np.nan
+            with pytest.raises(PSError, match=f"key {keys[1]}: gradient holds NaN") as err:
+                client.push_pull(keys, grads, outs, clock=3)
             assert err.value.code == pb.NON_FINITE
             after = [*client.residuals().values()]
             after += [a for _, m, v in client.onebit_moments().values() for a in (m, v)]
-            assert len(after) == len(state) == (3 if moments == "auto" else 1)
+            assert len(after) == len(state) == len(keys) * (3 if moments == "auto" else 1)
             assert all(np.array_equal(a, b) for a, b in zip(after, state))
             assert client.metrics.nonfinite.value == 1
-            assert np.array_equal(shard.core.slots[keys[0]].param, before)
-            client.push_pull(keys, [grad], [copy], clock=2).wait()  # and training goes on
-            assert np.array_equal(copy, shard.core.slots[keys[0]].param)
+            assert all(np.array_equal(shard.core.slots[k].param, b) for k, b in zip(keys, before))
+            grads[1][123] = 1.0
+            client.push_pull(keys, grads, outs, clock=3).wait()  # and training goes on
+            assert all(np.array_equal(o, shard.core.slots[k].param) for k, o in zip(keys, outs))
     finally:
         shard.stop(0)
 
