@@ -130,7 +130,8 @@ class OneBitState:
         """async/ssp: pushes are worker Adam directions, not gradients (the shard's m and v
         are only used during warmup)."""
         self.compressing = False
-        """False during warmup; True from the first compressed push on (v is frozen then)."""
+        """False during warmup; True from the first compressed push on (v is frozen then,
+        unless the workers keep the moments)."""
         self.bias_correction2_sqrt = 1.0
         self.server = Compressor(self.codec, n)  # its residual is the server error feedback
         self.delta = np.empty(n, np.float32)
