@@ -180,3 +180,40 @@ def test_nonfinite_gradient_is_refused_on_the_worker_unless_it_arrives_encoded(s
                                       chunk=64)[0]
         client.push(keys, grads, clock=1, encoded={keys[1]: code}).wait()
         assert client.metrics.nonfinite.value == 1
+
+
+def test_psmodel_device_codec_refuses_a_nonfinite_gradient_before_its_residual():
+    """The device codec keeps error feedback next to the gradients: a NaN gradient is refused
+    (NON_FINITE, counted) before it reaches them, and training goes on from the same state."""
+    torch = pytest.importorskip("torch")
+    from proto import bitps_pb2 as pb
+    from proto.wire import PSError
+    from worker.model import PSModel
+
+    shard = create_server(ServerConfig(mode="async", metrics_port=-1,
+                                       optimizer=OptimizerConfig(name="sgd", lr=0.05)))
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 32)
+        cfg = ClientConfig(servers=(f"127.0.0.1:{shard.ports['grpc_port']}",),
+                           partition_bytes=4096, compress_min_bytes=0,
+                           push_codec=CodecConfig(name="sign1", chunk=64))
+        with PSClient(cfg) as client:
+            ps_model = PSModel(model, client, device_codec=True)
+            model(torch.ones(4, 64)).sum().backward()
+            ps_model.step()
+            kept = {k: r.clone() for k, r in ps_model._residuals.items()}
+            params = [p.detach().clone() for p in model.parameters()]
+            model(torch.full((4, 64), float("nan"))).sum().backward()
+            with pytest.raises(PSError, match="gradient holds NaN or Inf") as err:
+                ps_model.step()
+            assert err.value.code == pb.NON_FINITE and client.metrics.nonfinite.value == 1
+            assert kept.keys() == ps_model._residuals.keys()
+            assert all(torch.equal(kept[k], r) for k, r in ps_model._residuals.items())
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+            model.zero_grad()
+            model(torch.ones(4, 64)).sum().backward()
+            ps_model.step()
+            assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    finally:
+        shard.stop(0)

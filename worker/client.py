@@ -252,10 +252,16 @@ class PSClient:
             if key in skip:
                 continue
             if grad.dtype == _F32 and grad.flags.c_contiguous and not native.all_finite(grad):
-                with self.metrics.lock:
-                    self.metrics.nonfinite.inc()
-                raise PSError(pb.NON_FINITE, f"key {key}: gradient holds NaN or Inf; nothing "
-                              f"sent, error feedback and moments unchanged")
+                raise self.refuse_nonfinite(key)
+
+    def refuse_nonfinite(self, key: int) -> PSError:
+        """Count a push refused on this worker because ``key``'s gradient holds NaN or Inf, and
+        return the error to raise (callers that keep their own error feedback, such as
+        ``PSModel``'s device codec, use it too)."""
+        with self.metrics.lock:
+            self.metrics.nonfinite.inc()
+        return PSError(pb.NON_FINITE, f"key {key}: gradient holds NaN or Inf; nothing sent, "
+                       f"error feedback and moments unchanged")
 
     def _load_optimizer_state(self, keys: Sequence[int]) -> None:
         """Fetch m and the frozen v of every key from its shard, once (sync 1-bit Adam)."""

@@ -115,8 +115,10 @@ class PSModel:
         codec = self.client.push_codec_at(clock)
         encoded: dict[int, torch.Tensor] = {}
         grads: list[np.ndarray] = []
+        if self.device_codec:
+            self._check_finite(keys, flat, clock)
         for k in keys:
-            g = flat[self._index[k.name]][k.offset:k.offset + k.length]
+            g = self._slice(flat, k)
             if self.device_codec and self.client.compresses(k.key, clock):
                 encoded[k.key] = self._encode(k.key, g, codec)
                 grads.append(self._grad_view(k) if self.cuda else g.detach().numpy())
@@ -133,8 +135,24 @@ class PSModel:
                        outs=[self._outs[k.key] for k in keys],
                        encoded={key: code.numpy() for key, code in encoded.items()} or None)
 
+    def _check_finite(self, keys: Sequence[Key], flat: Sequence[torch.Tensor], clock: int) -> None:
+        """The device codec folds each gradient into a residual kept next to it: refuse NaN/Inf
+        before encoding (``NON_FINITE``, counted; residuals unchanged), as ``PSClient`` does for
+        host codecs. One device-to-host sync for all the keys."""
+        coded = [k for k in keys if self.client.compresses(k.key, clock)]
+        if not coded:
+            return
+        finite = torch.stack([torch.isfinite(self._slice(flat, k)).all() for k in coded])
+        if not bool(finite.all()):
+            raise self.client.refuse_nonfinite(coded[int(torch.nonzero(~finite)[0])].key)
+
+    def _slice(self, flats: Sequence, k: Key):
+        """Key ``k``'s slice of its parameter's flat array (``flats`` by parameter: gradients,
+        host buffers)."""
+        return flats[self._index[k.name]][k.offset:k.offset + k.length]
+
     def _grad_view(self, k: Key) -> np.ndarray:
-        return self._grad_host[self._index[k.name]][k.offset:k.offset + k.length]
+        return self._slice(self._grad_host, k)
 
     def _encode(self, key: int, g: torch.Tensor, codec) -> torch.Tensor:
         """One key's compressed push with its error feedback kept next to the gradient; on CUDA
@@ -165,7 +183,7 @@ class PSModel:
         return p.data.view(-1).numpy()
 
     def _key_views(self, flats: list[np.ndarray]) -> list[np.ndarray]:
-        return [flats[self._index[k.name]][k.offset:k.offset + k.length] for k in self.plan.keys]
+        return [self._slice(flats, k) for k in self.plan.keys]
 
     def _copy_in(self) -> None:
         """Upload every pulled value on the comm stream, which the compute stream then waits
