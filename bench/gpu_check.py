@@ -10,11 +10,13 @@ a GPU; on one without, it says so and checks nothing.
    and off (the model on the GPU, one worker).
 3. **Activation pool**: gradients bit-identical with the pool at a 50 % budget (offloads through
    pinned memory on a side stream) and without it (issue 5's CUDA path).
-4. The CUDA codec tests (``tests/test_codec_torch.py``, skipped on machines without CUDA).
-5. ``bitps-bench overlap --device cuda`` (unless ``--no-bench``).
+4. **NaN refused before the device residual**: the device codec (sign1 next to the gradients)
+   refuses a NaN gradient with ``NON_FINITE`` and leaves its on-device residuals unchanged.
+5. The CUDA codec tests (``tests/test_codec_torch.py``, skipped on machines without CUDA).
+6. ``bitps-bench overlap --device cuda`` (unless ``--no-bench``).
 
 Writes ``<out>/gpu_check.json`` and ``.md`` (``--out``, default ``bench/results``) and exits
-non-zero when a check fails. ``--device cpu`` runs checks 1-3 on the CPU (a dry run of the
+non-zero when a check fails. ``--device cpu`` runs checks 1-4 on the CPU (a dry run of the
 script itself).
 """
 
@@ -32,7 +34,7 @@ import numpy as np
 
 from bench.report import check, write_results
 
-__all__ = ["main", "pushed_bytes_match", "sync_result"]
+__all__ = ["main", "nonfinite_refused", "pushed_bytes_match", "sync_result"]
 
 
 def _digest(a) -> str:
@@ -189,6 +191,39 @@ def pool_gradients_match(*, device: str = "cpu", budget: float = 0.5, steps: int
                for a, b in zip(ref, got))
 
 
+def nonfinite_refused(server: str, *, device: str = "cpu") -> bool:
+    """Whether ``PSModel``'s device codec refuses a NaN gradient (``NON_FINITE``) and keeps its
+    error-feedback residuals (on ``device``) as they were."""
+    import torch
+
+    from proto import bitps_pb2 as pb
+    from proto.codecs import CodecConfig
+    from proto.wire import PSError
+    from worker.client import PSClient
+    from worker.config import ClientConfig
+    from worker.model import PSModel
+
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 64).to(dev)
+    cfg = ClientConfig(servers=(server,), compress_min_bytes=0,
+                       push_codec=CodecConfig(name="sign1", chunk=256))
+    with PSClient(cfg) as client:
+        ps_model = PSModel(model, client, device_codec=True)
+        model(torch.ones(4, 256, device=dev)).sum().backward()
+        ps_model.step()
+        kept = {k: r.clone() for k, r in ps_model._residuals.items()}
+        model.zero_grad()
+        model(torch.full((4, 256), float("nan"), device=dev)).sum().backward()
+        try:
+            ps_model.step()
+            return False
+        except PSError as err:
+            refused = err.code == pb.NON_FINITE
+        return refused and bool(kept) and all(torch.equal(kept[k], r)
+                                              for k, r in ps_model._residuals.items())
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split(
         "\n")[0])
@@ -227,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"check": "activation pool at 50 % budget: gradients == pool off",
                      "result": "bit-identical" if pooled else "DIFFERENT or no offload"})
         checks["pool_gradients_identical"] = check(pooled, "True", pooled)
+        refused = nonfinite_refused(shard("async", "sgd"), device=args.device)
+        rows.append({"check": "device codec: NaN refused, residuals unchanged",
+                     "result": "refused" if refused else "NOT refused or residual changed"})
+        checks["device_codec_refuses_nan"] = check(refused, "True", refused)
     finally:
         for s in shards:
             s.stop(0)
