@@ -138,11 +138,13 @@ class PSModel:
     def _check_finite(self, keys: Sequence[Key], flat: Sequence[torch.Tensor], clock: int) -> None:
         """The device codec folds each gradient into a residual kept next to it: refuse NaN/Inf
         before encoding (``NON_FINITE``, counted; residuals unchanged), as ``PSClient`` does for
-        host codecs. One device-to-host sync for all the keys."""
+        host codecs. One fused max-|g| per key (``torch._foreach_norm``, as ``clip_grad_norm_``
+        uses; the max cannot overflow) and one device-to-host sync for all the keys."""
         coded = [k for k in keys if self.client.compresses(k.key, clock)]
         if not coded:
             return
-        finite = torch.stack([torch.isfinite(self._slice(flat, k)).all() for k in coded])
+        peaks = torch._foreach_norm([self._slice(flat, k) for k in coded], float("inf"))
+        finite = torch.isfinite(torch.stack(peaks))
         if not bool(finite.all()):
             raise self.client.refuse_nonfinite(coded[int(torch.nonzero(~finite)[0])].key)
 
