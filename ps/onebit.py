@@ -120,7 +120,7 @@ class OneBitState:
     """One key's 1-bit Adam state beyond the Adam moments (which live in ``KeyState``)."""
 
     def __init__(self, n: int, *, chunk: int, history: int, mean_abs: bool,
-                 sync: bool, worker_moments: bool = False) -> None:
+                 sync: bool, worker_moments: bool) -> None:
         self.n = n
         self.codec = Codec(pb.CODEC_SIGN1, chunk, MEAN_ABS if mean_abs else 0)
         self.sync = sync
