@@ -283,7 +283,7 @@ class LeaveReply(_message.Message):
     def __init__(self) -> None: ...
 
 class DataHeader(_message.Message):
-    __slots__ = ("op", "protocol", "worker", "request_id", "clock", "keys", "versions", "dtype", "codec", "error", "message", "deadline_s", "token", "min_clock", "codec_chunk", "codec_flags", "frame_codecs")
+    __slots__ = ("op", "protocol", "worker", "request_id", "clock", "keys", "versions", "dtype", "codec", "error", "message", "deadline_s", "token", "min_clock", "codec_chunk", "codec_flags", "frame_codecs", "pad")
     OP_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +301,7 @@ class DataHeader(_message.Message):
     CODEC_CHUNK_FIELD_NUMBER: _ClassVar[int]
     CODEC_FLAGS_FIELD_NUMBER: _ClassVar[int]
     FRAME_CODECS_FIELD_NUMBER: _ClassVar[int]
+    PAD_FIELD_NUMBER: _ClassVar[int]
     op: Op
     protocol: int
     worker: int
@@ -318,4 +319,5 @@ class DataHeader(_message.Message):
     codec_chunk: int
     codec_flags: int
     frame_codecs: _containers.RepeatedScalarFieldContainer[Codec]
-    def __init__(self, op: _Optional[_Union[Op, str]] = ..., protocol: _Optional[int] = ..., worker: _Optional[int] = ..., request_id: _Optional[int] = ..., clock: _Optional[int] = ..., keys: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., error: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., deadline_s: _Optional[float] = ..., token: _Optional[str] = ..., min_clock: _Optional[int] = ..., codec_chunk: _Optional[int] = ..., codec_flags: _Optional[int] = ..., frame_codecs: _Optional[_Iterable[_Union[Codec, str]]] = ...) -> None: ...
+    pad: bytes
+    def __init__(self, op: _Optional[_Union[Op, str]] = ..., protocol: _Optional[int] = ..., worker: _Optional[int] = ..., request_id: _Optional[int] = ..., clock: _Optional[int] = ..., keys: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., error: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., deadline_s: _Optional[float] = ..., token: _Optional[str] = ..., min_clock: _Optional[int] = ..., codec_chunk: _Optional[int] = ..., codec_flags: _Optional[int] = ..., frame_codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., pad: _Optional[bytes] = ...) -> None: ...

@@ -14,6 +14,7 @@ import time
 
 import zmq
 
+from proto.wire import encode_header
 from ps.shard import Reply, ShardCore
 
 __all__ = ["DataLoop"]
@@ -94,7 +95,8 @@ class DataLoop:
         sock = self.socket
         sock.send(reply.ident, _SNDMORE)
         payload = reply.payload
-        sock.send(reply.header.SerializeToString(), _SNDMORE if payload else 0)
+        bulk = payload[0] if payload and reply.buffers[0] is not None else None
+        sock.send(encode_header(reply.header, bulk), _SNDMORE if payload else 0)
         last = len(payload) - 1
         for i, (part, buf) in enumerate(zip(payload, reply.buffers)):
             flags = 0 if i == last else _SNDMORE

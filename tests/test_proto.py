@@ -1,4 +1,5 @@
-"""The generated stubs are exactly what ``make proto`` produces from ``proto/bitps.proto``."""
+"""The generated stubs are exactly what ``make proto`` produces from ``proto/bitps.proto``, and
+frame 0 is padded as ``proto.wire.encode_header`` promises."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from proto import bitps_pb2 as pb
+from proto.wire import PROTOCOL, ZMQ_BATCH_BYTES, encode_header, parse_header
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERATED = ("bitps_pb2.py", "bitps_pb2.pyi", "bitps_pb2_grpc.py")
@@ -42,3 +47,34 @@ def test_every_field_is_commented():
             if "//" not in s and not above.startswith("//"):
                 missing.append(s)
     assert not missing, f"uncommented fields: {missing}"
+
+
+@pytest.mark.parametrize("message_len", [0, 200, 230, 260])
+def test_header_padding_aligns_the_bulk_copy(message_len):
+    """The kernel copies a zero-copy frame from ``bulk + 8192 - prefix`` (``proto.wire``): the
+    padded header puts that address on a 64-byte boundary for every alignment of ``bulk`` and
+    every header length, including headers near the 255-byte switch of frame 0's size field,
+    and the padded bytes still parse to the same header."""
+    header = pb.DataHeader(op=pb.PUSH_PULL, protocol=PROTOCOL, worker=3, request_id=77,
+                           clock=5, keys=[1, 2], versions=[4, 4], message="x" * message_len)
+    buf = np.zeros(1 << 20, np.uint8)
+    for shift in range(64):
+        bulk = buf[shift:shift + 300_000]
+        data = encode_header(header, bulk)
+        size_field = 1 if len(data) <= 255 else 8
+        assert (bulk.ctypes.data + ZMQ_BATCH_BYTES - (1 + size_field + len(data)) - 9) % 64 == 0
+        assert len(data) - len(header.SerializeToString()) in [0] + list(range(3, 3 + 128))
+        parsed = parse_header(data)
+        assert set(parsed.pad) <= {0}
+        parsed.ClearField("pad")
+        assert parsed == header
+
+
+def test_header_padding_only_for_bulk_frames():
+    header = pb.DataHeader(op=pb.REPLY, request_id=1)
+    plain = header.SerializeToString()
+    assert encode_header(header) == plain
+    assert encode_header(header, np.zeros(ZMQ_BATCH_BYTES, np.uint8)) == plain  # one batch
+    # a memoryview names its address too
+    big = np.zeros(1 << 16, np.uint8)[5:]
+    assert encode_header(header, memoryview(big)) == encode_header(header, big)

@@ -22,7 +22,7 @@ import zmq
 
 from native import sign1
 from proto import bitps_pb2 as pb
-from proto.wire import PSError, parse_header
+from proto.wire import PSError, encode_header, parse_header
 from worker.metrics import WorkerMetrics
 from worker.onebit import OneBitMomentum
 
@@ -104,7 +104,8 @@ class Request:
     shard: int
     request_id: int
     keys: list[int]
-    frames: list
+    header: pb.DataHeader
+    payload: list
     outs: Sequence[np.ndarray]
     handle: Handle
     deadline: float
@@ -145,13 +146,15 @@ class Channel:
             for req in requests:
                 self.inflight[req.request_id] = req
                 self.pending[req.shard] += 1
-                sock, frames = self.dealers[req.shard], req.frames
-                last = len(frames) - 1
-                for i, part in enumerate(frames):
-                    # Zero-copy for big payloads; below ZeroMQ's copy threshold a copying send
-                    # is cheaper than building a zero-copy frame that copies anyway.
-                    sock.send(part, 0 if i == last else _SNDMORE,
-                              copy=req.copy or part.nbytes < _ZERO_COPY_MIN if i else True)
+                sock, payload = self.dealers[req.shard], req.payload
+                # Zero-copy for big payloads; below ZeroMQ's copy threshold a copying send is
+                # cheaper than building a zero-copy frame that copies anyway.
+                copies = [req.copy or part.nbytes < _ZERO_COPY_MIN for part in payload]
+                bulk = payload[0] if payload and not copies[0] else None
+                sock.send(encode_header(req.header, bulk), _SNDMORE if payload else 0)
+                last = len(payload) - 1
+                for i, (part, copy) in enumerate(zip(payload, copies)):
+                    sock.send(part, 0 if i == last else _SNDMORE, copy=copy)
 
     def progress(self, timeout_s: float, *, blocking: bool = True,
                  wake_fd: int | None = None) -> None:

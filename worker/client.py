@@ -235,8 +235,7 @@ class PSClient:
                 nbytes = sum(grads[i].nbytes for i in idx)
                 payload = self._compress(codec, header, ks, [grads[i] for i in idx], clock,
                                          encoded) if compressed else [grads[i] for i in idx]
-            requests.append(Request(shard, header.request_id, ks,
-                                    [header.SerializeToString(), *payload],
+            requests.append(Request(shard, header.request_id, ks, header, payload,
                                     [outs[i] for i in idx] if outs else (), handle, deadline,
                                     op, nbytes, copy=compressed or momenta or directions))
         channel.send(requests)
