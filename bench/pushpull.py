@@ -4,8 +4,9 @@ One worker (this process, a real :class:`worker.PSClient`), one shard (a real ``
 process, ``async`` mode, ``sgd`` rule), loopback TCP. Each iteration pushes a float32 gradient of
 the payload size and pulls the updated parameters back (``push_pull``): 2 x payload bytes move.
 In the same run, a raw pyzmq DEALER/ROUTER pair (``bench.rawzmq``, another process) moves the same
-bytes both ways in frames of the same size, with no PS logic. Rounds alternate between the two so
-machine noise hits both alike; medians are reported, and ratios bitps / raw.
+bytes both ways in frames of the same size, with no PS logic, and for one-key payloads the floor
+(``bench.floor``) does only the work a push+pull cannot skip. Rounds alternate between them so
+machine noise hits all alike; medians are reported, and ratios bitps / raw (and floor / raw).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 
+from bench.floor import FloorClient
 from bench.proc import ReadyProcess
 from bench.report import check, median, write_results
 from proto.keyplan import DEFAULT_PARTITION_BYTES, ParamSpec, make_plan
@@ -83,22 +85,29 @@ def _fresh(old: ReadyProcess | None, argv: list[str]) -> ReadyProcess:
     return ReadyProcess(argv)
 
 
-def _compare(ps: _Bitps, raw_round_trip, iters: int, rounds: int):
-    """Alternate rounds of raw and bitps round trips; returns all bitps times, all raw times and
-    each round's throughput ratio (raw median time / bitps median time), so slow drifts of the
-    machine hit both sides of a ratio alike."""
+def _compare(ps: _Bitps, raw_round_trip, iters: int, rounds: int, floor=None):
+    """Alternate rounds of raw, bitps and (when given) floor round trips; returns all bitps
+    times, all raw times, all floor times and each round's throughput ratios (raw median time /
+    bitps median time, and the same for the floor), so slow drifts of the machine hit every
+    side of a ratio alike."""
     frames = ps.frames()
     warm = max(2, iters // 4)
     _time(ps.round_trip, warm)
     _time(partial(raw_round_trip, frames), warm)
-    t_ps, t_raw, ratios = [], [], []
+    if floor is not None:
+        _time(floor.round_trip, warm)
+    t_ps, t_raw, t_floor, ratios, floor_ratios = [], [], [], [], []
     for _ in range(rounds):
         r = _time(partial(raw_round_trip, frames), iters)
         b = _time(ps.round_trip, iters)
         t_raw += r
         t_ps += b
         ratios.append(median(r) / median(b))
-    return t_ps, t_raw, ratios
+        if floor is not None:
+            f = _time(floor.round_trip, iters)
+            t_floor += f
+            floor_ratios.append(median(r) / median(f))
+    return t_ps, t_raw, t_floor, ratios, floor_ratios
 
 
 def _time(fn, iters: int) -> list[float]:
@@ -119,6 +128,7 @@ def run(*, sizes_mib=(1, 16, 64), rounds: int = 7, small_bytes: int = 1024,
                   "--metrics-port", "-1"]
     raw_peer = ReadyProcess([py, "-m", "bench.rawzmq"])
     raw = _Raw(raw_peer.ready["port"])
+    floor_peer = ReadyProcess([py, "-m", "bench.floor"])
     rows, checks, shard = [], {}, None
     cases = [(f"push+pull {mib:g} MiB", int(mib * MIB)) for mib in sizes_mib]
     cases.append((f"round trip {small_bytes} B", small_bytes))
@@ -133,11 +143,18 @@ def run(*, sizes_mib=(1, 16, 64), rounds: int = 7, small_bytes: int = 1024,
                 # About 0.1-0.3 s per side and round: short rounds let one burst of machine
                 # noise decide a ratio.
                 iters = 200 if small else max(4, min(100, int(256 * MIB / nbytes)))
-            t_ps, t_raw, ratios = _compare(ps, raw.round_trip, iters, rounds)
+            # The floor speaks for one key: it runs where bitps sends a single frame.
+            floor = FloorClient(floor_peer.ready["port"], ps.grads[0]) \
+                if len(ps.grads) == 1 and not small else None
+            t_ps, t_raw, t_floor, ratios, floor_ratios = _compare(ps, raw.round_trip, iters,
+                                                                   rounds, floor)
             ps.close()
             row = {"case": case, "payload_bytes": nbytes, "frames": len(ps.grads),
                    "bitps_ms": median(t_ps) * 1e3, "raw_ms": median(t_raw) * 1e3,
                    "samples": len(t_ps)}
+            if floor is not None:
+                floor.close()
+                row.update(floor_ms=median(t_floor) * 1e3, floor_ratio=median(floor_ratios))
             if small:
                 # Time ratio bitps / raw, the median over rounds measured side by side.
                 ratio = median(1 / r for r in ratios)
@@ -154,6 +171,7 @@ def run(*, sizes_mib=(1, 16, 64), rounds: int = 7, small_bytes: int = 1024,
     finally:
         raw.close()
         raw_peer.stop()
+        floor_peer.stop()
         if shard is not None:
             shard.stop()
     config = {"sizes_mib": list(sizes_mib), "rounds": rounds, "small_bytes": small_bytes,
@@ -163,10 +181,16 @@ def run(*, sizes_mib=(1, 16, 64), rounds: int = 7, small_bytes: int = 1024,
              "default key plan and message size); raw: pyzmq DEALER -> ROUTER echo of the same "
              "bytes in the same frames, zero-copy, preallocated replies. GB/s counts bytes both "
              "ways (2 x payload) per round trip. ratio = median over alternating rounds of "
-             "bitps / raw throughput (round trip: bitps / raw time); ms = medians of all samples.")
+             "bitps / raw throughput (round trip: bitps / raw time); ms = medians of all samples. "
+             "floor: `bench.floor`, a shard and client of a few lines each doing only the work "
+             "one key's push+pull cannot skip (protobuf header, zero-copy send, NaN check + SGD, "
+             "copy of the reply into the caller's buffer), alternating with the same rounds; "
+             "floor ratio = raw / floor time. Where the floor misses a goal, the work itself "
+             "does on this machine.")
     write_results("pushpull", config=config, rows=rows, checks=checks, out=out, notes=notes,
                   columns=[("case", "case"), ("frames", "frames"), ("bitps_ms", "bitps ms"),
                            ("raw_ms", "raw pyzmq ms"), ("bitps_GBps", "bitps GB/s"),
                            ("raw_GBps", "raw GB/s"), ("ratio", "ratio"),
+                           ("floor_ms", "floor ms"), ("floor_ratio", "floor ratio"),
                            ("samples", "samples")])
     return {"rows": rows, "checks": checks}
