@@ -19,13 +19,13 @@ killed.
 
 from __future__ import annotations
 
-import json
 import sys
 
 import numpy as np
 import zmq
 
 import native
+from bench.proc import ready_router
 from proto import bitps_pb2 as pb
 from proto.wire import PROTOCOL, encode_header
 
@@ -35,11 +35,7 @@ _SNDMORE = int(zmq.SNDMORE)
 
 
 def serve(host: str = "127.0.0.1") -> None:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    port = sock.bind_to_random_port(f"tcp://{host}")
-    print(json.dumps({"event": "ready", "port": port}), flush=True)
+    sock = ready_router(host)
     params: dict[int, np.ndarray] = {}  # by payload bytes: one key per size
     trackers: dict[int, zmq.MessageTracker] = {}
     lr, scale, wd = np.float32(1e-3), np.float32(1.0), np.float32(0.0)

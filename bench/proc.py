@@ -1,12 +1,15 @@
 """``ReadyProcess``: a child process (a shard, a raw pyzmq peer) that prints one JSON line when
-it is ready to serve; the benches read it and stop the child when done."""
+it is ready to serve; the benches read it and stop the child when done. ``ready_router`` is the
+child side of the peers that serve one ROUTER."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 
-__all__ = ["ReadyProcess"]
+import zmq
+
+__all__ = ["ReadyProcess", "ready_router"]
 
 
 class ReadyProcess:
@@ -29,3 +32,13 @@ class ReadyProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def ready_router(host: str) -> zmq.Socket:
+    """The child side: a ROUTER bound to a free port on ``host``, announced on stdout as
+    ``{"event": "ready", "port": N}`` for :class:`ReadyProcess`."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port(f"tcp://{host}")
+    print(json.dumps({"event": "ready", "port": port}), flush=True)
+    return sock

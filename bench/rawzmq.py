@@ -8,21 +8,17 @@ killed.
 
 from __future__ import annotations
 
-import json
 import sys
 
 import numpy as np
-import zmq
+
+from bench.proc import ready_router
 
 __all__ = ["serve"]
 
 
 def serve(host: str = "127.0.0.1") -> None:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    port = sock.bind_to_random_port(f"tcp://{host}")
-    print(json.dumps({"event": "ready", "port": port}), flush=True)
+    sock = ready_router(host)
     replies: dict[int, np.ndarray] = {}
     while True:
         frames = sock.recv_multipart(copy=False)
