@@ -77,13 +77,14 @@ def encode_header(header: pb.DataHeader, bulk: np.ndarray | memoryview | None = 
     Why: libzmq writes an idle connection's next message in two ``send`` calls. The first sends
     one batch of :data:`ZMQ_BATCH_BYTES`, copied together: frame 0 (flags, a 1- or 8-byte size,
     the header) and frame 1's 9-byte prefix and first bytes. The second sends the rest of frame
-    1 straight from its buffer, at ``bulk + 8192 - prefix``. When that address lies just below
-    a 4 KiB boundary, the kernel's copy out of it runs at half speed on the machines we measured
-    (AMD EPYC; its loads alias the page-aligned stores it just made): a 1 MiB push+pull took
-    1.4-2.1 ms instead of 0.7. Padding with field 18 (``pad``: 3 + k bytes, appended to the
-    serialized header, which protobuf reads as one more field) makes the address a multiple of
-    64 for k in [0, 63]. Later frames of the same message start their own batch and are not
-    affected by the header."""
+    1 straight from its buffer, at ``bulk + 8192 - prefix``. When that address lies in the last
+    32 bytes below a 4 KiB boundary, the kernel's copy out of it runs at about half speed on
+    the AMD EPYC we measured (most likely 4K aliasing: its loads match the low address bits of
+    the page-aligned stores it has just made): a 1 MiB push+pull took 1.4-2.1 ms instead of 0.7.
+    Padding with field 18 (``pad``: 3 + k bytes appended to the serialized header, which
+    protobuf reads as one more field; k < 128) makes that address a multiple of 64. Later
+    frames of the same message start their own batch at ``frame + 8183`` and are not affected
+    by the header."""
     data = header.SerializeToString()
     if bulk is None or bulk.nbytes <= ZMQ_BATCH_BYTES:
         return data
