@@ -128,11 +128,11 @@ def run(*, sizes_mib=(1, 16, 64), rounds: int = 7, small_bytes: int = 1024,
                   "--metrics-port", "-1"]
     raw_peer = ReadyProcess([py, "-m", "bench.rawzmq"])
     raw = _Raw(raw_peer.ready["port"])
-    floor_peer = ReadyProcess([py, "-m", "bench.floor"])
-    rows, checks, shard = [], {}, None
+    rows, checks, shard, floor_peer = [], {}, None, None
     cases = [(f"push+pull {mib:g} MiB", int(mib * MIB)) for mib in sizes_mib]
     cases.append((f"round trip {small_bytes} B", small_bytes))
     try:
+        floor_peer = ReadyProcess([py, "-m", "bench.floor"])
         for case, nbytes in cases:
             small = nbytes == small_bytes
             shard = _fresh(shard, shard_argv)  # a shard holds one model: a new one per case
@@ -171,7 +171,8 @@ def run(*, sizes_mib=(1, 16, 64), rounds: int = 7, small_bytes: int = 1024,
     finally:
         raw.close()
         raw_peer.stop()
-        floor_peer.stop()
+        if floor_peer is not None:
+            floor_peer.stop()
         if shard is not None:
             shard.stop()
     config = {"sizes_mib": list(sizes_mib), "rounds": rounds, "small_bytes": small_bytes,
