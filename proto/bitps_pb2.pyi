@@ -139,7 +139,7 @@ class RegisterMessage(_message.Message):
     def __init__(self, request: _Optional[_Union[RegisterRequest, _Mapping]] = ..., values: _Optional[_Union[KeyValues, _Mapping]] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("shard_id", "num_shards", "data_port", "metrics_port", "mode", "staleness", "start_clock", "max_frame_bytes", "onebit")
+    __slots__ = ("shard_id", "num_shards", "data_port", "metrics_port", "mode", "staleness", "start_clock", "max_frame_bytes", "onebit", "holds_pulls")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +149,7 @@ class RegisterReply(_message.Message):
     START_CLOCK_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
     ONEBIT_FIELD_NUMBER: _ClassVar[int]
+    HOLDS_PULLS_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     num_shards: int
     data_port: int
@@ -158,7 +159,8 @@ class RegisterReply(_message.Message):
     start_clock: int
     max_frame_bytes: int
     onebit: OneBitParams
-    def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., data_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., start_clock: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., onebit: _Optional[_Union[OneBitParams, _Mapping]] = ...) -> None: ...
+    holds_pulls: bool
+    def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., data_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., start_clock: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., onebit: _Optional[_Union[OneBitParams, _Mapping]] = ..., holds_pulls: _Optional[bool] = ...) -> None: ...
 
 class OneBitParams(_message.Message):
     __slots__ = ("freeze_step", "chunk", "codec_flags", "lr", "beta1", "eps", "weight_decay", "ratio_clip", "beta2", "worker_moments")

@@ -128,7 +128,8 @@ class ShardCore:
             start = self.clocks.workers[req.rank].clock
         return pb.RegisterReply(shard_id=cfg.shard_id, num_shards=cfg.num_shards, mode=cfg.mode,
                                 staleness=cfg.staleness, start_clock=start,
-                                max_frame_bytes=cfg.max_frame_bytes, onebit=onebit.params(cfg))
+                                max_frame_bytes=cfg.max_frame_bytes, onebit=onebit.params(cfg),
+                                holds_pulls=cfg.mode != "async")
 
     def optimizer_state(self, rank: int) -> list[pb.KeyOptimizerState]:
         """sync 1-bit Adam: every key's momentum and frozen v, for a worker at the freeze.
@@ -251,12 +252,13 @@ class ShardCore:
         # async/ssp: pushes for clocks >= freeze_step are compression-stage pushes (sync
         # freezes in _try_aggregate, once the last warmup step is applied).
         freeze = self.rule.onebit and not sync and header.clock >= self.cfg.optimizer.freeze_step
+        live = self.clocks.live() if sync else ()
         for i, (slot, grad) in enumerate(zip(slots, grads)):
             if freeze and not slot.onebit.compressing:
                 slot.onebit.freeze(self.rule.bias_correction2_sqrt(slot.state))
             if sync:
-                slot.accumulate(header.worker, grad)
-                self._try_aggregate(slot)
+                slot.accumulate(header.worker, grad, live)
+                self._try_aggregate(slot, live)
                 continue
             vgap = slot.version - header.versions[i] if header.versions else 0
             lr_scale = 1.0 / (1 + max(vgap, 0)) if self.cfg.staleness_damping else 1.0
@@ -264,8 +266,8 @@ class ShardCore:
             self._applied(header.clock - min_clock, vgap)
         m.push_bytes.inc(nbytes)
 
-    def _try_aggregate(self, slot: Slot) -> bool:
-        if not slot.pushed or not slot.pushed.issuperset(self.clocks.live()):
+    def _try_aggregate(self, slot: Slot, live: list[int]) -> bool:
+        if not slot.pushed or not slot.pushed.issuperset(live):
             return False
         slot.apply_aggregate(self.rule)
         self._applied(0, 0)
@@ -337,8 +339,9 @@ class ShardCore:
             changed = bool(self.clocks.expire()) or self._membership_changed
             self._membership_changed = False
             if changed and self.cfg.mode == "sync":
+                live = self.clocks.live()
                 for slot in self.slots.values():
-                    self._try_aggregate(slot)
+                    self._try_aggregate(slot, live)
             return self._release_held(self.clocks.min_clock())
 
     def clock_snapshot(self) -> ClockSnapshot:

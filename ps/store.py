@@ -12,6 +12,7 @@ copy is cheaper than tracking a frame that small).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,7 +59,11 @@ class Slot:
     acc: np.ndarray = field(default_factory=lambda: _EMPTY)
     """Sync mode: sum of the pushes of the current step."""
     pushed: set[int] = field(default_factory=set)
-    """Sync mode: ranks whose push is in ``acc``."""
+    """Sync mode: ranks that pushed for the current step (in ``acc`` or in ``held``)."""
+    held: dict[int, np.ndarray] = field(default_factory=dict)
+    """Sync mode: pushes waiting for a lower live rank's before they are added."""
+    folded: int = 0
+    """Sync mode: pushes added to ``acc`` so far this step."""
     spare: list[Buffer] = field(default_factory=list)
     onebit: OneBitState | None = None
     """1-bit Adam state (``onebit_adam`` shards only)."""
@@ -146,18 +151,41 @@ class Slot:
         """Overwrite the parameters (initial values from rank 0)."""
         self.buffer = Buffer(np.frombuffer(data, np.float32).copy())
 
-    def accumulate(self, rank: int, grad: np.ndarray) -> None:
-        """Sync mode: add ``rank``'s push for the current step."""
+    def accumulate(self, rank: int, grad: np.ndarray, live: Sequence[int]) -> None:
+        """Sync mode: add ``rank``'s push for the current step. Pushes are added in rank order,
+        whatever order they arrive in, so a step's sum (float addition does not associate) is
+        the same on every run: a push that arrives before a lower live rank's is kept aside
+        (copied when it lives in the reused decode buffer; a raw push is a view of its received
+        frame, which the view keeps alive) until that one is in."""
+        self.pushed.add(rank)
+        if any(r < rank and r not in self.pushed for r in live):
+            shares = self.decoded is not _EMPTY and np.may_share_memory(grad, self.decoded)
+            self.held[rank] = grad.copy() if shares else grad
+            return
+        self._add(grad)
+        self._add_held(live)
+
+    def _add(self, grad: np.ndarray) -> None:
         if self.acc is _EMPTY:
             self.acc = np.empty_like(self.param)
-        native.accumulate(self.acc, grad, not self.pushed)
-        self.pushed.add(rank)
+        native.accumulate(self.acc, grad, self.folded == 0)
+        self.folded += 1
+
+    def _add_held(self, live: Sequence[int] | None) -> None:
+        """Add kept pushes in rank order while no lower live rank is missing (``None``: add
+        them all, the step is complete)."""
+        for rank in sorted(self.held):
+            if live is not None and any(r < rank and r not in self.pushed for r in live):
+                return
+            self._add(self.held.pop(rank))
 
     def apply_aggregate(self, rule: UpdateRule) -> None:
         """Sync mode: apply the mean of the accumulated pushes."""
+        self._add_held(None)
         n = len(self.pushed)
         self.apply(rule, self.acc, grad_scale=1.0 / n)
         self.pushed.clear()
+        self.folded = 0
 
     def decode_buffer(self) -> np.ndarray:
         """A float32 scratch array of the key's length for decoding a compressed push."""

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from proto import bitps_pb2 as pb
-from proto.codecs import Codec, Compressor
+from proto.codecs import Codec, CodecConfig, Compressor
 from proto.wire import PROTOCOL, PSError
 from ps import store
 from ps.config import OptimizerConfig, ServerConfig
@@ -481,6 +481,32 @@ def test_sync_applies_mean_gradient_once_every_worker_pushed():
             assert np.array_equal(got, want)
     assert core.updates_applied == 3 and core.held == []
     assert [core.slots[k].version for k in keys] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("codec", ["raw", "bf16"])
+def test_sync_adds_pushes_in_rank_order_whatever_order_they_arrive_in(codec):
+    """Float addition does not associate: three pushes summed as they arrive would give a step
+    that depends on timing (a sync overlap run differing from an overlap-off one). The shard
+    adds them in rank order, also when a later push overwrites the reused decode buffer."""
+    rng = np.random.default_rng(5)
+    grads = [(rng.standard_normal(KEYS[2]) * 10.0 ** rng.integers(-4, 4, KEYS[2]))
+             .astype(np.float32) for _ in range(3)]
+    frames = [g.tobytes() for g in grads]
+    fields = {}
+    if codec == "bf16":
+        c = Codec.from_config(CodecConfig(name="bf16"))
+        frames = [bytes(Compressor(c, KEYS[2]).encode(g)) for g in grads]
+        fields = dict(zip(("codec", "codec_chunk", "codec_flags"), c.wire_fields()))
+    results = []
+    for order in ((0, 1, 2), (2, 1, 0), (1, 2, 0)):
+        core, _ = _core("sync", world=3, ranks=(0, 1, 2))
+        for w in order:
+            _send(core, pb.PUSH, w, 0, [2], [frames[w]], **fields)
+        assert core.slots[2].version == 1
+        results.append(core.slots[2].param.copy())
+    assert all(np.array_equal(r, results[0]) for r in results)
+    # the trap is real: summed in arrival order these pushes give other bits
+    assert not np.array_equal((grads[2] + grads[1]) + grads[0], (grads[0] + grads[1]) + grads[2])
 
 
 def test_sync_rejects_wrong_clock_and_duplicate_push():

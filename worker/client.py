@@ -61,6 +61,9 @@ class PSClient:
         self.versions: dict[int, int] = {}
         self.start_clock = 0
         self.clock = 0
+        self.holds_pulls = False
+        """Set at registration: the shards may hold a pull until other workers push (sync,
+        ssp), so a pull must never hold back this worker's own pushes (``worker.comm``)."""
         self._heartbeat_min_clock = 0
         self._ids = itertools.count(1)
         self._ctx = zmq.Context()
@@ -100,6 +103,7 @@ class PSClient:
             host = self.cfg.servers[shard].rsplit(":", 1)[0]
             endpoints.append(f"tcp://{host}:{reply.data_port}")
             self.start_clock = max(self.start_clock, reply.start_clock)
+            self.holds_pulls = self.holds_pulls or reply.holds_pulls
             if reply.HasField("onebit"):
                 self.freeze_step = reply.onebit.freeze_step
                 self._onebit_chunk = reply.onebit.chunk

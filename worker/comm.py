@@ -7,11 +7,20 @@ the job in the forward pre-hook of the module that owns the bucket. The thread:
    needs them first), unless ``inflight_bytes`` of gradients are already in flight (the credit
    window; one job may always go);
 2. runs ``job.prepare()`` (on CUDA: wait for the compute stream's event, compress or download
-   on the comm stream into pinned memory) and sends a ``push_pull`` for the bucket's keys;
+   on the comm stream into pinned memory) and sends the bucket's keys: one ``push_pull``, or,
+   when the shards may hold pulls (``hold_pulls``: sync and ssp), a ``push`` and then a
+   ``pull`` for the next clock;
 3. while jobs are in flight, waits for replies *or* a new job at once (a pipe it polls beside
    the sockets), so neither a reply nor a new bucket waits for the other;
-4. runs ``job.finish()`` (on CUDA: upload the pulled parameters on the comm stream) and marks
-   the job done; a failure is kept on the job and raised by ``Job.wait`` on the waiting thread.
+4. returns a job's credit when its push is answered, and once its parameters have arrived runs
+   ``job.finish()`` (on CUDA: upload them on the comm stream) and marks the job done; a failure
+   is kept on the job and raised by ``Job.wait`` on the waiting thread.
+
+Why the credit is held by the push alone: a sync shard answers a bucket's pull only when every
+worker has pushed that bucket. Were the pull's answer to hold the credit, worker A could wait
+for bucket X with its window full while worker B waited for bucket Y, B's X and A's Y queued
+behind those windows: a circular wait. A shard answers a push on arrival, whatever the other
+workers do, so a window of pushes always drains and every worker gets every bucket out.
 
 Torch-free: what is CUDA-specific lives in the ``prepare``/``finish`` callables. The thread owns
 its ZeroMQ channel (``PSClient`` keeps channels per thread), so no socket is shared.
@@ -69,6 +78,9 @@ class Job:
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     handle: Handle | None = None
+    """Completes when the parameters have arrived (the ``push_pull``, or the ``pull``)."""
+    credit: Handle | None = None
+    """Completes when the push is answered: the job then gives its credit back."""
     submitted: float = 0.0
     """``time.perf_counter()`` when handed to the thread, when sent, and when done."""
     sent: float = 0.0
@@ -87,10 +99,12 @@ class Job:
 class CommThread:
     """Sends queued jobs by priority under a credit window and completes them."""
 
-    def __init__(self, client: PSClient, *, inflight_bytes: int,
+    def __init__(self, client: PSClient, *, inflight_bytes: int, hold_pulls: bool = False,
                  on_inflight: Callable[[int], None] | None = None) -> None:
         self.client = client
         self.inflight_bytes = inflight_bytes
+        self.hold_pulls = hold_pulls
+        """The shards may hold pulls (``PSClient.holds_pulls``): push and pull apart."""
         self._on_inflight = on_inflight or (lambda nbytes: None)
         self._lock = threading.Lock()
         self._ready: list[tuple[int, int, Job]] = []  # heap of (priority, seq, job)
@@ -136,27 +150,29 @@ class CommThread:
 
     # -- the thread ---------------------------------------------------------------------------
     def _run(self) -> None:
-        inflight: list[Job] = []
+        inflight: list[Job] = []  # pushes not yet answered: they hold credit
+        waiting: list[Job] = []  # pushes answered, parameters not yet arrived
         used = 0
         while True:
             self._drain_wake()
             used = self._launch(inflight, used)
-            used = self._complete(inflight, used)
+            used = self._complete(inflight, waiting, used)
             with self._lock:
-                idle = not inflight and not self._ready
+                idle = not inflight and not waiting and not self._ready
                 if idle and self._busy_since is not None:
                     self.busy_s += time.perf_counter() - self._busy_since
                     self._busy_since = None
                 if idle and self._closing:
                     return
-            if inflight:
+            if inflight or waiting:
                 try:
                     self.client.progress(_SLICE_S, wake_fd=self._wake_r)
                 except Exception:  # a broken channel: fail what waits on it, keep serving
                     log.exception("communication thread: receive failed")
-                    for job in inflight:
+                    for job in inflight + waiting:
                         self._fail(job, RuntimeError(f"{job.label}: receive failed"))
                     inflight.clear()
+                    waiting.clear()
                     used = 0
                     self._on_inflight(0)
             elif idle:
@@ -183,8 +199,13 @@ class CommThread:
             try:
                 p = job.prepare()
                 job.sent = time.perf_counter()
-                job.handle = self.client.push_pull(p.keys, p.grads, p.outs, clock=job.clock,
-                                                   encoded=p.encoded)
+                if self.hold_pulls:
+                    job.credit = self.client.push(p.keys, p.grads, clock=job.clock,
+                                                  encoded=p.encoded)
+                    job.handle = self.client.pull(p.keys, p.outs, clock=job.clock + 1)
+                else:
+                    job.credit = job.handle = self.client.push_pull(
+                        p.keys, p.grads, p.outs, clock=job.clock, encoded=p.encoded)
             except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
                 self._fail(job, err)
                 continue
@@ -192,13 +213,23 @@ class CommThread:
             used += job.nbytes
             self._on_inflight(used)
 
-    def _complete(self, inflight: list[Job], used: int) -> int:
-        finished = [j for j in inflight if j.handle.done()]
-        for job in finished:
+    def _complete(self, inflight: list[Job], waiting: list[Job], used: int) -> int:
+        pushed = [j for j in inflight if j.credit.done()]
+        for job in pushed:
             inflight.remove(job)
             used -= job.nbytes
             try:
-                job.handle.wait(0.0)  # raises the shard's error, if any
+                job.credit.wait(0.0)  # raises the shard's error, if any
+            except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
+                self._fail(job, err)  # its pull, if any, ends unread at its deadline
+                continue
+            waiting.append(job)
+        if pushed:
+            self._on_inflight(used)
+        for job in [j for j in waiting if j.handle.done()]:
+            waiting.remove(job)
+            try:
+                job.handle.wait(0.0)
                 if job.finish is not None:
                     job.finish()
             except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
@@ -206,8 +237,6 @@ class CommThread:
                 continue
             job.finished = time.perf_counter()
             job.done.set()
-        if finished:
-            self._on_inflight(used)
         return used
 
     @staticmethod

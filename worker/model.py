@@ -313,6 +313,7 @@ class PSModel:
                 m.comm_compute_ratio.set(decision.ratio)
         if decision.enabled:
             self._comm = CommThread(self.client, inflight_bytes=self.overlap.inflight_bytes,
+                                    hold_pulls=self.client.holds_pulls,
                                     on_inflight=self._inflight_metric)
             self._comm_seen = 0.0
 
