@@ -137,6 +137,123 @@ def test_sync_parameters_after_20_steps_are_bit_identical_with_overlap_on_and_of
         assert torch.equal(a, b)
 
 
+class _Reads(torch.overrides.TorchFunctionMode):
+    """Records the value of every parameter the first time a torch function reads it."""
+
+    def __init__(self, named) -> None:
+        super().__init__()
+        self.names = {id(p): n for n, p in named}
+        self.seen: dict[str, torch.Tensor] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for a in torch.utils._pytree.tree_leaves((args, kwargs)):
+            name = self.names.get(id(a))
+            if name is not None and name not in self.seen:
+                self.seen[name] = a.detach().clone()
+        return func(*args, **kwargs)
+
+
+class _SelfAttention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+        self.head = torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.head(self.attn(x, x, x, need_weights=False)[0])
+
+
+def test_read_trace_waits_where_the_forward_reads():
+    """A parent's functional call, a tied weight, and an expert the traced step never called."""
+    from worker.readers import ReadTrace
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 32)
+            self.attn = _SelfAttention()
+            self.experts = torch.nn.ModuleList([torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)])
+            self.unused = torch.nn.Linear(2, 2)
+
+        def forward(self, tokens):
+            h = self.attn(self.embed(tokens))
+            h = self.experts[0](h)  # expert 1 gets no tokens in this step
+            return h @ self.embed.weight[:8, :8]  # a tied read by the root's own code
+
+    net = Net()
+    named = list(net.named_parameters())
+    trace = ReadTrace(net, [p for _, p in named])
+    net(torch.zeros(2, 3, dtype=torch.long)).sum().backward()
+    waits = trace.finish()
+    by_name = {m: {named[i][0] for i in idx} for m, idx in waits.items()}
+    assert {"attn.attn.out_proj.weight", "attn.attn.out_proj.bias",
+            "attn.attn.in_proj_weight"} <= by_name[net.attn.attn]
+    assert net.attn.attn.out_proj not in by_name  # its forward never runs
+    assert by_name[net.embed] == {"embed.weight"}
+    assert "embed.weight" in by_name[net]  # read by the root's forward itself
+    # never read: the owner waits, and so does the nearest enclosing module that ran
+    assert by_name[net.experts[1]] == {"experts.1.weight", "experts.1.bias"}
+    assert {"experts.1.weight", "unused.weight"} <= by_name[net]
+    assert not net._forward_pre_hooks and not net.attn.attn._forward_hooks  # hooks removed
+
+
+@pytest.mark.parametrize("block", ["MultiheadAttention", "TransformerEncoderLayer"])
+def test_parameters_a_parent_reads_by_functional_call_are_ready_before_it_reads_them(
+        shard_factory, block):
+    """Acceptance 2: ``nn.MultiheadAttention`` reads ``out_proj.weight`` inside
+    ``F.multi_head_attention_forward``, so ``out_proj``'s own pre-hook never runs. With pulls
+    slowed (the communication thread pauses before each), every parameter value each forward
+    reads must be the shard's value for that step: what an overlap-off run reads."""
+    from worker.model import PSModel
+
+    torch.set_num_threads(1)
+
+    def build():
+        torch.manual_seed(0)
+        if block == "MultiheadAttention":
+            return _SelfAttention()
+        return torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0,
+                                                batch_first=True)
+
+    def run(mode: str) -> list[dict[str, torch.Tensor]]:
+        server = shard_factory(mode="sync", optimizer=OptimizerConfig(name="sgd", lr=0.1))
+        model = build()
+        client = PSClient(ClientConfig(servers=(server,)))
+        pull = client.pull
+
+        def slow_pull(*args, **kwargs):
+            threading.Event().wait(0.02)
+            return pull(*args, **kwargs)
+
+        client.pull = slow_pull
+        # one bucket per parameter, one in flight at a time: out_proj's bucket goes after the
+        # attention's own (a higher priority), which the attention's pre-hook waits for
+        ps_model = PSModel(model, client, overlap=OverlapConfig(mode=mode, bucket_bytes=1,
+                                                                inflight_bytes=1))
+        gen = torch.Generator().manual_seed(3)
+        reads = []
+        for _ in range(6):
+            with _Reads(model.named_parameters()) as r:
+                out = model(torch.randn(2, 5, 32, generator=gen))
+            out.square().mean().backward()
+            ps_model.step()
+            reads.append(r.seen)
+        ps_model.close()
+        return reads
+
+    off, on = run("off"), run("on")
+    assert "out_proj.weight" in "".join(off[0]) and len(off[0]) == len(on[0])
+    for step, (a, b) in enumerate(zip(off, on)):
+        assert a.keys() == b.keys()
+        torn = [n for n in a if not torch.equal(a[n], b[n])]
+        assert not torn, f"step {step}: forward read {torn} before their pull completed"
+    assert not torch.equal(off[0]["self_attn.out_proj.weight" if block != "MultiheadAttention"
+                               else "attn.out_proj.weight"],
+                           off[-1]["self_attn.out_proj.weight" if block != "MultiheadAttention"
+                                   else "attn.out_proj.weight"])
+
+
 @pytest.mark.parametrize("codec", ["raw", "sign1"])
 def test_bytes_pushed_per_bucket_equal_a_synchronous_copy_of_the_gradient(shard_factory, codec):
     """Acceptance 3 (CPU): what the communication thread sends for every bucket, hashed when

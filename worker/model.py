@@ -52,6 +52,7 @@ from worker.buckets import Bucket, make_buckets
 from worker.client import PSClient
 from worker.comm import CommThread, Job, Payload
 from worker.config import OverlapConfig
+from worker.readers import ReadTrace
 from worker.utilization import Decision, StepStats, StepTimer, decide
 
 __all__ = ["PSModel"]
@@ -202,6 +203,7 @@ class PSModel:
         """Push this step's gradients, pull the parameters the shards computed, zero the grads.
         With overlap on, only what backward's hooks did not push goes now, and the pulls are
         waited for where the next forward needs them."""
+        self._install_waits()
         if self._comm is not None:
             with self._timer.exposed():
                 self._flush()
@@ -290,12 +292,9 @@ class PSModel:
                 f"{cfg_c.clip_norm}) or overlap mode 'off'/'auto'")
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i))
                        for i, (_, p) in enumerate(self.params)]
-        ours = {id(p): i for i, (_, p) in enumerate(self.params)}
-        for module in self.model.modules():
-            owned = sorted({self._bucket_of[ours[id(p)]] for p in module.parameters(recurse=False)
-                            if id(p) in ours})
-            if owned:
-                self._hooks.append(module.register_forward_pre_hook(self._pre_hook_for(owned)))
+        # Which module's forward reads each parameter, watched in the first step (nothing is in
+        # flight then); the pre-hooks that wait for pulls go in before anything is pushed.
+        self._trace: ReadTrace | None = ReadTrace(self.model, [p for _, p in self.params])
         if cfg.mode != "auto" or self._clips:
             reason = ("pushes are compressed and clip_norm > 0 (clipping needs every gradient "
                       "before the first push)" if self._clips and cfg.mode == "auto"
@@ -345,6 +344,16 @@ class PSModel:
                 self._submit(self.buckets[b])
         return hook
 
+    def _install_waits(self) -> None:
+        """End the read trace: every module whose forward reads a parameter (``worker.readers``)
+        waits in its forward pre-hook for that parameter's bucket."""
+        if self._trace is None:
+            return
+        waits, self._trace = self._trace.finish(), None
+        for module, indices in waits.items():
+            buckets = sorted({self._bucket_of[i] for i in indices})
+            self._hooks.append(module.register_forward_pre_hook(self._pre_hook_for(buckets)))
+
     def _pre_hook_for(self, buckets: list[int]):
         def pre_hook(module, args) -> None:
             for b in buckets:
@@ -383,6 +392,7 @@ class PSModel:
 
     def _submit(self, bucket: Bucket) -> None:
         """Hand ``bucket``'s gradients for this step to the communication thread."""
+        self._install_waits()
         prev = self._jobs[bucket.index]
         if prev is not None and not prev.done.is_set():
             prev.wait(self.client.cfg.deadline_s)  # its buffers are about to be reused
