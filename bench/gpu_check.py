@@ -91,6 +91,7 @@ def pushed_bytes_match(server: str, *, device: str = "cpu", codec: str = "raw",
     ps_model = PSModel(model, client, device_codec=codec == "sign1",
                        overlap=OverlapConfig(mode="on", bucket_bytes=16 << 10))
     plan = ps_model.plan
+    tensor_bytes = {n: p.numel() * 4 for n, p in ps_model.params}
     residual = {k.key: np.zeros(k.length, np.float32) for k in plan.keys}
     expected: dict[tuple[int, int], str] = {}
     for step in range(steps):
@@ -99,7 +100,7 @@ def pushed_bytes_match(server: str, *, device: str = "cpu", codec: str = "raw",
         flat = {n: p.grad.detach().reshape(-1).cpu().clone().numpy() for n, p in ps_model.params}
         for k in plan.keys:
             g = flat[k.name][k.offset:k.offset + k.length]
-            if codec == "sign1" and k.nbytes >= cfg.compress_min_bytes:
+            if codec == "sign1" and tensor_bytes[k.name] >= cfg.compress_min_bytes:
                 payload, residual[k.key] = sign1.encode_reference(g, residual[k.key],
                                                                   chunk=chunk)
                 expected[step, k.key] = hashlib.sha256(payload).hexdigest()

@@ -217,3 +217,25 @@ def test_psmodel_device_codec_refuses_a_nonfinite_gradient_before_its_residual()
             assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
     finally:
         shard.stop(0)
+
+
+def test_every_key_of_a_tensor_over_compress_min_bytes_is_compressed_by_default(shards):
+    """Acceptance 5: the 1 MiB rule is about one communication's size, not a partition's. A
+    1.5 MiB tensor is cut into keys under 1 MiB; with the default compress_min_bytes (1 MiB)
+    all of them go sign1, and the 512 KiB tensor beside it goes raw."""
+    big, small = 3 << 17, 1 << 17  # elements: 1.5 MiB and 512 KiB of float32
+    plan = make_plan([ParamSpec("big", (big,)), ParamSpec("small", (small,))], num_shards=2)
+    names = [k.name for k in plan.keys]
+    assert names.count("big") >= 2 and names[-1] == "small"
+    assert all(k.nbytes < 1 << 20 for k in plan.keys)
+    cfg = ClientConfig(servers=tuple(f"127.0.0.1:{s.ports['grpc_port']}" for s in shards),
+                       push_codec=CodecConfig(name="sign1"))
+    assert cfg.compress_min_bytes == 1 << 20
+    keys = [k.key for k in plan.keys]
+    with PSClient(cfg) as client:
+        client.register(plan, {k.key: np.zeros(k.length, np.float32) for k in plan.keys})
+        assert [client.compresses(k, 0) for k in keys] == [n == "big" for n in names]
+        grads = [np.ones(k.length, np.float32) for k in plan.keys]
+        client.push(keys, grads, clock=0).wait()
+    decoded = sum(s.core.metrics.codec_decoded_bytes.labels("sign1").value for s in shards)
+    assert decoded == big * 4  # both keys of "big" arrived compressed, "small" did not

@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="sparse value encoding")
     add("--compress-min-bytes", type=int,
         default=int(env("BITPS_COMPRESS_MIN_BYTES", str(1 << 20))),
-        help="keys smaller than this go uncompressed")
+        help="tensors smaller than this go uncompressed; every key of a larger one is "
+             "compressed")
     add("--clip-norm", type=float, default=1.0,
         help="clip the local gradient to this L2 norm before error feedback (0 = off)")
     add("--codec-seed", type=int, default=0, help="seed of sparse sampling and rounding")

@@ -44,8 +44,9 @@ class ClientConfig:
     """How gradients are pushed (``proto.codecs``): ``raw`` float32 by default; ``bf16``,
     ``fp16``, ``sign1`` or ``sparse`` compress each key with error feedback kept per key."""
     compress_min_bytes: int = 1 << 20
-    """Keys smaller than this many (float32) bytes are pushed raw even with a push codec: for
-    small messages the per-message cost dominates and compressing gains nothing."""
+    """Tensors smaller than this many (float32) bytes are pushed raw even with a push codec
+    (for small messages the per-message cost dominates and compressing gains nothing); every key
+    of a tensor at least this large is compressed, whatever size ``partition_bytes`` cut it to."""
     clip_norm: float = 1.0
     """When pushes are compressed (a push codec, or 1-bit Adam), ``PSModel`` clips the local
     gradient to this global L2 norm before error feedback (0 = no clipping; raw pushes are
