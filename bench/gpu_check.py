@@ -50,13 +50,14 @@ def _recording_client(cfg):
             super().__init__(cfg)
             self.sent: list[tuple[int, list[int], list[np.ndarray], list[str]]] = []
 
-        def push_pull(self, keys, grads, outs, *, clock, encoded=None):
+        def push_pull(self, keys, grads, outs, *, clock, encoded=None, scale=None):
             if threading.current_thread().name != "bitps-comm":
                 raise AssertionError("a bucket was pushed off the communication thread")
             arrays = [encoded[k] if encoded and k in encoded else g
                       for k, g in zip(keys, grads)]
             self.sent.append((clock, list(keys), arrays, [_digest(a) for a in arrays]))
-            return super().push_pull(keys, grads, outs, clock=clock, encoded=encoded)
+            return super().push_pull(keys, grads, outs, clock=clock, encoded=encoded,
+                                     scale=scale)
 
     return Recording(cfg)
 

@@ -8,14 +8,18 @@ document their byte layout and buffer ownership.
 from native.update_rules import (
     accumulate,
     adam_direction,
+    adam_direction_correct,
     adam_step,
+    add_scaled,
     all_finite,
     momentum_step,
     onebit_adam_apply,
     onebit_adam_delta,
     onebit_direction_delta,
     sgd_step,
+    sum_squares,
 )
 
-__all__ = ["accumulate", "adam_direction", "adam_step", "all_finite", "momentum_step",
-           "onebit_adam_apply", "onebit_adam_delta", "onebit_direction_delta", "sgd_step"]
+__all__ = ["accumulate", "adam_direction", "adam_direction_correct", "adam_step", "add_scaled",
+           "all_finite", "momentum_step", "onebit_adam_apply", "onebit_adam_delta",
+           "onebit_direction_delta", "sgd_step", "sum_squares"]

@@ -11,8 +11,10 @@ Payload of a key of ``n`` elements: ``n`` little-endian 16-bit values, ``2n`` by
   +-Inf, which the receiver rejects as non-finite). numba has no float16 on the CPU, so fp16 runs
   in numpy.
 
-With error feedback (``residual`` updated in place): ``u = grad + residual``, the payload encodes
-``u``, and ``residual = u - decode(payload)``.
+With error feedback (``residual`` updated in place): ``u = grad * scale + residual`` (``scale``
+is the clip factor, 1 by default), the payload encodes ``u``, and ``residual = u -
+decode(payload)``. :func:`raw_encode` is the same wrapper around raw float32 values: nothing is
+lost, so the residual only carries what clipping under overlap folds into it afterwards.
 
 Buffer ownership: the caller owns every array; nothing here allocates (fp16 through numpy
 allocates its temporaries). ``grad`` and payloads may be read-only views of received frames.
@@ -26,7 +28,7 @@ from llvmlite import ir
 from numba.extending import intrinsic
 
 __all__ = ["bf16_decode_add", "bf16_encode", "bf16_reference", "fp16_decode_add",
-           "fp16_encode"]
+           "fp16_encode", "raw_encode"]
 
 _jit = numba.njit(cache=True, nogil=True, fastmath=False, boundscheck=False, error_model="numpy")
 
@@ -41,15 +43,18 @@ def _check(grad: np.ndarray, residual: np.ndarray | None, out: np.ndarray) -> No
         raise ValueError(f"out is {out.dtype}[{out.shape[0]}]; expected uint16 of >= {n}")
 
 
-def bf16_encode(grad: np.ndarray, residual: np.ndarray | None, out: np.ndarray) -> int:
-    """Round ``grad (+ residual)`` to bf16 into ``out`` (uint16); with a ``residual``, store the
-    rounding error there. Returns the payload size in bytes (``2n``)."""
+def bf16_encode(grad: np.ndarray, residual: np.ndarray | None, out: np.ndarray, *,
+                scale: float = 1.0) -> int:
+    """Round ``grad * scale (+ residual)`` to bf16 into ``out`` (uint16); with a
+    ``residual``, store the rounding error there. Returns the payload size in bytes (``2n``)."""
     _check(grad, residual, out)
     n = grad.shape[0]
     if residual is None:
+        if scale != 1.0:
+            raise ValueError(f"scale {scale} needs a residual (error feedback)")
         _bf16_cast(grad, out[:n])
     else:
-        _bf16_encode_ef(grad, residual, out[:n])
+        _bf16_encode_ef(grad, residual, out[:n], np.float32(scale))
     return 2 * n
 
 
@@ -92,10 +97,10 @@ def _bf16_cast(x, out):
 
 
 @_jit
-def _bf16_encode_ef(grad, residual, out):
+def _bf16_encode_ef(grad, residual, out, gscale):
     # residual holds u first, read back as bits through a uint32 view
     for j in range(grad.shape[0]):
-        residual[j] = grad[j] + residual[j]
+        residual[j] = grad[j] * gscale + residual[j]
     ubits = residual.view(np.uint32)
     for j in range(grad.shape[0]):
         q = _bf16_bits(ubits[j])
@@ -109,11 +114,16 @@ def _bf16_decode_add(q, acc):
         acc[j] = acc[j] + _f32(np.uint32(q[j]) << np.uint32(16))
 
 
-def fp16_encode(grad: np.ndarray, residual: np.ndarray | None, out: np.ndarray) -> int:
-    """Round ``grad (+ residual)`` to IEEE half into ``out`` (uint16); with a ``residual``, store
-    the rounding error there. Returns ``2n``."""
+def fp16_encode(grad: np.ndarray, residual: np.ndarray | None, out: np.ndarray, *,
+                scale: float = 1.0) -> int:
+    """Round ``grad * scale (+ residual)`` to IEEE half into ``out`` (uint16); with a
+    ``residual``, store the rounding error there. Returns ``2n``."""
     _check(grad, residual, out)
     n = grad.shape[0]
+    if scale != 1.0:
+        if residual is None:
+            raise ValueError(f"scale {scale} needs a residual (error feedback)")
+        grad = grad * np.float32(scale)
     u = grad if residual is None else np.add(grad, residual, out=residual)
     half = out[:n].view(np.float16)
     np.copyto(half, u, casting="same_kind")
@@ -135,3 +145,24 @@ def bf16_reference(u: np.ndarray) -> np.ndarray:
     nan = (b & 0x7FFFFFFF) > 0x7F800000
     q[nan] = ((b[nan] >> 16) | 0x40).astype(np.uint32)
     return (q & 0xFFFF).astype(np.uint16)
+
+
+def raw_encode(grad: np.ndarray, residual: np.ndarray, out: np.ndarray, *,
+               scale: float = 1.0) -> int:
+    """Raw float32 values with error feedback: ``out = grad * scale + residual``, then
+    ``residual = 0`` (a raw payload carries everything). Returns ``4n``."""
+    n = grad.shape[0]
+    if grad.dtype != np.float32 or residual.dtype != np.float32 or residual.shape != grad.shape:
+        raise ValueError(f"grad {grad.dtype}{grad.shape} and residual must be float32 of one "
+                         f"length")
+    if out.dtype != np.float32 or out.shape[0] < n:
+        raise ValueError(f"out is {out.dtype}[{out.shape[0]}]; expected float32 of >= {n}")
+    _raw_encode_ef(grad, residual, out[:n], np.float32(scale))
+    return 4 * n
+
+
+@_jit
+def _raw_encode_ef(grad, residual, out, gscale):
+    for j in range(grad.shape[0]):
+        out[j] = grad[j] * gscale + residual[j]
+        residual[j] = 0.0

@@ -12,7 +12,8 @@ Payload of a key of ``n`` float32 elements with chunk size ``C`` (a multiple of 
 
 Encoding with error feedback (``residual`` is the key's EF state, updated in place)::
 
-    u = grad + residual                       (float32)
+    u = grad * scale + residual               (float32; ``scale`` is the clip factor, 1 by
+                                               default, which leaves ``grad`` as it is)
     scale[c] = RMS of u over chunk c          (default)  or mean |u| (``mean_abs``)
     residual = u - decode(payload)            (float32)
 
@@ -63,9 +64,9 @@ def _check_chunk(chunk: int) -> None:
 
 
 def encode(grad: np.ndarray, residual: np.ndarray, out: np.ndarray, *,
-           chunk: int = DEFAULT_CHUNK, mean_abs: bool = False) -> int:
-    """Compress ``grad + residual`` into ``out`` (uint8, at least ``payload_bytes`` long) and
-    store the new residual; returns the payload size."""
+           chunk: int = DEFAULT_CHUNK, mean_abs: bool = False, scale: float = 1.0) -> int:
+    """Compress ``grad * scale + residual`` into ``out`` (uint8, at least ``payload_bytes``
+    long) and store the new residual; returns the payload size."""
     _check_chunk(chunk)
     n = grad.shape[0]
     if residual.shape != grad.shape or residual.dtype != np.float32 or grad.dtype != np.float32:
@@ -76,7 +77,7 @@ def encode(grad: np.ndarray, residual: np.ndarray, out: np.ndarray, *,
         raise ValueError(f"out is {out.dtype}[{out.shape[0]}]; expected uint8 of >= {size} bytes")
     nchunks = (n + chunk - 1) // chunk
     _encode(grad, residual, out[:4 * nchunks].view(np.float32), out[4 * nchunks:size],
-            np.int64(chunk), mean_abs)
+            np.int64(chunk), mean_abs, np.float32(scale))
     return size
 
 
@@ -89,7 +90,7 @@ def decode_add(payload, n: int, acc: np.ndarray, *, chunk: int = DEFAULT_CHUNK) 
 
 
 @_jit
-def _encode(grad, residual, scales, bits, chunk, mean_abs):
+def _encode(grad, residual, scales, bits, chunk, mean_abs, gscale):
     # Loops index chunk-local slices from 0: with absolute indices numba cannot rule out
     # negative ones, wraps each access, and the loops stop vectorizing (2-3x slower).
     n = grad.shape[0]
@@ -100,7 +101,7 @@ def _encode(grad, residual, scales, bits, chunk, mean_abs):
         g = grad[lo:lo + m]
         u = residual[lo:lo + m]
         for j in range(m):
-            u[j] = g[j] + u[j]
+            u[j] = g[j] * gscale + u[j]
         lanes[:] = 0.0
         full = m - m % LANES
         for base in range(0, full, LANES):
@@ -164,11 +165,11 @@ def _decode_add(scales, bits, acc, chunk):
 # -- numpy reference (the spec check; written independently of the kernels) --------------------
 
 def encode_reference(grad: np.ndarray, residual: np.ndarray, *, chunk: int = DEFAULT_CHUNK,
-                     mean_abs: bool = False) -> tuple[bytes, np.ndarray]:
+                     mean_abs: bool = False, scale: float = 1.0) -> tuple[bytes, np.ndarray]:
     """The payload and the new residual, in plain numpy."""
     _check_chunk(chunk)
     n = grad.shape[0]
-    u = (grad + residual).astype(np.float32)
+    u = (grad * np.float32(scale) + residual).astype(np.float32)
     nchunks = (n + chunk - 1) // chunk
     padded = np.zeros(nchunks * chunk, np.float64)
     padded[:n] = np.abs(u) if mean_abs else u.astype(np.float64) ** 2

@@ -5,7 +5,7 @@ bit for bit.
 Encoding a key of ``n`` float32 elements with chunk size ``C`` (a multiple of 64), a u64 ``seed``
 and a value mode:
 
-1. ``u = grad + residual``.
+1. ``u = grad * scale + residual`` (``scale``, the clip factor, is 1 by default).
 2. ``tau = 2 * lower median of |u|`` over a sample: every element when ``n <= 4096``,
    else positions ``s, s+100, s+200, ... < n`` with ``s = rand(seed, 0) % 100``. The lower median
    of ``m`` values is element ``(m-1)//2`` of their ascending sort.
@@ -187,7 +187,7 @@ def _radix_select(a, kth, hist):
 
 
 @_jit
-def _threshold(grad, residual, scratch, seed):
+def _threshold(grad, residual, scratch, seed, gscale):
     n = grad.shape[0]
     start, step = 0, 1
     if n >= SAMPLE_ALL_BELOW:
@@ -195,7 +195,7 @@ def _threshold(grad, residual, scratch, seed):
         step = SAMPLE_STRIDE
     m = 0
     for p in range(start, n, step):
-        scratch[m] = abs(grad[p] + residual[p])
+        scratch[m] = abs(grad[p] * gscale + residual[p])
         m += 1
     if m == 0:
         return np.float32(0)
@@ -231,7 +231,7 @@ def _pow2(b, biased):
 
 
 @_jit
-def _encode_chunk(grad, residual, out, tau, seed, c0, c1, vpos, value_mode):
+def _encode_chunk(grad, residual, out, tau, seed, c0, c1, vpos, value_mode, gscale):
     """Elements ``c0 <= j < c1``: ``residual = u`` and the bitmap, 64 at a time in a loop that
     vectorizes, then the values of that block's kept elements from ``out[vpos]`` on, while it
     is in L1; every kept element is visited once (count trailing zeros of the block's mask).
@@ -244,7 +244,7 @@ def _encode_chunk(grad, residual, out, tau, seed, c0, c1, vpos, value_mode):
         lo, hi = np.uint64(b0), np.uint64(min(b0 + 64, c1))
         mask = np.uint64(0)
         for j in range(lo, hi):
-            u = grad[j] + residual[j]
+            u = grad[j] * gscale + residual[j]
             residual[j] = u
             mask |= np.uint64(abs(u) > tau) << (j - lo)
         p = HEADER_BYTES + (b0 >> 3)
@@ -331,10 +331,10 @@ def _to_list(out, n, k, v0, vbytes):
 
 
 @_jit
-def _encode(grad, residual, out, scratch, seed, chunk, value_mode):
+def _encode(grad, residual, out, scratch, seed, chunk, value_mode, gscale):
     """The whole payload into ``out``; returns its length."""
     n = grad.shape[0]
-    tau = _threshold(grad, residual, scratch, seed)
+    tau = _threshold(grad, residual, scratch, seed, gscale)
     v0 = HEADER_BYTES + ((n + 7) >> 3)
     nch = (n + chunk - 1) // chunk
     vbase = v0 if value_mode == BF16 else v0 + nch
@@ -342,7 +342,8 @@ def _encode(grad, residual, out, scratch, seed, chunk, value_mode):
     for c in range(nch):
         c0 = c * chunk
         c1 = min(c0 + chunk, n)
-        cmax, vpos = _encode_chunk(grad, residual, out, tau, seed, c0, c1, vpos, value_mode)
+        cmax, vpos = _encode_chunk(grad, residual, out, tau, seed, c0, c1, vpos, value_mode,
+                                   gscale)
         if value_mode == NATEXP8:
             out[v0 + c] = cmax & 0xFF
     k = (vpos - vbase) >> 1 if value_mode == BF16 else vpos - vbase
@@ -451,10 +452,10 @@ def _key(n, chunk):
         raise ValueError(f"chunk is {chunk}, expected a positive multiple of 64")
 
 
-def encode(grad, residual, out, scratch, seed, chunk, value_mode) -> int:
-    """Encode ``grad`` plus the error-feedback ``residual`` into ``out[:nbytes]`` and return
-    ``nbytes``; ``residual`` becomes what was not sent. Size ``out`` with ``max_payload_bytes``
-    and ``scratch`` (float32) with ``sample_size``.
+def encode(grad, residual, out, scratch, seed, chunk, value_mode, scale=1.0) -> int:
+    """Encode ``grad * scale`` plus the error-feedback ``residual`` into ``out[:nbytes]`` and
+    return ``nbytes``; ``residual`` becomes what was not sent. Size ``out`` with
+    ``max_payload_bytes`` and ``scratch`` (float32) with ``sample_size``.
 
     >>> n = 10_000; res = np.zeros(n, np.float32)
     >>> out = np.empty(max_payload_bytes(n, 2048, BF16), np.uint8)
@@ -477,7 +478,7 @@ def encode(grad, residual, out, scratch, seed, chunk, value_mode) -> int:
         if np.may_share_memory(a, b):
             raise ValueError("grad, residual, out and scratch overlap, expected separate buffers")
     return int(_encode(grad, residual, out, scratch, np.uint64(seed), np.int64(chunk),
-                       np.int64(value_mode)))
+                       np.int64(value_mode), np.float32(scale)))
 
 
 def decode_add(payload, n, chunk, acc) -> None:
@@ -575,9 +576,10 @@ def _natexp8_encode_np(kept, idx, seed, chunk, n):
     return block, _natexp8_np(codes, cmax[of])
 
 
-def encode_reference(grad, residual, seed, chunk, value_mode) -> tuple[bytes, np.ndarray]:
+def encode_reference(grad, residual, seed, chunk, value_mode,
+                     scale=1.0) -> tuple[bytes, np.ndarray]:
     """The codec spelled out in NumPy: ``(payload, new residual)``; inputs are not modified."""
-    u = np.asarray(grad, np.float32) + np.asarray(residual, np.float32)
+    u = np.asarray(grad, np.float32) * np.float32(scale) + np.asarray(residual, np.float32)
     n = u.shape[0]
     mag = np.abs(u)
     if n >= SAMPLE_ALL_BELOW:

@@ -177,33 +177,38 @@ class Codec:
 
 class Compressor:
     """One key's sender side: the codec, its error-feedback residual (the state to save and
-    restore) and a reusable output buffer. Not thread-safe; one per key and direction."""
+    restore) and a reusable output buffer. Not thread-safe; one per key and direction.
+
+    A raw compressor sends ``grad * scale + residual`` as float32 and keeps a zero residual:
+    only clipping under overlap (``worker.clip``) adds to it, once the step's exact clip factor
+    is known, so that what a raw key missed arrives with its next push."""
 
     def __init__(self, codec: Codec, n: int) -> None:
-        if codec.is_raw:
-            raise ValueError("raw values need no compressor; send the array itself")
         self.codec, self.n = codec, n
         self.residual = np.zeros(n, np.float32)
         self._out = np.empty(codec.max_bytes(n), np.uint8)
         self._scratch = (np.empty(sparse.sample_size(n), np.float32)
                          if codec.id == pb.CODEC_SPARSE else None)
 
-    def encode(self, grad: np.ndarray, *, seed: int = 0) -> memoryview:
-        """The payload for ``grad`` (plus the residual); valid until the next call. ``seed``
-        drives sparse's sampling and stochastic rounding (vary it per step)."""
+    def encode(self, grad: np.ndarray, *, seed: int = 0, scale: float = 1.0) -> memoryview:
+        """The payload for ``grad * scale`` (plus the residual); valid until the next call.
+        ``seed`` drives sparse's sampling and stochastic rounding (vary it per step); ``scale``
+        is the clip factor."""
         codec, out = self.codec, self._out
         if grad.shape != (self.n,):
             raise ValueError(f"gradient has shape {grad.shape}; this key has ({self.n},)")
-        if codec.id == pb.CODEC_BF16:
-            size = casts.bf16_encode(grad, self.residual, out.view(np.uint16))
+        if codec.id == pb.CODEC_RAW:
+            size = casts.raw_encode(grad, self.residual, out.view(np.float32), scale=scale)
+        elif codec.id == pb.CODEC_BF16:
+            size = casts.bf16_encode(grad, self.residual, out.view(np.uint16), scale=scale)
         elif codec.id == pb.CODEC_FP16:
-            size = casts.fp16_encode(grad, self.residual, out.view(np.uint16))
+            size = casts.fp16_encode(grad, self.residual, out.view(np.uint16), scale=scale)
         elif codec.id == pb.CODEC_SIGN1:
             size = sign1.encode(grad, self.residual, out, chunk=codec.chunk,
-                                mean_abs=bool(codec.flags & MEAN_ABS))
+                                mean_abs=bool(codec.flags & MEAN_ABS), scale=scale)
         else:
             size = sparse.encode(grad, self.residual, out, self._scratch, np.uint64(seed),
-                                 codec.chunk, codec._sparse_values)
+                                 codec.chunk, codec._sparse_values, scale)
         return memoryview(out)[:size]
 
     def residual_norm(self) -> float:

@@ -141,6 +141,7 @@ def test_psmodel_device_codec_path_trains_like_the_host_path(codec):
                     loss = model(x).square().mean()
                     loss.backward()
                     ps_model.step()
+                ps_model.synchronize()  # auto may have turned overlap on: pushes in flight
                 sent = client.metrics.codec_wire_bytes.labels(codec).value
             return [p.detach().clone() for p in model.parameters()], sent
         finally:

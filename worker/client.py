@@ -29,7 +29,7 @@ import zmq
 import native
 from proto import bitps_pb2 as pb
 from proto import bitps_pb2_grpc as pb_grpc
-from proto.codecs import MEAN_ABS, Codec, Compressor
+from proto.codecs import MEAN_ABS, RAW, Codec, Compressor
 from proto.keyplan import KeyPlan
 from proto.wire import PROTOCOL, PSError
 from worker.channel import Channel, Handle, PSTimeoutError, Request
@@ -58,6 +58,8 @@ class PSClient:
         self._grpc = [grpc.insecure_channel(s, options=opts) for s in cfg.servers]
         self._stubs = [pb_grpc.ControlStub(c) for c in self._grpc]
         self.plan: KeyPlan | None = None
+        self._large: list[bool] = []
+        self._large_for: KeyPlan | None = None
         self.versions: dict[int, int] = {}
         self.start_clock = 0
         self.clock = 0
@@ -113,12 +115,6 @@ class PSClient:
                     self._moments = WorkerMoments(reply.onebit)
         self.clock = self.start_clock
         self.versions = {k.key: 0 for k in plan.keys}
-        tensor_bytes: dict[str, int] = {}
-        for k in plan.keys:
-            tensor_bytes[k.name] = tensor_bytes.get(k.name, 0) + k.nbytes
-        # The problem statement's rule is about one communication's size: every key of a
-        # tensor of at least compress_min_bytes is compressed, however the plan cut it.
-        self._large = [tensor_bytes[k.name] >= self.cfg.compress_min_bytes for k in plan.keys]
         self._endpoints = endpoints
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="bitps-heartbeat",
                                            daemon=True)
@@ -172,11 +168,17 @@ class PSClient:
 
     # -- data plane ---------------------------------------------------------------------------
     def push(self, keys: Sequence[int], grads: Sequence[np.ndarray], *, clock: int,
-             encoded: Mapping[int, np.ndarray] | None = None) -> Handle:
+             encoded: Mapping[int, np.ndarray] | None = None,
+             scale: float | None = None) -> Handle:
         """Send gradients of ``keys`` for step ``clock``. ``encoded`` maps keys to payloads
         already compressed with :meth:`push_codec_at` (``clock``) by the caller, who then keeps
-        their error feedback (``PSModel``'s GPU path); those keys' ``grads`` are not read."""
-        return self._submit(pb.PUSH, keys, grads, (), clock, encoded)
+        their error feedback (``PSModel``'s GPU path); those keys' ``grads`` are not read.
+
+        ``scale``: a clip factor the gradients are multiplied by before error feedback. Every
+        key then keeps error feedback, raw ones too, so that :meth:`clip_correct` can fold the
+        difference to the step's exact factor into the next push (``worker.clip``). The caller
+        has checked the gradients with :meth:`sum_squares`; they are not checked again."""
+        return self._submit(pb.PUSH, keys, grads, (), clock, encoded, scale)
 
     def pull(self, keys: Sequence[int], outs: Sequence[np.ndarray], *, clock: int) -> Handle:
         """Fetch parameters of ``keys`` for step ``clock`` into ``outs``."""
@@ -184,10 +186,43 @@ class PSClient:
 
     def push_pull(self, keys: Sequence[int], grads: Sequence[np.ndarray],
                   outs: Sequence[np.ndarray], *, clock: int,
-                  encoded: Mapping[int, np.ndarray] | None = None) -> Handle:
+                  encoded: Mapping[int, np.ndarray] | None = None,
+                  scale: float | None = None) -> Handle:
         """Push gradients for step ``clock`` and pull parameters for ``clock + 1`` (``encoded``
-        as for :meth:`push`)."""
-        return self._submit(pb.PUSH_PULL, keys, grads, outs, clock, encoded)
+        and ``scale`` as for :meth:`push`)."""
+        return self._submit(pb.PUSH_PULL, keys, grads, outs, clock, encoded, scale)
+
+    def sum_squares(self, keys: Sequence[int], grads: Sequence[np.ndarray]) -> float:
+        """The sum of the squares of ``grads`` (float64; a clip norm's share) in one read,
+        which is also the finiteness check: a NaN or Inf is refused here (``NON_FINITE``,
+        counted; nothing sent, no state touched)."""
+        total = 0.0
+        for key, grad in zip(keys, grads):
+            part = native.sum_squares(grad)
+            if not np.isfinite(part):
+                raise self.refuse_nonfinite(key)
+            total += part
+        return total
+
+    def clip_correct(self, keys: Sequence[int], grads: Sequence[np.ndarray], *, clock: int,
+                     used: float, exact: float) -> None:
+        """``grads`` of ``keys`` were pushed for ``clock`` with clip factor ``used`` and the
+        step's exact factor is ``exact`` (``worker.clip``): add what those pushes missed,
+        ``(exact - used) * grads`` in the units they carried, to the keys' error feedback (and,
+        with worker moments, move Adam's moments to what ``exact`` gives), so the next push
+        delivers it. Call before the keys are pushed again; ``grads`` unchanged since."""
+        if used == exact:
+            return
+        after = bool(self.freeze_step) and clock >= self.freeze_step
+        # sync 1-bit Adam pushes the momentum lerp(m, g, 1 - beta1): linear in g
+        alpha = np.float32((exact - used) * (1 - self._momentum.params.beta1
+                                             if self._momentum is not None and after else 1))
+        for key, grad in zip(keys, grads):
+            residual = self._push_compressor(key, clock, grad.shape[0]).residual
+            if self._moments is not None:
+                self._moments.correct(key, grad, residual, used, exact, directions=after)
+            else:
+                native.add_scaled(residual, grad, alpha)
 
     def progress(self, timeout_s: float, *, wake_fd: int | None = None) -> None:
         """Receive replies to this thread's requests for up to ``timeout_s`` seconds, returning
@@ -198,9 +233,22 @@ class PSClient:
     def compresses(self, key: int, clock: int) -> bool:
         """Whether a push of ``key`` for ``clock`` goes compressed: a push codec is in force and
         the key's tensor (all its keys together) has at least ``compress_min_bytes``."""
-        return not self.push_codec_at(clock).is_raw and self._large[key]
+        return not self.push_codec_at(clock).is_raw and self._large_keys()[key]
 
-    def _submit(self, op, keys, grads, outs, clock, encoded=None) -> Handle:
+    def _large_keys(self) -> list[bool]:
+        """Per key of the plan: its tensor has at least ``compress_min_bytes``. The problem
+        statement's rule is about one communication's size, so every key of such a tensor is
+        compressed, however the plan cut it."""
+        if self._large_for is not self.plan:
+            tensor_bytes: dict[str, int] = {}
+            for k in self.plan.keys:
+                tensor_bytes[k.name] = tensor_bytes.get(k.name, 0) + k.nbytes
+            self._large = [tensor_bytes[k.name] >= self.cfg.compress_min_bytes
+                           for k in self.plan.keys]
+            self._large_for = self.plan
+        return self._large
+
+    def _submit(self, op, keys, grads, outs, clock, encoded=None, scale=None) -> Handle:
         if self.plan is None:
             raise RuntimeError("register() before push/pull")
         if self._closing.is_set():
@@ -210,20 +258,23 @@ class PSClient:
         codec = self.push_codec_at(clock)
         if encoded:
             self._check_encoded(encoded, codec, clock)
-        if grads and (not codec.is_raw or self._momentum is not None
-                      or self._moments is not None):
+        if grads and scale is None and (not codec.is_raw or self._momentum is not None
+                                        or self._moments is not None):
             self._check_finite(keys, grads, skip=encoded or {})
+        clip = 1.0 if scale is None else scale
         momenta = self._momentum is not None and bool(grads) and clock >= self.freeze_step
         if momenta:
             # sync 1-bit Adam: push this worker's momentum instead of its gradient
             self._load_optimizer_state(keys)
-            grads = [self._momentum.momentum(k, g) for k, g in zip(keys, grads)]
+            grads = [self._momentum.momentum(k, g, clip) for k, g in zip(keys, grads)]
         directions = self._moments is not None and bool(grads) and clock >= self.freeze_step
         if self._moments is not None and grads:
             # async/ssp 1-bit Adam with worker moments: every push advances this worker's Adam
             # moments; from the switch on it carries the Adam direction, not the gradient
-            adam = [self._moments.direction(k, g) for k, g in zip(keys, grads)]
+            adam = [self._moments.direction(k, g, clip) for k, g in zip(keys, grads)]
             grads = adam if directions else grads
+        if momenta or directions:
+            clip = 1.0  # the clip factor went into the momentum or the direction
         groups = self._group(keys, grads, outs, compress=bool(grads) and not codec.is_raw)
         channel = self._channel()
         handle = Handle(channel, len(groups), (self.cfg.rank, op, clock, keys),
@@ -242,11 +293,16 @@ class PSClient:
             payload, nbytes = [], 0
             if grads:
                 nbytes = sum(grads[i].nbytes for i in idx)
-                payload = self._compress(codec, header, ks, [grads[i] for i in idx], clock,
-                                         encoded) if compressed else [grads[i] for i in idx]
+                if compressed or scale is not None:
+                    # clipped raw keys go through a raw compressor: it keeps their residual
+                    payload = self._compress(codec if compressed else RAW, header, ks,
+                                             [grads[i] for i in idx], clock, encoded, clip)
+                else:
+                    payload = [grads[i] for i in idx]
             requests.append(Request(shard, header.request_id, ks, header, payload,
                                     [outs[i] for i in idx] if outs else (), handle, deadline,
-                                    op, nbytes, copy=compressed or momenta or directions))
+                                    op, nbytes, copy=compressed or momenta or directions
+                                    or scale is not None))
         channel.send(requests)
         return handle
 
@@ -308,9 +364,13 @@ class PSClient:
                 raise ValueError(f"encoded key {key}: {problem}")
 
     def _compress(self, codec: Codec, header: pb.DataHeader, keys: list[int],
-                  grads: list[np.ndarray], clock: int, encoded=None) -> list[memoryview]:
-        """Encode one message's gradients with ``codec`` (error feedback per key), or take the
-        caller's ``encoded`` payloads."""
+                  grads: list[np.ndarray], clock: int, encoded=None,
+                  scale: float = 1.0) -> list[memoryview]:
+        """Encode one message's gradients (times ``scale``) with ``codec`` (error feedback per
+        key), or take the caller's ``encoded`` payloads."""
+        if codec.is_raw:  # raw with error feedback (clipping): a plain raw message
+            return [self._push_compressor(key, clock, grad.shape[0]).encode(grad, scale=scale)
+                    for key, grad in zip(keys, grads)]
         header.codec, header.codec_chunk, header.codec_flags = codec.wire_fields()
         seed = (self.cfg.codec_seed * 1_000_003 + clock) * 65_537 + self.cfg.rank
         payload = []
@@ -318,15 +378,22 @@ class PSClient:
             if encoded and key in encoded:
                 payload.append(memoryview(encoded[key]).cast("B"))
                 continue
-            comp = self._compressors.get((key, codec.id))
-            if comp is None:
-                comp = self._compressors[key, codec.id] = Compressor(codec, grad.shape[0])
-            payload.append(comp.encode(grad, seed=(seed * 131 + key) & _U64))
+            comp = self._push_compressor(key, clock, grad.shape[0])
+            payload.append(comp.encode(grad, seed=(seed * 131 + key) & _U64, scale=scale))
         wire = sum(p.nbytes for p in payload)
         with self.metrics.lock:
             self.metrics.codec_raw_bytes.labels(codec.name).inc(sum(g.nbytes for g in grads))
             self.metrics.codec_wire_bytes.labels(codec.name).inc(wire)
         return payload
+
+    def _push_compressor(self, key: int, clock: int, n: int) -> Compressor:
+        """The error feedback ``key``'s pushes for ``clock`` go through: the push codec's when
+        it compresses the key, else a raw one (only clipping adds to its residual)."""
+        codec = self.push_codec_at(clock) if self.compresses(key, clock) else RAW
+        comp = self._compressors.get((key, codec.id))
+        if comp is None or comp.codec != codec:
+            comp = self._compressors[key, codec.id] = Compressor(codec, n)
+        return comp
 
     def _codec_snapshot(self) -> CodecSnapshot:
         norms: dict[int, float] = {}
@@ -338,18 +405,21 @@ class PSClient:
         return CodecSnapshot(residual_norms=norms, onebit_phase=phase)
 
     def residuals(self, *, clock: int | None = None) -> dict[int, np.ndarray]:
-        """Every key's error-feedback residual for the codec pushes use at ``clock`` (default:
-        :attr:`clock`): the state to save. Arrays owned by the client, updated by each push."""
-        codec = self.push_codec_at(self.clock if clock is None else clock)
-        return {k: c.residual for (k, _), c in self._compressors.items() if c.codec == codec}
+        """Every key's error-feedback residual for the codec its pushes use at ``clock``
+        (default: :attr:`clock`; raw keys' only when clipping gave them one): the state to
+        save. Arrays owned by the client, updated by each push."""
+        clock = self.clock if clock is None else clock
+        codec = self.push_codec_at(clock)
+        return {k: c.residual for (k, _), c in self._compressors.items()
+                if c.codec == (codec if self.compresses(k, clock) else RAW)}
 
     def load_residuals(self, residuals: Mapping[int, np.ndarray], *,
                        clock: int | None = None) -> None:
         """Restore residuals saved by :meth:`residuals` (same plan, same codec at ``clock``)."""
         if self.plan is None:
             raise RuntimeError("register() before load_residuals()")
-        codec = self.push_codec_at(self.clock if clock is None else clock)
-        if codec.is_raw:
+        clock = self.clock if clock is None else clock
+        if self.push_codec_at(clock).is_raw:
             raise ValueError("raw pushes keep no residuals; set a push codec")
         for key, r in residuals.items():
             n = self.plan.keys[key].length
@@ -357,10 +427,7 @@ class PSClient:
                 raise ValueError(f"residual of key {key} is {r.dtype}{r.shape}; expected "
                                  f"float32[{n}]")
         for key, r in residuals.items():
-            comp = self._compressors.get((key, codec.id))
-            if comp is None:
-                comp = self._compressors[key, codec.id] = Compressor(codec, r.shape[0])
-            np.copyto(comp.residual, r)
+            np.copyto(self._push_compressor(key, clock, r.shape[0]).residual, r)
 
     def onebit_moments(self) -> dict[int, tuple[int, np.ndarray, np.ndarray]]:
         """async/ssp 1-bit Adam with worker moments: every key's ``(step, m, v)`` this worker
@@ -407,7 +474,7 @@ class PSClient:
     def _group(self, keys, grads, outs, *, compress: bool) -> list[tuple[int, bool, list[int]]]:
         """Split the request per shard and codec (compressed or raw), then into messages of at
         most ``message_bytes`` (counted in float32 bytes)."""
-        plan_keys, limit = self.plan.keys, self.cfg.message_bytes
+        plan_keys, limit, large = self.plan.keys, self.cfg.message_bytes, self._large_keys()
         by_shard: dict[tuple[int, bool], list[int]] = {}
         for i, k in enumerate(keys):
             if not 0 <= k < len(plan_keys):
@@ -421,7 +488,7 @@ class PSClient:
             if outs and not (outs[i].flags.c_contiguous and outs[i].flags.writeable):
                 raise ValueError(f"key {k}: output must be a writable contiguous array")
             # One codec per message: keys the push codec compresses travel apart from raw ones.
-            compressed = compress and self._large[k]
+            compressed = compress and large[k]
             by_shard.setdefault((spec.shard, compressed), []).append(i)
         groups = []
         for (shard, compressed), idx in by_shard.items():

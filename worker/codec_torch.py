@@ -61,14 +61,15 @@ def _check_chunk(chunk: int) -> None:
 # -- sign1 ---------------------------------------------------------------------------------------
 
 def sign1_encode(grad: torch.Tensor, residual: torch.Tensor, *, chunk: int = DEFAULT_CHUNK,
-                 mean_abs: bool = False) -> torch.Tensor:
-    """Compress ``grad + residual`` to one sign bit per element and one float32 scale per chunk
-    (RMS, or mean |u| with ``mean_abs``); stores the new residual in ``residual`` and returns the
-    payload, a uint8 tensor of ``payload_bytes(n, chunk)`` bytes on ``grad``'s device."""
+                 mean_abs: bool = False, scale: float = 1.0) -> torch.Tensor:
+    """Compress ``grad * scale + residual`` (``scale``: the clip factor) to one sign bit per
+    element and one float32 scale per chunk (RMS, or mean |u| with ``mean_abs``); stores the new
+    residual in ``residual`` and returns the payload, a uint8 tensor of
+    ``payload_bytes(n, chunk)`` bytes on ``grad``'s device."""
     _check_chunk(chunk)
     _check_vectors(grad, residual)
     n = grad.numel()
-    u = residual.add_(grad)
+    u = _add_scaled(residual, grad, scale)
     scales = _chunk_scales(u, chunk, mean_abs)
     # padded to whole chunks (so whole bytes too): the padding bits are the zero high bits
     negative = torch.zeros(scales.numel() * chunk, dtype=torch.bool, device=u.device)
@@ -90,6 +91,12 @@ def sign1_decode_add(payload: torch.Tensor, n: int, acc: torch.Tensor, *,
     bits = _unpack_bits(payload[4 * nchunks:])
     negative[:bits.numel()] = bits
     acc[:n].add_(_signed_scales(negative, scales, chunk)[:n])
+
+
+def _add_scaled(residual: torch.Tensor, grad: torch.Tensor, scale: float) -> torch.Tensor:
+    """``residual += grad * scale`` with two roundings, as the CPU kernels do (``add_`` with
+    ``alpha`` may fuse into one on some devices); ``grad`` itself when ``scale`` is 1."""
+    return residual.add_(grad if scale == 1.0 else grad * scale)
 
 
 def _chunk_scales(u: torch.Tensor, chunk: int, mean_abs: bool) -> torch.Tensor:
@@ -145,11 +152,14 @@ def _unpack_bits(packed: torch.Tensor) -> torch.Tensor:
 
 # -- bf16 ----------------------------------------------------------------------------------------
 
-def bf16_encode(grad: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-    """Round ``grad (+ residual)`` to bf16, nearest-even; returns the ``2n`` payload bytes (uint8,
-    on ``grad``'s device). With a ``residual``, stores the rounding error there."""
+def bf16_encode(grad: torch.Tensor, residual: torch.Tensor | None, *,
+                scale: float = 1.0) -> torch.Tensor:
+    """Round ``grad * scale (+ residual)`` to bf16, nearest-even; returns the ``2n`` payload
+    bytes (uint8, on ``grad``'s device). With a ``residual``, stores the rounding error there."""
     _check_vectors(grad, residual)
-    u = grad if residual is None else residual.add_(grad)
+    if residual is None and scale != 1.0:
+        raise ValueError(f"scale {scale} needs a residual (error feedback)")
+    u = grad if residual is None else _add_scaled(residual, grad, scale)
     q = _bf16_bits(u)
     payload = q.to(torch.int16).view(torch.uint8)
     if residual is not None:

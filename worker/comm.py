@@ -3,9 +3,10 @@
 ``PSModel`` (overlap on) hands it one :class:`Job` per bucket from a backward hook, and waits on
 the job in the forward pre-hook of the module that owns the bucket. The thread:
 
-1. takes the waiting job with the lowest ``priority`` (front layers first: the next forward
-   needs them first), unless ``inflight_bytes`` of gradients are already in flight (the credit
-   window; one job may always go);
+1. takes the waiting job of the earliest clock with the lowest ``priority`` (front layers
+   first: the next forward needs them first; one step's jobs all go before the next step's),
+   unless ``inflight_bytes`` of gradients are already in flight (the credit window; one job
+   may always go);
 2. runs ``job.prepare()`` (on CUDA: wait for the compute stream's event, compress or download
    on the comm stream into pinned memory) and sends the bucket's keys: one ``push_pull``, or,
    when the shards may hold pulls (``hold_pulls``: sync and ssp), a ``push`` and then a
@@ -57,6 +58,8 @@ class Payload:
     grads: Sequence[np.ndarray]
     outs: Sequence[np.ndarray]
     encoded: Mapping[int, np.ndarray] | None = None
+    scale: float | None = None
+    """The clip factor of these gradients (``PSClient.push``), or ``None``: no clipping."""
 
 
 @dataclass(eq=False)
@@ -107,7 +110,7 @@ class CommThread:
         """The shards may hold pulls (``PSClient.holds_pulls``): push and pull apart."""
         self._on_inflight = on_inflight or (lambda nbytes: None)
         self._lock = threading.Lock()
-        self._ready: list[tuple[int, int, Job]] = []  # heap of (priority, seq, job)
+        self._ready: list[tuple[int, int, int, Job]] = []  # heap of (clock, priority, seq, job)
         self._seq = itertools.count()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -125,7 +128,7 @@ class CommThread:
         with self._lock:
             if self._closing:
                 raise RuntimeError("the communication thread is closed")
-            heapq.heappush(self._ready, (job.priority, next(self._seq), job))
+            heapq.heappush(self._ready, (job.clock, job.priority, next(self._seq), job))
         os.write(self._wake_w, b"\0")
 
     def busy_seconds(self) -> float:
@@ -190,7 +193,7 @@ class CommThread:
             with self._lock:
                 if not self._ready:
                     return used
-                job = self._ready[0][2]
+                job = self._ready[0][-1]
                 if inflight and used + job.nbytes > self.inflight_bytes:
                     return used
                 heapq.heappop(self._ready)
@@ -201,11 +204,12 @@ class CommThread:
                 job.sent = time.perf_counter()
                 if self.hold_pulls:
                     job.credit = self.client.push(p.keys, p.grads, clock=job.clock,
-                                                  encoded=p.encoded)
+                                                  encoded=p.encoded, scale=p.scale)
                     job.handle = self.client.pull(p.keys, p.outs, clock=job.clock + 1)
                 else:
                     job.credit = job.handle = self.client.push_pull(
-                        p.keys, p.grads, p.outs, clock=job.clock, encoded=p.encoded)
+                        p.keys, p.grads, p.outs, clock=job.clock, encoded=p.encoded,
+                        scale=p.scale)
             except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
                 self._fail(job, err)
                 continue

@@ -50,6 +50,7 @@ from proto.keyplan import Key, KeyPlan, ParamSpec, make_plan
 from worker import codec_torch
 from worker.buckets import Bucket, make_buckets
 from worker.client import PSClient
+from worker.clip import StepClip
 from worker.comm import CommThread, Job, Payload
 from worker.config import OverlapConfig
 from worker.readers import ReadTrace
@@ -107,21 +108,28 @@ class PSModel:
                              f"without onebit_adam; push codec is {name!r}")
         return possible and (self.cuda if asked is None else asked)
 
-    def _payload(self, keys: Sequence[Key], flat: Sequence[torch.Tensor], clock: int) -> Payload:
+    def _payload(self, keys: Sequence[Key], flat: Sequence[torch.Tensor], clock: int, *,
+                 last: bool = True) -> Payload:
         """The push of ``keys`` for ``clock`` from the flat gradients ``flat`` (by parameter).
         On CUDA it must run with the comm stream current, after that stream has waited for the
         gradients; compressed keys are encoded on it (device codec) and everything else is
         downloaded to pinned memory, then the stream is synchronized. On CPU gradients are
-        read in place."""
+        read in place. With clipping the payload carries its clip factor (``worker.clip``;
+        ``last``: the step's last payload, which gets the exact factor), found from the
+        gradients' sum of squares, which is also their NaN/Inf check."""
         codec = self.client.push_codec_at(clock)
+        coded = {k.key for k in keys if self.device_codec and self.client.compresses(k.key, clock)}
+        scale = None
+        if self.device_codec and (coded or self._clip is not None):
+            sum_squares = self._check_device(keys, coded, flat)
+            if self._clip is not None:
+                scale = self._clip.factor(sum_squares, last=last)
         encoded: dict[int, torch.Tensor] = {}
         grads: list[np.ndarray] = []
-        if self.device_codec:
-            self._check_finite(keys, flat, clock)
         for k in keys:
             g = self._slice(flat, k)
-            if self.device_codec and self.client.compresses(k.key, clock):
-                encoded[k.key] = self._encode(k.key, g, codec)
+            if k.key in coded:
+                encoded[k.key] = self._encode(k.key, g, codec, 1.0 if scale is None else scale)
                 grads.append(self._grad_view(k) if self.cuda else g.detach().numpy())
                 continue
             if self.cuda:
@@ -132,22 +140,56 @@ class PSModel:
                 grads.append(g.detach().numpy())
         if self.cuda:
             self._stream.synchronize()
+        if self._clip is not None and not self.device_codec:
+            scale = self._clip.factor(self.client.sum_squares([k.key for k in keys], grads),
+                                      last=last)
+        if self._clip is not None:
+            self._correct_clipping(keys, grads, flat, coded, clock, scale, last)
         return Payload(keys=[k.key for k in keys], grads=grads,
                        outs=[self._outs[k.key] for k in keys],
-                       encoded={key: code.numpy() for key, code in encoded.items()} or None)
+                       encoded={key: code.numpy() for key, code in encoded.items()} or None,
+                       scale=scale)
 
-    def _check_finite(self, keys: Sequence[Key], flat: Sequence[torch.Tensor], clock: int) -> None:
+    def _check_device(self, keys: Sequence[Key], coded: set[int],
+                      flat: Sequence[torch.Tensor]) -> float:
         """The device codec folds each gradient into a residual kept next to it: refuse NaN/Inf
         before encoding (``NON_FINITE``, counted; residuals unchanged), as ``PSClient`` does for
-        host codecs. One fused max-|g| per key (``torch._foreach_norm``, as ``clip_grad_norm_``
-        uses; the max cannot overflow) and one device-to-host sync for all the keys."""
-        coded = [k for k in keys if self.client.compresses(k.key, clock)]
-        if not coded:
-            return
-        peaks = torch._foreach_norm([self._slice(flat, k) for k in coded], float("inf"))
-        finite = torch.isfinite(torch.stack(peaks))
+        host codecs: one fused max-|g| per coded key (``torch._foreach_norm``, as
+        ``clip_grad_norm_`` uses; the max cannot overflow). With clipping, also every key's
+        L2 norm; returns their sum of squares. One device-to-host sync for all of it."""
+        checked = [self._slice(flat, k) for k in keys if k.key in coded]
+        peaks = torch._foreach_norm(checked, float("inf")) if checked else []
+        norms = (torch._foreach_norm([self._slice(flat, k) for k in keys], 2.0)
+                 if self._clip is not None else [])
+        values = torch.stack([*peaks, *norms]).double().cpu()
+        finite = torch.isfinite(values)
         if not bool(finite.all()):
-            raise self.client.refuse_nonfinite(coded[int(torch.nonzero(~finite)[0])].key)
+            first = int(torch.nonzero(~finite)[0])
+            bad = [k for k in keys if k.key in coded] + list(keys)
+            raise self.client.refuse_nonfinite(bad[first].key)
+        return float(values[len(peaks):].square().sum())
+
+    def _correct_clipping(self, keys: Sequence[Key], grads: list[np.ndarray],
+                          flat: Sequence[torch.Tensor], coded: set[int], clock: int,
+                          scale: float, last: bool) -> None:
+        """Keep this payload until its step's last one gives the exact clip factor; then fold
+        ``(exact - used) * g`` into every earlier payload's error feedback (``worker.clip``):
+        device residuals here, the client's for the rest."""
+        self._clip_pending.append((keys, grads, flat, coded, scale))
+        if not last:
+            return
+        pending, self._clip_pending = self._clip_pending, []
+        for keys_b, grads_b, flat_b, coded_b, used in pending:
+            if used == scale:
+                continue
+            alpha = float(np.float32(scale - used))
+            host = [(k.key, g) for k, g in zip(keys_b, grads_b) if k.key not in coded_b]
+            for k in keys_b:
+                if k.key in coded_b:
+                    self._residuals[k.key].add_(self._slice(flat_b, k) * alpha)
+            if host:
+                self.client.clip_correct([key for key, _ in host], [g for _, g in host],
+                                         clock=clock, used=used, exact=scale)
 
     def _slice(self, flats: Sequence, k: Key):
         """Key ``k``'s slice of its parameter's flat array (``flats`` by parameter: gradients,
@@ -157,17 +199,18 @@ class PSModel:
     def _grad_view(self, k: Key) -> np.ndarray:
         return self._slice(self._grad_host, k)
 
-    def _encode(self, key: int, g: torch.Tensor, codec) -> torch.Tensor:
-        """One key's compressed push with its error feedback kept next to the gradient; on CUDA
-        the packed bytes are copied to a pinned buffer (not yet synchronized)."""
+    def _encode(self, key: int, g: torch.Tensor, codec, scale: float) -> torch.Tensor:
+        """One key's compressed push of ``g * scale`` with its error feedback kept next to the
+        gradient; on CUDA the packed bytes are copied to a pinned buffer (not yet
+        synchronized)."""
         r = self._residuals.get(key)
         if r is None:
             r = self._residuals[key] = torch.zeros_like(g)
         if codec.id == pb.CODEC_SIGN1:
             code = codec_torch.sign1_encode(g, r, chunk=codec.chunk,
-                                            mean_abs=bool(codec.flags & MEAN_ABS))
+                                            mean_abs=bool(codec.flags & MEAN_ABS), scale=scale)
         else:
-            code = codec_torch.bf16_encode(g, r)
+            code = codec_torch.bf16_encode(g, r, scale=scale)
         if not self.cuda:
             return code
         host = self._staged.get(key)
@@ -216,15 +259,11 @@ class PSModel:
         self._record(stats)
 
     def _step_blocking(self) -> float:
-        """Overlap off: clip, push and pull everything, wait; return the communication time."""
-        cfg = self.client.cfg
+        """Overlap off: push (clipped: one payload, so with the exact factor) and pull
+        everything, wait; return the communication time."""
         for _, p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if self._clips:
-            # Clip the raw local gradient before error feedback adds the residual (DGC's local
-            # clipping): clipping the compensated vector would eat the mass EF is carrying.
-            torch.nn.utils.clip_grad_norm_([p for _, p in self.params], cfg.clip_norm)
         flat = [p.grad.reshape(-1) for _, p in self.params]
         if self.cuda:
             torch.cuda.current_stream().synchronize()  # compute ends here, not in the timer
@@ -237,7 +276,7 @@ class PSModel:
             else:
                 payload = self._payload(self.plan.keys, flat, self.clock)
             self.client.push_pull(payload.keys, payload.grads, payload.outs, clock=self.clock,
-                                  encoded=payload.encoded).wait()
+                                  encoded=payload.encoded, scale=payload.scale).wait()
             self._copy_in()
         return time.perf_counter() - t0
 
@@ -282,25 +321,22 @@ class PSModel:
         self.last_stats: StepStats | None = None
         self._probe: list[StepStats] = []
         self.decision: Decision | None = None
-        cfg_c = self.client.cfg
-        self._clips = cfg_c.clip_norm > 0 and (not self.client.push_codec_at(self.clock).is_raw
-                                                or bool(self.client.freeze_step))
-        if self._clips and cfg.mode == "on":
-            raise ValueError(
-                f"overlap pushes each bucket during backward, before a global gradient norm "
-                f"exists; with compressed pushes set clip_norm=0 (it is "
-                f"{cfg_c.clip_norm}) or overlap mode 'off'/'auto'")
+        clip_norm = self.client.cfg.clip_norm
+        # Clip the raw local gradient before error feedback adds the residual (DGC's local
+        # clipping): clipping the compensated vector would eat the mass EF is carrying.
+        clips = clip_norm > 0 and (not self.client.push_codec_at(self.clock).is_raw
+                                   or bool(self.client.freeze_step))
+        self._clip = StepClip(clip_norm) if clips else None
+        self._clip_pending: list = []
+        self._prepared = 0  # this step's buckets prepared so far (communication thread)
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i))
                        for i, (_, p) in enumerate(self.params)]
         # Which module's forward reads each parameter, watched in the first step (nothing is in
         # flight then); the pre-hooks that wait for pulls go in before anything is pushed.
         self._trace: ReadTrace | None = ReadTrace(self.model, [p for _, p in self.params])
-        if cfg.mode != "auto" or self._clips:
-            reason = ("pushes are compressed and clip_norm > 0 (clipping needs every gradient "
-                      "before the first push)" if self._clips and cfg.mode == "auto"
-                      else f"overlap mode {cfg.mode!r}")
+        if cfg.mode != "auto":
             self._decide(Decision(enabled=cfg.mode == "on", ratio=math.nan,
-                                  min_ratio=cfg.min_ratio, reason=reason))
+                                  min_ratio=cfg.min_ratio, reason=f"overlap mode {cfg.mode!r}"))
 
     def _decide(self, decision: Decision) -> None:
         self.decision = decision
@@ -406,16 +442,27 @@ class PSModel:
             ready = torch.cuda.Event()
 
         def prepare() -> Payload:
+            # the thread prepares one step's buckets before the next step's (worker.comm)
+            self._prepared += 1
+            last = self._prepared == len(self.buckets)
+            if last:
+                self._prepared = 0
             flat: list[torch.Tensor | None] = [None] * len(self.params)
             for i, g in grads.items():
                 flat[i] = g.reshape(-1)
-            if not self.cuda:
-                return self._payload(keys, flat, clock)
-            self._stream.wait_event(produced)
-            for g in grads.values():
-                g.record_stream(self._stream)  # freed grads are not reused under our reads
-            with torch.cuda.stream(self._stream):
-                return self._payload(keys, flat, clock)
+            try:
+                if not self.cuda:
+                    return self._payload(keys, flat, clock, last=last)
+                self._stream.wait_event(produced)
+                for g in grads.values():
+                    g.record_stream(self._stream)  # freed grads are not reused under our reads
+                with torch.cuda.stream(self._stream):
+                    return self._payload(keys, flat, clock, last=last)
+            except BaseException:
+                if last and self._clip is not None:  # a refused step leaves no clip state
+                    self._clip.reset()
+                    self._clip_pending.clear()
+                raise
 
         def finish() -> None:
             with torch.no_grad(), torch.cuda.stream(self._stream):

@@ -55,13 +55,16 @@ class OneBitMomentum:
         self.v[state.key] = np.frombuffer(state.exp_avg_sq, np.float32).copy()
         self.bc2[state.key] = np.float32(state.bias_correction2_sqrt)
 
-    def momentum(self, key: int, grad: np.ndarray) -> np.ndarray:
-        """This worker's momentum ``m + (1 - beta1) * (g - m)`` for ``grad`` (float32; an array
-        reused per key: send it before the next call)."""
+    def momentum(self, key: int, grad: np.ndarray, scale: float = 1.0) -> np.ndarray:
+        """This worker's momentum ``m + (1 - beta1) * (g - m)`` for ``g = grad * scale`` (the
+        clip factor; float32; an array reused per key: send it before the next call)."""
         m = self.m[key]
         u = self._u.get(key)
         if u is None:
             u = self._u[key] = np.empty_like(m)
+        if scale != 1.0:
+            np.multiply(grad, np.float32(scale), out=u)
+            grad = u
         np.subtract(grad, m, out=u)
         np.multiply(u, self._one_minus_beta1, out=u)
         np.add(u, m, out=u)
@@ -93,9 +96,9 @@ class WorkerMoments:
         self.steps: dict[int, int] = {}
         self._out: dict[int, np.ndarray] = {}
 
-    def direction(self, key: int, grad: np.ndarray) -> np.ndarray:
-        """Advance ``key``'s moments with ``grad`` and return Adam's direction for it (float32;
-        an array reused per key: send it before the next call)."""
+    def direction(self, key: int, grad: np.ndarray, scale: float = 1.0) -> np.ndarray:
+        """Advance ``key``'s moments with ``grad * scale`` (the clip factor) and return Adam's
+        direction for it (float32; an array reused per key: send it before the next call)."""
         m = self.m.get(key)
         if m is None:
             m = self.m[key] = np.zeros_like(grad)
@@ -105,9 +108,25 @@ class WorkerMoments:
         out = self._out[key]
         native.adam_direction(grad, m, self.v[key], out, self._one_minus_beta1, self._beta2,
                               self._one_minus_beta2, self._eps,
-                              np.float32(1 / (1 - self.beta1**t)),
-                              np.float32((1 - self.beta2**t) ** 0.5))
+                              *self._corrections(t), np.float32(scale))
         return out
+
+    def _corrections(self, t: int) -> tuple[np.float32, np.float32]:
+        """``1 / (1 - beta1**t)`` and ``sqrt(1 - beta2**t)`` as float32, as torch takes them."""
+        return np.float32(1 / (1 - self.beta1**t)), np.float32((1 - self.beta2**t) ** 0.5)
+
+    def correct(self, key: int, grad: np.ndarray, residual: np.ndarray, used: float,
+                exact: float, *, directions: bool) -> None:
+        """The last :meth:`direction` of ``key`` used clip factor ``used``; the step's exact one
+        is ``exact`` (``worker.clip``): move m and v to what ``exact`` gives and add what the
+        push missed to its error-feedback ``residual`` (the direction's change when
+        ``directions``, else the gradient's)."""
+        f32 = np.float32
+        native.adam_direction_correct(
+            grad, self.m[key], self.v[key], residual,
+            f32((1 - self.beta1) * (exact - used)),
+            f32((1 - self.beta2) * (exact * exact - used * used)), f32(exact - used),
+            self._eps, *self._corrections(self.steps[key]), directions)
 
     def state(self) -> dict[int, tuple[int, np.ndarray, np.ndarray]]:
         """Every key's ``(step, m, v)``: the state to save (arrays owned by this object)."""

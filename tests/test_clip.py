@@ -1,0 +1,199 @@
+"""Clipping compressed pushes under overlap (``worker.clip``): buckets leave with a predicted clip
+factor, the step's last bucket with the exact one, and what the earlier ones missed goes into
+their error feedback, so error feedback stays in clipped units.
+
+The invariant every test leans on: over a run, what the shard received plus the worker's last
+residuals equals the sum of the exactly clipped gradients, ``sum_t s_t g_t``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from proto import bitps_pb2 as pb
+from proto.codecs import CodecConfig
+from ps import OptimizerConfig, ServerConfig, create_server
+from worker import ClientConfig, PSClient
+from worker.clip import StepClip
+from worker.config import OverlapConfig
+
+torch = pytest.importorskip("torch")
+
+
+def test_step_clip_predicts_from_the_last_step_and_the_norm_so_far():
+    clip = StepClip(1.0)
+    # first step: no history; the bound from what was seen is all there is
+    assert clip.factor(0.25, last=False) == 1.0  # |g_seen| = 0.5 < 1
+    assert clip.factor(3.75, last=False) == pytest.approx(0.5, rel=1e-6)  # |g_seen| = 2
+    assert clip.factor(12.0, last=True) == pytest.approx(0.25, rel=1e-6)  # |g| = 4: exact
+    assert clip.last_factor == pytest.approx(0.25, rel=1e-6)
+    # next step: the last factor caps the prediction, the exact factor comes last
+    assert clip.factor(0.01, last=False) == pytest.approx(0.25, rel=1e-6)
+    assert clip.factor(0.03, last=True) == 1.0  # |g| = 0.2: no clipping
+    assert all(f == float(np.float32(f)) for f in (clip.last_factor,))
+    with pytest.raises(ValueError, match="max_norm"):
+        StepClip(0.0)
+
+
+def test_worker_moments_correction_equals_the_exact_factor():
+    """1-bit Adam with worker moments: moments advanced with a predicted factor, then
+    corrected, match moments advanced with the exact one; the push's residual gets the
+    direction's change."""
+    from worker.onebit import WorkerMoments
+
+    params = pb.OneBitParams(beta1=0.9, beta2=0.99, eps=1e-8)
+    rng = np.random.default_rng(0)
+    g0, g1 = (rng.standard_normal(1000).astype(np.float32) for _ in range(2))
+    a, b = WorkerMoments(params), WorkerMoments(params)
+    for w in (a, b):
+        w.direction(0, g0)
+    pushed = a.direction(0, g1, 0.7).copy()
+    exact = b.direction(0, g1, 0.4).copy()
+    residual = np.zeros(1000, np.float32)
+    a.correct(0, g1, residual, 0.7, 0.4, directions=True)
+    np.testing.assert_allclose(a.m[0], b.m[0], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(a.v[0], b.v[0], rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(pushed + residual, exact, rtol=1e-4, atol=1e-5)
+    warm = np.zeros(1000, np.float32)
+    a.correct(0, g1, warm, 0.7, 0.4, directions=False)  # warmup: the gradient was pushed
+    np.testing.assert_allclose(warm, np.float32(0.4 - 0.7) * g1, rtol=1e-6)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(6))
+        self.scale = torch.nn.Parameter(torch.ones(8))  # 32 bytes: pushed raw
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x[:, :8] * self.scale
+
+
+@pytest.mark.parametrize(("codec", "device_codec"),
+                         [("sign1", False), ("sparse", False), ("sign1", True)])
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_what_the_shard_receives_plus_the_residuals_is_the_clipped_gradient_sum(
+        codec, device_codec, mode):
+    """Acceptance 3's design: with clipping in force and overlap on, buckets leave with a
+    predicted factor, and the shard's SGD (lr 1) plus the worker's residuals still add up to
+    the exactly clipped gradients; raw keys (``scale``) too. Gradient norms vary by 30x
+    between steps, so predictions miss and corrections happen. ``device_codec``: the GPU path
+    (torch ops, residuals next to the gradients) on CPU tensors."""
+    from worker.model import PSModel
+
+    torch.set_num_threads(1)
+    shard = create_server(ServerConfig(mode="async", metrics_port=-1,
+                                       optimizer=OptimizerConfig(name="sgd", lr=1.0)))
+    try:
+        model = _Net()
+        start = [p.detach().clone() for p in model.parameters()]
+        client = PSClient(ClientConfig(servers=(f"127.0.0.1:{shard.ports['grpc_port']}",),
+                                       partition_bytes=4096, compress_min_bytes=1024,
+                                       clip_norm=0.5,
+                                       push_codec=CodecConfig(name=codec, chunk=64)))
+        ps_model = PSModel(model, client, device_codec=device_codec,
+                           overlap=OverlapConfig(mode=mode, bucket_bytes=8192))
+        assert ps_model.decision.enabled == (mode == "on")
+        corrected = []
+        correct = client.clip_correct
+
+        def counting(keys, grads, *, clock, used, exact):
+            corrected.append(used != exact)
+            correct(keys, grads, clock=clock, used=used, exact=exact)
+
+        client.clip_correct = counting
+        gen = torch.Generator().manual_seed(1)
+        clipped = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
+        factors = []
+        for step in range(12):
+            x = torch.randn(16, 64, generator=gen)
+            (model(x).square().sum() * (0.1, 1.0, 3.0)[step % 3]).backward()
+            grads = [p.grad.detach().double().clone() for p in model.parameters()]
+            norm = float(torch.sqrt(sum(g.square().sum() for g in grads)))
+            s = min(1.0, 0.5 / (norm + 1e-6))
+            factors.append(s)
+            for acc, g in zip(clipped, grads):
+                acc += s * g
+            ps_model.step()
+        ps_model.synchronize()
+        residual = {**client.residuals(),
+                    **{k: r.numpy() for k, r in ps_model._residuals.items()}}
+        got = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
+        for p, p0, out in zip(model.parameters(), start, got):
+            out += (p0 - p.detach()).double()  # SGD with lr 1: what was received
+        for k in ps_model.plan.keys:
+            i = ps_model._index[k.name]
+            got[i].view(-1)[k.offset:k.offset + k.length] += torch.from_numpy(
+                residual[k.key]).double()
+        ps_model.close()
+    finally:
+        shard.stop(0)
+    assert min(factors) < 0.2 and max(factors) > 0.3  # clipping was active, at varying strength
+    # overlap off: one payload per step, pushed with the exact factor; on: predictions missed
+    assert any(corrected) == (mode == "on")
+    assert len(residual) == len(ps_model.plan.keys)  # raw keys keep a residual too
+    for name, a, b in zip([n for n, _ in model.named_parameters()], got, clipped):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_overlap_on_with_clipping_reports_overlap_on(tmp_path):
+    """Acceptance 3: with the default clip_norm, a compressed run whose communication exceeds
+    the 20 % rule turns overlap on (it used to stay off, 'clipping needs every gradient')."""
+    import time
+
+    from worker.model import PSModel
+
+    torch.set_num_threads(1)
+    shard = create_server(ServerConfig(mode="sync", metrics_port=-1,
+                                       optimizer=OptimizerConfig(name="sgd", lr=0.01)))
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 1))
+        cfg = ClientConfig(servers=(f"127.0.0.1:{shard.ports['grpc_port']}",),
+                           push_codec=CodecConfig(name="sign1"))
+        assert cfg.clip_norm == 1.0
+        client = PSClient(cfg)
+        ps_model = PSModel(model, client, overlap=OverlapConfig(mode="auto", probe_steps=3))
+        for _ in range(6):
+            model(torch.ones(2, 2048)).sum().backward()
+            time.sleep(0.002)
+            ps_model.step()
+        decision = ps_model.decision
+        assert ps_model.last_stats.overlapped
+        ps_model.close()
+    finally:
+        shard.stop(0)
+    assert decision.enabled and decision.ratio > 0.2, decision.describe()
+
+
+def test_one_bit_adam_with_worker_moments_clips_under_overlap_and_stays_bit_identical():
+    """1-bit Adam (ssp, worker moments) with clipping in force and overlap on: the moments are
+    corrected to the exact factor, and the worker's copy stays the shard's, bit for bit."""
+    from worker.model import PSModel
+
+    torch.set_num_threads(1)
+    opt = OptimizerConfig(name="onebit_adam", lr=1e-3, freeze_step=3, onebit_chunk=256)
+    shard = create_server(ServerConfig(mode="ssp", staleness=1, metrics_port=-1, optimizer=opt))
+    try:
+        model = _Net()
+        client = PSClient(ClientConfig(servers=(f"127.0.0.1:{shard.ports['grpc_port']}",),
+                                       partition_bytes=4096, compress_min_bytes=0,
+                                       clip_norm=0.5))
+        ps_model = PSModel(model, client, overlap=OverlapConfig(mode="on", bucket_bytes=8192))
+        gen = torch.Generator().manual_seed(2)
+        for step in range(8):
+            x = torch.randn(16, 64, generator=gen)
+            (model(x).square().sum() * (0.1, 1.0, 3.0)[step % 3]).backward()
+            ps_model.step()
+        ps_model.synchronize()
+        ours = {k.key: ps_model._outs[k.key].copy() for k in ps_model.plan.keys}
+        ps_model.close()
+        theirs = {k: s.param for k, s in shard.core.slots.items()}
+    finally:
+        shard.stop(0)
+    assert all(np.array_equal(ours[k], theirs[k]) for k in ours)
+    assert any(np.any(r) for r in client.residuals(clock=7).values())
