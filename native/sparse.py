@@ -68,7 +68,7 @@ from numba.extending import intrinsic
 
 __all__ = ["BF16", "BITMAP", "DEFAULT_CHUNK", "HEADER_BYTES", "LIST", "NATEXP8",
            "SAMPLE_ALL_BELOW", "SAMPLE_STRIDE", "check", "decode_add", "decode_reference", "encode",
-           "encode_reference", "max_payload_bytes", "sample_size"]
+           "encode_reference", "max_payload_bytes", "sample_size", "size_of"]
 
 HEADER_BYTES = 8
 SAMPLE_STRIDE = 100
@@ -497,6 +497,19 @@ def _payload_bytes(n, chunk, k, index_mode, value_mode):
     index = -(-n // 8) if index_mode == BITMAP else 4 * k
     values = 2 * k if value_mode == BF16 else -(-n // chunk) + k
     return HEADER_BYTES + index + values
+
+
+def size_of(payload, n, chunk) -> int | None:
+    """The length of the payload that starts ``payload`` (a uint8 array that may hold more
+    after it), read from its header; ``None`` when the header is unreadable. Published codes
+    travel concatenated, so a receiver splits them by this, then ``check``s each."""
+    buf = payload if isinstance(payload, np.ndarray) else np.frombuffer(payload, np.uint8)
+    if buf.shape[0] < HEADER_BYTES:
+        return None
+    k, index_mode, value_mode, _ = struct.unpack("<IBBH", bytes(buf[:HEADER_BYTES]))
+    if index_mode not in (BITMAP, LIST) or value_mode not in (BF16, NATEXP8) or k > n:
+        return None
+    return _payload_bytes(n, chunk, k, index_mode, value_mode)
 
 
 def check(payload, n, chunk) -> str | None:

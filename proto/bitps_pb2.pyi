@@ -87,21 +87,23 @@ UNAUTHENTICATED: ErrorCode
 TOO_LARGE: ErrorCode
 
 class KeySpec(_message.Message):
-    __slots__ = ("key", "name", "offset", "length", "dtype")
+    __slots__ = ("key", "name", "offset", "length", "dtype", "compressed_pull")
     KEY_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSED_PULL_FIELD_NUMBER: _ClassVar[int]
     key: int
     name: str
     offset: int
     length: int
     dtype: DType
-    def __init__(self, key: _Optional[int] = ..., name: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    compressed_pull: bool
+    def __init__(self, key: _Optional[int] = ..., name: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., compressed_pull: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("protocol", "rank", "world_size", "signature", "num_shards", "shard_id", "keys", "sends_values", "token")
+    __slots__ = ("protocol", "rank", "world_size", "signature", "num_shards", "shard_id", "keys", "sends_values", "token", "pull_codec", "pull_codec_chunk", "pull_codec_flags")
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +113,9 @@ class RegisterRequest(_message.Message):
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SENDS_VALUES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PULL_CODEC_FIELD_NUMBER: _ClassVar[int]
+    PULL_CODEC_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    PULL_CODEC_FLAGS_FIELD_NUMBER: _ClassVar[int]
     protocol: int
     rank: int
     world_size: int
@@ -120,7 +125,10 @@ class RegisterRequest(_message.Message):
     keys: _containers.RepeatedCompositeFieldContainer[KeySpec]
     sends_values: bool
     token: str
-    def __init__(self, protocol: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., signature: _Optional[str] = ..., num_shards: _Optional[int] = ..., shard_id: _Optional[int] = ..., keys: _Optional[_Iterable[_Union[KeySpec, _Mapping]]] = ..., sends_values: _Optional[bool] = ..., token: _Optional[str] = ...) -> None: ...
+    pull_codec: Codec
+    pull_codec_chunk: int
+    pull_codec_flags: int
+    def __init__(self, protocol: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., signature: _Optional[str] = ..., num_shards: _Optional[int] = ..., shard_id: _Optional[int] = ..., keys: _Optional[_Iterable[_Union[KeySpec, _Mapping]]] = ..., sends_values: _Optional[bool] = ..., token: _Optional[str] = ..., pull_codec: _Optional[_Union[Codec, str]] = ..., pull_codec_chunk: _Optional[int] = ..., pull_codec_flags: _Optional[int] = ...) -> None: ...
 
 class KeyValues(_message.Message):
     __slots__ = ("key", "data")

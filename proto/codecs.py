@@ -152,6 +152,24 @@ class Codec:
                     f"elements" + (f" (chunk {self.chunk})" if self.id == pb.CODEC_SIGN1 else ""))
         return None
 
+    def split(self, frame, n: int) -> list[np.ndarray] | str:
+        """The payloads concatenated in ``frame`` (the codes a shard published for a key of
+        ``n`` elements, oldest first), each checked; or what is wrong with the frame."""
+        buf = np.frombuffer(frame, np.uint8)
+        parts, pos = [], 0
+        while pos < buf.shape[0]:
+            size = (sparse.size_of(buf[pos:], n, self.chunk) if self.id == pb.CODEC_SPARSE
+                    else self.max_bytes(n))
+            if size is None or pos + size > buf.shape[0]:
+                return (f"{buf.shape[0]} bytes of {self.name} codes: the one at byte {pos} "
+                        f"is cut off or unreadable")
+            part = buf[pos:pos + size]
+            if problem := self.check(part, n):
+                return f"code at byte {pos}: {problem}"
+            parts.append(part)
+            pos += size
+        return parts
+
     def decode_add(self, payload, n: int, acc: np.ndarray) -> None:
         """``acc[:n] += decode(payload)``; the payload passed :meth:`check`."""
         if self.id == pb.CODEC_RAW:

@@ -37,21 +37,19 @@ derives the shard-moment and sync layouts. With a frozen v, coordinates whose v 
 
 from __future__ import annotations
 
-from collections import deque
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from proto import bitps_pb2 as pb
-from proto.codecs import MEAN_ABS, Codec, Compressor
+from proto.codecs import MEAN_ABS, Codec
 from proto.wire import PSError
 from ps.config import ServerConfig
+from ps.publish import Publisher
 from ps.rules import make_rule
 
 if TYPE_CHECKING:
     from ps.store import Slot
 
-__all__ = ["OneBitState", "key_states", "new_state", "params", "reply_frames",
+__all__ = ["OneBitState", "key_states", "new_state", "params", "published_codec",
            "uses_worker_moments"]
 
 
@@ -76,6 +74,12 @@ def params(cfg: ServerConfig) -> pb.OneBitParams | None:
 def uses_worker_moments(cfg: ServerConfig) -> bool:
     """async/ssp with ``onebit_moments`` auto or worker: workers keep Adam's moments."""
     return cfg.mode != "sync" and cfg.optimizer.onebit_moments != "shard"
+
+
+def published_codec(cfg: ServerConfig) -> Codec:
+    """The sign1 codec of every code a 1-bit Adam shard publishes (and workers push)."""
+    return Codec(pb.CODEC_SIGN1, cfg.optimizer.onebit_chunk,
+                 MEAN_ABS if uses_mean_abs(cfg) else 0)
 
 
 def new_state(n: int, cfg: ServerConfig) -> OneBitState:
@@ -104,18 +108,6 @@ def key_states(slots: dict[int, Slot], cfg: ServerConfig) -> list[pb.KeyOptimize
     return out
 
 
-def reply_frames(header: pb.DataHeader, slots: list[Slot]) -> tuple[list, list[int]]:
-    """Per key of a pull: ``(frame, buffer to track)`` and its frame codec: the compressed
-    updates since the version the request names, or the parameters."""
-    bases = header.versions if len(header.versions) == len(slots) else [-1] * len(slots)
-    frames, codecs = [], []
-    for base, slot in zip(bases, slots):
-        codec, data = slot.onebit.reply_frame(int(base), slot.version)
-        frames.append(slot.reply_frame() if data is None else (data, None))
-        codecs.append(codec)
-    return frames, codecs
-
-
 class OneBitState:
     """One key's 1-bit Adam state beyond the Adam moments (which live in ``KeyState``)."""
 
@@ -133,9 +125,9 @@ class OneBitState:
         """False during warmup; True from the first compressed push on (v is frozen then,
         unless the workers keep the moments)."""
         self.bias_correction2_sqrt = 1.0
-        self.server = Compressor(self.codec, n)  # its residual is the server error feedback
-        self.delta = np.empty(n, np.float32)
-        self.history: deque[tuple[int, bytes]] = deque(maxlen=history)
+        self.pub = Publisher(self.codec, n, history=history)
+        """The published codes (``ps.publish``): what pull replies carry."""
+        self.server, self.delta = self.pub.server, self.pub.delta
 
     def freeze(self, bias_correction2_sqrt: float) -> None:
         """Enter the compression stage: v and its bias correction stop changing."""
@@ -144,19 +136,8 @@ class OneBitState:
 
     def publish(self, version: int, payload: memoryview) -> None:
         """Keep the payload that took the key to ``version``."""
-        self.history.append((version, bytes(payload)))
+        self.pub.publish(version, payload)
 
     def forget(self) -> None:
         """A warmup update has no payload: workers behind it need the full parameters."""
-        self.history.clear()
-
-    def reply_frame(self, base: int, version: int) -> tuple[int, bytes | None]:
-        """What a worker at ``base`` gets for a key at ``version``: ``(CODEC_SIGN1, the
-        concatenated payloads of base+1 .. version)`` when the history covers them, else
-        ``(CODEC_RAW, None)`` (send the parameters)."""
-        if base == version and self.compressing:
-            return pb.CODEC_SIGN1, b""
-        if not self.history or base >= version or self.history[0][0] > base + 1 \
-                or self.history[-1][0] != version:
-            return pb.CODEC_RAW, None
-        return pb.CODEC_SIGN1, b"".join(p for v, p in self.history if v > base)
+        self.pub.forget()

@@ -24,10 +24,11 @@ import numpy as np
 from proto import bitps_pb2 as pb
 from proto.codecs import Codec
 from proto.wire import PROTOCOL, PSError, error_name, parse_header
-from ps import checks, onebit
+from ps import checks, onebit, publish
 from ps.clocks import ClockTable
 from ps.config import ServerConfig
 from ps.metrics import ClockSnapshot, ShardMetrics
+from ps.publish import Publisher
 from ps.rules import make_rule
 from ps.store import Slot
 
@@ -88,6 +89,11 @@ class ShardCore:
         self.admissions: deque[Admission] = deque(maxlen=100_000)
         self.updates_applied = 0
         self._membership_changed = False
+        self.pull_codec: Codec | None = None
+        """What this shard publishes for compressed pulls (``ps.publish``): 1-bit Adam's sign1
+        codes, else fixed by the first registration; ``RAW`` = parameters only."""
+        if self.rule.onebit:
+            self.pull_codec = onebit.published_codec(cfg)
 
     # -- registration (gRPC) ------------------------------------------------------------------
     def register(self, req: pb.RegisterRequest, values: dict[int, bytes]) -> pb.RegisterReply:
@@ -115,10 +121,13 @@ class ShardCore:
                               f"{self.clocks.world_size}")
             # Check everything before keeping anything: a refused first registration leaves
             # the shard as empty as it was.
-            slots = self.slots or self._new_slots(req)
+            pull = self.pull_codec or self._pull_codec(req)
+            slots = self.slots or self._new_slots(req, pull)
+            if not self.rule.onebit:
+                self._check_pulls(req, pull, slots)
             if req.sends_values:
                 self._check_values(slots, values)
-            self.slots, self.signature = slots, req.signature
+            self.slots, self.signature, self.pull_codec = slots, req.signature, pull
             if req.sends_values and not self.initialized.is_set():
                 # A restarted rank 0 must not reset trained parameters.
                 for key, data in values.items():
@@ -141,11 +150,12 @@ class ShardCore:
             return onebit.key_states(self.slots, self.cfg)
 
     def codec_state(self) -> dict[int, np.ndarray]:
-        """The shard's error-feedback residuals by key (copies; 1-bit Adam only): the codec
-        state a checkpoint saves beside parameters and optimizer state."""
+        """The shard's error-feedback residuals by key (copies; keys that publish codes: 1-bit
+        Adam, compressed pulls): the codec state a checkpoint saves beside parameters and
+        optimizer state."""
         with self.lock:
-            return {k: s.onebit.server.residual.copy() for k, s in self.slots.items()
-                    if s.onebit is not None}
+            return {k: s.publisher.server.residual.copy() for k, s in self.slots.items()
+                    if s.publisher is not None}
 
     def load_codec_state(self, residuals: dict[int, np.ndarray]) -> None:
         """Restore :meth:`codec_state`; raises :class:`PSError` (nothing changed) when a key or
@@ -153,16 +163,38 @@ class ShardCore:
         with self.lock:
             for key, r in residuals.items():
                 slot = self.slots.get(key)
-                if slot is None or slot.onebit is None:
+                if slot is None or slot.publisher is None:
                     raise PSError(pb.UNKNOWN_KEY, f"key {key} has no codec state on shard "
                                   f"{self.cfg.shard_id}")
                 if r.shape != (slot.length,):
                     raise PSError(pb.BAD_LENGTH, f"key {key}: residual of shape {r.shape}; "
                                   f"expected ({slot.length},)")
             for key, r in residuals.items():
-                np.copyto(self.slots[key].onebit.server.residual, r, casting="same_kind")
+                np.copyto(self.slots[key].publisher.server.residual, r, casting="same_kind")
 
-    def _new_slots(self, req: pb.RegisterRequest) -> dict[int, Slot]:
+    @staticmethod
+    def _pull_codec(req: pb.RegisterRequest) -> Codec:
+        """The pull codec a registration asks for (``BAD_DTYPE`` when it is not one)."""
+        try:
+            return Codec.from_header(pb.DataHeader(codec=req.pull_codec,
+                                                   codec_chunk=req.pull_codec_chunk,
+                                                   codec_flags=req.pull_codec_flags))
+        except PSError as err:
+            raise PSError(pb.BAD_DTYPE, f"rank {req.rank} pull codec: {err.message}") from None
+
+    def _check_pulls(self, req: pb.RegisterRequest, pull: Codec, slots: dict[int, Slot]) -> None:
+        """Every worker must pull as the first did: the shard's parameters follow the codes
+        it publishes, one stream per key."""
+        asked = self._pull_codec(req)
+        compressed = {spec.key for spec in req.keys if spec.compressed_pull}
+        published = {k for k, slot in slots.items() if slot.publisher is not None}
+        if asked != pull or compressed != published:
+            raise PSError(pb.BAD_DTYPE, f"rank {req.rank} pulls {asked.name} for "
+                          f"{len(compressed)} keys; this shard publishes {pull.name} for "
+                          f"{len(published)} keys (every worker needs the same pull codec and "
+                          f"compress_min_bytes)")
+
+    def _new_slots(self, req: pb.RegisterRequest, pull: Codec) -> dict[int, Slot]:
         slots = {}
         for spec in req.keys:
             if spec.dtype != pb.FLOAT32:
@@ -176,6 +208,10 @@ class ShardCore:
             slots[spec.key] = slot = Slot.zeros(spec, self.rule.new_state(spec.length))
             if self.rule.onebit:
                 slot.onebit = onebit.new_state(spec.length, self.cfg)
+                slot.publisher = slot.onebit.pub
+            elif spec.compressed_pull and not pull.is_raw:
+                slot.publisher = Publisher(pull, spec.length,
+                                           history=self.cfg.optimizer.delta_history)
         return slots
 
     @staticmethod
@@ -299,8 +335,9 @@ class ShardCore:
     def _answer(self, ident, header, clock, slots, since, min_clock) -> Reply:
         now, m = self.now(), self.metrics
         frame_codecs = []
-        if self.rule.onebit:
-            frames, frame_codecs = onebit.reply_frames(header, slots)
+        publishes = self.pull_codec is not None and not self.pull_codec.is_raw
+        if publishes:
+            frames, frame_codecs = publish.reply_frames(header, slots)
         else:
             frames = [s.reply_frame() for s in slots]
         m.pull_bytes.inc(sum(f.nbytes if isinstance(f, np.ndarray) else len(f)
@@ -313,8 +350,8 @@ class ShardCore:
                             request_id=header.request_id, clock=clock, keys=header.keys,
                             versions=[s.version for s in slots], dtype=pb.FLOAT32,
                             min_clock=min_clock, frame_codecs=frame_codecs)
-        if frame_codecs:
-            out.codec_chunk = self.cfg.optimizer.onebit_chunk
+        if publishes:
+            _, out.codec_chunk, out.codec_flags = self.pull_codec.wire_fields()
         return Reply(ident, out, [f for f, _ in frames], [buf for _, buf in frames])
 
     def _ack(self, ident: bytes, header: pb.DataHeader, min_clock: int) -> Reply:

@@ -20,6 +20,7 @@ import numpy as np
 import native
 from proto import bitps_pb2 as pb
 from ps.onebit import OneBitState
+from ps.publish import Publisher, publish_update
 from ps.rules import KeyState, UpdateRule
 
 __all__ = ["ZERO_COPY_MIN_BYTES", "Buffer", "Slot"]
@@ -67,6 +68,9 @@ class Slot:
     spare: list[Buffer] = field(default_factory=list)
     onebit: OneBitState | None = None
     """1-bit Adam state (``onebit_adam`` shards only)."""
+    publisher: Publisher | None = None
+    """The codes pull replies carry (``ps.publish``): set for keys whose pulls are compressed
+    (1-bit Adam: every key, its state's publisher)."""
     decoded: np.ndarray = field(default_factory=lambda: _EMPTY)
     """Where compressed pushes are decoded to (allocated on the first one)."""
 
@@ -94,7 +98,12 @@ class Slot:
         Adam: :meth:`apply_onebit`)."""
         if self.onebit is not None:
             return self.apply_onebit(rule, grad, grad_scale=grad_scale, warmup_push=warmup_push)
-        rule.apply(self._writable(), grad, self.state, grad_scale=grad_scale,
+        if self.publisher is not None:
+            # the version number seeds sparse's sampling: every update draws afresh
+            return publish_update(self, lambda dst: rule.apply(
+                self.param, grad, self.state, grad_scale=grad_scale, lr_scale=lr_scale,
+                dst=dst), seed=(self.spec.key << 32) + self.version)
+        rule.apply(self.writable(), grad, self.state, grad_scale=grad_scale,
                    lr_scale=lr_scale)
         self.version += 1
 
@@ -108,7 +117,7 @@ class Slot:
         late one (a slower async worker's) gets a warmup step even after the switch."""
         ob = self.onebit
         if not ob.compressing or (ob.worker_moments and warmup_push):
-            rule.apply(self._writable(), grad, self.state, grad_scale=grad_scale)
+            rule.apply(self.writable(), grad, self.state, grad_scale=grad_scale)
             self.version += 1
             ob.forget()
             return
@@ -118,7 +127,7 @@ class Slot:
             payload = ob.server.encode(ob.delta)
             self.state.buf1.fill(0.0)
             ob.codec.decode_add(payload, self.length, self.state.buf1)
-            rule.apply_momentum(self._writable(), self.state,
+            rule.apply_momentum(self.writable(), self.state,
                                 bias_correction2_sqrt=ob.bias_correction2_sqrt)
         else:
             if ob.worker_moments:
@@ -127,11 +136,11 @@ class Slot:
                 rule.delta(self.param, grad, self.state, ob.delta, grad_scale=grad_scale,
                            bias_correction2_sqrt=ob.bias_correction2_sqrt)
             payload = ob.server.encode(ob.delta)
-            ob.codec.decode_add(payload, self.length, self._writable())
+            ob.codec.decode_add(payload, self.length, self.writable())
         self.version += 1
         ob.publish(self.version, payload)
 
-    def _writable(self) -> np.ndarray:
+    def writable(self) -> np.ndarray:
         """The parameters to update in place: the current array, or a copy of it in a spare
         buffer when ZeroMQ is still sending the current one (which then retires)."""
         current = self.buffer

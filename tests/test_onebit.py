@@ -108,7 +108,7 @@ def test_workers_hold_the_shards_parameters_bit_for_bit(mode, moments):
             # and async workers that fell behind the history) and ~N/8 bytes per update
             assert pulled < 0.4 * 52 * 4 * N
         assert all(by_key[k].onebit.compressing for k in plan.keys)
-        assert all(by_key[k].onebit.history for k in plan.keys)
+        assert all(by_key[k].publisher.history for k in plan.keys)
         for s in shards:
             text = generate_latest(s.core.metrics.registry).decode()
             values = {x.name: x.value for f in text_string_to_metric_families(text)
@@ -282,12 +282,12 @@ def test_a_late_warmup_push_after_the_switch_is_a_gradient_not_a_direction():
             for step in range(3):  # clocks 0, 1 warm up; clock 2 is a direction
                 grad = rng.standard_normal(N).astype(np.float32)
                 fast.push_pull(keys, [grad], [copies[0]], clock=step).wait()
-            assert slot().onebit.compressing and len(slot().onebit.history) == 1
+            assert slot().onebit.compressing and len(slot().publisher.history) == 1
             steps_before = slot().state.step
             grad = rng.standard_normal(N).astype(np.float32)
             slow.push_pull(keys, [grad], [copies[1]], clock=0).wait()
             assert slot().state.step == steps_before + 1  # the shard's Adam took a step
-            assert not slot().onebit.history  # no code: workers behind it pull parameters
+            assert not slot().publisher.history  # no code: workers behind it pull parameters
             assert not np.any(slot().onebit.server.residual)
             fast.pull(keys, [copies[0]], clock=3).wait()
             for copy in copies:

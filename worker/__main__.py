@@ -201,9 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             profiler.stop()
         ps_model.close()
     wall = time.perf_counter() - t_start
-    wire = m.push_bytes.value + sum(
-        c.value for c in m.codec_wire_bytes.children.values()) - sum(
-        c.value for c in m.codec_raw_bytes.children.values())
+    wire = m.push_wire_bytes.value
     _emit(args, event="done", rank=args.rank, steps=args.steps, first_loss=first,
           final_loss=sum(recent) / max(len(recent), 1), last_loss=last, seconds=wall,
           samples_per_s=args.steps * demo.batch_size / wall,

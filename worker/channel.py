@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from native import sign1
 from proto import bitps_pb2 as pb
+from proto.codecs import Codec
 from proto.wire import PSError, encode_header, parse_header
 from worker.metrics import WorkerMetrics
 from worker.onebit import OneBitMomentum
@@ -142,6 +142,7 @@ class Channel:
             self.poller.register(d, zmq.POLLIN)
 
     def send(self, requests: list[Request]) -> None:
+        wire = sum(part.nbytes for req in requests for part in req.payload)
         with self.lock:
             for req in requests:
                 self.inflight[req.request_id] = req
@@ -155,6 +156,9 @@ class Channel:
                 last = len(payload) - 1
                 for i, (part, copy) in enumerate(zip(payload, copies)):
                     sock.send(part, 0 if i == last else _SNDMORE, copy=copy)
+        if wire:
+            with self.metrics.lock:
+                self.metrics.push_wire_bytes.inc(wire)
 
     def progress(self, timeout_s: float, *, blocking: bool = True,
                  wake_fd: int | None = None) -> None:
@@ -228,15 +232,24 @@ class Channel:
                    else PSError(header.error, header.message, shard=shard))
             return req.handle._part_done(err)
         error, nbytes, codecs = None, 0, header.frame_codecs
+        published = None
         for i, (key, out) in enumerate(zip(req.keys, req.outs)):
             if not sock.get(_RCVMORE):
                 error = PSError(pb.FRAME_COUNT, f"reply ends before key {key}", shard=shard)
                 break
-            if codecs and codecs[i] == pb.CODEC_SIGN1:
+            if codecs and codecs[i] != pb.CODEC_RAW:
                 frame = sock.recv(copy=False).buffer
                 nbytes += frame.nbytes
+                try:
+                    if published is None or published.id != codecs[i]:
+                        published = Codec.from_header(pb.DataHeader(
+                            codec=codecs[i], codec_chunk=header.codec_chunk,
+                            codec_flags=header.codec_flags))
+                except PSError as err:
+                    error = error or PSError(err.code, err.message, shard=shard)
+                    continue
                 error = error or self._apply_updates(frame, out, key, header.versions[i],
-                                                     header.codec_chunk, shard)
+                                                     published, shard)
                 continue
             n = sock.recv_into(out)
             if n != out.nbytes and error is None:
@@ -264,24 +277,24 @@ class Channel:
         req.handle._part_done()
 
     def _apply_updates(self, frame: memoryview, out: np.ndarray, key: int, version: int,
-                       chunk: int, shard: int) -> PSError | None:
-        """Add a onebit_adam shard's compressed updates (``ps.onebit``) to this worker's copy
-        ``out``, oldest first, exactly as the shard added them to its own; checked whole before
-        anything is added, so a bad frame leaves the copy as it was."""
+                       codec: Codec, shard: int) -> PSError | None:
+        """Add the codes a shard published (``ps.publish``: compressed pulls, or 1-bit Adam's
+        updates) to this worker's copy ``out``, oldest first, exactly as the shard added them
+        to its own; checked whole before anything is added, so a bad frame leaves the copy as
+        it was. One pass per code: decode and add (sync 1-bit Adam: the code is the momentum,
+        applied with the frozen v)."""
         n, base = out.shape[0], self.versions.get(key, 0)
-        chunk = chunk or sign1.DEFAULT_CHUNK
-        size = sign1.payload_bytes(n, chunk)
-        count, rest = divmod(frame.nbytes, size)
-        if rest or count != version - base:
-            return PSError(pb.BAD_LENGTH, f"key {key}: {frame.nbytes} bytes of sign1 updates "
-                           f"from version {base} to {version}; expected {version - base} x "
-                           f"{size} bytes", shard=shard)
-        for j in range(count):
-            code = frame[j * size:(j + 1) * size]
-            if self.momentum is not None:  # sync 1-bit Adam: the code is the momentum
-                self.momentum.apply(key, code, out, chunk)
+        parts = codec.split(frame, n)
+        if isinstance(parts, str) or len(parts) != version - base:
+            what = parts if isinstance(parts, str) else f"{len(parts)} codes"
+            return PSError(pb.BAD_LENGTH, f"key {key}: {what} of {codec.name} updates from "
+                           f"version {base} to {version}; expected {version - base}",
+                           shard=shard)
+        for code in parts:
+            if self.momentum is not None:
+                self.momentum.apply(key, code, out, codec.chunk)
             else:
-                sign1.decode_add(code, n, out, chunk=chunk)
+                codec.decode_add(code, n, out)
         return None
 
     @staticmethod

@@ -76,6 +76,8 @@ class PSClient:
         self._closing = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._push_codec = Codec.from_config(cfg.push_codec)
+        self.pull_codec = Codec.from_config(cfg.pull_codec or cfg.push_codec)
+        """What the shards publish for this worker's pulls (registered; ``ps.publish``)."""
         self._compressors: dict[tuple[int, int], Compressor] = {}
         self.freeze_step = 0
         self._onebit_chunk = 0
@@ -114,7 +116,9 @@ class PSClient:
                 elif reply.onebit.worker_moments and self._moments is None:
                     self._moments = WorkerMoments(reply.onebit)
         self.clock = self.start_clock
-        self.versions = {k.key: 0 for k in plan.keys}
+        # Versions of the copies this worker holds, filled by replies: a request names versions
+        # only for keys it has received (a shard sends codes only against a copy it sent).
+        self.versions.clear()
         self._endpoints = endpoints
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="bitps-heartbeat",
                                            daemon=True)
@@ -122,12 +126,17 @@ class PSClient:
 
     def _register_stream(self, plan: KeyPlan, shard: int, values):
         keys = plan.for_shard(shard)
+        pull = self.pull_codec
+        large = self._large_keys()
         req = pb.RegisterRequest(
             protocol=PROTOCOL, rank=self.cfg.rank, world_size=self.cfg.world_size,
             signature=plan.signature, num_shards=plan.num_shards, shard_id=shard,
             sends_values=values is not None, token=self.cfg.token,
             keys=[pb.KeySpec(key=k.key, name=k.name, offset=k.offset, length=k.length,
-                             dtype=pb.FLOAT32) for k in keys])
+                             dtype=pb.FLOAT32, compressed_pull=not pull.is_raw and large[k.key])
+                  for k in keys])
+        if not pull.is_raw:
+            req.pull_codec, req.pull_codec_chunk, req.pull_codec_flags = pull.wire_fields()
         yield pb.RegisterMessage(request=req)
         if values is not None:
             for k in keys:
@@ -288,8 +297,9 @@ class PSClient:
                                    dtype=pb.FLOAT32, deadline_s=self.cfg.deadline_s,
                                    token=self.cfg.token)
             # The versions of this worker's copies: what a gradient was computed from, and
-            # where a onebit_adam shard's compressed updates start.
-            header.versions.extend(self.versions[k] for k in ks)
+            # where the codes a shard publishes start (none before the first reply).
+            if all(k in self.versions for k in ks):
+                header.versions.extend(self.versions[k] for k in ks)
             payload, nbytes = [], 0
             if grads:
                 nbytes = sum(grads[i].nbytes for i in idx)

@@ -43,6 +43,13 @@ class ClientConfig:
     push_codec: CodecConfig = field(default_factory=CodecConfig)
     """How gradients are pushed (``proto.codecs``): ``raw`` float32 by default; ``bf16``,
     ``fp16``, ``sign1`` or ``sparse`` compress each key with error feedback kept per key."""
+    pull_codec: CodecConfig | None = None
+    """How the shards publish parameter updates for pulls (``ps.publish``): each update is
+    compressed with the shards' own error feedback and applied to their copy, a pull carries
+    the codes since the worker's version, and the worker applies them, so both hold the same
+    parameters bit for bit (a worker too far behind gets float32). ``None``: the push codec's
+    (``raw``: float32 parameters). Every worker must pull alike; a ``onebit_adam`` shard always
+    publishes its own sign1 codes. Tensors under ``compress_min_bytes`` pull float32."""
     compress_min_bytes: int = 1 << 20
     """Tensors smaller than this many (float32) bytes are pushed raw even with a push codec
     (for small messages the per-message cost dominates and compressing gains nothing); every key

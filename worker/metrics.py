@@ -26,8 +26,13 @@ class WorkerMetrics:
         self.registry = registry or CollectorRegistry()
         m = self.set = MetricSet()
         self.lock = m.lock
-        self.push_bytes = m.counter("bitps_worker_push_bytes_total", "Gradient bytes pushed")
-        self.pull_bytes = m.counter("bitps_worker_pull_bytes_total", "Parameter bytes pulled")
+        self.push_bytes = m.counter("bitps_worker_push_bytes_total",
+                                    "Float32 gradient bytes pushed (before any codec)")
+        self.push_wire_bytes = m.counter("bitps_worker_push_wire_bytes_total",
+                                         "Payload bytes pushes sent (after codecs)")
+        self.pull_bytes = m.counter("bitps_worker_pull_bytes_total",
+                                    "Payload bytes pulls received (float32 parameters, or the "
+                                    "codes of compressed pulls)")
         self.push_latency = m.histogram("bitps_worker_push_latency_seconds",
                                         "Push message sent to acknowledged", _LATENCY)
         self.pull_latency = m.histogram("bitps_worker_pull_latency_seconds",

@@ -1,0 +1,101 @@
+"""Compressed pulls: a shard publishes each key's updates as codes, and workers apply them.
+
+Per key, every update the shard makes (any rule; 1-bit Adam's own in ``ps.onebit``) becomes::
+
+    delta   = rule(x) - x                        what the optimizer would add
+    payload = encode(delta + server residual)    residual = what the payload did not carry
+    x      += decode(payload)                    version += 1; payload kept in the history
+
+so the shard's parameters are the sum of the codes it sent, and a worker whose copy is at
+version ``b`` gets, in its pull reply, the payloads of versions ``b+1 .. now`` concatenated
+(``frame_codecs`` names the codec), adds each to its copy exactly as the shard did, and holds
+the shard's parameters bit for bit. Error feedback on the shard keeps the optimizer's updates
+whole over time, as the workers' keeps their gradients.
+
+A worker gets the float32 parameters instead (``CODEC_RAW``) when it holds no copy yet (its
+request has no versions), when it is behind the history (a warmup update without a payload,
+more than ``delta_history`` versions, or codes that together outweigh the parameters: the
+history keeps at most the key's float32 size in codes), or ahead of it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from proto import bitps_pb2 as pb
+from proto.codecs import Codec, Compressor
+
+if TYPE_CHECKING:
+    from ps.store import Slot
+
+__all__ = ["Publisher", "publish_update", "reply_frames"]
+
+
+class Publisher:
+    """One key's published codes: the shard's error feedback and the history of payloads."""
+
+    def __init__(self, codec: Codec, n: int, *, history: int) -> None:
+        self.codec = codec
+        self.server = Compressor(codec, n)
+        """Its residual is the shard's error feedback (state a checkpoint saves)."""
+        self.delta = np.empty(n, np.float32)
+        """Scratch for the update being published."""
+        self.history: deque[tuple[int, bytes]] = deque()
+        self._limit = history
+        self._nbytes = 0
+        self._raw_bytes = 4 * n
+
+    def publish(self, version: int, payload: memoryview) -> None:
+        """Keep the payload that took the key to ``version``; drop the oldest beyond
+        ``delta_history`` codes or the key's float32 size."""
+        self.history.append((version, bytes(payload)))
+        self._nbytes += payload.nbytes
+        while len(self.history) > self._limit or (self._nbytes > self._raw_bytes
+                                                  and len(self.history) > 1):
+            self._nbytes -= len(self.history.popleft()[1])
+
+    def forget(self) -> None:
+        """An update without a payload (1-bit Adam's warmup): workers behind it need the
+        parameters."""
+        self.history.clear()
+        self._nbytes = 0
+
+    def reply_frame(self, base: int, version: int) -> tuple[int, bytes | None]:
+        """What a worker at ``base`` gets for a key at ``version``: ``(codec id, the payloads of
+        base+1 .. version concatenated)`` when the history covers them, else ``(CODEC_RAW,
+        None)``: send the parameters."""
+        if base == version:
+            return self.codec.id, b""
+        if not self.history or base > version or self.history[0][0] > base + 1 \
+                or self.history[-1][0] != version:
+            return pb.CODEC_RAW, None
+        return self.codec.id, b"".join(p for v, p in self.history if v > base)
+
+
+def publish_update(slot: Slot, apply, seed: int) -> None:
+    """Make one update of ``slot`` through its publisher: ``apply(dst)`` writes the parameters
+    the rule would give into ``dst``; their difference to the current ones is compressed, added
+    to the parameters and published as the next version."""
+    pub = slot.publisher
+    apply(pub.delta)
+    np.subtract(pub.delta, slot.param, out=pub.delta)
+    payload = pub.server.encode(pub.delta, seed=seed)
+    pub.codec.decode_add(payload, slot.length, slot.writable())
+    slot.version += 1
+    pub.publish(slot.version, payload)
+
+
+def reply_frames(header: pb.DataHeader, slots: list[Slot]) -> tuple[list, list[int]]:
+    """Per key of a pull: ``(frame, buffer to track)`` and its frame codec: the codes since the
+    version the request names, or the parameters (also for keys that publish nothing)."""
+    bases = header.versions if len(header.versions) == len(slots) else [-1] * len(slots)
+    frames, codecs = [], []
+    for base, slot in zip(bases, slots):
+        codec, data = (pb.CODEC_RAW, None) if slot.publisher is None or base < 0 else \
+            slot.publisher.reply_frame(int(base), slot.version)
+        frames.append(slot.reply_frame() if data is None else (data, None))
+        codecs.append(codec)
+    return frames, codecs
