@@ -1,6 +1,7 @@
 """``bitps-bench convergence``: does compression cost convergence? The demo model on the pinned
 corpus, 2 shards and 2 workers started by ``bitps-launch``, the same seeds and batches in every
-run, trained with fp32 Adam, 1-bit Adam (sync, and ssp S=2) and sparse + error feedback.
+run, trained with fp32 Adam, 1-bit Adam (sync, and ssp S=2), sparse + error feedback, and sign1
+both ways with the default gradient clipping, overlap off and on (sync) and on (async).
 
 Per run: the loss curve (mean of the two ranks at each step), the final loss (mean over the last
 10 % of steps), the first step whose 20-step moving average reaches the target loss (fp32 Adam's
@@ -23,6 +24,7 @@ from bench.report import DEFAULT_OUT, check, write_results
 __all__ = ["RUNS", "run"]
 
 _SSP = ["--mode", "ssp", "--staleness", "2"]
+_SIGN1 = ["--push-codec", "sign1", "--compress-min-bytes", "0"]
 RUNS = {
     "fp32 Adam (sync)": (["--mode", "sync", "--optimizer", "adam"], []),
     "1-bit Adam (sync)": (["--mode", "sync", "--optimizer", "onebit_adam"],
@@ -34,6 +36,15 @@ RUNS = {
         ["--compress-min-bytes", "0"]),
     "sparse + EF, Adam (sync)": (["--mode", "sync", "--optimizer", "adam"],
                                  ["--push-codec", "sparse", "--compress-min-bytes", "0"]),
+    # sign1 both ways with the default clip_norm (1.0; the demo's gradient norm exceeds it in
+    # about a quarter of the early steps): overlap off clips exactly, overlap on pushes buckets
+    # with predicted factors and corrects them through error feedback (worker.clip)
+    "sign1 + EF, clip 1.0, Adam (sync), overlap off": (
+        ["--mode", "sync", "--optimizer", "adam"], [*_SIGN1, "--overlap", "off"]),
+    "sign1 + EF, clip 1.0, Adam (sync), overlap on": (
+        ["--mode", "sync", "--optimizer", "adam"], [*_SIGN1, "--overlap", "on"]),
+    "sign1 + EF, clip 1.0, Adam (async), overlap on": (
+        ["--mode", "async", "--optimizer", "adam"], [*_SIGN1, "--overlap", "on"]),
 }
 BASELINE = "fp32 Adam (sync)"
 # Each 1-bit run is judged against fp32 Adam in the same consistency mode: ssp alone changes
@@ -42,6 +53,11 @@ BASELINE = "fp32 Adam (sync)"
 # defaults to worker moments.
 PAIRS = {"onebit_sync": ("1-bit Adam (sync)", "fp32 Adam (sync)"),
          "onebit_ssp": ("1-bit Adam (ssp S=2)", "fp32 Adam (ssp S=2)")}
+# Clipping under overlap must not change convergence: overlap on against off, same codec.
+OVERLAP_PAIR = ("sign1 + EF, clip 1.0, Adam (sync), overlap on",
+                "sign1 + EF, clip 1.0, Adam (sync), overlap off")
+# Compressed pulls: a sync worker's bytes per step, pushes + pulls, against fp32's.
+TRAFFIC_RUN = "sign1 + EF, clip 1.0, Adam (sync), overlap off"
 REPORTED = {"1-bit Adam (ssp S=2), shard moments": "fp32 Adam (ssp S=2)"}
 
 
@@ -135,6 +151,12 @@ def run(*, steps: int = 600, freeze_fraction: float = 0.25, lr: float = 3e-3,
                                                               ratio <= 1.01)
     for name, peer in REPORTED.items():
         by[name]["vs_same_mode_fp32"] = by[name]["final_loss"] / by[peer]["final_loss"]
+    on, off = (by[n]["final_loss"] for n in OVERLAP_PAIR)
+    checks["sign1_clip_overlap_on_final_loss_vs_off"] = check(round(on / off, 4), "<= 1.01",
+                                                              on / off <= 1.01)
+    traffic = by[TRAFFIC_RUN]["traffic_vs_fp32"]
+    checks["sign1_sync_traffic_reduction_vs_fp32"] = check(round(traffic, 2), ">= 20",
+                                                           traffic >= 20)
     notes = (f"{steps} steps, 2 shards x 2 workers, batch 8 x 128 bytes per rank, seeds "
              f"{list(seeds)} (curves averaged), Adam lr {lr}, beta2 {beta2} (v's memory, "
              f"1/(1-beta2) = {1 / (1 - beta2):.0f} steps, must be shorter than the warmup for "

@@ -31,6 +31,8 @@ class Link:
     """``netns`` (veth + tbf at ``rate``) or ``loopback`` (unshaped fallback)."""
     server_ip: str
     """Address the child binds and this process connects to."""
+    host_ip: str
+    """This end's address, which a child in the namespace connects to."""
     prefix: tuple[str, ...]
     """Prepend to the child's argv (``ip netns exec NS``; empty on loopback)."""
     rate: str
@@ -72,12 +74,14 @@ def shaped_link(rate: str = "1gbit", *, burst: str = "256kb",
                  "burst", burst, "latency", latency)
     except (OSError, subprocess.SubprocessError) as err:
         _teardown(ns, here, created)
-        yield Link(kind="loopback", server_ip="127.0.0.1", prefix=(), rate="unshaped",
+        yield Link(kind="loopback", server_ip="127.0.0.1", host_ip="127.0.0.1", prefix=(),
+                   rate="unshaped",
                    note=f"could not set up a shaped link ({err}); fell back to unshaped "
                         f"loopback, so communication is cheaper than on a {rate} link")
         return
     try:
-        yield Link(kind="netns", server_ip=server_ip, prefix=inside, rate=rate,
+        yield Link(kind="netns", server_ip=server_ip, host_ip=host_ip, prefix=inside,
+                   rate=rate,
                    note=f"veth pair {here} <-> {there} (namespace {ns}), tc tbf rate {rate} "
                         f"burst {burst} latency {latency} on both ends")
     finally:

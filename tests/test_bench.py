@@ -65,7 +65,7 @@ def test_codec_bench_runs_every_implementation(tmp_path):
 def test_convergence_bench_smoke(tmp_path):
     """A few steps of every run: the curves, the PNG and the byte counts come out."""
     doc = _bench(tmp_path, "convergence", "--steps", "12", "--seeds", "0", timeout=600)
-    assert len(doc["rows"]) == 6
+    assert len(doc["rows"]) == 9
     assert (tmp_path / "convergence.png").read_bytes()[:4] == b"\x89PNG"
     by = {r["run"]: r for r in doc["rows"]}
     fp32 = by["fp32 Adam (sync)"]["push_bytes_per_step"]
@@ -73,19 +73,35 @@ def test_convergence_bench_smoke(tmp_path):
         assert 0 < by[run]["push_bytes_per_step"] < fp32
         assert by[run]["vs_same_mode_fp32"] > 0
     assert set(doc["checks"]) == {"onebit_sync_final_loss_vs_fp32_same_mode",
-                                  "onebit_ssp_final_loss_vs_fp32_same_mode"}
+                                  "onebit_ssp_final_loss_vs_fp32_same_mode",
+                                  "sign1_clip_overlap_on_final_loss_vs_off",
+                                  "sign1_sync_traffic_reduction_vs_fp32"}
+    sign1 = by["sign1 + EF, clip 1.0, Adam (sync), overlap off"]
+    assert sign1["pull_bytes_per_step"] < by["fp32 Adam (sync)"]["pull_bytes_per_step"] / 4
 
 
 def test_overlap_bench_smoke(tmp_path):
-    """A small model, one ratio, few steps: three cases, the link named (a shaped veth link
-    where namespaces can be made, else loopback with the reason), the two checks."""
+    """A small model, one ratio, few steps: the one-worker cases, two workers in sync, sign1
+    with clipping; the link named (a shaped veth link where namespaces can be made, else
+    loopback with the reason), CPU read from /proc, every check present."""
     doc = _bench(tmp_path, "overlap", "--quick", "--width", "128", "--depth", "4",
-                 "--comm-ratios", "0.8", "--bucket-bytes", "65536", timeout=300)
-    assert [r["case"] for r in doc["rows"]] == ["compute-only", "overlap off", "overlap on"]
-    assert all(r["step_ms"] > 0 for r in doc["rows"])
+                 "--comm-ratios", "0.8", "--bucket-bytes", "65536", timeout=400)
+    assert [r["case"] for r in doc["rows"]] == [
+        "1 worker: compute-only", "1 worker: overlap off", "1 worker: overlap on",
+        "2 workers sync: overlap off", "2 workers sync: overlap on",
+        "sign1 + clip: compute-only", "sign1 + clip: overlap off", "sign1 + clip: overlap auto"]
+    # /proc counts CPU in clock ticks (10 ms): a few steps of a small model may read 0
+    assert all(r["step_ms"] > 0 and r["cpu_ms"] >= 0 <= r["shard_cpu_ms"] for r in doc["rows"])
     assert doc["config"]["link"] in ("netns", "loopback") and doc["config"]["link_note"]
+    assert 0 <= doc["config"]["machine_busy_before"] <= 1
     assert set(doc["checks"]) == {"overlap_on_utilization_at_ratio_0.8",
-                                  "overlap_on_step_vs_compute_only_at_ratio_0.8"}
+                                  "overlap_on_step_vs_compute_only_at_ratio_0.8",
+                                  "two_workers_sync_overlap_on_completes",
+                                  "two_workers_sync_overlap_on_vs_off",
+                                  "compressed_clip_auto_turns_overlap_on",
+                                  "compressed_clip_overlap_on_vs_off"}
+    assert doc["checks"]["two_workers_sync_overlap_on_completes"]["ok"]
+    assert doc["checks"]["compressed_clip_auto_turns_overlap_on"]["ok"]
 
 
 def test_memory_bench_smoke(tmp_path):

@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--push-codec", default=env("BITPS_PUSH_CODEC", "raw"),
         choices=("raw", "bf16", "fp16", "sign1", "sparse"),
         help="gradient codec, with error feedback (a onebit_adam shard overrides it)")
+    add("--pull-codec", default=env("BITPS_PULL_CODEC", "push"),
+        choices=("push", "raw", "bf16", "fp16", "sign1", "sparse"),
+        help="codec the shards publish parameter updates with for pulls (their own error "
+             "feedback; workers stay bit-identical); push = the push codec's")
     add("--codec-chunk", type=int, default=int(env("BITPS_CODEC_CHUNK", "2048")),
         help="elements per scale chunk (sign1, sparse)")
     add("--sign1-scale", default="rms", choices=("rms", "mean_abs"), help="sign1 scale rule")
@@ -122,8 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         codec = CodecConfig(name=args.push_codec, chunk=args.codec_chunk,
                             scale=args.sign1_scale, values=args.sparse_values)
+        pull = None if args.pull_codec == "push" else CodecConfig(
+            name=args.pull_codec, chunk=args.codec_chunk, scale=args.sign1_scale,
+            values=args.sparse_values)
         cfg = ClientConfig(servers=servers, rank=args.rank, world_size=args.world_size,
                            token=args.token, deadline_s=args.deadline, push_codec=codec,
+                           pull_codec=pull,
                            compress_min_bytes=args.compress_min_bytes,
                            clip_norm=args.clip_norm, codec_seed=args.codec_seed)
         overlap = OverlapConfig(mode=args.overlap, min_ratio=args.overlap_min_ratio,
