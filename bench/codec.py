@@ -7,7 +7,10 @@ error feedback and decompressed-and-accumulated. Every implementation is called 
 times, round-robin with the others and with ``np.copyto`` of the same bytes into a preallocated
 buffer (memcpy), so machine noise hits all alike; medians are reported. "vs memcpy" = memcpy
 time / this time (1.0 = as fast as copying the float32 gradient once); "kernel speedup" = this
-time / the numba kernel's time for the same operation.
+time / the numba kernel's time for the same operation. "clipped sign1 push" compares the
+worker's preparation of a clipped compressed push before ``worker.clip`` (torch's
+``clip_grad_norm_`` in place, the finiteness check, the encode) with now (``sum_squares`` for
+the norm and the finiteness check in one read, the encode applying the factor).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.report import check, median, write_results
+import native
 from native import casts, sign1, sparse
 
 __all__ = ["run"]
@@ -52,7 +56,27 @@ def _cases(grads: list[np.ndarray]) -> dict:
     sp_payload = sp_out[:size].copy()
     bf_out = np.empty(n, np.uint16)
     dst = np.empty_like(grad)
+    # A clipped sign1 push as the worker prepared it before clipping moved into the encoder
+    # (torch's clip_grad_norm_ in place, then the finiteness check, then the encode) and now
+    # (one read for the norm and the finiteness check, then the encode applying the factor).
+    clip_grad = torch.from_numpy(grads[1].copy())
+    clip_grad.grad = clip_grad.clone()  # clip_grad_norm_ works on .grad
+    res["before"], res["now"] = np.zeros(n, np.float32), np.zeros(n, np.float32)
+
+    def before() -> None:
+        torch.nn.utils.clip_grad_norm_([clip_grad], 1.0)
+        g = clip_grad.grad.numpy()
+        native.all_finite(g)
+        sign1.encode(g, res["before"], out)
+
+    def now() -> None:
+        g = grads[1]
+        factor = min(1.0, 1.0 / (float(np.sqrt(native.sum_squares(g))) + 1e-6))
+        sign1.encode(g, res["now"], out, scale=factor)
+
     return {
+        ("clipped sign1 push", "before: clip_grad_norm_, all_finite, encode"): before,
+        ("clipped sign1 push", "now: sum_squares, encode with the factor"): now,
         ("copy float32 gradient", "memcpy (np.copyto)"): lambda: np.copyto(dst, grad),
         ("sign1 compress + EF", "numba kernel"):
             lambda: sign1.encode(next(turn["k"]), res["k"], out),
@@ -123,6 +147,8 @@ def run(*, mib: int = 64, repeats: int = 7, out: Path | None = None) -> dict:
         "sparse_compress_vs_memcpy": _goal(
             ratio("sparse natexp8 compress + EF", "numba kernel", "vs_memcpy"), 0.2),
     }
+    clip = [t for (op, _), t in med.items() if op == "clipped sign1 push"]
+    checks["clipped_push_before_over_now"] = _goal(round(clip[0] / clip[1], 2), 1.1)
     notes = (f"{mib} MiB float32 gradients (standard normal, two in turn), one thread (numba and "
              f"torch set to 1), medians of {repeats} round-robin calls. vs memcpy = memcpy time "
              "/ this time; kernel speedup = this time / the numba kernel's time.")

@@ -138,7 +138,7 @@ class ShardCore:
         return pb.RegisterReply(shard_id=cfg.shard_id, num_shards=cfg.num_shards, mode=cfg.mode,
                                 staleness=cfg.staleness, start_clock=start,
                                 max_frame_bytes=cfg.max_frame_bytes, onebit=onebit.params(cfg),
-                                holds_pulls=cfg.mode != "async")
+                                holds_pulls=cfg.mode == "sync" and req.world_size > 1)
 
     def optimizer_state(self, rank: int) -> list[pb.KeyOptimizerState]:
         """sync 1-bit Adam: every key's momentum and frozen v, for a worker at the freeze.

@@ -509,6 +509,16 @@ def test_sync_adds_pushes_in_rank_order_whatever_order_they_arrive_in(codec):
     assert not np.array_equal((grads[2] + grads[1]) + grads[0], (grads[0] + grads[1]) + grads[2])
 
 
+@pytest.mark.parametrize(("mode", "world", "holds"),
+                         [("sync", 1, False), ("sync", 2, True), ("ssp", 2, False),
+                          ("async", 2, False)])
+def test_registration_says_whether_pulls_wait_for_other_workers_pushes(mode, world, holds):
+    """Workers push and pull apart (credit for pushes only) exactly when a pull can wait for
+    another worker's push of the same keys: sync with more than one worker."""
+    core = ShardCore(ServerConfig(mode=mode, optimizer=SGD))
+    assert core.register(_reg(0, world), _values()).holds_pulls == holds
+
+
 def test_sync_rejects_wrong_clock_and_duplicate_push():
     core, _ = _core("sync")
     (reply,) = _send(core, pb.PUSH, 0, 1, [0], [_G0])

@@ -64,8 +64,9 @@ class PSClient:
         self.start_clock = 0
         self.clock = 0
         self.holds_pulls = False
-        """Set at registration: the shards may hold a pull until other workers push (sync,
-        ssp), so a pull must never hold back this worker's own pushes (``worker.comm``)."""
+        """Set at registration: the shards may hold a pull until other workers push the same
+        keys (sync, more than one worker), so a pull must never hold back this worker's own
+        pushes (``worker.comm``)."""
         self._heartbeat_min_clock = 0
         self._ids = itertools.count(1)
         self._ctx = zmq.Context()

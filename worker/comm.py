@@ -9,8 +9,8 @@ the job in the forward pre-hook of the module that owns the bucket. The thread:
    may always go);
 2. runs ``job.prepare()`` (on CUDA: wait for the compute stream's event, compress or download
    on the comm stream into pinned memory) and sends the bucket's keys: one ``push_pull``, or,
-   when the shards may hold pulls (``hold_pulls``: sync and ssp), a ``push`` and then a
-   ``pull`` for the next clock;
+   when the shards may hold pulls for other workers' pushes (``hold_pulls``: sync with more
+   than one worker), a ``push`` and then a ``pull`` for the next clock;
 3. while jobs are in flight, waits for replies *or* a new job at once (a pipe it polls beside
    the sockets), so neither a reply nor a new bucket waits for the other;
 4. returns a job's credit when its push is answered, and once its parameters have arrived runs
@@ -21,7 +21,10 @@ Why the credit is held by the push alone: a sync shard answers a bucket's pull o
 worker has pushed that bucket. Were the pull's answer to hold the credit, worker A could wait
 for bucket X with its window full while worker B waited for bucket Y, B's X and A's Y queued
 behind those windows: a circular wait. A shard answers a push on arrival, whatever the other
-workers do, so a window of pushes always drains and every worker gets every bucket out.
+workers do, so a window of pushes always drains and every worker gets every bucket out. (An ssp
+pull waits for clocks instead, which every worker's first push of a step advances: the slowest
+worker's pulls are always admitted, so a ``push_pull`` there cannot wedge, and it saves one
+message per bucket: 3.5 % of the step at communication = compute, measured with one worker.)
 
 Torch-free: what is CUDA-specific lives in the ``prepare``/``finish`` callables. The thread owns
 its ZeroMQ channel (``PSClient`` keeps channels per thread), so no socket is shared.
