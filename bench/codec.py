@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.report import check, median, write_results
 import native
+from bench.report import check, median, write_results
 from native import casts, sign1, sparse
 
 __all__ = ["run"]
