@@ -31,8 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     cd = sub.add_parser("codec", help="codec kernels vs memcpy, numpy and torch (1 thread)")
     cd.add_argument("--mib", type=int, default=64, help="gradient size")
     cd.add_argument("--repeats", type=int, default=7, help="timed calls per implementation")
-    ov = sub.add_parser("overlap", help="step time and utilization, overlap off/on vs compute "
-                                         "only, over a tc-shaped link")
+    ov = sub.add_parser("overlap", help="step time, utilization and worker CPU, overlap off/on "
+                                         "vs compute only, over a tc-shaped link: one worker, "
+                                         "two workers in sync, sign1 with clipping")
     ov.add_argument("--rate", default="1gbit", help="tc tbf rate of the link, each way")
     ov.add_argument("--width", type=int, default=512, help="width of each linear layer")
     ov.add_argument("--depth", type=int, default=16, help="number of linear layers")

@@ -12,11 +12,16 @@ a GPU; on one without, it says so and checks nothing.
    pinned memory on a side stream) and without it (issue 5's CUDA path).
 4. **NaN refused before the device residual**: the device codec (sign1 next to the gradients)
    refuses a NaN gradient with ``NON_FINITE`` and leaves its on-device residuals unchanged.
-5. The CUDA codec tests (``tests/test_codec_torch.py``, skipped on machines without CUDA).
-6. ``bitps-bench overlap --device cuda`` (unless ``--no-bench``).
+5. **Clipping under overlap on the device codec**: buckets leave with predicted clip factors
+   and the corrections land in the on-device residuals; what the shard received plus the
+   residuals equals the exactly clipped gradients (``tests/test_clip.py`` runs it on the CPU).
+6. **Compressed pulls**: sign1 codes applied to the pinned host copies and uploaded leave the
+   worker's copy and its model bit-identical to the shard's.
+7. The CUDA codec tests (``tests/test_codec_torch.py``, skipped on machines without CUDA).
+8. ``bitps-bench overlap --device cuda`` (unless ``--no-bench``).
 
 Writes ``<out>/gpu_check.json`` and ``.md`` (``--out``, default ``bench/results``) and exits
-non-zero when a check fails. ``--device cpu`` runs checks 1-4 on the CPU (a dry run of the
+non-zero when a check fails. ``--device cpu`` runs checks 1-6 on the CPU (a dry run of the
 script itself).
 """
 
@@ -34,7 +39,8 @@ import numpy as np
 
 from bench.report import check, write_results
 
-__all__ = ["main", "nonfinite_refused", "pushed_bytes_match", "sync_result"]
+__all__ = ["clipped_sum_problems", "main", "nonfinite_refused", "pulled_copies_match",
+           "pushed_bytes_match", "sync_result"]
 
 
 def _digest(a) -> str:
@@ -226,6 +232,115 @@ def nonfinite_refused(server: str, *, device: str = "cpu") -> bool:
                                               for k, r in ps_model._residuals.items())
 
 
+def clipped_sum_problems(server: str, *, device: str = "cpu", codec: str = "sign1",
+                         device_codec: bool = False, mode: str = "on",
+                         steps: int = 12) -> list[str]:
+    """Clipping under overlap (``worker.clip``): train a small net with clipping in force at
+    varying strength (gradient norms vary 30x between steps) against the shard at ``server``
+    (async, SGD with lr 1, so its parameters fall by exactly what it received) and return what
+    breaks the invariant: received plus the worker's residuals = the exactly clipped gradients
+    summed (empty = it holds). Pulls are float32, so the shard's parameters are its updates."""
+    import torch
+
+    from proto.codecs import CodecConfig
+    from worker.client import PSClient
+    from worker.config import ClientConfig, OverlapConfig
+    from worker.model import PSModel
+
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(6) for m in (torch.nn.Linear(64, 64),
+                                                                  torch.nn.Tanh())],
+                                torch.nn.Linear(64, 8)).to(dev)
+    start = [p.detach().double().cpu() for p in model.parameters()]
+    client = PSClient(ClientConfig(servers=(server,), partition_bytes=4096,
+                                   compress_min_bytes=1024, clip_norm=0.5,
+                                   push_codec=CodecConfig(name=codec, chunk=64),
+                                   pull_codec=CodecConfig(name="raw")))
+    ps_model = PSModel(model, client, device_codec=device_codec,
+                       overlap=OverlapConfig(mode=mode, bucket_bytes=8192))
+    corrected = []
+    correct = client.clip_correct
+
+    def counting(keys, grads, *, clock, used, exact):
+        corrected.append(used != exact)
+        correct(keys, grads, clock=clock, used=used, exact=exact)
+
+    client.clip_correct = counting
+    gen = torch.Generator().manual_seed(1)
+    clipped = [torch.zeros_like(p, dtype=torch.float64) for p in start]
+    factors = []
+    for step in range(steps):
+        x = torch.randn(16, 64, generator=gen).to(dev)
+        (model(x).square().sum() * (0.1, 1.0, 3.0)[step % 3]).backward()
+        grads = [p.grad.detach().double().cpu() for p in model.parameters()]
+        norm = float(torch.sqrt(sum(g.square().sum() for g in grads)))
+        factors.append(min(1.0, 0.5 / (norm + 1e-6)))
+        for acc, g in zip(clipped, grads):
+            acc += factors[-1] * g
+        ps_model.step()
+    ps_model.synchronize()
+    residual = {**client.residuals(),
+                **{k: r.cpu().numpy() for k, r in ps_model._residuals.items()}}
+    got = [p0 - p.detach().double().cpu() for p0, p in zip(start, model.parameters())]
+    for k in ps_model.plan.keys:
+        got[ps_model._index[k.name]].view(-1)[k.offset:k.offset + k.length] += \
+            torch.from_numpy(residual[k.key]).double()
+    names = [n for n, _ in model.named_parameters()]
+    ps_model.close()
+    problems = []
+    if not (min(factors) < 0.2 and max(factors) > 0.3):
+        problems.append(f"clipping was not in force at varying strength: {factors}")
+    if any(corrected) != (mode == "on"):
+        problems.append(f"corrections {'missing' if mode == 'on' else 'made'} with overlap "
+                        f"{mode}")
+    if len(residual) != len(ps_model.plan.keys):
+        problems.append(f"{len(residual)} residuals for {len(ps_model.plan.keys)} keys")
+    for name, a, b in zip(names, got, clipped):
+        if not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
+            problems.append(f"{name}: received + residual differ from the clipped sum by "
+                            f"{float((a - b).abs().max()):.3g}")
+    return problems
+
+
+def pulled_copies_match(server_for_run, *, device: str = "cpu", steps: int = 8) -> list[str]:
+    """Compressed pulls on ``device``: a worker trains the demo model with overlap on, sign1
+    pushes and pulls (the device codec on CUDA) against the shard ``server_for_run()`` starts
+    (it returns the address and the shard's core); return the keys whose worker copy (the
+    pinned host buffer on CUDA) or model parameters differ from the shard's after a last pull
+    (empty = bit-identical)."""
+    import torch
+
+    from proto.codecs import CodecConfig
+    from worker.client import PSClient
+    from worker.config import ClientConfig, OverlapConfig
+    from worker.model import PSModel
+
+    server, core = server_for_run()
+    problems = []
+    model, batch, loss_fn = _demo(torch.device(device))
+    client = PSClient(ClientConfig(servers=(server,), compress_min_bytes=0,
+                                   push_codec=CodecConfig(name="sign1")))
+    ps_model = PSModel(model, client, overlap=OverlapConfig(mode="on"))
+    for _ in range(steps):
+        loss_fn(model, *batch()).backward()
+        ps_model.step()
+    ps_model.synchronize()
+    client.pull(ps_model.keys, ps_model._outs, clock=ps_model.clock).wait()
+    ps_model._copy_in()
+    for k in ps_model.plan.keys:
+        shard = core.slots[k.key].param
+        if not np.array_equal(ps_model._outs[k.key], shard):
+            problems.append(f"key {k.key}: worker copy differs from the shard")
+        on_model = dict(model.named_parameters())[k.name].detach().reshape(-1)
+        if not np.array_equal(on_model[k.offset:k.offset + k.length].cpu().numpy(), shard):
+            problems.append(f"key {k.key}: model parameters differ from the shard")
+    if core.slots[0].publisher is None:
+        problems.append("the shard published no codes")
+    ps_model.close()
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split(
         "\n")[0])
@@ -244,8 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     shards = []
 
     def shard(mode: str, name: str) -> str:
-        s = create_server(ServerConfig(mode=mode, metrics_port=-1,
-                                       optimizer=OptimizerConfig(name=name, lr=0.01)))
+        lr = 1.0 if name == "sgd_lr1" else 0.01  # lr 1: the parameters fall by what arrived
+        s = create_server(ServerConfig(mode=mode, metrics_port=-1, optimizer=OptimizerConfig(
+            name=name.removesuffix("_lr1"), lr=lr)))
         shards.append(s)
         return f"127.0.0.1:{s.ports['grpc_port']}"
 
@@ -268,6 +384,22 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"check": "device codec: NaN refused, residuals unchanged",
                      "result": "refused" if refused else "NOT refused or residual changed"})
         checks["device_codec_refuses_nan"] = check(refused, "True", refused)
+        problems = clipped_sum_problems(shard("async", "sgd_lr1"), device=args.device,
+                                        device_codec=True)
+        rows.append({"check": "clipping under overlap (device codec): received + residuals "
+                              "= clipped sum", "result": "; ".join(problems[:3]) or "holds"})
+        checks["clip_under_overlap_device_codec"] = check(len(problems), "0 problems",
+                                                          not problems)
+
+        def published():
+            address = shard("async", "adam")
+            return address, shards[-1].core
+
+        problems = pulled_copies_match(published, device=args.device)
+        rows.append({"check": "compressed pulls: worker copies == shard after overlap",
+                     "result": "; ".join(problems[:3]) or "bit-identical"})
+        checks["compressed_pulls_bit_identical"] = check(len(problems), "0 differences",
+                                                         not problems)
     finally:
         for s in shards:
             s.stop(0)

@@ -173,7 +173,8 @@ def _two_workers(link: Link, width: int, depth: int, batch: int, steps: int, war
             [*link.prefix, sys.executable, "-m", "bench.overlap_peer", json.dumps({
                 "servers": servers, "rank": 1, "world_size": 2, "width": width,
                 "depth": depth, "batch": batch, "steps": steps, "warmup": warmup,
-                "mode": mode, "cfg": cfg})], stdout=subprocess.PIPE, text=True)
+                "mode": mode, "cfg": cfg, "device": str(device)})],
+            stdout=subprocess.PIPE, text=True)
         model = make_model(width, depth, device)
         client = PSClient(client_config(servers, cfg, world_size=2))
         ps_model = PSModel(model, client, overlap=overlap_config(mode, cfg))

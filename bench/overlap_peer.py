@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
 
     s = json.loads((argv or sys.argv[1:])[0])
     torch.set_num_threads(1)
-    device = torch.device("cpu")
+    device = torch.device(s["device"])
     model = make_model(s["width"], s["depth"], device)
     client = PSClient(client_config(tuple(s["servers"]), s["cfg"], rank=s["rank"],
                                      world_size=s["world_size"]))

@@ -65,7 +65,7 @@ def test_codec_bench_runs_every_implementation(tmp_path):
 def test_convergence_bench_smoke(tmp_path):
     """A few steps of every run: the curves, the PNG and the byte counts come out."""
     doc = _bench(tmp_path, "convergence", "--steps", "12", "--seeds", "0", timeout=600)
-    assert len(doc["rows"]) == 9
+    assert len(doc["rows"]) == 10
     assert (tmp_path / "convergence.png").read_bytes()[:4] == b"\x89PNG"
     by = {r["run"]: r for r in doc["rows"]}
     fp32 = by["fp32 Adam (sync)"]["push_bytes_per_step"]
@@ -74,6 +74,7 @@ def test_convergence_bench_smoke(tmp_path):
         assert by[run]["vs_same_mode_fp32"] > 0
     assert set(doc["checks"]) == {"onebit_sync_final_loss_vs_fp32_same_mode",
                                   "onebit_ssp_final_loss_vs_fp32_same_mode",
+                                  "onebit_sync_overlap_on_final_loss_vs_off",
                                   "sign1_clip_overlap_on_final_loss_vs_off",
                                   "sign1_sync_traffic_reduction_vs_fp32"}
     sign1 = by["sign1 + EF, clip 1.0, Adam (sync), overlap off"]

@@ -168,3 +168,25 @@ def test_the_demo_moves_20x_fewer_bytes_with_sign1_in_sync():
     fp32, sign1 = per_step("raw"), per_step("sign1")
     assert fp32 == 2 * 4 * sum(p.numel() for p in build_model(demo).parameters())
     assert fp32 / sign1 >= 20, f"fp32 {fp32:.0f} B/step, sign1 {sign1:.0f} B/step"
+
+
+def test_overlap_with_compressed_pulls_keeps_the_model_bit_identical_to_the_shard():
+    """Compressed pulls applied by the communication thread while the next forward runs (the
+    CPU path: codes added straight into the parameters; ``bench/gpu_check.py`` runs the CUDA
+    path, pinned host copies then uploads)."""
+    pytest.importorskip("torch")
+    from bench.gpu_check import pulled_copies_match
+
+    started = []
+
+    def shard():
+        s = create_server(ServerConfig(mode="async", metrics_port=-1,
+                                       optimizer=OptimizerConfig(name="adam", lr=3e-3)))
+        started.append(s)
+        return f"127.0.0.1:{s.ports['grpc_port']}", s.core
+
+    try:
+        assert pulled_copies_match(shard) == []
+    finally:
+        for s in started:
+            s.stop(0)

@@ -7,20 +7,21 @@ a bucket is pushed while backward is still producing later ones, so ``s`` is not
 What bitps does instead (any codec, any consistency mode, nothing changes on the shards):
 
 1. Bucket ``b`` is pushed as ``p_b * g_b`` plus its error-feedback residual, with a predicted
-   factor ``p_b = min(1, s_prev, c / (|g_seen| + 1e-6))``: ``s_prev`` is the last step's exact
-   factor and ``g_seen`` the gradients pushed so far this step, ``b``'s included. ``|g_seen|``
-   never exceeds ``|g|``, so ``c / |g_seen|`` bounds ``s`` from above and each bucket's push is
-   at most ``c`` in norm: a gradient spike is cut in the very bucket where it shows.
-2. The step's last bucket knows ``|g|``: it is pushed with the exact ``s``, and every earlier
-   bucket's residual gets ``(s - p_b) * g_b`` (``PSClient.clip_correct``), in the units the
-   push carried, so the next push delivers what this one missed.
+   factor ``p_b = min(1, s_prev, c / (|g_b| + 1e-6))``: ``s_prev`` is the last step's exact
+   factor. ``|g_b|`` never exceeds ``|g|``, so ``c / |g_b|`` bounds ``s`` from above and no
+   bucket's push exceeds ``c`` in norm: a gradient spike is cut in the very bucket where it
+   shows. ``p_b`` depends on nothing but ``g_b`` and the past, not on which buckets happened
+   to be pushed before it, so a sync run repeats bit for bit.
+2. Once every bucket of the step is pushed, ``|g|`` and so ``s`` are known, and every bucket's
+   residual gets ``(s - p_b) * g_b`` (``PSClient.clip_correct``), in the units its push
+   carried, so the next push delivers what this one missed.
 
 So error feedback stays in clipped units: what the shards receive over the run is the clipped
 gradients exactly, less the last residuals, as with clipping before any push; a step applies
 its clipped gradient up to the correction, which arrives one step late. Keys pushed raw get a
 residual too (``proto.codecs.Compressor`` for raw values), which only the corrections fill.
 When clipping is inactive (``|g| < c``) every ``p_b`` is 1 = ``s`` and nothing is corrected.
-With overlap off there is one payload: it is the last, and it is pushed with ``s`` exactly.
+With overlap off the step is one payload holding every gradient: it is pushed with ``s``.
 """
 
 from __future__ import annotations
@@ -44,16 +45,23 @@ class StepClip:
         """The exact factor of the last complete step (``s_prev``)."""
         self._seen = 0.0
 
-    def factor(self, sum_squares: float, *, last: bool) -> float:
-        """The factor to push a bucket with, given its gradients' sum of squares; ``last``: the
-        step's last bucket, which gets the exact factor (the step then ends). Values are float32
-        numbers, as the kernels apply them."""
+    def _bound(self, sum_squares: float) -> float:
+        # float32, as the kernels apply it; torch's clip_grad_norm_ formula
+        return float(np.float32(min(1.0, self.max_norm / (math.sqrt(sum_squares) + 1e-6))))
+
+    def factor(self, sum_squares: float, *, whole: bool = False) -> float:
+        """The factor to push a payload with, given its gradients' sum of squares; ``whole``:
+        the payload holds every gradient of the step (overlap off), so the factor is exact."""
         self._seen += sum_squares
-        bound = float(np.float32(min(1.0, self.max_norm / (math.sqrt(self._seen) + 1e-6))))
-        if last:
-            self.last_factor, self._seen = bound, 0.0
-            return bound
-        return min(bound, self.last_factor)
+        bound = self._bound(sum_squares)
+        return bound if whole else min(bound, self.last_factor)
+
+    def end(self) -> float:
+        """Every payload of the step has had its factor: return the step's exact factor (the
+        next step's ``s_prev``)."""
+        exact, self._seen = self._bound(self._seen), 0.0
+        self.last_factor = exact
+        return exact
 
     def reset(self) -> None:
         """Forget a step that was refused part way (its last bucket never came)."""

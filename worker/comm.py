@@ -63,6 +63,8 @@ class Payload:
     encoded: Mapping[int, np.ndarray] | None = None
     scale: float | None = None
     """The clip factor of these gradients (``PSClient.push``), or ``None``: no clipping."""
+    then: Callable[[], None] | None = None
+    """Runs right after the push is sent (a clipped step's corrections, ``worker.clip``)."""
 
 
 @dataclass(eq=False)
@@ -213,6 +215,8 @@ class CommThread:
                     job.credit = job.handle = self.client.push_pull(
                         p.keys, p.grads, p.outs, clock=job.clock, encoded=p.encoded,
                         scale=p.scale)
+                if p.then is not None:
+                    p.then()
             except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
                 self._fail(job, err)
                 continue

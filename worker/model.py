@@ -109,21 +109,26 @@ class PSModel:
         return possible and (self.cuda if asked is None else asked)
 
     def _payload(self, keys: Sequence[Key], flat: Sequence[torch.Tensor], clock: int, *,
-                 last: bool = True) -> Payload:
+                 last: bool = True, whole: bool = True) -> Payload:
         """The push of ``keys`` for ``clock`` from the flat gradients ``flat`` (by parameter).
         On CUDA it must run with the comm stream current, after that stream has waited for the
         gradients; compressed keys are encoded on it (device codec) and everything else is
         downloaded to pinned memory, then the stream is synchronized. On CPU gradients are
-        read in place. With clipping the payload carries its clip factor (``worker.clip``;
-        ``last``: the step's last payload, which gets the exact factor), found from the
-        gradients' sum of squares, which is also their NaN/Inf check."""
+        read in place. With clipping the payload carries its clip factor (``worker.clip``),
+        found from the gradients' sum of squares, which is also their NaN/Inf check: exact
+        when the payload is ``whole`` (every gradient of the step), else predicted and
+        corrected once the step's ``last`` payload is prepared."""
         codec = self.client.push_codec_at(clock)
         coded = {k.key for k in keys if self.device_codec and self.client.compresses(k.key, clock)}
         scale = None
+        if self._clip_pending and self._clip_pending[0][0] != clock:
+            # a refused step never pushed its last payload: forget its factors
+            self._clip_pending.clear()
+            self._clip.reset()
         if self.device_codec and (coded or self._clip is not None):
             sum_squares = self._check_device(keys, coded, flat)
             if self._clip is not None:
-                scale = self._clip.factor(sum_squares, last=last)
+                scale = self._clip.factor(sum_squares, whole=whole)
         encoded: dict[int, torch.Tensor] = {}
         grads: list[np.ndarray] = []
         for k in keys:
@@ -142,13 +147,14 @@ class PSModel:
             self._stream.synchronize()
         if self._clip is not None and not self.device_codec:
             scale = self._clip.factor(self.client.sum_squares([k.key for k in keys], grads),
-                                      last=last)
+                                      whole=whole)
         if self._clip is not None:
-            self._correct_clipping(keys, grads, flat, coded, clock, scale, last)
+            self._clip_pending.append((clock, keys, grads, flat, coded, scale))
         return Payload(keys=[k.key for k in keys], grads=grads,
                        outs=[self._outs[k.key] for k in keys],
                        encoded={key: code.numpy() for key, code in encoded.items()} or None,
-                       scale=scale)
+                       scale=scale, then=self._end_clipped_step if self._clip is not None
+                       and last else None)
 
     def _check_device(self, keys: Sequence[Key], coded: set[int],
                       flat: Sequence[torch.Tensor]) -> float:
@@ -169,27 +175,25 @@ class PSModel:
             raise self.client.refuse_nonfinite(bad[first].key)
         return float(values[len(peaks):].square().sum())
 
-    def _correct_clipping(self, keys: Sequence[Key], grads: list[np.ndarray],
-                          flat: Sequence[torch.Tensor], coded: set[int], clock: int,
-                          scale: float, last: bool) -> None:
-        """Keep this payload until its step's last one gives the exact clip factor; then fold
-        ``(exact - used) * g`` into every earlier payload's error feedback (``worker.clip``):
-        device residuals here, the client's for the rest."""
-        self._clip_pending.append((keys, grads, flat, coded, scale))
-        if not last:
-            return
+    def _end_clipped_step(self) -> None:
+        """Once the step's last payload is pushed (its error feedback encoded): the exact clip
+        factor is known, and every payload of the step gets ``(exact - used) * g`` folded into
+        its error feedback (``worker.clip``): device residuals here (on the comm stream), the
+        client's for the rest."""
+        exact = self._clip.end()
         pending, self._clip_pending = self._clip_pending, []
-        for keys_b, grads_b, flat_b, coded_b, used in pending:
-            if used == scale:
-                continue
-            alpha = float(np.float32(scale - used))
-            host = [(k.key, g) for k, g in zip(keys_b, grads_b) if k.key not in coded_b]
-            for k in keys_b:
-                if k.key in coded_b:
-                    self._residuals[k.key].add_(self._slice(flat_b, k) * alpha)
-            if host:
-                self.client.clip_correct([key for key, _ in host], [g for _, g in host],
-                                         clock=clock, used=used, exact=scale)
+        with torch.cuda.stream(self._stream) if self.cuda else contextlib.nullcontext():
+            for clock, keys, grads, flat, coded, used in pending:
+                if used == exact:
+                    continue
+                alpha = float(np.float32(exact - used))
+                for k in keys:
+                    if k.key in coded:
+                        self._residuals[k.key].add_(self._slice(flat, k) * alpha)
+                host = [(k.key, g) for k, g in zip(keys, grads) if k.key not in coded]
+                if host:
+                    self.client.clip_correct([key for key, _ in host], [g for _, g in host],
+                                             clock=clock, used=used, exact=exact)
 
     def _slice(self, flats: Sequence, k: Key):
         """Key ``k``'s slice of its parameter's flat array (``flats`` by parameter: gradients,
@@ -275,8 +279,12 @@ class PSModel:
                     payload = self._payload(self.plan.keys, flat, self.clock)
             else:
                 payload = self._payload(self.plan.keys, flat, self.clock)
-            self.client.push_pull(payload.keys, payload.grads, payload.outs, clock=self.clock,
-                                  encoded=payload.encoded, scale=payload.scale).wait()
+            handle = self.client.push_pull(payload.keys, payload.grads, payload.outs,
+                                           clock=self.clock, encoded=payload.encoded,
+                                           scale=payload.scale)
+            if payload.then is not None:
+                payload.then()
+            handle.wait()
             self._copy_in()
         return time.perf_counter() - t0
 
@@ -450,19 +458,13 @@ class PSModel:
             flat: list[torch.Tensor | None] = [None] * len(self.params)
             for i, g in grads.items():
                 flat[i] = g.reshape(-1)
-            try:
-                if not self.cuda:
-                    return self._payload(keys, flat, clock, last=last)
-                self._stream.wait_event(produced)
-                for g in grads.values():
-                    g.record_stream(self._stream)  # freed grads are not reused under our reads
-                with torch.cuda.stream(self._stream):
-                    return self._payload(keys, flat, clock, last=last)
-            except BaseException:
-                if last and self._clip is not None:  # a refused step leaves no clip state
-                    self._clip.reset()
-                    self._clip_pending.clear()
-                raise
+            if not self.cuda:
+                return self._payload(keys, flat, clock, last=last, whole=False)
+            self._stream.wait_event(produced)
+            for g in grads.values():
+                g.record_stream(self._stream)  # freed grads are not reused under our reads
+            with torch.cuda.stream(self._stream):
+                return self._payload(keys, flat, clock, last=last, whole=False)
 
         def finish() -> None:
             with torch.no_grad(), torch.cuda.stream(self._stream):
