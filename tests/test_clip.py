@@ -207,3 +207,37 @@ def test_sync_runs_with_clipping_under_overlap_repeat_bit_for_bit_whatever_the_t
 
     first, second = run(1), run(2)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_a_model_in_one_bucket_clips_exactly_so_sync_overlap_on_equals_off():
+    """One bucket holds the whole step (the demo model fits one 1 MiB bucket): its factor is
+    exact, so with clipping in force a sync run ends bit for bit where overlap off ends (the
+    auto rule may pick either on a model near the 20 % line, rank by rank)."""
+    from worker.model import PSModel
+
+    torch.set_num_threads(1)
+
+    def run(mode: str) -> list[torch.Tensor]:
+        shard = create_server(ServerConfig(mode="sync", metrics_port=-1,
+                                           optimizer=OptimizerConfig(name="adam", lr=1e-2)))
+        try:
+            model = _Net()
+            client = PSClient(ClientConfig(servers=(f"127.0.0.1:{shard.ports['grpc_port']}",),
+                                           partition_bytes=4096, compress_min_bytes=1024,
+                                           clip_norm=0.5,
+                                           push_codec=CodecConfig(name="sign1", chunk=64)))
+            ps_model = PSModel(model, client, overlap=OverlapConfig(mode=mode))
+            assert len(ps_model.buckets) == 1
+            gen = torch.Generator().manual_seed(1)
+            for step in range(8):
+                x = torch.randn(16, 64, generator=gen)
+                (model(x).square().sum() * (0.1, 1.0, 3.0)[step % 3]).backward()
+                ps_model.step()
+            ps_model.synchronize()
+            out = [p.detach().clone() for p in model.parameters()]
+            ps_model.close()
+            return out
+        finally:
+            shard.stop(0)
+
+    assert all(torch.equal(a, b) for a, b in zip(run("off"), run("on")))

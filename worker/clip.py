@@ -21,7 +21,8 @@ gradients exactly, less the last residuals, as with clipping before any push; a 
 its clipped gradient up to the correction, which arrives one step late. Keys pushed raw get a
 residual too (``proto.codecs.Compressor`` for raw values), which only the corrections fill.
 When clipping is inactive (``|g| < c``) every ``p_b`` is 1 = ``s`` and nothing is corrected.
-With overlap off the step is one payload holding every gradient: it is pushed with ``s``.
+With overlap off the step is one payload holding every gradient, and a model whose gradients
+fit one bucket pushes one such bucket: either is pushed with ``s`` exactly.
 """
 
 from __future__ import annotations

@@ -455,16 +455,17 @@ class PSModel:
             last = self._prepared == len(self.buckets)
             if last:
                 self._prepared = 0
+            whole = len(self.buckets) == 1  # one bucket holds the step: its factor is exact
             flat: list[torch.Tensor | None] = [None] * len(self.params)
             for i, g in grads.items():
                 flat[i] = g.reshape(-1)
             if not self.cuda:
-                return self._payload(keys, flat, clock, last=last, whole=False)
+                return self._payload(keys, flat, clock, last=last, whole=whole)
             self._stream.wait_event(produced)
             for g in grads.values():
                 g.record_stream(self._stream)  # freed grads are not reused under our reads
             with torch.cuda.stream(self._stream):
-                return self._payload(keys, flat, clock, last=last, whole=False)
+                return self._payload(keys, flat, clock, last=last, whole=whole)
 
         def finish() -> None:
             with torch.no_grad(), torch.cuda.stream(self._stream):
