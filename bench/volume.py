@@ -7,9 +7,10 @@ pipeline stages, whose fp32 gradient is the 30 GB). Nothing is timed: the sizes 
 every codec but ``sparse``, whose size depends on the data; it is computed at the density its
 threshold keeps on Gaussian data, 2*median(|u|) -> P(|u| > 1.349 sigma) = 0.177.
 
-Directions: push = gradients worker -> shard; pull = parameters (or 1-bit Adam's compressed
-update) shard -> worker. A codec that only compresses pushes still pulls float32 parameters.
-sign1 uses its default chunk (2048); 1-bit Adam its own default (``onebit_chunk``, 256).
+Directions: push = gradients worker -> shard; pull = parameters, or the codes of the shard's
+update (compressed pulls, ``ps.publish``; one code per step, as in sync), shard -> worker. The
+pull codec defaults to the push codec's; the "(pull fp32)" rows set it to raw. sign1 uses its
+default chunk (2048); 1-bit Adam its own default (``onebit_chunk``, 256).
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ SCHEMES = {
     "fp32": ("raw", "raw"),
     "bf16": ("bf16", "bf16"),
     "sign1 + EF (pull fp32)": ("sign1", "raw"),
+    "sign1 + EF (both ways)": ("sign1", "sign1"),
     "1-bit Adam (both ways)": ("onebit", "onebit"),
     "sparse natexp8 + EF (pull fp32)": ("sparse_natexp8", "raw"),
+    "sparse natexp8 + EF (both ways)": ("sparse_natexp8", "sparse_natexp8"),
     "sparse bf16 + EF (pull fp32)": ("sparse_bf16", "raw"),
 }
 
