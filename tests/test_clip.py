@@ -158,54 +158,52 @@ def test_one_bit_adam_with_worker_moments_clips_under_overlap_and_stays_bit_iden
     assert any(np.any(r) for r in client.residuals(clock=7).values())
 
 
-def test_sync_runs_with_clipping_under_overlap_repeat_bit_for_bit_whatever_the_timing():
-    """A bucket's predicted factor depends only on its own gradients and the last step's
-    factor, never on which buckets happened to be pushed before it: two sync runs whose
-    backward passes pause at random places end with the same bits."""
+def _clipped_sync_run(mode: str, bucket_bytes: int, jitter: int | None = None
+                      ) -> tuple[list[torch.Tensor], int]:
+    """Eight sync steps of ``_Net`` with sign1 pushes and clipping in force (norms vary 30x);
+    ``jitter`` seeds random pauses after each layer's gradients. Returns the final parameters
+    and the number of buckets."""
     import random
     import time
 
     from worker.model import PSModel
 
-    class Jitter(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, delay):
-            ctx.delay = delay
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, grad):
-            time.sleep(ctx.delay)
-            return grad, None
-
     torch.set_num_threads(1)
+    shard = create_server(ServerConfig(mode="sync", metrics_port=-1,
+                                       optimizer=OptimizerConfig(name="adam", lr=1e-2)))
+    try:
+        model = _Net()
+        client = PSClient(ClientConfig(servers=(f"127.0.0.1:{shard.ports['grpc_port']}",),
+                                       partition_bytes=4096, compress_min_bytes=1024,
+                                       clip_norm=0.5,
+                                       push_codec=CodecConfig(name="sign1", chunk=64)))
+        ps_model = PSModel(model, client, overlap=OverlapConfig(mode=mode,
+                                                                bucket_bytes=bucket_bytes))
+        if jitter is not None:  # after PSModel's own hooks: the next gradients come later
+            rng = random.Random(jitter)
+            for p in model.parameters():
+                p.register_post_accumulate_grad_hook(
+                    lambda p: time.sleep(rng.random() * 0.004))
+        gen = torch.Generator().manual_seed(1)
+        for step in range(8):
+            x = torch.randn(16, 64, generator=gen)
+            (model(x).square().sum() * (0.1, 1.0, 3.0)[step % 3]).backward()
+            ps_model.step()
+        ps_model.synchronize()
+        out = [p.detach().clone() for p in model.parameters()]
+        ps_model.close()
+        return out, len(ps_model.buckets)
+    finally:
+        shard.stop(0)
 
-    def run(seed: int) -> list[torch.Tensor]:
-        shard = create_server(ServerConfig(mode="sync", metrics_port=-1,
-                                           optimizer=OptimizerConfig(name="adam", lr=1e-2)))
-        try:
-            model = _Net()
-            client = PSClient(ClientConfig(servers=(f"127.0.0.1:{shard.ports['grpc_port']}",),
-                                           partition_bytes=4096, compress_min_bytes=1024,
-                                           clip_norm=0.5,
-                                           push_codec=CodecConfig(name="sign1", chunk=64)))
-            ps_model = PSModel(model, client, overlap=OverlapConfig(mode="on",
-                                                                    bucket_bytes=8192))
-            rng, gen = random.Random(seed), torch.Generator().manual_seed(1)
-            for step in range(8):
-                h = torch.randn(16, 64, generator=gen)
-                for layer in model.layers:
-                    h = Jitter.apply(torch.tanh(layer(h)), rng.random() * 0.004)
-                ((h[:, :8] * model.scale).square().sum() * (0.1, 1.0, 3.0)[step % 3]).backward()
-                ps_model.step()
-            ps_model.synchronize()
-            out = [p.detach().clone() for p in model.parameters()]
-            ps_model.close()
-            return out
-        finally:
-            shard.stop(0)
 
-    first, second = run(1), run(2)
+def test_sync_runs_with_clipping_under_overlap_repeat_bit_for_bit_whatever_the_timing():
+    """A bucket's predicted factor depends only on its own gradients and the last step's
+    factor, never on which buckets happened to be pushed before it: two sync runs whose
+    backward passes pause at random places end with the same bits."""
+    (first, buckets), (second, _) = (_clipped_sync_run("on", 8192, jitter=seed)
+                                     for seed in (1, 2))
+    assert buckets > 4
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
@@ -213,31 +211,6 @@ def test_a_model_in_one_bucket_clips_exactly_so_sync_overlap_on_equals_off():
     """One bucket holds the whole step (the demo model fits one 1 MiB bucket): its factor is
     exact, so with clipping in force a sync run ends bit for bit where overlap off ends (the
     auto rule may pick either on a model near the 20 % line, rank by rank)."""
-    from worker.model import PSModel
-
-    torch.set_num_threads(1)
-
-    def run(mode: str) -> list[torch.Tensor]:
-        shard = create_server(ServerConfig(mode="sync", metrics_port=-1,
-                                           optimizer=OptimizerConfig(name="adam", lr=1e-2)))
-        try:
-            model = _Net()
-            client = PSClient(ClientConfig(servers=(f"127.0.0.1:{shard.ports['grpc_port']}",),
-                                           partition_bytes=4096, compress_min_bytes=1024,
-                                           clip_norm=0.5,
-                                           push_codec=CodecConfig(name="sign1", chunk=64)))
-            ps_model = PSModel(model, client, overlap=OverlapConfig(mode=mode))
-            assert len(ps_model.buckets) == 1
-            gen = torch.Generator().manual_seed(1)
-            for step in range(8):
-                x = torch.randn(16, 64, generator=gen)
-                (model(x).square().sum() * (0.1, 1.0, 3.0)[step % 3]).backward()
-                ps_model.step()
-            ps_model.synchronize()
-            out = [p.detach().clone() for p in model.parameters()]
-            ps_model.close()
-            return out
-        finally:
-            shard.stop(0)
-
-    assert all(torch.equal(a, b) for a, b in zip(run("off"), run("on")))
+    (off, _), (on, buckets) = (_clipped_sync_run(mode, 1 << 20) for mode in ("off", "on"))
+    assert buckets == 1
+    assert all(torch.equal(a, b) for a, b in zip(off, on))
