@@ -19,8 +19,10 @@ unused parameters.
 **Overlap** (``OverlapConfig``, default ``auto``). With overlap on, parameters are grouped into
 buckets (``worker.buckets``); a post-accumulate-grad hook hands each bucket to the communication
 thread (``worker.comm``) as soon as all its gradients exist, so pushes run during the rest of
-backward; a forward pre-hook of every module that owns parameters waits for their bucket's
-answer, so pulls overlap the end of backward and the early layers of the next forward. On CUDA
+backward; the forward pre-hook of every module whose forward reads a parameter (watched in the
+first step: ``worker.readers``) waits for its bucket's answer, so pulls overlap the end of
+backward and the early layers of the next forward. Clipped compressed pushes overlap too, with
+per-bucket clip factors corrected through error feedback (``worker.clip``). On CUDA
 the thread waits on an event recorded on the compute stream, compresses or downloads on its own
 stream into pinned memory, and uploads the pulled values on that stream; the compute stream only
 waits (on an event) where a module needs its parameters. ``step()`` then only pushes what no hook
