@@ -7,6 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from bench.report import DEFAULT_OUT
+
 __all__ = ["main"]
 
 
@@ -58,6 +60,26 @@ def build_parser() -> argparse.ArgumentParser:
                     help="divide the problem's block sizes (4 MiB, 2 GiB) by this")
     me.add_argument("--seed", type=int, default=0)
     me.add_argument("--quick", action="store_true", help="few steps (smoke test)")
+    e2 = sub.add_parser("e2e", help="bitps vs DDP on an emulated cluster: samples/s, wire "
+                                     "bytes, CPU, time to the target loss")
+    e2.add_argument("--model", default="lm", choices=("lm", "moe", "tiny"))
+    e2.add_argument("--steps", type=int, default=150, help="steps per worker per run")
+    e2.add_argument("--sweep-steps", type=int, default=60,
+                    help="steps of each learning-rate sweep point")
+    e2.add_argument("--lrs", type=float, nargs="+", default=[3e-4, 6e-4, 1.2e-3],
+                    help="learning rates swept for every learning run")
+    e2.add_argument("--rate", default="1gbit", help="tc tbf rate of every link, each way")
+    e2.add_argument("--placement", default="colocated", choices=("colocated", "own"),
+                    help="a shard beside each worker, or shards on nodes of their own")
+    e2.add_argument("--straggler", action="store_true",
+                    help="worker 1 computes 1.5x slower (sync vs ssp)")
+    e2.add_argument("--cases", nargs="+", default=[], help="run only these cases (by name)")
+    e2.add_argument("--device", default="cpu", help="torch device of every rank")
+    e2.add_argument("--name", default="",
+                    help="result file stem (default e2e-<model>[-straggler])")
+    e2.add_argument("--quick", action="store_true",
+                    help="the demo model, 30 steps, one learning rate (smoke test); results "
+                         "under <out>/quick")
     return p
 
 
@@ -83,6 +105,16 @@ def main(argv: list[str] | None = None) -> int:
         result = run(trace_steps=args.trace_steps, train_steps=args.train_steps,
                      micro=args.micro, in_flight=args.in_flight, scale=args.scale,
                      seed=args.seed, out=args.out, quick=args.quick)
+    elif args.scenario == "e2e":
+        from bench.e2e import run
+
+        name = args.name or ("e2e-" + ("tiny" if args.quick else args.model)
+                             + ("-straggler" if args.straggler else ""))
+        out = args.out or (DEFAULT_OUT / "quick" if args.quick else None)
+        result = run(model=args.model, steps=args.steps, sweep_steps=args.sweep_steps,
+                     lrs=tuple(args.lrs), rate=args.rate, placement=args.placement,
+                     straggler=args.straggler, cases=tuple(args.cases), device=args.device,
+                     out=out, quick=args.quick, name=name)
     elif args.scenario == "overlap":
         from bench.overlap import run
 

@@ -171,7 +171,7 @@ class RegisterReply(_message.Message):
     def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., data_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., start_clock: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., onebit: _Optional[_Union[OneBitParams, _Mapping]] = ..., holds_pulls: _Optional[bool] = ...) -> None: ...
 
 class OneBitParams(_message.Message):
-    __slots__ = ("freeze_step", "chunk", "codec_flags", "lr", "beta1", "eps", "weight_decay", "ratio_clip", "beta2", "worker_moments")
+    __slots__ = ("freeze_step", "chunk", "codec_flags", "lr", "beta1", "eps", "weight_decay", "ratio_clip", "beta2", "worker_moments", "lr_warmup_steps", "lr_decay_steps", "lr_min_ratio")
     FREEZE_STEP_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     CODEC_FLAGS_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +182,9 @@ class OneBitParams(_message.Message):
     RATIO_CLIP_FIELD_NUMBER: _ClassVar[int]
     BETA2_FIELD_NUMBER: _ClassVar[int]
     WORKER_MOMENTS_FIELD_NUMBER: _ClassVar[int]
+    LR_WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LR_DECAY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LR_MIN_RATIO_FIELD_NUMBER: _ClassVar[int]
     freeze_step: int
     chunk: int
     codec_flags: int
@@ -192,7 +195,10 @@ class OneBitParams(_message.Message):
     ratio_clip: float
     beta2: float
     worker_moments: bool
-    def __init__(self, freeze_step: _Optional[int] = ..., chunk: _Optional[int] = ..., codec_flags: _Optional[int] = ..., lr: _Optional[float] = ..., beta1: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., ratio_clip: _Optional[float] = ..., beta2: _Optional[float] = ..., worker_moments: _Optional[bool] = ...) -> None: ...
+    lr_warmup_steps: int
+    lr_decay_steps: int
+    lr_min_ratio: float
+    def __init__(self, freeze_step: _Optional[int] = ..., chunk: _Optional[int] = ..., codec_flags: _Optional[int] = ..., lr: _Optional[float] = ..., beta1: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., ratio_clip: _Optional[float] = ..., beta2: _Optional[float] = ..., worker_moments: _Optional[bool] = ..., lr_warmup_steps: _Optional[int] = ..., lr_decay_steps: _Optional[int] = ..., lr_min_ratio: _Optional[float] = ...) -> None: ...
 
 class OptimizerStateRequest(_message.Message):
     __slots__ = ("rank", "token")

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 
+from proto.schedule import LRSchedule
 from ps.config import MODES, ONEBIT_MOMENTS, OPTIMIZERS, OptimizerConfig, ServerConfig
 from ps.server import create_server
 
@@ -40,7 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--mode", choices=MODES, default=_env("mode", d.mode), help="consistency model")
     add("--staleness", type=int, default=_env("staleness", d.staleness), help="SSP bound S")
     add("--optimizer", choices=OPTIMIZERS, default=_env("optimizer", o.name))
-    add("--lr", type=float, default=_env("lr", o.lr))
+    add("--lr", type=float, default=_env("lr", o.lr), help="learning rate (the peak)")
+    s = o.schedule
+    add("--lr-warmup", type=int, default=_env("lr-warmup", s.warmup_steps),
+        help="clocks of linear learning-rate warm-up")
+    add("--lr-decay", type=int, default=_env("lr-decay", s.decay_steps),
+        help="clock at which the cosine decay ends (0 = constant after the warm-up)")
+    add("--lr-min-ratio", type=float, default=_env("lr-min-ratio", s.min_ratio),
+        help="learning-rate factor the cosine ends at")
     add("--momentum", type=float, default=_env("momentum", o.momentum))
     add("--dampening", type=float, default=_env("dampening", o.dampening))
     add("--nesterov", action=argparse.BooleanOptionalAction, default=_env("nesterov", o.nesterov))
@@ -75,7 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Namespace]:
     a = build_parser().parse_args(argv)
-    opt = OptimizerConfig(name=a.optimizer, lr=a.lr, momentum=a.momentum, dampening=a.dampening,
+    schedule = LRSchedule(warmup_steps=a.lr_warmup, decay_steps=a.lr_decay,
+                          min_ratio=a.lr_min_ratio)
+    opt = OptimizerConfig(name=a.optimizer, lr=a.lr, schedule=schedule, momentum=a.momentum,
+                          dampening=a.dampening,
                           nesterov=a.nesterov, beta1=a.beta1, beta2=a.beta2, eps=a.eps,
                           weight_decay=a.weight_decay, freeze_step=a.freeze_step,
                           onebit_chunk=a.onebit_chunk, onebit_scale=a.onebit_scale,

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from proto.codecs import chunk_problem
+from proto.schedule import LRSchedule
 from proto.wire import MAX_FRAME_BYTES
 
 __all__ = ["MODES", "ONEBIT_MOMENTS", "OPTIMIZERS", "OptimizerConfig", "ServerConfig"]
@@ -24,7 +25,10 @@ class OptimizerConfig:
     name: str = "adam"
     """One of ``sgd``, ``momentum``, ``adam``, ``adamw``."""
     lr: float = 1e-3
-    """Learning rate."""
+    """Learning rate (the peak, with a schedule)."""
+    schedule: LRSchedule = field(default_factory=LRSchedule)
+    """Factor of ``lr`` by clock (``proto.schedule``: linear warm-up, then cosine); evaluated
+    at the push's clock in async/ssp and at the step's in sync."""
     momentum: float = 0.9
     """Momentum factor (``momentum`` only)."""
     dampening: float = 0.0

@@ -68,7 +68,10 @@ def params(cfg: ServerConfig) -> pb.OneBitParams | None:
                            codec_flags=MEAN_ABS if uses_mean_abs(cfg) else 0, lr=o.lr,
                            beta1=o.beta1, beta2=o.beta2, eps=o.eps,
                            weight_decay=o.weight_decay, ratio_clip=make_rule(o).ratio_clip,
-                           worker_moments=uses_worker_moments(cfg))
+                           worker_moments=uses_worker_moments(cfg),
+                           lr_warmup_steps=o.schedule.warmup_steps,
+                           lr_decay_steps=o.schedule.decay_steps,
+                           lr_min_ratio=o.schedule.min_ratio)
 
 
 def uses_worker_moments(cfg: ServerConfig) -> bool:

@@ -88,32 +88,40 @@ class UpdateRule:
         return self.cfg.name == "onebit_adam"
 
     def delta(self, param: np.ndarray, grad: np.ndarray, state: KeyState, out: np.ndarray, *,
-              bias_correction2_sqrt: float, grad_scale: float = 1.0) -> None:
+              bias_correction2_sqrt: float, grad_scale: float = 1.0,
+              lr_scale: float = 1.0) -> None:
         """1-bit Adam after warmup: update the momentum with ``grad * grad_scale`` and write
         the parameter update ``-lr * (m / (sqrt(v)/bc2 + eps) + wd * param)`` to ``out`` (v and
         its bias correction frozen at the switch; m's correction is ~1 by then and omitted, as
         in DeepSpeed)."""
-        cfg, f32 = self.cfg, np.float32
+        f32 = np.float32
         state.step += 1
         native.onebit_adam_delta(param, grad, state.buf1, state.buf2, out, f32(grad_scale),
-                                 self._one_minus_beta1, self._eps, self._wd, f32(-cfg.lr),
-                                 f32(bias_correction2_sqrt), f32(self.ratio_clip))
+                                 self._one_minus_beta1, self._eps, self._wd,
+                                 self.neg_lr(lr_scale), f32(bias_correction2_sqrt),
+                                 f32(self.ratio_clip))
 
     def apply_momentum(self, param: np.ndarray, state: KeyState, *,
-                       bias_correction2_sqrt: float) -> None:
+                       bias_correction2_sqrt: float, lr_scale: float = 1.0) -> None:
         """sync 1-bit Adam: ``state.buf1`` holds the published momentum; apply it with the
         frozen v, exactly as workers do (``native.onebit_adam_apply``)."""
-        cfg, f32 = self.cfg, np.float32
+        f32 = np.float32
         state.step += 1
         native.onebit_adam_apply(param, state.buf1, state.buf2, self._eps, self._wd,
-                                 f32(-cfg.lr), f32(bias_correction2_sqrt), f32(self.ratio_clip))
+                                 self.neg_lr(lr_scale), f32(bias_correction2_sqrt),
+                                 f32(self.ratio_clip))
 
     def direction_delta(self, param: np.ndarray, direction: np.ndarray, out: np.ndarray, *,
-                        grad_scale: float = 1.0) -> None:
+                        grad_scale: float = 1.0, lr_scale: float = 1.0) -> None:
         """1-bit Adam with worker moments after warmup: write ``-lr * (clip(direction) + wd *
         param)`` to ``out``, ``direction`` being a worker's decoded Adam direction."""
         native.onebit_direction_delta(param, direction, out, np.float32(grad_scale), self._wd,
-                                      np.float32(-self.cfg.lr), np.float32(self.ratio_clip))
+                                      self.neg_lr(lr_scale), np.float32(self.ratio_clip))
+
+    def neg_lr(self, lr_scale: float = 1.0) -> np.float32:
+        """``-lr * lr_scale`` as the float32 the kernels take; sync 1-bit Adam workers compute
+        the same scalar from the same doubles (``worker.onebit``)."""
+        return np.float32(-(self.cfg.lr * lr_scale))
 
     @property
     def ratio_clip(self) -> float:

@@ -297,7 +297,9 @@ class ShardCore:
                 self._try_aggregate(slot, live)
                 continue
             vgap = slot.version - header.versions[i] if header.versions else 0
-            lr_scale = 1.0 / (1 + max(vgap, 0)) if self.cfg.staleness_damping else 1.0
+            lr_scale = self.cfg.optimizer.schedule.factor(header.clock)
+            if self.cfg.staleness_damping:
+                lr_scale /= 1 + max(vgap, 0)
             slot.apply(self.rule, grad, lr_scale=lr_scale, warmup_push=not freeze)
             self._applied(header.clock - min_clock, vgap)
         m.push_bytes.inc(nbytes)
@@ -305,7 +307,8 @@ class ShardCore:
     def _try_aggregate(self, slot: Slot, live: list[int]) -> bool:
         if not slot.pushed or not slot.pushed.issuperset(live):
             return False
-        slot.apply_aggregate(self.rule)
+        # the step being applied is clock slot.version
+        slot.apply_aggregate(self.rule, lr_scale=self.cfg.optimizer.schedule.factor(slot.version))
         self._applied(0, 0)
         ob = slot.onebit
         if ob is not None and not ob.compressing and \

@@ -97,7 +97,8 @@ class Slot:
         """One optimizer step, in place unless the current parameters are being sent (1-bit
         Adam: :meth:`apply_onebit`)."""
         if self.onebit is not None:
-            return self.apply_onebit(rule, grad, grad_scale=grad_scale, warmup_push=warmup_push)
+            return self.apply_onebit(rule, grad, grad_scale=grad_scale, lr_scale=lr_scale,
+                                     warmup_push=warmup_push)
         if self.publisher is not None:
             # the version number seeds sparse's sampling: every update draws afresh
             return publish_update(self, lambda dst: rule.apply(
@@ -108,7 +109,7 @@ class Slot:
         self.version += 1
 
     def apply_onebit(self, rule: UpdateRule, grad: np.ndarray, *, grad_scale: float = 1.0,
-                     warmup_push: bool = False) -> None:
+                     lr_scale: float = 1.0, warmup_push: bool = False) -> None:
         """One 1-bit Adam step (``ps.onebit``): full Adam during warmup; then the compressed
         update, added to the parameters exactly as workers will add it, and published.
 
@@ -117,7 +118,8 @@ class Slot:
         late one (a slower async worker's) gets a warmup step even after the switch."""
         ob = self.onebit
         if not ob.compressing or (ob.worker_moments and warmup_push):
-            rule.apply(self.writable(), grad, self.state, grad_scale=grad_scale)
+            rule.apply(self.writable(), grad, self.state, grad_scale=grad_scale,
+                       lr_scale=lr_scale)
             self.version += 1
             ob.forget()
             return
@@ -127,14 +129,15 @@ class Slot:
             payload = ob.server.encode(ob.delta)
             self.state.buf1.fill(0.0)
             ob.codec.decode_add(payload, self.length, self.state.buf1)
-            rule.apply_momentum(self.writable(), self.state,
+            rule.apply_momentum(self.writable(), self.state, lr_scale=lr_scale,
                                 bias_correction2_sqrt=ob.bias_correction2_sqrt)
         else:
             if ob.worker_moments:
-                rule.direction_delta(self.param, grad, ob.delta, grad_scale=grad_scale)
+                rule.direction_delta(self.param, grad, ob.delta, grad_scale=grad_scale,
+                                     lr_scale=lr_scale)
             else:
                 rule.delta(self.param, grad, self.state, ob.delta, grad_scale=grad_scale,
-                           bias_correction2_sqrt=ob.bias_correction2_sqrt)
+                           lr_scale=lr_scale, bias_correction2_sqrt=ob.bias_correction2_sqrt)
             payload = ob.server.encode(ob.delta)
             ob.codec.decode_add(payload, self.length, self.writable())
         self.version += 1
@@ -188,11 +191,11 @@ class Slot:
                 return
             self._add(self.held.pop(rank))
 
-    def apply_aggregate(self, rule: UpdateRule) -> None:
+    def apply_aggregate(self, rule: UpdateRule, *, lr_scale: float = 1.0) -> None:
         """Sync mode: apply the mean of the accumulated pushes."""
         self._add_held(None)
         n = len(self.pushed)
-        self.apply(rule, self.acc, grad_scale=1.0 / n)
+        self.apply(rule, self.acc, grad_scale=1.0 / n, lr_scale=lr_scale)
         self.pushed.clear()
         self.folded = 0
 

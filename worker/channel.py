@@ -290,9 +290,9 @@ class Channel:
             return PSError(pb.BAD_LENGTH, f"key {key}: {what} of {codec.name} updates from "
                            f"version {base} to {version}; expected {version - base}",
                            shard=shard)
-        for code in parts:
+        for i, code in enumerate(parts):
             if self.momentum is not None:
-                self.momentum.apply(key, code, out, codec.chunk)
+                self.momentum.apply(key, code, out, codec.chunk, base + i + 1)
             else:
                 codec.decode_add(code, n, out)
         return None

@@ -26,6 +26,7 @@ import numpy as np
 import native
 from native import sign1
 from proto import bitps_pb2 as pb
+from proto.schedule import LRSchedule
 
 __all__ = ["OneBitMomentum", "WorkerMoments"]
 
@@ -38,8 +39,11 @@ class OneBitMomentum:
         self.params = params
         self._one_minus_beta1 = f32(1 - params.beta1)
         # the same float32 scalars as the shard's UpdateRule, from the same doubles
-        self._eps, self._wd, self._neg_lr = f32(params.eps), f32(params.weight_decay), \
-            f32(-params.lr)
+        self._eps, self._wd = f32(params.eps), f32(params.weight_decay)
+        self._lr = params.lr
+        self._schedule = LRSchedule(warmup_steps=params.lr_warmup_steps,
+                                    decay_steps=params.lr_decay_steps,
+                                    min_ratio=params.lr_min_ratio)
         self._ratio_clip = f32(params.ratio_clip)
         self.m: dict[int, np.ndarray] = {}
         self.v: dict[int, np.ndarray] = {}
@@ -70,13 +74,16 @@ class OneBitMomentum:
         np.add(u, m, out=u)
         return u
 
-    def apply(self, key: int, code, out: np.ndarray, chunk: int) -> None:
-        """One published momentum ``code`` (a sign1 payload): set m, update ``out`` (this
-        worker's copy of the key) exactly as the shard updated its own."""
+    def apply(self, key: int, code, out: np.ndarray, chunk: int, version: int) -> None:
+        """One published momentum ``code`` (a sign1 payload), the update that made the key's
+        ``version``: set m, update ``out`` (this worker's copy of the key) exactly as the shard
+        updated its own, with the learning rate of clock ``version - 1``
+        (``ps.rules.UpdateRule.neg_lr``: the same float32 from the same doubles)."""
         m = self.m[key]
         m.fill(0.0)
         sign1.decode_add(code, m.shape[0], m, chunk=chunk)
-        native.onebit_adam_apply(out, m, self.v[key], self._eps, self._wd, self._neg_lr,
+        neg_lr = np.float32(-(self._lr * self._schedule.factor(version - 1)))
+        native.onebit_adam_apply(out, m, self.v[key], self._eps, self._wd, neg_lr,
                                  self.bc2[key], self._ratio_clip)
 
 

@@ -1,0 +1,484 @@
+"""``bitps-bench e2e``: does a team's job finish sooner? bitps against DDP on an emulated cluster,
+time to a target loss.
+
+The cluster (``bench.cluster``): one network namespace per node on a bridge, every link shaped
+with ``tc tbf`` (``--rate``, 1 Gbit/s by default; unshaped loopback, reported, where namespaces
+cannot be made). Two worker nodes; with ``--placement colocated`` (default) a shard runs beside
+each worker, so half of each worker's traffic crosses its link, as a ring all-reduce's would;
+with ``own`` the shards run on nodes of their own.
+
+Every run trains the same model from the same seed on the same batches (the demo corpus, each
+rank its own stream) with the same global batch, learning-rate schedule (linear warm-up, then
+cosine) and gradient clipping:
+
+- peers: compute-only (one process, no exchange), the no-traffic ceiling (both workers
+  computing, no exchange), DDP over gloo in fp32, with a bf16 hook (``bench.e2e_rank.
+  bf16_hook``: DDP's own refuses CPU tensors) and with PowerSGD rank 1 (one bucket: with
+  several its hook desynchronizes gloo);
+- bitps: sync fp32 Adam, async fp32 Adam, async and ssp with sign1 pushes, 1-bit Adam (sync
+  and async), sparse pushes.
+
+Each learning run's learning rate is the best of a sweep (``--lrs``, at ``--sweep-steps``),
+recorded with every point. Per run: samples/s, step time, exposed communication per step, bytes
+on the wire per step (bridge-port counters: sent + received per worker node), CPU seconds per
+step of every process, the loss curve, time and samples to the target loss (the DDP fp32 run's
+final loss), final loss at equal samples and at equal wall time. ``--straggler`` makes worker 1
+1.5x slower (sync against ssp).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from bench.cluster import Cluster, emulated_cluster
+from bench.models import MODELS
+from bench.proc import ReadyProcess, machine_busy, process_cpu
+from bench.report import DEFAULT_OUT, check, write_results
+
+__all__ = ["CASES", "Case", "run"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    """One configuration of the bench."""
+
+    name: str
+    kind: str
+    """``local`` (no exchange), ``ddp`` or ``bitps``."""
+    workers: int = 2
+    hook: str = "none"
+    """DDP: ``none`` (fp32), ``bf16`` or ``powersgd``."""
+    mode: str = "sync"
+    optimizer: str = "adam"
+    push_codec: str = "raw"
+    compress_min_bytes: int = 1 << 20
+    """The default 1 MiB rule: tensors under it go uncompressed."""
+    shard_args: tuple[str, ...] = ()
+    learns: bool = True
+    """False for compute-only and the ceiling: speed only, no sweep, no target."""
+
+
+CASES = (
+    Case(name="compute-only", kind="local", workers=1, learns=False),
+    Case(name="ceiling (no traffic)", kind="local", learns=False),
+    Case(name="DDP fp32", kind="ddp"),
+    Case(name="DDP bf16", kind="ddp", hook="bf16"),
+    Case(name="DDP PowerSGD r1", kind="ddp", hook="powersgd"),
+    Case(name="bitps sync fp32", kind="bitps"),
+    Case(name="bitps async fp32", kind="bitps", mode="async"),
+    Case(name="bitps async sign1", kind="bitps", mode="async", push_codec="sign1"),
+    Case(name="bitps ssp sign1", kind="bitps", mode="ssp", push_codec="sign1"),
+    Case(name="bitps sync sparse", kind="bitps", push_codec="sparse"),
+    Case(name="bitps sync 1-bit Adam", kind="bitps", optimizer="onebit_adam"),
+    Case(name="bitps async 1-bit Adam", kind="bitps", mode="async", optimizer="onebit_adam"),
+)
+TARGET_RUN = "DDP fp32"
+SYNC_PAIRS = {"fp32": ("bitps async fp32", "bitps sync fp32")}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    model: str = "lm"
+    steps: int = 150
+    sweep_steps: int = 60
+    lrs: tuple[float, ...] = (3e-4, 6e-4, 1.2e-3)
+    warmup_frac: float = 0.1
+    clip_norm: float = 1.0
+    seed: int = 0
+    rate: str = "1gbit"
+    placement: str = "colocated"
+    straggler: bool = False
+    freeze_frac: float = 0.2
+    """1-bit Adam: warm-up share of the steps (full Adam on bf16 pushes)."""
+    powersgd_start: int = 10
+    device: str = "cpu"
+    cases: tuple[str, ...] = field(default_factory=tuple)
+    """Run only these cases (empty: all)."""
+
+
+def _schedule(steps: int, s: Settings) -> dict:
+    warm = max(1, round(steps * s.warmup_frac))
+    return {"warmup_steps": warm, "decay_steps": steps, "min_ratio": 0.1}
+
+
+class _Ranks:
+    """Worker processes of one run, their JSON lines collected by reader threads."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.lines: list[list[dict]] = []
+        self.errors: list[str] = []
+
+    def start(self, argv: list[str], log: Path) -> None:
+        err = log.open("wb")
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err,
+                                stdin=subprocess.DEVNULL, text=True)
+        err.close()
+        lines: list[dict] = []
+        self.procs.append(proc)
+        self.lines.append(lines)
+
+        def read() -> None:
+            for raw in proc.stdout:
+                try:
+                    lines.append(json.loads(raw))
+                except ValueError:
+                    pass
+
+        threading.Thread(target=read, daemon=True).start()
+
+    def wait(self, timeout: float, logs: list[Path]) -> None:
+        deadline = time.monotonic() + timeout
+        for proc, log in zip(self.procs, logs):
+            try:
+                proc.wait(max(deadline - time.monotonic(), 1))
+            except subprocess.TimeoutExpired as err:
+                raise RuntimeError(f"rank timed out; log {log}:\n"
+                                   f"{log.read_text()[-3000:]}") from err
+            if proc.returncode:
+                raise RuntimeError(f"rank exited {proc.returncode}; log {log}:\n"
+                                   f"{log.read_text()[-3000:]}")
+        time.sleep(0.2)  # let the readers drain
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _shard_nodes(cluster: Cluster, case: Case, s: Settings) -> tuple:
+    """A shard beside each worker (colocated), or on nodes of their own."""
+    n = case.workers
+    return cluster.nodes[:n] if s.placement == "colocated" else cluster.nodes[n:2 * n]
+
+
+def _shards(cluster: Cluster, case: Case, s: Settings, lr: float, steps: int, tmp: Path
+            ) -> list[ReadyProcess]:
+    sched = _schedule(steps, s)
+    n, out = case.workers, []
+    for i, node in enumerate(_shard_nodes(cluster, case, s)):
+        argv = [*node.prefix, sys.executable, "-m", "ps", "--host", node.ip, "--grpc-port", "0",
+                "--data-port", "0", "--metrics-port", "-1", "--shard-id", str(i),
+                "--num-shards", str(n), "--mode", case.mode, "--optimizer", case.optimizer,
+                "--lr", str(lr), "--lr-warmup", str(sched["warmup_steps"]),
+                "--lr-decay", str(sched["decay_steps"]),
+                "--lr-min-ratio", str(sched["min_ratio"]), "--log-level", "WARNING",
+                "--freeze-step", str(max(1, round(steps * s.freeze_frac))), *case.shard_args]
+        try:
+            out.append(ReadyProcess(argv))
+        except Exception:
+            for p in out:
+                p.stop()
+            raise
+    return out
+
+
+def _train(cluster: Cluster, case: Case, s: Settings, lr: float, steps: int, tmp: Path,
+           port: int) -> dict:
+    """One run: start shards (bitps) and ranks, collect per-step lines and counters."""
+    shards = _shards(cluster, case, s, lr, steps, tmp) if case.kind == "bitps" else []
+    ranks, logs = _Ranks(), []
+    wire0 = cluster.wire_bytes()
+    try:
+        servers = [f"{node.ip}:{p.ready['grpc_port']}"
+                   for node, p in zip(_shard_nodes(cluster, case, s), shards)]
+        for r in range(case.workers):
+            node = cluster.nodes[r]
+            settings = {
+                "kind": case.kind, "model": s.model, "seed": s.seed, "rank": r,
+                "world": case.workers, "steps": steps, "lr": lr, "clip_norm": s.clip_norm,
+                "schedule": _schedule(steps, s), "device": s.device,
+                "slow": 1.5 if s.straggler and r == 1 else 1.0,
+                "ddp": {"master": cluster.nodes[0].ip, "port": port, "hook": case.hook,
+                        "ifname": "eth0" if cluster.kind == "netns" else "lo",
+                        "powersgd_start": s.powersgd_start},
+                "bitps": {"servers": servers, "push_codec": case.push_codec,
+                          "compress_min_bytes": case.compress_min_bytes, "overlap": "auto"}}
+            log = tmp / f"rank{r}.log"
+            logs.append(log)
+            ranks.start([*node.prefix, sys.executable, "-m", "bench.e2e_rank",
+                         json.dumps(settings)], log)
+        ranks.wait(timeout=120 + steps * 30, logs=logs)
+        shard_cpu = [process_cpu(p.proc.pid) for p in shards]
+    finally:
+        ranks.kill()
+        for p in shards:
+            p.stop()
+    wire1 = cluster.wire_bytes()
+    return _measure(case, s, ranks.lines, shard_cpu, steps,
+                    {k: wire1[k] - wire0.get(k, 0) for k in wire1})
+
+
+def _measure(case: Case, s: Settings, lines: list[list[dict]], shard_cpu: list[float],
+             steps: int, wire: dict[int, int]) -> dict:
+    spec = MODELS[s.model]
+    per_rank = [[e for e in ls if e["event"] == "step"] for ls in lines]
+    done = [next(e for e in ls if e["event"] == "done") for ls in lines]
+    if any(len(p) != steps for p in per_rank):
+        raise RuntimeError(f"{case.name}: ranks logged {[len(p) for p in per_rank]} steps, "
+                           f"expected {steps}")
+    epoch = min(p[0]["start"] for p in per_rank)
+    loss = np.mean([[e["loss"] for e in p] for p in per_rank], axis=0)
+    # a step is done when its slowest rank is
+    t = np.max([[e["end"] - epoch for e in p] for p in per_rank], axis=0)
+    skip = min(3, steps // 4)  # the first steps build buffers, traces and connections
+    rates = [(steps - 1 - skip) / (p[-1]["end"] - p[skip]["end"]) for p in per_rank]
+    samples_per_s = spec.batch * sum(rates)
+    step_s = 1.0 / min(rates)
+    worker_nodes = [wire[i] for i in range(case.workers) if i in wire]
+    return {
+        "loss": loss.tolist(), "time": t.tolist(), "step_s": step_s,
+        "samples_per_s": samples_per_s,
+        "exposed_s": float(np.mean([np.median([e["exposed"] for e in p[skip:]])
+                                    for p in per_rank])),
+        "wire_bytes_per_step": (float(np.mean(worker_nodes)) / steps if worker_nodes
+                                else None),
+        "push_wire_bytes_per_step": float(np.mean([d["push_wire_bytes"] for d in done])) / steps,
+        "rank_cpu_s_per_step": [d["cpu_s"] / steps for d in done],
+        "shard_cpu_s_per_step": [c / steps for c in shard_cpu],
+        "overlap": [d.get("overlap") for d in done],
+    }
+
+
+def _smooth(loss: list[float], window: int) -> np.ndarray:
+    x = np.asarray(loss, dtype=np.float64)
+    w = max(1, min(window, x.size))
+    return np.convolve(x, np.ones(w) / w, mode="valid")
+
+
+def _final(loss: list[float]) -> float:
+    tail = max(1, len(loss) // 10)
+    v = float(np.mean(loss[-tail:]))
+    return v if math.isfinite(v) else float("inf")
+
+
+def run(*, model: str = "lm", steps: int = 150, sweep_steps: int = 60,
+        lrs: tuple[float, ...] = (3e-4, 6e-4, 1.2e-3), rate: str = "1gbit",
+        placement: str = "colocated", straggler: bool = False, cases: tuple[str, ...] = (),
+        device: str = "cpu", seed: int = 0, out: Path | None = None,
+        quick: bool = False, name: str = "e2e") -> dict:
+    """Run every case (``cases``: a subset by name), write ``<name>.json``/``.md`` under
+    ``out``; ``quick``: the demo model, few steps, one learning rate."""
+    if quick:
+        model, steps, sweep_steps, lrs = "tiny", 30, 30, (3e-3,)
+    if placement not in ("colocated", "own"):
+        raise ValueError(f"placement {placement!r}; expected colocated or own")
+    known = {c.name for c in CASES}
+    if unknown := set(cases) - known:
+        raise ValueError(f"unknown cases {sorted(unknown)}; expected some of {sorted(known)}")
+    s = Settings(model=model, steps=steps, sweep_steps=min(sweep_steps, steps), lrs=tuple(lrs),
+                 rate=rate, placement=placement, straggler=straggler, device=device, seed=seed,
+                 cases=tuple(cases))
+    chosen = [c for c in CASES if not cases or c.name in cases]
+    if straggler and not cases:
+        chosen = [c for c in CASES if c.name in ("ceiling (no traffic)", "DDP fp32",
+                                                 "bitps sync fp32", "bitps ssp sign1")]
+    busy = machine_busy()
+    nodes = 2 if placement == "colocated" else 4
+    results: dict[str, dict] = {}
+    port = 29500 + os.getpid() % 1000
+    with emulated_cluster(nodes, rate=rate) as cluster, \
+            tempfile.TemporaryDirectory(prefix="bitps-e2e-") as tmp:
+        for i, case in enumerate(chosen):
+            run_dir = Path(tmp) / str(i)
+            run_dir.mkdir()
+            if not case.learns:
+                results[case.name] = {**_train(cluster, case, s, s.lrs[0], steps, run_dir,
+                                               port + i), "lr": None, "sweep": {}}
+                continue
+            sweep, best = {}, None
+            for lr in s.lrs:
+                r = _train(cluster, case, s, lr, s.sweep_steps, run_dir, port + i)
+                sweep[lr] = _final(r["loss"])
+                print(f"{case.name} lr {lr:g}: loss {sweep[lr]:.4f}", file=sys.stderr)
+                if best is None or sweep[lr] < sweep[best[0]]:
+                    best = (lr, r)
+            lr = best[0]
+            full = best[1] if s.sweep_steps == steps else _train(cluster, case, s, lr, steps,
+                                                                 run_dir, port + i)
+            results[case.name] = {**full, "lr": lr, "sweep": {str(k): v for k, v in
+                                                               sweep.items()}}
+            print(f"{case.name}: lr {lr:g}, final {_final(full['loss']):.4f}, "
+                  f"{full['samples_per_s']:.2f} samples/s", file=sys.stderr)
+        link_note, link_kind = cluster.note, cluster.kind
+        raw_link = _raw_link(cluster) if cluster.kind == "netns" else None
+    return _report(results, s, busy=busy, link_note=link_note, link_kind=link_kind,
+                   raw_link=raw_link, out=out, name=name)
+
+
+def _raw_link(cluster: Cluster) -> dict:
+    """The limit measured in the same run: one TCP stream node 0 -> node 1, 64 MiB."""
+    n0, n1 = cluster.nodes[0], cluster.nodes[1]
+    size = 64 << 20
+    code = ("import socket,sys,time;s=socket.socket();s.bind((sys.argv[1],5999));s.listen();"
+            "c,_=s.accept();n=0;t=None\nwhile True:\n d=c.recv(1<<20)\n if t is None: "
+            "t=time.perf_counter()\n if not d: break\n n+=len(d)\n"
+            "print(n, time.perf_counter()-t)")
+    srv = subprocess.Popen([*n1.prefix, sys.executable, "-c", code, n1.ip],
+                           stdout=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    subprocess.run([*n0.prefix, sys.executable, "-c",
+                    "import socket,sys;s=socket.create_connection((sys.argv[1],5999));"
+                    f"s.sendall(b'x'*{size});s.close()", n1.ip], check=True, timeout=120)
+    got, seconds = srv.communicate(timeout=120)[0].split()
+    return {"bytes": int(got), "seconds": float(seconds),
+            "mbit_per_s": int(got) * 8 / float(seconds) / 1e6}
+
+
+def _memcpy_gbps() -> float:
+    a = np.ones(64 << 18, np.float32)  # 64 MiB
+    b = np.empty_like(a)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        best = min(best, time.perf_counter() - t0)
+    return a.nbytes / best / 1e9
+
+
+def _report(results: dict[str, dict], s: Settings, *, busy: float, link_note: str,
+            link_kind: str, raw_link: dict | None, out: Path | None, name: str) -> dict:
+    spec = MODELS[s.model]
+    window = max(5, s.steps // 15)
+    target = None
+    if TARGET_RUN in results:
+        target = float(_smooth(results[TARGET_RUN]["loss"], window)[-1])
+    ceiling = results.get("ceiling (no traffic)")
+    compute = results.get("compute-only")
+    learners = [n for n, r in results.items() if r["lr"] is not None]
+    equal_time = min((results[n]["time"][-1] for n in learners), default=None)
+    fp32_wire = (results.get(TARGET_RUN) or {}).get("wire_bytes_per_step")
+    rows = []
+    for case_name, r in results.items():
+        row = {"run": case_name, "lr": r["lr"], "samples_per_s": r["samples_per_s"],
+               "step_ms": r["step_s"] * 1e3, "exposed_ms": r["exposed_s"] * 1e3,
+               "wire_mb_per_step": (r["wire_bytes_per_step"] / 1e6
+                                    if r["wire_bytes_per_step"] is not None else None),
+               "rank_cpu_ms": [round(c * 1e3) for c in r["rank_cpu_s_per_step"]],
+               "shard_cpu_ms": [round(c * 1e3) for c in r["shard_cpu_s_per_step"]],
+               "sweep": r["sweep"]}
+        if ceiling is not None:
+            row["vs_ceiling"] = r["samples_per_s"] / ceiling["samples_per_s"]
+            if r["lr"] is not None and case_name.startswith("DDP"):
+                row["exposed_ms"] = max(r["step_s"] - ceiling["step_s"], 0.0) * 1e3
+        if compute is not None:
+            row["vs_compute_only"] = r["samples_per_s"] / compute["samples_per_s"]
+        if fp32_wire and r["wire_bytes_per_step"]:
+            row["wire_vs_fp32"] = fp32_wire / r["wire_bytes_per_step"]
+        if r["lr"] is not None:
+            smooth = _smooth(r["loss"], window)
+            row["final_loss"] = _final(r["loss"])
+            row["diverged"] = bool(not math.isfinite(row["final_loss"])
+                                   or row["final_loss"] > math.log(256) + 0.5)
+            if target is not None:
+                hit = np.nonzero(smooth <= target + 1e-12)[0]
+                k = int(hit[0]) + window - 1 if hit.size else None
+                row["steps_to_target"] = None if k is None else k + 1
+                row["samples_to_target"] = None if k is None else (k + 1) * spec.batch * 2
+                row["time_to_target_s"] = None if k is None else r["time"][k]
+            if equal_time is not None:
+                k = int(np.searchsorted(r["time"], equal_time, side="right")) - 1
+                lo = max(0, k + 1 - window)
+                row["loss_at_equal_time"] = float(np.mean(r["loss"][lo:k + 1]))
+        rows.append(row)
+    by = {row["run"]: row for row in rows}
+    checks = _checks(by, s)
+    config = {**asdict(s), "target_loss": target, "smoothing_window": window,
+              "equal_time_s": equal_time, "link": link_kind, "link_note": link_note,
+              "raw_link": raw_link, "memcpy_gbps": _memcpy_gbps(), "machine_busy_before": busy,
+              "model_description": spec.description, "batch_per_worker": spec.batch,
+              "seq_len": spec.seq_len}
+    warm = _schedule(s.steps, s)["warmup_steps"]
+    notes = (f"Model: {spec.description}, batch {spec.batch} x {spec.seq_len} per worker, 2 "
+             f"workers, {s.steps} steps, Adam with linear warm-up ({warm} steps) then cosine "
+             f"to 0.1x, clip {s.clip_norm}; learning rate "
+             f"of each run = best of {list(s.lrs)} at {s.sweep_steps} steps. Cluster: "
+             f"{link_note}; placement {s.placement}"
+             + (f"; raw link {raw_link['mbit_per_s']:.0f} Mbit/s (one TCP stream)"
+                if raw_link else "")
+             + f". Target loss = {TARGET_RUN}'s final {window}-step average"
+             + (f" = {target:.4f}" if target is not None else "")
+             + (f"; equal wall time = {equal_time:.1f} s" if equal_time else "")
+             + f". Wire MB/step: bytes sent + received per worker node (bridge counters). "
+             f"Machine busy before the run: {busy:.0%}."
+             + (" Straggler: worker 1 computes 1.5x slower." if s.straggler else ""))
+    write_results(name, config=config, rows=rows, checks=checks, out=out, notes=notes,
+                  columns=[("run", "run"), ("lr", "lr"), ("samples_per_s", "samples/s"),
+                           ("vs_ceiling", "vs ceiling"), ("step_ms", "step ms"),
+                           ("exposed_ms", "exposed ms"), ("wire_mb_per_step", "wire MB/step"),
+                           ("wire_vs_fp32", "wire vs DDP fp32"),
+                           ("final_loss", "final loss"),
+                           ("loss_at_equal_time", "loss at equal time"),
+                           ("steps_to_target", "steps to target"),
+                           ("time_to_target_s", "s to target"),
+                           ("rank_cpu_ms", "rank CPU ms/step"),
+                           ("shard_cpu_ms", "shard CPU ms/step")])
+    curves = {n: {"loss": r["loss"], "time": r["time"]} for n, r in results.items()
+              if r["lr"] is not None}
+    out_dir = Path(out or DEFAULT_OUT)
+    (out_dir / f"{name}_curves.json").write_text(json.dumps(curves))
+    return {"rows": rows, "checks": checks}
+
+
+def _checks(by: dict[str, dict], s: Settings) -> dict:
+    checks = {}
+    bitps = [r for n, r in by.items() if n.startswith("bitps") and r.get("lr") is not None]
+    ddp = [r for n, r in by.items() if n.startswith("DDP")]
+    for r in bitps + ddp:
+        if r.get("diverged"):
+            checks[f"{r['run']} does not diverge"] = check(r["final_loss"], "<= ln 256 + 0.5",
+                                                           False)
+    if s.straggler:
+        sync, ssp = by.get("bitps sync fp32"), by.get("bitps ssp sign1")
+        if sync and ssp:
+            ratio = ssp["samples_per_s"] / sync["samples_per_s"]
+            checks["straggler_ssp_vs_sync_samples_per_s"] = check(round(ratio, 3), ">= 1.3",
+                                                                  ratio >= 1.3)
+            first = (ssp.get("time_to_target_s") is not None and
+                     (sync.get("time_to_target_s") is None
+                      or ssp["time_to_target_s"] < sync["time_to_target_s"]))
+            checks["straggler_ssp_reaches_target_first"] = check(
+                ssp.get("time_to_target_s"), f"< sync's {sync.get('time_to_target_s')}", first)
+        return checks
+    if not bitps:
+        return checks
+    best = max(bitps, key=lambda r: r["samples_per_s"])
+    if "vs_ceiling" in best:
+        checks["best_bitps_vs_ceiling_samples_per_s"] = check(
+            f"{best['run']}: {best['vs_ceiling']:.3f}", ">= 0.9", best["vs_ceiling"] >= 0.9)
+    for peer in ddp:
+        faster = best["samples_per_s"] > peer["samples_per_s"]
+        checks[f"best_bitps_beats_{peer['run']}_samples_per_s"] = check(
+            round(best["samples_per_s"] / peer["samples_per_s"], 3), "> 1", faster)
+    reached = [r for r in bitps if r.get("time_to_target_s") is not None]
+    if reached:
+        first = min(reached, key=lambda r: r["time_to_target_s"])
+        for peer in ddp:
+            t_peer = peer.get("time_to_target_s")
+            ok = t_peer is None or first["time_to_target_s"] < t_peer
+            checks[f"best_bitps_beats_{peer['run']}_time_to_target"] = check(
+                f"{first['run']}: {first['time_to_target_s']:.1f} s vs {t_peer}", "sooner", ok)
+        if first.get("wire_vs_fp32") is not None:
+            checks["fastest_to_target_wire_reduction_vs_fp32"] = check(
+                round(first["wire_vs_fp32"], 1), ">= 20", first["wire_vs_fp32"] >= 20)
+    else:
+        checks["some_bitps_run_reaches_target"] = check(None, "a bitps run reaches it", False)
+    for key, (a, b) in SYNC_PAIRS.items():
+        if a in by and b in by:
+            ratio = by[a]["samples_per_s"] / by[b]["samples_per_s"]
+            checks[f"async_vs_sync_efficiency_{key}"] = check(round(ratio, 3), ">= 1.0",
+                                                             ratio >= 1.0)
+    return checks
+

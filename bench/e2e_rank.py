@@ -1,0 +1,160 @@
+"""One rank of ``bitps-bench e2e``, run on an emulated node: ``python -m bench.e2e_rank '<json>'``.
+
+The settings (JSON) say what kind of rank it is:
+
+- ``local``: trains alone with ``torch.optim.Adam`` (compute-only and the no-traffic ceiling:
+  forward, backward, clipping and the optimizer step, no exchange);
+- ``ddp``: a ``DistributedDataParallel`` rank over gloo (``hook``: ``none`` for fp32,
+  ``bf16`` for :func:`bf16_hook`, ``powersgd`` for PowerSGD rank 1), with the same optimizer,
+  clipping and schedule as ``local``;
+- ``bitps``: a ``PSModel`` over a ``PSClient`` against the run's shards, which hold the optimizer
+  and the schedule.
+
+Every rank reads the demo corpus with its own rank's batches (``worker.demo.batches``), the
+same for every run, and prints one JSON line per step (``loss``, the wall-clock ``end`` of the
+step, the ``exposed`` communication ``PSModel`` measured) and a ``done`` line (CPU seconds of
+this process, bytes pushed on the wire).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+__all__ = ["bf16_hook", "main"]
+
+
+def bf16_hook(state, bucket):
+    """DDP communication hook: all-reduce the bucket in bfloat16, average, write back.
+
+    The same arithmetic as ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.
+    bf16_compress_hook``, which refuses to run on CPU tensors by name; gloo reduces bf16."""
+    import torch
+    import torch.distributed as dist
+
+    group = state if state is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(dist.get_world_size(group))
+    fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(f):
+        buffer.copy_(f.value()[0])
+        return buffer
+
+    return fut.then(decompress)
+
+
+def _wrap_ddp(model, s: dict):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    d = s["ddp"]
+    # gloo picks its interface from the hostname, which inside a node's namespace resolves to
+    # an address peers cannot reach: name the node's NIC
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", d["ifname"])
+    dist.init_process_group("gloo", init_method=f"tcp://{d['master']}:{d['port']}",
+                            rank=s["rank"], world_size=s["world"])
+    hook = d["hook"]
+    if hook == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
+
+        # one bucket: with several, PowerSGD's per-bucket collectives desynchronize gloo
+        ddp = DDP(model, bucket_cap_mb=1 << 12)
+        state = P.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                start_powerSGD_iter=d["powersgd_start"],
+                                random_seed=s["seed"])
+        ddp.register_comm_hook(state, P.powerSGD_hook)
+        return ddp
+    ddp = DDP(model)
+    if hook == "bf16":
+        ddp.register_comm_hook(None, bf16_hook)
+    elif hook != "none":
+        raise ValueError(f"ddp hook {hook!r}; expected none, bf16 or powersgd")
+    return ddp
+
+
+def _bitps(model, s: dict):
+    from proto.codecs import CodecConfig
+    from worker.client import PSClient
+    from worker.config import ClientConfig, OverlapConfig
+    from worker.model import PSModel
+
+    b = s["bitps"]
+    codec = CodecConfig(name=b["push_codec"])
+    cfg = ClientConfig(servers=tuple(b["servers"]), rank=s["rank"], world_size=s["world"],
+                       push_codec=codec, compress_min_bytes=b["compress_min_bytes"],
+                       clip_norm=s["clip_norm"], deadline_s=300.0)
+    client = PSClient(cfg)
+    return PSModel(model, client, overlap=OverlapConfig(mode=b["overlap"]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from bench.models import MODELS, build
+    from proto.schedule import LRSchedule
+    from worker.demo import batches, load_corpus, loss_fn
+
+    s = json.loads((argv or sys.argv[1:])[0])
+    torch.set_num_threads(s.get("threads", 1))
+    spec = MODELS[s["model"]]
+    device = torch.device(s.get("device", "cpu"))
+    model = build(s["model"], s["seed"]).to(device)
+    corpus = load_corpus(2_000_000)
+    data = batches(corpus, batch_size=spec.batch, seq_len=spec.seq_len, rank=s["rank"],
+                   world_size=s["world"], seed=s["seed"])
+    kind, ps_model, opt, sched = s["kind"], None, None, None
+    if kind == "bitps":
+        ps_model = _bitps(model, s)
+        train = model
+    else:
+        train = _wrap_ddp(model, s) if kind == "ddp" else model
+        schedule = LRSchedule(**s["schedule"])
+        opt = torch.optim.Adam(model.parameters(), lr=s["lr"])
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule.factor)
+    print(json.dumps({"event": "start", "rank": s["rank"],
+                      "params": sum(p.numel() for p in model.parameters())}), flush=True)
+    cpu0 = time.process_time()
+    for step in range(s["steps"]):
+        t0 = time.time()
+        input_ids, labels = (t.to(device) for t in next(data))
+        loss = loss_fn(train, input_ids, labels)
+        loss.backward()
+        if s["slow"] > 1.0:
+            # a straggler: this rank's compute takes ``slow`` x as long
+            time.sleep((s["slow"] - 1.0) * (time.time() - t0))
+        exposed = 0.0
+        if ps_model is not None:
+            ps_model.step()
+            exposed = ps_model.last_stats.exposed_s
+        else:
+            if s["clip_norm"] > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), s["clip_norm"])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        print(json.dumps({"event": "step", "rank": s["rank"], "step": step,
+                          "loss": loss.item(), "start": t0, "end": time.time(),
+                          "exposed": exposed}), flush=True)
+    done = {"event": "done", "rank": s["rank"], "push_wire_bytes": 0.0, "overlap": None}
+    if ps_model is not None:
+        ps_model.synchronize()
+        m = ps_model.client.metrics
+        done.update(push_wire_bytes=m.push_wire_bytes.value, pull_bytes=m.pull_bytes.value,
+                    overlap=bool(ps_model.decision and ps_model.decision.enabled))
+        ps_model.close()
+    done["cpu_s"] = time.process_time() - cpu0
+    print(json.dumps(done), flush=True)
+    if kind == "ddp":
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
