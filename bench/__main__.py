@@ -30,9 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--beta2", type=float, default=0.99, help="Adam beta2 of every run")
     cv.add_argument("--seeds", type=int, nargs="+", default=[0, 1],
                     help="model/data seeds; curves are averaged over them")
+    cv.add_argument("--quick", action="store_true", help="40 steps, one seed (smoke test)")
     cd = sub.add_parser("codec", help="codec kernels vs memcpy, numpy and torch (1 thread)")
     cd.add_argument("--mib", type=int, default=64, help="gradient size")
     cd.add_argument("--repeats", type=int, default=7, help="timed calls per implementation")
+    cd.add_argument("--quick", action="store_true", help="8 MiB, 2 repeats (smoke test)")
     ov = sub.add_parser("overlap", help="step time, utilization and worker CPU, overlap off/on "
                                          "vs compute only, over a tc-shaped link: one worker, "
                                          "two workers in sync, sign1 with clipping")
@@ -80,11 +82,48 @@ def build_parser() -> argparse.ArgumentParser:
     e2.add_argument("--quick", action="store_true",
                     help="the demo model, 30 steps, one learning rate (smoke test); results "
                          "under <out>/quick")
+    al = sub.add_parser("all", help="every scenario (e2e: the LM, the MoE and the straggler), "
+                                     "then the report")
+    al.add_argument("--quick", action="store_true",
+                    help="every scenario's smoke-test size; results under <out>/quick")
+    sub.add_parser("report", help="REPORT.md (claims, tables, plots) from the result files")
     return p
+
+
+# what ``all`` runs: (scenario argv, also with --quick?)
+_ALL = ((["volume"], False), (["pushpull"], True), (["codec"], True), (["overlap"], True),
+        (["memory"], True), (["convergence"], True), (["e2e", "--model", "lm"], True),
+        (["e2e", "--model", "moe"], False), (["e2e", "--model", "lm", "--straggler"], False))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.scenario == "report":
+        from bench.summary import write_report
+
+        print(write_report(args.out))
+        return 0
+    if args.scenario != "all":
+        return _print(run_scenario(args))
+    out = args.out or DEFAULT_OUT
+    if args.quick:
+        out = out / "quick"
+    failed = 0
+    for scenario, has_quick in _ALL:
+        if args.quick and not has_quick and scenario[0] != "volume":
+            continue  # one e2e scenario at smoke-test size
+        print(f"== bitps-bench {' '.join(scenario)}", flush=True)
+        sub_args = build_parser().parse_args(
+            ["--out", str(out), *scenario, *(["--quick"] if args.quick and has_quick else [])])
+        failed += _print(run_scenario(sub_args))
+    from bench.summary import write_report
+
+    print(write_report(out))
+    return 1 if failed else 0
+
+
+def run_scenario(args) -> dict:
+    """Run the scenario ``args`` name; its result (rows and checks)."""
     if args.scenario == "pushpull":
         from bench.pushpull import run
 
@@ -97,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.scenario == "convergence":
         from bench.convergence import run
 
-        result = run(steps=args.steps, freeze_fraction=args.freeze_fraction, lr=args.lr,
-                     beta2=args.beta2, seeds=tuple(args.seeds), out=args.out)
+        steps, seeds = (40, (0,)) if args.quick else (args.steps, tuple(args.seeds))
+        result = run(steps=steps, freeze_fraction=args.freeze_fraction, lr=args.lr,
+                     beta2=args.beta2, seeds=seeds, out=args.out)
     elif args.scenario == "memory":
         from bench.memory import run
 
@@ -126,7 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from bench.codec import run
 
-        result = run(mib=args.mib, repeats=args.repeats, out=args.out)
+        mib, repeats = (8, 2) if args.quick else (args.mib, args.repeats)
+        result = run(mib=mib, repeats=repeats, out=args.out)
+    return result
+
+
+def _print(result: dict) -> int:
     for row in result["rows"]:
         print(row)
     failed = [name for name, c in result["checks"].items() if not c["ok"]]

@@ -140,16 +140,20 @@ class _Ranks:
 
     def wait(self, timeout: float, logs: list[Path]) -> None:
         deadline = time.monotonic() + timeout
-        for proc, log in zip(self.procs, logs):
+        for rank, (proc, log) in enumerate(zip(self.procs, logs)):
             try:
                 proc.wait(max(deadline - time.monotonic(), 1))
             except subprocess.TimeoutExpired as err:
-                raise RuntimeError(f"rank timed out; log {log}:\n"
+                raise RuntimeError(f"rank {rank} timed out {self._progress()}; log {log}:\n"
                                    f"{log.read_text()[-3000:]}") from err
             if proc.returncode:
-                raise RuntimeError(f"rank exited {proc.returncode}; log {log}:\n"
-                                   f"{log.read_text()[-3000:]}")
+                raise RuntimeError(f"rank {rank} exited {proc.returncode} {self._progress()}; "
+                                   f"log {log}:\n{log.read_text()[-3000:]}")
         time.sleep(0.2)  # let the readers drain
+
+    def _progress(self) -> str:
+        steps = [sum(e.get("event") == "step" for e in ls) for ls in self.lines]
+        return f"(steps logged per rank: {steps}, exit codes {[p.poll() for p in self.procs]})"
 
     def kill(self) -> None:
         for proc in self.procs:
@@ -210,7 +214,7 @@ def _train(cluster: Cluster, case: Case, s: Settings, lr: float, steps: int, tmp
             logs.append(log)
             ranks.start([*node.prefix, sys.executable, "-m", "bench.e2e_rank",
                          json.dumps(settings)], log)
-        ranks.wait(timeout=120 + steps * 30, logs=logs)
+        ranks.wait(timeout=120 + steps * 20, logs=logs)
         shard_cpu = [process_cpu(p.proc.pid) for p in shards]
     finally:
         ranks.kill()

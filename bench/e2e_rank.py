@@ -148,11 +148,16 @@ def main(argv: list[str] | None = None) -> int:
                     overlap=bool(ps_model.decision and ps_model.decision.enabled))
         ps_model.close()
     done["cpu_s"] = time.process_time() - cpu0
-    print(json.dumps(done), flush=True)
     if kind == "ddp":
         import torch.distributed as dist
 
-        dist.destroy_process_group()
+        dist.barrier()
+    print(json.dumps(done), flush=True)
+    if kind == "ddp":
+        # gloo's teardown (destroy_process_group) now and then hung one rank after its peer
+        # had exited: both are done and have said so, so leave without it
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

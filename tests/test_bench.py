@@ -137,3 +137,59 @@ def test_fewest_evicted_is_beladys_optimum_on_hand_traces():
     reuse = [("alloc", 0, 8), ("free", 0), ("alloc", 0, 8), ("alloc", 1, 4), ("free", 1),
              ("free", 0)]
     assert _fewest_evicted(reuse, 8) == 4
+
+
+def _cells(md: str, first_cell: str) -> list[str]:
+    """The cells of the Markdown table row that starts with ``first_cell``."""
+    for line in md.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells and cells[0] == first_cell:
+            return cells
+    raise AssertionError(f"no table row {first_cell!r}")
+
+
+def test_e2e_quick_and_report_figures_equal_the_json(tmp_path):
+    """A real emulated-cluster run (namespaces where they can be made, else loopback) of the
+    peers and two bitps runs, then ``bitps-bench report``: every figure the report prints for
+    the e2e runs and for the claims is the JSON's."""
+    from bench.report import _fmt
+
+    cases = ["compute-only", "ceiling (no traffic)", "DDP fp32", "bitps sync fp32",
+             "bitps async fp32", "bitps async sign1"]
+    out = subprocess.run([sys.executable, "-m", "bench", "--out", str(tmp_path), "e2e",
+                          "--quick", "--name", "e2e-tiny", "--cases", *cases],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode in (0, 1), out.stderr
+    doc = json.loads((tmp_path / "e2e-tiny.json").read_text())
+    assert [r["run"] for r in doc["rows"]] == cases
+    assert doc["config"]["memcpy_gbps"] > 0 and doc["config"]["target_loss"] > 0
+    by = {r["run"]: r for r in doc["rows"]}
+    for name in cases[2:]:
+        r = by[name]
+        assert r["lr"] == 3e-3 and r["final_loss"] > 0 and r["samples_per_s"] > 0
+        assert r["wire_mb_per_step"] is None or r["wire_mb_per_step"] > 0
+    assert by["bitps sync fp32"]["shard_cpu_ms"] and not by["DDP fp32"]["shard_cpu_ms"]
+    curves = json.loads((tmp_path / "e2e-tiny_curves.json").read_text())
+    assert len(curves["DDP fp32"]["loss"]) == 30
+
+    rep = subprocess.run([sys.executable, "-m", "bench", "--out", str(tmp_path), "report"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert rep.returncode == 0, rep.stderr
+    md = (tmp_path / "REPORT.md").read_text()
+    for png in ("loss_time", "loss_samples", "throughput", "wire"):
+        assert (tmp_path / f"e2e-tiny_{png}.png").read_bytes()[:4] == b"\x89PNG"
+        assert f"(e2e-tiny_{png}.png)" in md
+    for name in cases:
+        cells = _cells(md, name)
+        assert cells[2] == _fmt(by[name]["samples_per_s"])  # the e2e table's samples/s
+        assert cells[4] == _fmt(by[name]["step_ms"])
+    bitps = [r for r in doc["rows"] if r["run"].startswith("bitps")]
+    best = max(bitps, key=lambda r: r["samples_per_s"])
+    ddp = by["DDP fp32"]
+    thr = _cells(md, "throughput (samples/s)")
+    assert thr[2:4] == [_fmt(ddp["samples_per_s"]), _fmt(best["samples_per_s"])]
+    step = _cells(md, "step time (ms)")
+    assert step[2:4] == [_fmt(ddp["step_ms"]), _fmt(best["step_ms"])]
+    eff = _cells(md, "async vs sync efficiency (samples/s ratio)")
+    assert eff[3] == _fmt(by["bitps async fp32"]["samples_per_s"]
+                          / by["bitps sync fp32"]["samples_per_s"])

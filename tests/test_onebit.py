@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from native import sign1
 from proto.codecs import CodecConfig
 from proto.keyplan import ParamSpec, make_plan
+from proto.schedule import LRSchedule
 from ps import OptimizerConfig, ServerConfig, create_server
 from worker import ClientConfig, PSClient
 
@@ -76,11 +77,16 @@ def _train(servers, plan, rank: int, world: int, init, results, barrier, mode):
                          client.metrics.push_bytes.value)
 
 
-@pytest.mark.parametrize(("mode", "moments"), [("async", "auto"), ("async", "shard"),
-                                               ("sync", "auto")])
-def test_workers_hold_the_shards_parameters_bit_for_bit(mode, moments):
+@pytest.mark.parametrize(("mode", "moments", "scheduled"), [
+    ("async", "auto", False), ("async", "shard", False), ("sync", "auto", False),
+    # sync workers apply published momenta with the shard's scheduled learning rate
+    ("sync", "auto", True)])
+def test_workers_hold_the_shards_parameters_bit_for_bit(mode, moments, scheduled):
+    schedule = LRSchedule(warmup_steps=3, decay_steps=STEPS, min_ratio=0.1) if scheduled \
+        else LRSchedule()
     opt = OptimizerConfig(name="onebit_adam", lr=0.05, freeze_step=FREEZE, onebit_chunk=256,
-                          delta_history=4 if mode == "async" else 16, onebit_moments=moments)
+                          delta_history=4 if mode == "async" else 16, onebit_moments=moments,
+                          schedule=schedule)
     shards = [create_server(ServerConfig(shard_id=i, num_shards=2, mode=mode, optimizer=opt,
                                          metrics_port=-1)) for i in range(2)]
     try:

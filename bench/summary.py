@@ -1,0 +1,185 @@
+"""``bitps-bench report``: one Markdown report over every result file in a results directory.
+
+It reads ``<dir>/<scenario>.json`` (``bench.report`` layout) and writes ``<dir>/REPORT.md``: the
+problem statement's claims beside bitps's measured values, row by row (each with the file and
+row it came from), then every scenario's notes, tables and checks, and for each end-to-end
+result (``e2e-*.json``) four PNG plots: loss against wall time and against samples, samples/s
+bars, and wire bytes per step bars. Every figure is read from the JSON files, none typed in
+(``tests/test_bench.py`` checks the report's against them).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.report import DEFAULT_OUT, _fmt
+
+__all__ = ["claims", "write_report"]
+
+# scenarios in the order the report shows them
+_ORDER = ("e2e-lm", "e2e-moe", "e2e-lm-straggler", "e2e-tiny", "overlap", "convergence",
+          "volume", "pushpull", "codec", "memory")
+
+
+def _load(out: Path) -> dict[str, dict]:
+    docs = {}
+    for path in sorted(out.glob("*.json")):
+        try:
+            doc = json.loads(path.read_text())
+        except ValueError:
+            continue
+        if isinstance(doc, dict) and "scenario" in doc and "rows" in doc:
+            docs[path.stem] = doc
+    return docs
+
+
+def _rows(doc: dict, key: str) -> dict:
+    return {r.get(key): r for r in doc["rows"]}
+
+
+def _best_bitps(doc: dict) -> dict | None:
+    runs = [r for r in doc["rows"] if r["run"].startswith("bitps") and r.get("lr") is not None]
+    return max(runs, key=lambda r: r["samples_per_s"]) if runs else None
+
+
+def claims(docs: dict[str, dict]) -> list[dict]:
+    """The problem statement's claims and bitps's measured values: one dict per row with
+    ``claim``, ``problem`` (the statement's figures, as text), ``baseline`` and ``bitps``
+    (numbers from the result files, or None where not measured) and ``source``."""
+    out = []
+    e2e_name = next((n for n in ("e2e-lm", "e2e-moe", "e2e-tiny") if n in docs), None)
+    if e2e_name:
+        doc = docs[e2e_name]
+        by = _rows(doc, "run")
+        ddp, best = by.get("DDP fp32"), _best_bitps(doc)
+        src = f"{e2e_name}.json"
+        if ddp and best:
+            first = min((r for r in doc["rows"] if r["run"].startswith("bitps")
+                         and r.get("time_to_target_s") is not None),
+                        key=lambda r: r["time_to_target_s"], default=None)
+            out += [
+                {"claim": "communication volume per step (MB on the wire)",
+                 "problem": "FP32 30 GB -> 1-bit 3.75 GB (8x)",
+                 "baseline": ddp.get("wire_mb_per_step"), "bitps": best.get("wire_mb_per_step"),
+                 "source": f"{src}: DDP fp32 vs {best['run']}"},
+                {"claim": "exposed sync latency per step (ms)", "problem": "420 ms -> 68 ms",
+                 "baseline": ddp.get("exposed_ms"), "bitps": best.get("exposed_ms"),
+                 "source": f"{src}: DDP fp32 vs {best['run']}"},
+                {"claim": "step time (ms)", "problem": "1.42 s -> 0.87 s",
+                 "baseline": ddp.get("step_ms"), "bitps": best.get("step_ms"),
+                 "source": f"{src}: DDP fp32 vs {best['run']}"},
+                {"claim": "utilization (samples/s vs the no-traffic ceiling)",
+                 "problem": "68 % -> 92 %", "baseline": ddp.get("vs_ceiling"),
+                 "bitps": best.get("vs_ceiling"), "source": f"{src}: DDP fp32 vs {best['run']}"},
+                {"claim": "throughput (samples/s)", "problem": "112 -> 183 samples/s",
+                 "baseline": ddp.get("samples_per_s"), "bitps": best.get("samples_per_s"),
+                 "source": f"{src}: DDP fp32 vs {best['run']}"},
+                {"claim": "steps to the target loss", "problem": "58k -> 53k",
+                 "baseline": ddp.get("steps_to_target"),
+                 "bitps": first.get("steps_to_target") if first else None,
+                 "source": f"{src}: DDP fp32 vs {first['run'] if first else 'no bitps run'}"},
+            ]
+            async_r, sync_r = by.get("bitps async fp32"), by.get("bitps sync fp32")
+            if async_r and sync_r:
+                out.append({"claim": "async vs sync efficiency (samples/s ratio)",
+                            "problem": "62 % -> 91 %", "baseline": None,
+                            "bitps": async_r["samples_per_s"] / sync_r["samples_per_s"],
+                            "source": f"{src}: bitps async fp32 / bitps sync fp32"})
+    if "convergence" in docs:
+        by = _rows(docs["convergence"], "run")
+        r = by.get("1-bit Adam (sync)")
+        if r:
+            out.append({"claim": "1-bit loss difference vs fp32 (final loss ratio - 1)",
+                        "problem": "< 0.5 %", "baseline": None, "bitps": r["vs_fp32"] - 1.0,
+                        "source": "convergence.json: 1-bit Adam (sync)"})
+    if "memory" in docs:
+        c = docs["memory"]["checks"].get("default_external_fragmentation_at_peak")
+        if c and isinstance(c["value"], (int, float)):
+            out.append({"claim": "memory fragmentation at peak", "problem": "15 % -> 3.2 %",
+                        "baseline": None, "bitps": c["value"],
+                        "source": "memory.json: check default_external_fragmentation_at_peak"})
+    out.append({"claim": "pipeline bubble share", "problem": "28 % -> 12 %", "baseline": None,
+                "bitps": None, "source": "not measured yet (pipeline parallelism)"})
+    return out
+
+
+def _plots(name: str, doc: dict, out: Path) -> list[str]:
+    curves_path = out / f"{name}_curves.json"
+    if not curves_path.exists():
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    curves = json.loads(curves_path.read_text())
+    cfg = doc["config"]
+    window = cfg.get("smoothing_window", 10)
+    per_step = cfg.get("batch_per_worker", 1) * 2
+    files = []
+    for xlabel, suffix in (("wall time (s)", "loss_time"), ("samples", "loss_samples")):
+        fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+        for run, c in curves.items():
+            loss = np.convolve(c["loss"], np.ones(window) / window, mode="valid")
+            x = (np.asarray(c["time"])[window - 1:] if suffix == "loss_time"
+                 else (np.arange(loss.size) + window) * per_step)
+            ax.plot(x, loss, label=run, lw=1.1)
+        if cfg.get("target_loss") is not None:
+            ax.axhline(cfg["target_loss"], color="grey", ls=":", lw=1, label="target")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(f"loss ({window}-step average, mean of ranks)")
+        ax.set_title(f"{name}: loss against {xlabel.split(' (')[0]}")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        files.append(f"{name}_{suffix}.png")
+        fig.savefig(out / files[-1])
+        plt.close(fig)
+    for key, label, suffix in (("samples_per_s", "samples/s", "throughput"),
+                               ("wire_mb_per_step", "wire MB per step per node", "wire")):
+        rows = [r for r in doc["rows"] if r.get(key) is not None]
+        fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+        ax.barh([r["run"] for r in rows], [r[key] for r in rows])
+        ax.set_xlabel(label)
+        if suffix == "wire":
+            ax.set_xscale("log")
+        ax.invert_yaxis()
+        ax.set_title(f"{name}: {label}")
+        fig.tight_layout()
+        files.append(f"{name}_{suffix}.png")
+        fig.savefig(out / files[-1])
+        plt.close(fig)
+    return files
+
+
+def write_report(out: Path | None = None) -> Path:
+    """Write ``REPORT.md`` (and the e2e plots) from the JSON files under ``out``."""
+    out = Path(out or DEFAULT_OUT)
+    docs = _load(out)
+    if not docs:
+        raise FileNotFoundError(f"no bench result files (*.json) under {out}")
+    names = [n for n in _ORDER if n in docs] + sorted(set(docs) - set(_ORDER))
+    lines = ["# bitps benchmark report", "",
+             "Every figure below is read from the result files in this directory; each file "
+             "records its versions, configuration, machine and the limits measured in the same "
+             "run.", "", "## The problem statement's claims beside bitps's measurements", "",
+             "| claim | problem statement | baseline (measured) | bitps (measured) | source |",
+             "|---|---|---|---|---|"]
+    for c in claims(docs):
+        lines.append(f"| {c['claim']} | {c['problem']} | {_fmt(c['baseline'])} | "
+                     f"{_fmt(c['bitps']) if c['bitps'] is not None else 'not measured'} | "
+                     f"{c['source']} |")
+    lines.append("")
+    for name in names:
+        doc = docs[name]
+        md = out / f"{name}.md"
+        lines += [f"## {name}", ""]
+        if md.exists():
+            body = md.read_text().splitlines()
+            lines += [ln for ln in body if not ln.startswith("# bitps-bench")]
+        for png in _plots(name, doc, out) if name.startswith("e2e") else []:
+            lines += [f"![{png}]({png})", ""]
+    path = out / "REPORT.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
