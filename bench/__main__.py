@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--beta2", type=float, default=0.99, help="Adam beta2 of every run")
     cv.add_argument("--seeds", type=int, nargs="+", default=[0, 1],
                     help="model/data seeds; curves are averaged over them")
+    cv.add_argument("--sweep-lrs", type=float, nargs="+", default=[1.5e-3, 3e-3, 6e-3],
+                    help="learning rates fp32 sync, async and ssp are also run at (asynchrony "
+                         "is judged at each one's best)")
     cv.add_argument("--quick", action="store_true", help="40 steps, one seed (smoke test)")
     cd = sub.add_parser("codec", help="codec kernels vs memcpy, numpy and torch (1 thread)")
     cd.add_argument("--mib", type=int, default=64, help="gradient size")
@@ -75,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a shard beside each worker, or shards on nodes of their own")
     e2.add_argument("--straggler", action="store_true",
                     help="worker 1 computes 1.5x slower (sync vs ssp)")
+    e2.add_argument("--warmup-frac", type=float, default=0.1,
+                    help="linear learning-rate warm-up as a share of the steps (0 = none)")
     e2.add_argument("--cases", nargs="+", default=[], help="run only these cases (by name)")
     e2.add_argument("--device", default="cpu", help="torch device of every rank")
     e2.add_argument("--name", default="",
@@ -138,7 +143,8 @@ def run_scenario(args) -> dict:
 
         steps, seeds = (40, (0,)) if args.quick else (args.steps, tuple(args.seeds))
         result = run(steps=steps, freeze_fraction=args.freeze_fraction, lr=args.lr,
-                     beta2=args.beta2, seeds=seeds, out=args.out)
+                     beta2=args.beta2, seeds=seeds, sweep_lrs=tuple(args.sweep_lrs),
+                     out=args.out)
     elif args.scenario == "memory":
         from bench.memory import run
 
@@ -154,6 +160,7 @@ def run_scenario(args) -> dict:
         result = run(model=args.model, steps=args.steps, sweep_steps=args.sweep_steps,
                      lrs=tuple(args.lrs), rate=args.rate, placement=args.placement,
                      straggler=args.straggler, cases=tuple(args.cases), device=args.device,
+                     warmup_frac=args.warmup_frac,
                      out=out, quick=args.quick, name=name)
     elif args.scenario == "overlap":
         from bench.overlap import run

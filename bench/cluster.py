@@ -114,6 +114,9 @@ def emulated_cluster(nodes: int, *, rate: str = "1gbit", delay: str = "",
     previous = signal.getsignal(signal.SIGTERM)
 
     def terminated(signum, frame):
+        # a second SIGTERM (a supervisor's and its child's both reach us) must not cut the
+        # teardown short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise SystemExit(128 + signum)
 
     try:

@@ -34,6 +34,7 @@ RUNS = {
     "1-bit Adam (sync), overlap on": (["--mode", "sync", "--optimizer", "onebit_adam"],
                                       ["--compress-min-bytes", "0", "--overlap", "on",
                                        "--bucket-bytes", "65536"]),
+    "fp32 Adam (async)": (["--mode", "async", "--optimizer", "adam"], []),
     "fp32 Adam (ssp S=2)": ([*_SSP, "--optimizer", "adam"], []),
     "1-bit Adam (ssp S=2)": ([*_SSP, "--optimizer", "onebit_adam"], ["--compress-min-bytes", "0"]),
     "1-bit Adam (ssp S=2), shard moments": (
@@ -68,6 +69,11 @@ OVERLAP_PAIRS = {
 # Compressed pulls: a sync worker's bytes per step, pushes + pulls, against fp32's.
 TRAFFIC_RUN = "sign1 + EF, clip 1.0, Adam (sync), overlap off"
 REPORTED = {"1-bit Adam (ssp S=2), shard moments": "fp32 Adam (ssp S=2)"}
+# Asynchrony must not cost convergence: async and ssp fp32 Adam against sync, each at the best
+# of a learning-rate sweep (the other runs use --lr).
+SWEPT = ("fp32 Adam (sync)", "fp32 Adam (async)", "fp32 Adam (ssp S=2)")
+ASYNC_PAIRS = {"async": ("fp32 Adam (async)", "fp32 Adam (sync)"),
+               "ssp": ("fp32 Adam (ssp S=2)", "fp32 Adam (sync)")}
 
 
 def _launch(name: str, launch_args: list[str], worker_args: list[str], *, steps: int,
@@ -124,20 +130,26 @@ def _mean_runs(runs: list[dict]) -> dict:
 
 def run(*, steps: int = 600, freeze_fraction: float = 0.25, lr: float = 3e-3,
         beta2: float = 0.99, seeds: tuple[int, ...] = (0, 1), target_factor: float = 1.1,
-        out: Path | None = None) -> dict:
+        sweep_lrs: tuple[float, ...] = (1.5e-3, 3e-3, 6e-3), out: Path | None = None) -> dict:
     """Run every configuration once per seed (curves averaged over seeds), write
     ``convergence.json``/``.md``/``.png`` under ``out``."""
     out = Path(out or DEFAULT_OUT)
     out.mkdir(parents=True, exist_ok=True)
     freeze = max(1, round(steps * freeze_fraction))
-    results = {}
+    results, lrs, sweeps = {}, {}, {}
+    tail = max(1, steps // 10)
     with tempfile.TemporaryDirectory(prefix="bitps-conv-") as tmp:
         for i, (name, (launch_args, worker_args)) in enumerate(RUNS.items()):
-            results[name] = _mean_runs([
-                _launch(name, launch_args, worker_args, steps=steps, freeze=freeze, lr=lr,
-                        beta2=beta2, seed=seed, run_dir=Path(tmp) / f"{i}-{seed}")
-                for seed in seeds])
-    tail = max(1, steps // 10)
+            points = sorted({lr, *sweep_lrs}) if name in SWEPT else [lr]
+            for j, run_lr in enumerate(points):
+                r = _mean_runs([
+                    _launch(name, launch_args, worker_args, steps=steps, freeze=freeze,
+                            lr=run_lr, beta2=beta2, seed=seed,
+                            run_dir=Path(tmp) / f"{i}-{j}-{seed}")
+                    for seed in seeds])
+                sweeps.setdefault(name, {})[str(run_lr)] = float(r["curve"][-tail:].mean())
+                if run_lr == lr:  # every comparison but the sweep's is at --lr
+                    results[name], lrs[name] = r, run_lr
     base = results[BASELINE]
     base_final = float(base["curve"][-tail:].mean())
     target = base_final * target_factor
@@ -146,7 +158,8 @@ def run(*, steps: int = 600, freeze_fraction: float = 0.25, lr: float = 3e-3,
     for name, r in results.items():
         final = float(r["curve"][-tail:].mean())
         moved = r["push_bytes"] + r["pull_bytes"]
-        rows.append({"run": name, "final_loss": final, "vs_fp32": final / base_final,
+        rows.append({"run": name, "lr": lrs[name], "final_loss": final,
+                     "vs_fp32": final / base_final,
                      "steps_to_target": _steps_to(r["curve"], target),
                      "push_bytes_per_step": r["push_bytes"], "pull_bytes_per_step": r["pull_bytes"],
                      "traffic_vs_fp32": fp32_bytes / moved, "seconds": r["seconds"]})
@@ -164,11 +177,21 @@ def run(*, steps: int = 600, freeze_fraction: float = 0.25, lr: float = 3e-3,
         on, off = (by[n]["final_loss"] for n in pair)
         checks[f"{key}_overlap_on_final_loss_vs_off"] = check(round(on / off, 4), "<= 1.01",
                                                               on / off <= 1.01)
+    for name in SWEPT:
+        by[name]["sweep"] = sweeps[name]
+        by[name]["best_lr"] = float(min(sweeps[name], key=sweeps[name].get))
+        by[name]["best_final_loss"] = min(sweeps[name].values())
+    for key, (name, peer) in ASYNC_PAIRS.items():
+        ratio = by[name]["best_final_loss"] / by[peer]["best_final_loss"]
+        checks[f"fp32_{key}_vs_sync_final_loss_each_at_best_lr"] = check(
+            round(ratio, 4), "<= 1.03", ratio <= 1.03)
     traffic = by[TRAFFIC_RUN]["traffic_vs_fp32"]
     checks["sign1_sync_traffic_reduction_vs_fp32"] = check(round(traffic, 2), ">= 20",
                                                            traffic >= 20)
     notes = (f"{steps} steps, 2 shards x 2 workers, batch 8 x 128 bytes per rank, seeds "
-             f"{list(seeds)} (curves averaged), Adam lr {lr}, beta2 {beta2} (v's memory, "
+             f"{list(seeds)} (curves averaged), Adam lr {lr} (fp32 sync, async and ssp are also "
+             f"swept over {list(sweep_lrs)}: each point's final loss in the sweep column, and "
+             f"asynchrony is judged at each run's best), beta2 {beta2} (v's memory, "
              f"1/(1-beta2) = {1 / (1 - beta2):.0f} steps, must be shorter than the warmup for "
              f"a frozen v to mean anything), 1-bit Adam freeze_step {freeze} "
              f"({freeze_fraction:.0%}); final loss = mean of the last {tail} steps of the 2-rank "
@@ -177,18 +200,21 @@ def run(*, steps: int = 600, freeze_fraction: float = 0.25, lr: float = 3e-3,
              f"final loss = {target:.3f}; bytes per worker per step (pushes on the wire, pulls "
              f"as received); curves: convergence.png.")
     write_results("convergence", config={"steps": steps, "freeze_step": freeze, "lr": lr,
+                                         "sweep_lrs": list(sweep_lrs),
                                          "beta2": beta2, "seeds": list(seeds),
                                          "target_loss": target, "runs": {
                                              n: {"launch": a, "worker": w}
                                              for n, (a, w) in RUNS.items()}},
                   rows=rows, checks=checks, out=out, notes=notes,
-                  columns=[("run", "run"), ("final_loss", "final loss"),
+                  columns=[("run", "run"), ("lr", "lr"), ("final_loss", "final loss"),
                            ("vs_fp32", "vs fp32 Adam (sync)"),
                            ("vs_same_mode_fp32", "vs fp32 Adam, same mode"),
                            ("steps_to_target", "steps to target"),
                            ("push_bytes_per_step", "push B/step"),
                            ("pull_bytes_per_step", "pull B/step"),
-                           ("traffic_vs_fp32", "traffic reduction"), ("seconds", "seconds")])
+                           ("traffic_vs_fp32", "traffic reduction"), ("seconds", "seconds"),
+                           ("best_lr", "best lr"), ("best_final_loss", "final loss at best lr"),
+                           ("sweep", "lr sweep: final loss")])
     (out / "convergence_curves.json").write_text(json.dumps(
         {n: [round(float(x), 5) for x in r["curve"]] for n, r in results.items()}))
     return {"rows": rows, "checks": checks}

@@ -108,7 +108,7 @@ class Settings:
 
 
 def _schedule(steps: int, s: Settings) -> dict:
-    warm = max(1, round(steps * s.warmup_frac))
+    warm = round(steps * s.warmup_frac)
     return {"warmup_steps": warm, "decay_steps": steps, "min_ratio": 0.1}
 
 
@@ -271,7 +271,8 @@ def _final(loss: list[float]) -> float:
 def run(*, model: str = "lm", steps: int = 150, sweep_steps: int = 60,
         lrs: tuple[float, ...] = (3e-4, 6e-4, 1.2e-3), rate: str = "1gbit",
         placement: str = "colocated", straggler: bool = False, cases: tuple[str, ...] = (),
-        device: str = "cpu", seed: int = 0, out: Path | None = None,
+        device: str = "cpu", seed: int = 0, warmup_frac: float = 0.1,
+        out: Path | None = None,
         quick: bool = False, name: str = "e2e") -> dict:
     """Run every case (``cases``: a subset by name), write ``<name>.json``/``.md`` under
     ``out``; ``quick``: the demo model, few steps, one learning rate."""
@@ -284,6 +285,7 @@ def run(*, model: str = "lm", steps: int = 150, sweep_steps: int = 60,
         raise ValueError(f"unknown cases {sorted(unknown)}; expected some of {sorted(known)}")
     s = Settings(model=model, steps=steps, sweep_steps=min(sweep_steps, steps), lrs=tuple(lrs),
                  rate=rate, placement=placement, straggler=straggler, device=device, seed=seed,
+                 warmup_frac=warmup_frac,
                  cases=tuple(cases))
     chosen = [c for c in CASES if not cases or c.name in cases]
     if straggler and not cases:

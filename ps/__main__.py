@@ -75,8 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-frame-bytes", type=int, default=_env("max-frame-bytes", d.max_frame_bytes))
     add("--reject-nonfinite", action=argparse.BooleanOptionalAction,
         default=_env("reject-nonfinite", d.reject_nonfinite))
+    add("--split-lr", action=argparse.BooleanOptionalAction,
+        default=_env("split-lr", d.split_lr),
+        help="async/ssp: apply each push with lr / live workers")
+    add("--lookahead", action=argparse.BooleanOptionalAction,
+        default=_env("lookahead", d.lookahead),
+        help="async/ssp: answer float32 pulls with the parameters one update ahead per "
+             "other live worker")
     add("--staleness-damping", action=argparse.BooleanOptionalAction,
-        default=_env("staleness-damping", d.staleness_damping))
+        default=_env("staleness-damping", d.staleness_damping),
+        help="async/ssp: also scale the learning rate by 1 / (1 + version gap)")
     add("--log-level", default=_env("log-level", "INFO"))
     return p
 
@@ -96,7 +104,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.
                        mode=a.mode, staleness=a.staleness, optimizer=opt,
                        heartbeat_timeout_s=a.heartbeat_timeout, pull_deadline_s=a.pull_deadline,
                        token=a.token, max_frame_bytes=a.max_frame_bytes,
-                       reject_nonfinite=a.reject_nonfinite, staleness_damping=a.staleness_damping)
+                       reject_nonfinite=a.reject_nonfinite, split_lr=a.split_lr,
+                       lookahead=a.lookahead, staleness_damping=a.staleness_damping)
     return cfg, a
 
 

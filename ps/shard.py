@@ -212,7 +212,14 @@ class ShardCore:
             elif spec.compressed_pull and not pull.is_raw:
                 slot.publisher = Publisher(pull, spec.length,
                                            history=self.cfg.optimizer.delta_history)
+            elif self._looks_ahead:
+                slot.last_delta = np.zeros(spec.length, np.float32)
         return slots
+
+    @property
+    def _looks_ahead(self) -> bool:
+        """Raw pulls in async/ssp are answered ahead (``ServerConfig.lookahead``)."""
+        return self.cfg.lookahead and self.cfg.mode != "sync"
 
     @staticmethod
     def _check_values(slots: dict[int, Slot], values: dict[int, bytes]) -> None:
@@ -288,7 +295,9 @@ class ShardCore:
         # async/ssp: pushes for clocks >= freeze_step are compression-stage pushes (sync
         # freezes in _try_aggregate, once the last warmup step is applied).
         freeze = self.rule.onebit and not sync and header.clock >= self.cfg.optimizer.freeze_step
-        live = self.clocks.live() if sync else ()
+        live = self.clocks.live()
+        # async/ssp: a clock's pushes share one step's learning rate (ServerConfig.split_lr)
+        split = 1.0 / max(len(live), 1) if self.cfg.split_lr else 1.0
         for i, (slot, grad) in enumerate(zip(slots, grads)):
             if freeze and not slot.onebit.compressing:
                 slot.onebit.freeze(self.rule.bias_correction2_sqrt(slot.state))
@@ -297,7 +306,7 @@ class ShardCore:
                 self._try_aggregate(slot, live)
                 continue
             vgap = slot.version - header.versions[i] if header.versions else 0
-            lr_scale = self.cfg.optimizer.schedule.factor(header.clock)
+            lr_scale = self.cfg.optimizer.schedule.factor(header.clock) * split
             if self.cfg.staleness_damping:
                 lr_scale /= 1 + max(vgap, 0)
             slot.apply(self.rule, grad, lr_scale=lr_scale, warmup_push=not freeze)
@@ -341,6 +350,12 @@ class ShardCore:
         publishes = self.pull_codec is not None and not self.pull_codec.is_raw
         if publishes:
             frames, frame_codecs = publish.reply_frames(header, slots)
+        elif self._looks_ahead and len(self.clocks.live()) > 1:
+            # async/ssp: by the time this worker's next push lands, the other live workers'
+            # pushes have probably been applied: hand out the parameters that far ahead
+            ahead = len(self.clocks.live()) - 1
+            frames = [(s.lookahead(ahead), None) if s.last_delta is not None
+                      else s.reply_frame() for s in slots]
         else:
             frames = [s.reply_frame() for s in slots]
         m.pull_bytes.inc(sum(f.nbytes if isinstance(f, np.ndarray) else len(f)

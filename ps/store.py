@@ -73,6 +73,9 @@ class Slot:
     (1-bit Adam: every key, its state's publisher)."""
     decoded: np.ndarray = field(default_factory=lambda: _EMPTY)
     """Where compressed pushes are decoded to (allocated on the first one)."""
+    last_delta: np.ndarray | None = None
+    """Lookahead pulls (``ServerConfig.lookahead``): the last update applied to the key
+    (new - old parameters); ``None`` when the shard does not look ahead."""
 
     @classmethod
     def zeros(cls, spec: pb.KeySpec, state: KeyState) -> Slot:
@@ -104,9 +107,22 @@ class Slot:
             return publish_update(self, lambda dst: rule.apply(
                 self.param, grad, self.state, grad_scale=grad_scale, lr_scale=lr_scale,
                 dst=dst), seed=(self.spec.key << 32) + self.version)
-        rule.apply(self.writable(), grad, self.state, grad_scale=grad_scale,
-                   lr_scale=lr_scale)
+        target = self.writable()
+        delta = self.last_delta
+        if delta is not None:
+            np.copyto(delta, target)
+        rule.apply(target, grad, self.state, grad_scale=grad_scale, lr_scale=lr_scale)
+        if delta is not None:
+            np.subtract(target, delta, out=delta)
         self.version += 1
+
+    def lookahead(self, steps: float) -> np.ndarray:
+        """The parameters ``steps`` more updates like the last one ahead: ``x + steps * delta``
+        (a fresh array; the key's own parameters are unchanged)."""
+        out = self.param.copy()
+        if self.last_delta is not None and steps:
+            native.add_scaled(out, self.last_delta, np.float32(steps))
+        return out
 
     def apply_onebit(self, rule: UpdateRule, grad: np.ndarray, *, grad_scale: float = 1.0,
                      lr_scale: float = 1.0, warmup_push: bool = False) -> None:

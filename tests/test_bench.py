@@ -64,8 +64,9 @@ def test_codec_bench_runs_every_implementation(tmp_path):
 
 def test_convergence_bench_smoke(tmp_path):
     """A few steps of every run: the curves, the PNG and the byte counts come out."""
-    doc = _bench(tmp_path, "convergence", "--steps", "12", "--seeds", "0", timeout=600)
-    assert len(doc["rows"]) == 10
+    doc = _bench(tmp_path, "convergence", "--steps", "12", "--seeds", "0", "--lr", "3e-3",
+                 "--sweep-lrs", "6e-3", timeout=600)
+    assert len(doc["rows"]) == 11
     assert (tmp_path / "convergence.png").read_bytes()[:4] == b"\x89PNG"
     by = {r["run"]: r for r in doc["rows"]}
     fp32 = by["fp32 Adam (sync)"]["push_bytes_per_step"]
@@ -76,7 +77,12 @@ def test_convergence_bench_smoke(tmp_path):
                                   "onebit_ssp_final_loss_vs_fp32_same_mode",
                                   "onebit_sync_overlap_on_final_loss_vs_off",
                                   "sign1_clip_overlap_on_final_loss_vs_off",
-                                  "sign1_sync_traffic_reduction_vs_fp32"}
+                                  "sign1_sync_traffic_reduction_vs_fp32",
+                                  "fp32_async_vs_sync_final_loss_each_at_best_lr",
+                                  "fp32_ssp_vs_sync_final_loss_each_at_best_lr"}
+    for run in ("fp32 Adam (sync)", "fp32 Adam (async)", "fp32 Adam (ssp S=2)"):
+        assert set(by[run]["sweep"]) == {"0.003", "0.006"}
+        assert by[run]["best_final_loss"] == min(by[run]["sweep"].values())
     sign1 = by["sign1 + EF, clip 1.0, Adam (sync), overlap off"]
     assert sign1["pull_bytes_per_step"] < by["fp32 Adam (sync)"]["pull_bytes_per_step"] / 4
 

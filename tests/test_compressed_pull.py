@@ -121,7 +121,8 @@ def test_a_pull_codec_of_its_own_and_mismatched_workers_are_refused():
             expect = np.ones(4096, np.float32)
             Codec.from_config(CodecConfig(name="bf16")).decode_add(
                 Compressor(Codec.from_config(CodecConfig(name="bf16")), 4096).encode(
-                    np.full(4096, -0.1, np.float32)), 4096, expect)
+                    # lr 0.1 split over the world's 2 workers (ServerConfig.split_lr)
+                    np.full(4096, -0.05, np.float32)), 4096, expect)
             assert np.array_equal(out, expect) and np.array_equal(shard.core.slots[0].param, out)
             other = ClientConfig(servers=servers, rank=1, world_size=2, compress_min_bytes=0,
                                  push_codec=CodecConfig(name="sign1"))

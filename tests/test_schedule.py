@@ -52,8 +52,9 @@ def test_shard_follows_the_schedule_like_torch_lambda_lr(mode):
         core.register(_reg(r, 2), _values() if r == 0 else {})
     keys = sorted(KEYS)
     params = {k: torch.nn.Parameter(torch.from_numpy(INIT[k].copy())) for k in keys}
+    split = 0.5 if mode == "async" else 1.0
     opt = torch.optim.Adam(list(params.values()), lr=0.01)
-    lam = torch.optim.lr_scheduler.LambdaLR(opt, schedule.factor)
+    lam = torch.optim.lr_scheduler.LambdaLR(opt, lambda c: schedule.factor(c) * split)
     for clock in range(8):
         grads = {w: [_grad(10 * clock + w, k) for k in keys] for w in (0, 1)}
         for w in (0, 1):
@@ -62,9 +63,10 @@ def test_shard_follows_the_schedule_like_torch_lambda_lr(mode):
                 for k, g in zip(keys, grads[w]):
                     params[k].grad = torch.from_numpy(g.copy())
                 opt.step()
-                # LambdaLR counts optimizer steps; the shard counts clocks: set it per push
+                # LambdaLR counts optimizer steps; the shard counts clocks: set it per push,
+                # split over the 2 workers (ServerConfig.split_lr)
                 for group in opt.param_groups:
-                    group["lr"] = 0.01 * schedule.factor(clock + (w == 1))
+                    group["lr"] = 0.01 * schedule.factor(clock + (w == 1)) / 2
         if mode == "sync":
             for i, k in enumerate(keys):
                 params[k].grad = torch.from_numpy((grads[0][i] + grads[1][i]) * np.float32(0.5))

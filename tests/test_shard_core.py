@@ -239,7 +239,8 @@ def test_token_checked_on_every_request():
     _assert_unchanged(before, _state(core))
     (reply,) = _send(core, pb.PUSH, 1, 0, [0], [_G0], token="s3cret")
     assert reply.header.op == pb.REPLY
-    assert np.array_equal(core.slots[0].param, INIT[0] - LR * _G0)
+    # two workers: each async push applies lr / 2 (ServerConfig.split_lr)
+    assert np.array_equal(core.slots[0].param, INIT[0] - LR / 2 * _G0)
     with pytest.raises(PSError) as err:
         core.register(_reg(1, 2, token="nope"), {})
     assert err.value.code == pb.UNAUTHENTICATED and "rank 1" in err.value.message
