@@ -28,6 +28,7 @@ final loss), final loss at equal samples and at equal wall time. ``--straggler``
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -168,7 +169,7 @@ def _shard_nodes(cluster: Cluster, case: Case, s: Settings) -> tuple:
     return cluster.nodes[:n] if s.placement == "colocated" else cluster.nodes[n:2 * n]
 
 
-def _shards(cluster: Cluster, case: Case, s: Settings, lr: float, steps: int, tmp: Path
+def _shards(cluster: Cluster, case: Case, s: Settings, lr: float, steps: int
             ) -> list[ReadyProcess]:
     sched = _schedule(steps, s)
     n, out = case.workers, []
@@ -192,7 +193,7 @@ def _shards(cluster: Cluster, case: Case, s: Settings, lr: float, steps: int, tm
 def _train(cluster: Cluster, case: Case, s: Settings, lr: float, steps: int, tmp: Path,
            port: int) -> dict:
     """One run: start shards (bitps) and ranks, collect per-step lines and counters."""
-    shards = _shards(cluster, case, s, lr, steps, tmp) if case.kind == "bitps" else []
+    shards = _shards(cluster, case, s, lr, steps) if case.kind == "bitps" else []
     ranks, logs = _Ranks(), []
     wire0 = cluster.wire_bytes()
     try:
@@ -294,7 +295,8 @@ def run(*, model: str = "lm", steps: int = 150, sweep_steps: int = 60,
     busy = machine_busy()
     nodes = 2 if placement == "colocated" else 4
     results: dict[str, dict] = {}
-    port = 29500 + os.getpid() % 1000
+    # a fresh rendezvous port for every DDP run (a closed one may linger in TIME_WAIT)
+    ports = itertools.count(29500 + os.getpid() % 1000 * 20)
     with emulated_cluster(nodes, rate=rate) as cluster, \
             tempfile.TemporaryDirectory(prefix="bitps-e2e-") as tmp:
         for i, case in enumerate(chosen):
@@ -302,18 +304,18 @@ def run(*, model: str = "lm", steps: int = 150, sweep_steps: int = 60,
             run_dir.mkdir()
             if not case.learns:
                 results[case.name] = {**_train(cluster, case, s, s.lrs[0], steps, run_dir,
-                                               port + i), "lr": None, "sweep": {}}
+                                               next(ports)), "lr": None, "sweep": {}}
                 continue
             sweep, best = {}, None
             for lr in s.lrs:
-                r = _train(cluster, case, s, lr, s.sweep_steps, run_dir, port + i)
+                r = _train(cluster, case, s, lr, s.sweep_steps, run_dir, next(ports))
                 sweep[lr] = _final(r["loss"])
                 print(f"{case.name} lr {lr:g}: loss {sweep[lr]:.4f}", file=sys.stderr)
                 if best is None or sweep[lr] < sweep[best[0]]:
                     best = (lr, r)
             lr = best[0]
             full = best[1] if s.sweep_steps == steps else _train(cluster, case, s, lr, steps,
-                                                                 run_dir, port + i)
+                                                                 run_dir, next(ports))
             results[case.name] = {**full, "lr": lr, "sweep": {str(k): v for k, v in
                                                                sweep.items()}}
             print(f"{case.name}: lr {lr:g}, final {_final(full['loss']):.4f}, "
