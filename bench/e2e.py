@@ -477,7 +477,8 @@ def _checks(by: dict[str, dict], s: Settings) -> dict:
             t_peer = peer.get("time_to_target_s")
             ok = t_peer is None or first["time_to_target_s"] < t_peer
             checks[f"best_bitps_beats_{peer['run']}_time_to_target"] = check(
-                f"{first['run']}: {first['time_to_target_s']:.1f} s vs {t_peer}", "sooner", ok)
+                f"{first['run']}: {first['time_to_target_s']:.1f} s vs "
+                f"{'never' if t_peer is None else f'{t_peer:.1f} s'}", "sooner", ok)
         if first.get("wire_vs_fp32") is not None:
             checks["fastest_to_target_wire_reduction_vs_fp32"] = check(
                 round(first["wire_vs_fp32"], 1), ">= 20", first["wire_vs_fp32"] >= 20)
