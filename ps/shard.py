@@ -348,12 +348,12 @@ class ShardCore:
         now, m = self.now(), self.metrics
         frame_codecs = []
         publishes = self.pull_codec is not None and not self.pull_codec.is_raw
+        # async/ssp: by the time this worker's next push lands, the other live workers' pushes
+        # have probably been applied: hand out the parameters that far ahead
+        ahead = len(self.clocks.live()) - 1 if self._looks_ahead and not publishes else 0
         if publishes:
             frames, frame_codecs = publish.reply_frames(header, slots)
-        elif self._looks_ahead and len(self.clocks.live()) > 1:
-            # async/ssp: by the time this worker's next push lands, the other live workers'
-            # pushes have probably been applied: hand out the parameters that far ahead
-            ahead = len(self.clocks.live()) - 1
+        elif ahead > 0:
             frames = [(s.lookahead(ahead), None) if s.last_delta is not None
                       else s.reply_frame() for s in slots]
         else:
