@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="worker 1 computes 1.5x slower (sync vs ssp)")
     e2.add_argument("--warmup-frac", type=float, default=0.1,
                     help="linear learning-rate warm-up as a share of the steps (0 = none)")
+    e2.add_argument("--clip-norm", type=float, default=1.0,
+                    help="gradient clipping of every run (0 = off)")
     e2.add_argument("--cases", nargs="+", default=[], help="run only these cases (by name)")
     e2.add_argument("--device", default="cpu", help="torch device of every rank")
     e2.add_argument("--name", default="",
@@ -160,7 +162,7 @@ def run_scenario(args) -> dict:
         result = run(model=args.model, steps=args.steps, sweep_steps=args.sweep_steps,
                      lrs=tuple(args.lrs), rate=args.rate, placement=args.placement,
                      straggler=args.straggler, cases=tuple(args.cases), device=args.device,
-                     warmup_frac=args.warmup_frac,
+                     warmup_frac=args.warmup_frac, clip_norm=args.clip_norm,
                      out=out, quick=args.quick, name=name)
     elif args.scenario == "overlap":
         from bench.overlap import run

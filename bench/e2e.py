@@ -272,7 +272,7 @@ def _final(loss: list[float]) -> float:
 def run(*, model: str = "lm", steps: int = 150, sweep_steps: int = 60,
         lrs: tuple[float, ...] = (3e-4, 6e-4, 1.2e-3), rate: str = "1gbit",
         placement: str = "colocated", straggler: bool = False, cases: tuple[str, ...] = (),
-        device: str = "cpu", seed: int = 0, warmup_frac: float = 0.1,
+        device: str = "cpu", seed: int = 0, warmup_frac: float = 0.1, clip_norm: float = 1.0,
         out: Path | None = None,
         quick: bool = False, name: str = "e2e") -> dict:
     """Run every case (``cases``: a subset by name), write ``<name>.json``/``.md`` under
@@ -286,7 +286,7 @@ def run(*, model: str = "lm", steps: int = 150, sweep_steps: int = 60,
         raise ValueError(f"unknown cases {sorted(unknown)}; expected some of {sorted(known)}")
     s = Settings(model=model, steps=steps, sweep_steps=min(sweep_steps, steps), lrs=tuple(lrs),
                  rate=rate, placement=placement, straggler=straggler, device=device, seed=seed,
-                 warmup_frac=warmup_frac,
+                 warmup_frac=warmup_frac, clip_norm=clip_norm,
                  cases=tuple(cases))
     chosen = [c for c in CASES if not cases or c.name in cases]
     if straggler and not cases:
