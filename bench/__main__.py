@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="linear learning-rate warm-up as a share of the steps (0 = none)")
     e2.add_argument("--clip-norm", type=float, default=1.0,
                     help="gradient clipping of every run (0 = off)")
+    e2.add_argument("--freeze-frac", type=float, default=0.2,
+                    help="1-bit Adam: warm-up (variance-freeze) share of the steps")
     e2.add_argument("--cases", nargs="+", default=[], help="run only these cases (by name)")
     e2.add_argument("--device", default="cpu", help="torch device of every rank")
     e2.add_argument("--name", default="",
@@ -163,7 +165,7 @@ def run_scenario(args) -> dict:
                      lrs=tuple(args.lrs), rate=args.rate, placement=args.placement,
                      straggler=args.straggler, cases=tuple(args.cases), device=args.device,
                      warmup_frac=args.warmup_frac, clip_norm=args.clip_norm,
-                     out=out, quick=args.quick, name=name)
+                     freeze_frac=args.freeze_frac, out=out, quick=args.quick, name=name)
     elif args.scenario == "overlap":
         from bench.overlap import run
 
