@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.report import DEFAULT_OUT, check, write_results
+from bench.report import DEFAULT_OUT, check, moving_average, write_results
 
 __all__ = ["RUNS", "run"]
 
@@ -97,7 +97,7 @@ def _launch(name: str, launch_args: list[str], worker_args: list[str], *, steps:
 
 
 def _steps_to(curve: np.ndarray, target: float, window: int = 20) -> int | None:
-    avg = np.convolve(curve, np.ones(window) / window, mode="valid")
+    avg = moving_average(curve, window)
     hit = np.nonzero(avg <= target)[0]
     return int(hit[0]) + window if hit.size else None
 
@@ -110,7 +110,7 @@ def _plot(curves: dict[str, np.ndarray], path: Path, freeze: int) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     for name, curve in curves.items():
-        smooth = np.convolve(curve, np.ones(10) / 10, mode="valid")
+        smooth = moving_average(curve, 10)
         ax.plot(np.arange(smooth.size) + 10, smooth, label=name, lw=1.2)
     ax.axvline(freeze, color="grey", ls=":", lw=1, label=f"1-bit Adam freeze ({freeze})")
     ax.set_xlabel("step")

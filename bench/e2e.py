@@ -45,7 +45,7 @@ import numpy as np
 from bench.cluster import Cluster, emulated_cluster
 from bench.models import MODELS
 from bench.proc import ReadyProcess, machine_busy, process_cpu
-from bench.report import DEFAULT_OUT, check, write_results
+from bench.report import DEFAULT_OUT, check, moving_average, write_results
 
 __all__ = ["CASES", "Case", "run"]
 
@@ -68,6 +68,8 @@ class Case:
     shard_args: tuple[str, ...] = ()
     learns: bool = True
     """False for compute-only and the ceiling: speed only, no sweep, no target."""
+    freeze_frac: float | None = None
+    """1-bit Adam: this run's warm-up share of the steps (``None``: ``--freeze-frac``)."""
 
 
 CASES = (
@@ -83,6 +85,11 @@ CASES = (
     Case(name="bitps sync sparse", kind="bitps", push_codec="sparse"),
     Case(name="bitps sync 1-bit Adam", kind="bitps", optimizer="onebit_adam"),
     Case(name="bitps async 1-bit Adam", kind="bitps", mode="async", optimizer="onebit_adam"),
+    # both directions compressed from the first step (--onebit-warmup-codes), a short warm-up
+    Case(name="bitps sync 1-bit Adam, coded 5% warm-up", kind="bitps", optimizer="onebit_adam",
+         freeze_frac=0.05, shard_args=("--onebit-warmup-codes",)),
+    Case(name="bitps sync 1-bit Adam, coded 10% warm-up", kind="bitps",
+         optimizer="onebit_adam", freeze_frac=0.1, shard_args=("--onebit-warmup-codes",)),
 )
 # a persistent straggler: what bounded staleness can and cannot buy (the straggler default)
 STRAGGLER_CASES = (
@@ -189,7 +196,8 @@ def _shards(cluster: Cluster, case: Case, s: Settings, lr: float, steps: int
                 "--lr", str(lr), "--lr-warmup", str(sched["warmup_steps"]),
                 "--lr-decay", str(sched["decay_steps"]),
                 "--lr-min-ratio", str(sched["min_ratio"]), "--log-level", "WARNING",
-                "--freeze-step", str(max(1, round(steps * s.freeze_frac))), *case.shard_args]
+                "--freeze-step", str(max(1, round(steps * (case.freeze_frac or s.freeze_frac)))),
+                *case.shard_args]
         try:
             out.append(ReadyProcess(argv))
         except Exception:
@@ -264,12 +272,6 @@ def _measure(case: Case, s: Settings, lines: list[list[dict]], shard_cpu: list[f
         "shard_cpu_s_per_step": [c / steps for c in shard_cpu],
         "overlap": [d.get("overlap") for d in done],
     }
-
-
-def _smooth(loss: list[float], window: int) -> np.ndarray:
-    x = np.asarray(loss, dtype=np.float64)
-    w = max(1, min(window, x.size))
-    return np.convolve(x, np.ones(w) / w, mode="valid")
 
 
 def _final(loss: list[float]) -> float:
@@ -372,7 +374,7 @@ def _report(results: dict[str, dict], s: Settings, *, busy: float, link_note: st
     window = max(5, s.steps // 15)
     target = None
     if TARGET_RUN in results:
-        target = float(_smooth(results[TARGET_RUN]["loss"], window)[-1])
+        target = float(moving_average(results[TARGET_RUN]["loss"], window)[-1])
     ceiling = results.get("ceiling (no traffic)")
     compute = results.get("compute-only")
     learners = [n for n, r in results.items() if r["lr"] is not None]
@@ -396,7 +398,7 @@ def _report(results: dict[str, dict], s: Settings, *, busy: float, link_note: st
         if fp32_wire and r["wire_bytes_per_step"]:
             row["wire_vs_fp32"] = fp32_wire / r["wire_bytes_per_step"]
         if r["lr"] is not None:
-            smooth = _smooth(r["loss"], window)
+            smooth = moving_average(r["loss"], window)
             row["final_loss"] = _final(r["loss"])
             row["diverged"] = bool(not math.isfinite(row["final_loss"])
                                    or row["final_loss"] > math.log(256) + 0.5)
@@ -471,7 +473,8 @@ def _checks(by: dict[str, dict], s: Settings) -> dict:
                 # A staleness bound holds the fast worker to the slow one's pace in the long
                 # run, so no ssp run can beat every worker stepping at the slow worker's
                 # compute-only step (the ceiling run's slowest rank): that bound, measured.
-                bound = len(ssp["rank_cpu_ms"]) * MODELS[s.model].batch / ceiling["step_ms"] * 1e3
+                ranks = len(ceiling["rank_cpu_ms"])
+                bound = ranks * MODELS[s.model].batch / (ceiling["step_ms"] / 1e3)
                 limit = bound / sync["samples_per_s"]
                 checks["straggler_ssp_limit_vs_sync_samples_per_s"] = check(
                     round(limit, 3), ">= 1.3 (is the goal reachable)", limit >= 1.3)
@@ -491,28 +494,30 @@ def _checks(by: dict[str, dict], s: Settings) -> dict:
         return checks
     if not bitps:
         return checks
-    best = max(bitps, key=lambda r: r["samples_per_s"])
+    # "bitps's best run" is one run: the first to reach the target (the fastest one when
+    # none does), held to every goal at once
+    reached = [r for r in bitps if r.get("time_to_target_s") is not None]
+    best = (min(reached, key=lambda r: r["time_to_target_s"]) if reached
+            else max(bitps, key=lambda r: r["samples_per_s"]))
+    if not reached:
+        checks["some_bitps_run_reaches_target"] = check(None, "a bitps run reaches it", False)
+    name = best["run"]
     if "vs_ceiling" in best:
         checks["best_bitps_vs_ceiling_samples_per_s"] = check(
-            f"{best['run']}: {best['vs_ceiling']:.3f}", ">= 0.9", best["vs_ceiling"] >= 0.9)
+            f"{name}: {best['vs_ceiling']:.3f}", ">= 0.9", best["vs_ceiling"] >= 0.9)
     for peer in ddp:
-        faster = best["samples_per_s"] > peer["samples_per_s"]
+        ratio = best["samples_per_s"] / peer["samples_per_s"]
         checks[f"best_bitps_beats_{peer['run']}_samples_per_s"] = check(
-            round(best["samples_per_s"] / peer["samples_per_s"], 3), "> 1", faster)
-    reached = [r for r in bitps if r.get("time_to_target_s") is not None]
-    if reached:
-        first = min(reached, key=lambda r: r["time_to_target_s"])
-        for peer in ddp:
-            t_peer = peer.get("time_to_target_s")
-            ok = t_peer is None or first["time_to_target_s"] < t_peer
-            checks[f"best_bitps_beats_{peer['run']}_time_to_target"] = check(
-                f"{first['run']}: {first['time_to_target_s']:.1f} s vs "
-                f"{'never' if t_peer is None else f'{t_peer:.1f} s'}", "sooner", ok)
-        if first.get("wire_vs_fp32") is not None:
-            checks["fastest_to_target_wire_reduction_vs_fp32"] = check(
-                round(first["wire_vs_fp32"], 1), ">= 20", first["wire_vs_fp32"] >= 20)
-    else:
-        checks["some_bitps_run_reaches_target"] = check(None, "a bitps run reaches it", False)
+            f"{name}: {ratio:.3f}", "> 1", ratio > 1)
+    for peer in ddp if reached else ():
+        t_peer = peer.get("time_to_target_s")
+        ok = t_peer is None or best["time_to_target_s"] < t_peer
+        checks[f"best_bitps_beats_{peer['run']}_time_to_target"] = check(
+            f"{name}: {best['time_to_target_s']:.1f} s vs "
+            f"{'never' if t_peer is None else f'{t_peer:.1f} s'}", "sooner", ok)
+    if best.get("wire_vs_fp32") is not None:
+        checks["best_bitps_wire_reduction_vs_fp32"] = check(
+            f"{name}: {best['wire_vs_fp32']:.1f}", ">= 20", best["wire_vs_fp32"] >= 20)
     for key, (a, b) in SYNC_PAIRS.items():
         if a in by and b in by:
             ratio = by[a]["samples_per_s"] / by[b]["samples_per_s"]

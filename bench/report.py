@@ -59,6 +59,16 @@ def median(values) -> float:
     return statistics.median(values)
 
 
+def moving_average(values, window: int):
+    """The trailing ``window``-point means of ``values`` (``window`` clipped to 1..len), as a
+    float64 array of ``len - window + 1`` points: how every loss curve here is smoothed."""
+    import numpy as np
+
+    x = np.asarray(values, dtype=np.float64)
+    w = max(1, min(window, x.size))
+    return np.convolve(x, np.ones(w) / w, mode="valid")
+
+
 def check(value, goal: str, ok: bool) -> dict:
     return {"value": value, "goal": goal, "ok": bool(ok)}
 

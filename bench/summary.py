@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.report import DEFAULT_OUT, _fmt
+from bench.report import DEFAULT_OUT, _fmt, moving_average
 
 __all__ = ["claims", "write_report"]
 
@@ -122,7 +122,7 @@ def _plots(name: str, doc: dict, out: Path) -> list[str]:
     for xlabel, suffix in (("wall time (s)", "loss_time"), ("samples", "loss_samples")):
         fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
         for run, c in curves.items():
-            loss = np.convolve(c["loss"], np.ones(window) / window, mode="valid")
+            loss = moving_average(c["loss"], window)
             x = (np.asarray(c["time"])[window - 1:] if suffix == "loss_time"
                  else (np.arange(loss.size) + window) * per_step)
             ax.plot(x, loss, label=run, lw=1.1)

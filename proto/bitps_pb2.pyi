@@ -209,18 +209,20 @@ class OptimizerStateRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., token: _Optional[str] = ...) -> None: ...
 
 class KeyOptimizerState(_message.Message):
-    __slots__ = ("key", "version", "exp_avg", "exp_avg_sq", "bias_correction2_sqrt")
+    __slots__ = ("key", "version", "exp_avg", "exp_avg_sq", "bias_correction2_sqrt", "compact")
     KEY_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     EXP_AVG_FIELD_NUMBER: _ClassVar[int]
     EXP_AVG_SQ_FIELD_NUMBER: _ClassVar[int]
     BIAS_CORRECTION2_SQRT_FIELD_NUMBER: _ClassVar[int]
+    COMPACT_FIELD_NUMBER: _ClassVar[int]
     key: int
     version: int
     exp_avg: bytes
     exp_avg_sq: bytes
     bias_correction2_sqrt: float
-    def __init__(self, key: _Optional[int] = ..., version: _Optional[int] = ..., exp_avg: _Optional[bytes] = ..., exp_avg_sq: _Optional[bytes] = ..., bias_correction2_sqrt: _Optional[float] = ...) -> None: ...
+    compact: bool
+    def __init__(self, key: _Optional[int] = ..., version: _Optional[int] = ..., exp_avg: _Optional[bytes] = ..., exp_avg_sq: _Optional[bytes] = ..., bias_correction2_sqrt: _Optional[float] = ..., compact: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("rank", "clock", "token")

@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--onebit-moments", choices=ONEBIT_MOMENTS,
         default=_env("onebit-moments", o.onebit_moments),
         help="onebit_adam, async/ssp: Adam's moments on each worker (auto) or on the shard")
+    add("--onebit-warmup-codes", action=argparse.BooleanOptionalAction,
+        default=_env("onebit-warmup-codes", o.onebit_warmup_codes),
+        help="onebit_adam: sign1 codes of the warmup updates in pull replies, not float32")
     add("--delta-history", type=int, default=_env("delta-history", o.delta_history),
         help="onebit_adam: compressed updates kept per key")
     add("--heartbeat-timeout", type=float, default=_env("heartbeat-timeout",
@@ -98,7 +101,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.
                           nesterov=a.nesterov, beta1=a.beta1, beta2=a.beta2, eps=a.eps,
                           weight_decay=a.weight_decay, freeze_step=a.freeze_step,
                           onebit_chunk=a.onebit_chunk, onebit_scale=a.onebit_scale,
-                          onebit_moments=a.onebit_moments, delta_history=a.delta_history)
+                          onebit_moments=a.onebit_moments, delta_history=a.delta_history,
+                          onebit_warmup_codes=a.onebit_warmup_codes)
     cfg = ServerConfig(shard_id=a.shard_id, num_shards=a.num_shards, host=a.host,
                        grpc_port=a.grpc_port, data_port=a.data_port, metrics_port=a.metrics_port,
                        mode=a.mode, staleness=a.staleness, optimizer=opt,

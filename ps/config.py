@@ -66,6 +66,12 @@ class OptimizerConfig:
     sign1 gradients (reference/compression.md section 8.2). ``auto`` = ``worker``; it trained
     the demo model within 1 % of fp32 Adam in ssp, ``shard`` 9-18 % worse (README, 1-bit
     Adam). ``sync`` always uses DeepSpeed's layout and accepts only ``auto``."""
+    onebit_warmup_codes: bool = False
+    """``onebit_adam``: during the warmup, pull replies carry sign1 codes of the shard's Adam
+    updates (error feedback on the shard, ``ps.publish``) instead of the float32 parameters, so
+    both directions are compressed from the first step: bf16 pushes, about one bit per element
+    pulled. In sync mode the shard's residual of those updates is dropped at the switch (the
+    same on shard and workers, whose copies stay bit-identical)."""
     delta_history: int = 16
     """``onebit_adam``: compressed updates kept per key; a worker further behind gets the full
     parameters instead."""

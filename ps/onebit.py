@@ -39,14 +39,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from native import casts
 from proto import bitps_pb2 as pb
-from proto.codecs import MEAN_ABS, Codec
+from proto.codecs import MEAN_ABS, Codec, Compressor
 from proto.wire import PSError
 from ps.config import ServerConfig
 from ps.publish import Publisher
 from ps.rules import make_rule
 
 if TYPE_CHECKING:
+    from ps.rules import KeyState
     from ps.store import Slot
 
 __all__ = ["OneBitState", "key_states", "new_state", "params", "published_codec",
@@ -90,7 +94,8 @@ def new_state(n: int, cfg: ServerConfig) -> OneBitState:
     o = cfg.optimizer
     return OneBitState(n, chunk=o.onebit_chunk, history=o.delta_history,
                        mean_abs=uses_mean_abs(cfg), sync=cfg.mode == "sync",
-                       worker_moments=uses_worker_moments(cfg))
+                       worker_moments=uses_worker_moments(cfg),
+                       warmup_codes=o.onebit_warmup_codes)
 
 
 def key_states(slots: dict[int, Slot], cfg: ServerConfig) -> list[pb.KeyOptimizerState]:
@@ -104,10 +109,7 @@ def key_states(slots: dict[int, Slot], cfg: ServerConfig) -> list[pb.KeyOptimize
         if not slot.onebit.compressing:
             raise PSError(pb.BAD_CLOCK, f"key {key} is still in warmup (version {slot.version}, "
                           f"freeze_step {cfg.optimizer.freeze_step})")
-        out.append(pb.KeyOptimizerState(
-            key=key, version=slot.version, exp_avg=slot.state.buf1.tobytes(),
-            exp_avg_sq=slot.state.buf2.tobytes(),
-            bias_correction2_sqrt=slot.onebit.bias_correction2_sqrt))
+        out.append(slot.onebit.state_message(key, slot.version, slot.state))
     return out
 
 
@@ -115,7 +117,7 @@ class OneBitState:
     """One key's 1-bit Adam state beyond the Adam moments (which live in ``KeyState``)."""
 
     def __init__(self, n: int, *, chunk: int, history: int, mean_abs: bool,
-                 sync: bool, worker_moments: bool) -> None:
+                 sync: bool, worker_moments: bool, warmup_codes: bool = False) -> None:
         self.n = n
         self.codec = Codec(pb.CODEC_SIGN1, chunk, MEAN_ABS if mean_abs else 0)
         self.sync = sync
@@ -124,22 +126,59 @@ class OneBitState:
         self.worker_moments = worker_moments
         """async/ssp: pushes are worker Adam directions, not gradients (the shard's m and v
         are only used during warmup)."""
+        self.warmup_codes = warmup_codes
+        """Warmup updates are published as sign1 codes of the parameter change
+        (``onebit_warmup_codes``) instead of leaving workers to pull the parameters."""
         self.compressing = False
         """False during warmup; True from the first compressed push on (v is frozen then,
         unless the workers keep the moments)."""
         self.bias_correction2_sqrt = 1.0
+        self.m_code = b""
+        """sync, after the switch: the sign1 code the shard's m is the decode of."""
         self.pub = Publisher(self.codec, n, history=history)
         """The published codes (``ps.publish``): what pull replies carry."""
         self.server, self.delta = self.pub.server, self.pub.delta
 
-    def freeze(self, bias_correction2_sqrt: float) -> None:
-        """Enter the compression stage: v and its bias correction stop changing."""
+    def freeze(self, bias_correction2_sqrt: float, state: KeyState) -> None:
+        """Enter the compression stage: v and its bias correction stop changing.
+
+        In sync mode the published codes become momenta, so the residual of the warmup's
+        parameter-update codes is dropped (it is in other units); with
+        ``onebit_warmup_codes`` the state workers fetch once is made compact as well: m
+        becomes the decode of its own sign1 code (as every later m is) and v is rounded to
+        bf16, the same on the shard as on the workers that fetch them."""
         self.compressing = True
         self.bias_correction2_sqrt = bias_correction2_sqrt
+        if not self.sync:
+            return
+        self.server.residual.fill(0.0)
+        if self.warmup_codes:
+            self.m_code = bytes(Compressor(self.codec, self.n).encode(state.buf1))
+            state.buf1.fill(0.0)
+            self.codec.decode_add(self.m_code, self.n, state.buf1)
+            bits = np.empty(self.n, np.uint16)
+            casts.bf16_encode(state.buf2, None, bits)
+            state.buf2.fill(0.0)
+            casts.bf16_decode_add(bits, self.n, state.buf2)
+
+    def state_message(self, key: int, version: int, state: KeyState) -> pb.KeyOptimizerState:
+        """The key's m and frozen v as the OptimizerState RPC sends them (``compact`` with
+        ``onebit_warmup_codes``: m's sign1 code and v in bf16, exact since v was rounded)."""
+        if not self.warmup_codes:
+            return pb.KeyOptimizerState(key=key, version=version, exp_avg=state.buf1.tobytes(),
+                                        exp_avg_sq=state.buf2.tobytes(),
+                                        bias_correction2_sqrt=self.bias_correction2_sqrt)
+        bits = np.empty(self.n, np.uint16)
+        casts.bf16_encode(state.buf2, None, bits)
+        return pb.KeyOptimizerState(key=key, version=version, exp_avg=self.m_code,
+                                    exp_avg_sq=bits.tobytes(), compact=True,
+                                    bias_correction2_sqrt=self.bias_correction2_sqrt)
 
     def publish(self, version: int, payload: memoryview) -> None:
-        """Keep the payload that took the key to ``version``."""
+        """Keep the payload that took the key to ``version`` (sync: the code m decodes from)."""
         self.pub.publish(version, payload)
+        if self.sync:
+            self.m_code = self.pub.history[-1][1]
 
     def forget(self) -> None:
         """A warmup update has no payload: workers behind it need the full parameters."""

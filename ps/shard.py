@@ -300,7 +300,7 @@ class ShardCore:
         split = 1.0 / max(len(live), 1) if self.cfg.split_lr else 1.0
         for i, (slot, grad) in enumerate(zip(slots, grads)):
             if freeze and not slot.onebit.compressing:
-                slot.onebit.freeze(self.rule.bias_correction2_sqrt(slot.state))
+                slot.onebit.freeze(self.rule.bias_correction2_sqrt(slot.state), slot.state)
             if sync:
                 slot.accumulate(header.worker, grad, live)
                 self._try_aggregate(slot, live)
@@ -323,7 +323,7 @@ class ShardCore:
         if ob is not None and not ob.compressing and \
                 slot.version >= self.cfg.optimizer.freeze_step:
             # the warmup is complete: workers now fetch m and v (OptimizerState) and push momenta
-            ob.freeze(self.rule.bias_correction2_sqrt(slot.state))
+            ob.freeze(self.rule.bias_correction2_sqrt(slot.state), slot.state)
         return True
 
     def _applied(self, clock_gap: int, version_gap: int) -> None:
@@ -354,7 +354,7 @@ class ShardCore:
         if publishes:
             frames, frame_codecs = publish.reply_frames(header, slots)
         elif ahead > 0:
-            frames = [(s.lookahead(ahead), None) if s.last_delta is not None
+            frames = [s.lookahead(ahead) if s.last_delta is not None
                       else s.reply_frame() for s in slots]
         else:
             frames = [s.reply_frame() for s in slots]

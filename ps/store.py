@@ -76,6 +76,8 @@ class Slot:
     last_delta: np.ndarray | None = None
     """Lookahead pulls (``ServerConfig.lookahead``): the last update applied to the key
     (new - old parameters); ``None`` when the shard does not look ahead."""
+    ahead: Buffer | None = None
+    """Lookahead pulls: the last parameters handed out ahead (reused once ZeroMQ is done)."""
 
     @classmethod
     def zeros(cls, spec: pb.KeySpec, state: KeyState) -> Slot:
@@ -116,13 +118,18 @@ class Slot:
             np.subtract(target, delta, out=delta)
         self.version += 1
 
-    def lookahead(self, steps: float) -> np.ndarray:
-        """The parameters ``steps`` more updates like the last one ahead: ``x + steps * delta``
-        (a fresh array; the key's own parameters are unchanged)."""
-        out = self.param.copy()
+    def lookahead(self, steps: float) -> tuple[np.ndarray, Buffer | None]:
+        """The parameters ``steps`` more updates like the last one ahead, ``x + steps * delta``,
+        as :meth:`reply_frame` gives a frame: the array and the buffer to track. The key's own
+        parameters are unchanged; the array is reused by the next call once it is sent."""
+        buf = self.ahead
+        if buf is None or buf.in_flight():
+            # ZeroMQ keeps a buffer it is still sending alive: dropping ours frees it later
+            buf = self.ahead = Buffer(np.empty_like(self.param))
+        np.copyto(buf.array, self.param)
         if self.last_delta is not None and steps:
-            native.add_scaled(out, self.last_delta, np.float32(steps))
-        return out
+            native.add_scaled(buf.array, self.last_delta, np.float32(steps))
+        return buf.array, (buf if buf.array.nbytes >= ZERO_COPY_MIN_BYTES else None)
 
     def apply_onebit(self, rule: UpdateRule, grad: np.ndarray, *, grad_scale: float = 1.0,
                      lr_scale: float = 1.0, warmup_push: bool = False) -> None:
@@ -134,6 +141,11 @@ class Slot:
         late one (a slower async worker's) gets a warmup step even after the switch."""
         ob = self.onebit
         if not ob.compressing or (ob.worker_moments and warmup_push):
+            if ob.warmup_codes:
+                # full Adam, published as the sign1 code of the parameter change
+                return publish_update(self, lambda dst: rule.apply(
+                    self.param, grad, self.state, grad_scale=grad_scale, lr_scale=lr_scale,
+                    dst=dst), seed=0)
             rule.apply(self.writable(), grad, self.state, grad_scale=grad_scale,
                        lr_scale=lr_scale)
             self.version += 1

@@ -199,3 +199,25 @@ def test_e2e_quick_and_report_figures_equal_the_json(tmp_path):
     eff = _cells(md, "async vs sync efficiency (samples/s ratio)")
     assert eff[3] == _fmt(by["bitps async fp32"]["samples_per_s"]
                           / by["bitps sync fp32"]["samples_per_s"])
+
+
+def test_straggler_checks_measure_the_bound_a_staleness_bound_sets():
+    """With a persistent straggler a staleness bound holds every worker to the slow one's
+    pace: the checks report that bound from the ceiling run's slowest rank beside the ratios."""
+    from bench.e2e import Settings, _checks
+
+    by = {"ceiling (no traffic)": {"run": "ceiling (no traffic)", "lr": None, "step_ms": 1500.0,
+                                   "samples_per_s": 6.9, "rank_cpu_ms": [980, 980]},
+          "bitps sync fp32": {"run": "bitps sync fp32", "lr": 4e-4, "samples_per_s": 4.0,
+                              "time_to_target_s": None},
+          "bitps ssp sign1": {"run": "bitps ssp sign1", "lr": 4e-4, "samples_per_s": 5.2,
+                              "time_to_target_s": 80.0},
+          "bitps async sign1": {"run": "bitps async sign1", "lr": 4e-4, "samples_per_s": 6.0,
+                                "time_to_target_s": None}}
+    checks = _checks(by, Settings(model="lm", straggler=True))
+    # 2 workers x batch 4 at one step per 1.5 s = 5.333 samples/s, against sync's 4.0
+    assert checks["straggler_ssp_limit_vs_sync_samples_per_s"]["value"] == 1.333
+    assert checks["straggler_ssp_vs_sync_samples_per_s"]["value"] == "bitps ssp sign1: 1.300"
+    assert checks["straggler_ssp_vs_sync_samples_per_s"]["ok"]
+    assert checks["straggler_ssp_reaches_target_first"]["ok"]
+    assert checks["straggler_async_vs_sync_samples_per_s"]["value"] == "bitps async sign1: 1.500"

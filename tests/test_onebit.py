@@ -16,9 +16,11 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from native import sign1
-from proto.codecs import CodecConfig
+from proto import bitps_pb2 as pb
+from proto.codecs import Codec, CodecConfig, Compressor
 from proto.keyplan import ParamSpec, make_plan
 from proto.schedule import LRSchedule
+from proto.wire import PSError
 from ps import OptimizerConfig, ServerConfig, create_server
 from worker import ClientConfig, PSClient
 
@@ -77,16 +79,20 @@ def _train(servers, plan, rank: int, world: int, init, results, barrier, mode):
                          client.metrics.push_bytes.value)
 
 
-@pytest.mark.parametrize(("mode", "moments", "scheduled"), [
-    ("async", "auto", False), ("async", "shard", False), ("sync", "auto", False),
+@pytest.mark.parametrize(("mode", "moments", "scheduled", "warmup_codes"), [
+    ("async", "auto", False, False), ("async", "shard", False, False),
+    ("sync", "auto", False, False),
     # sync workers apply published momenta with the shard's scheduled learning rate
-    ("sync", "auto", True)])
-def test_workers_hold_the_shards_parameters_bit_for_bit(mode, moments, scheduled):
+    ("sync", "auto", True, False),
+    # the warmup's Adam updates published as sign1 codes: sync switches from parameter-update
+    # codes to momentum codes at freeze_step
+    ("sync", "auto", True, True), ("async", "auto", False, True)])
+def test_workers_hold_the_shards_parameters_bit_for_bit(mode, moments, scheduled, warmup_codes):
     schedule = LRSchedule(warmup_steps=3, decay_steps=STEPS, min_ratio=0.1) if scheduled \
         else LRSchedule()
     opt = OptimizerConfig(name="onebit_adam", lr=0.05, freeze_step=FREEZE, onebit_chunk=256,
                           delta_history=4 if mode == "async" else 16, onebit_moments=moments,
-                          schedule=schedule)
+                          schedule=schedule, onebit_warmup_codes=warmup_codes)
     shards = [create_server(ServerConfig(shard_id=i, num_shards=2, mode=mode, optimizer=opt,
                                          metrics_port=-1)) for i in range(2)]
     try:
@@ -113,6 +119,9 @@ def test_workers_hold_the_shards_parameters_bit_for_bit(mode, moments, scheduled
             # 52 pulls of 4N bytes if nothing were compressed; ~12 float32 pulls (warmup,
             # and async workers that fell behind the history) and ~N/8 bytes per update
             assert pulled < 0.4 * 52 * 4 * N
+            if warmup_codes and mode == "sync":
+                # one float32 pull (the first); every later one carries codes
+                assert pulled < 4 * N + 52 * N / 6
         assert all(by_key[k].onebit.compressing for k in plan.keys)
         assert all(by_key[k].publisher.history for k in plan.keys)
         for s in shards:
@@ -120,7 +129,7 @@ def test_workers_hold_the_shards_parameters_bit_for_bit(mode, moments, scheduled
             values = {x.name: x.value for f in text_string_to_metric_families(text)
                       for x in f.samples}
             assert values["bitps_onebit_compressing_keys"] == len(s.core.slots)
-            if mode == "async" and moments == "auto":
+            if mode == "async" and moments == "auto" and not warmup_codes:
                 # worker moments, no weight decay: a published update is -lr times a decoded
                 # push, already one magnitude per chunk, so the shard's code is exact
                 assert values["bitps_onebit_residual_norm"] == 0
@@ -234,9 +243,6 @@ def test_a_nonfinite_gradient_is_refused_before_it_reaches_worker_state(moments)
     """NaN in a compressed push would poison the error-feedback residual (and the worker's Adam
     moments) for good: the client refuses it (NON_FINITE, counted), sends nothing, and keeps
     its state; the shard's parameters stay as they were."""
-    from proto import bitps_pb2 as pb
-    from proto.wire import PSError
-
     opt = OptimizerConfig(name="onebit_adam", lr=0.01, freeze_step=1, onebit_chunk=256,
                           onebit_moments=moments)
     shard = create_server(ServerConfig(mode="async", optimizer=opt, metrics_port=-1))
@@ -300,3 +306,32 @@ def test_a_late_warmup_push_after_the_switch_is_a_gradient_not_a_direction():
                 assert np.array_equal(copy, slot().param)
     finally:
         shard.stop(0)
+
+
+def test_a_compact_optimizer_state_is_decoded_and_checked_for_size():
+    """sync with onebit_warmup_codes: OptimizerState sends m as its sign1 code and v as bf16;
+    state bytes that do not fit the key are refused with what was expected."""
+    from native import casts
+    from worker.onebit import OneBitMomentum
+
+    n, chunk = 1000, 256
+    momentum = OneBitMomentum(pb.OneBitParams(chunk=chunk, lr=0.01, beta1=0.9, beta2=0.999,
+                                              eps=1e-8))
+    rng = np.random.default_rng(0)
+    m_code = bytes(Compressor(Codec(pb.CODEC_SIGN1, chunk), n).encode(
+        rng.standard_normal(n).astype(np.float32)))
+    v = rng.random(n).astype(np.float32)
+    bits = np.empty(n, np.uint16)
+    casts.bf16_encode(v, None, bits)
+    momentum.load(pb.KeyOptimizerState(key=3, exp_avg=m_code, exp_avg_sq=bits.tobytes(),
+                                       compact=True, bias_correction2_sqrt=0.5), n)
+    want_m = np.zeros(n, np.float32)
+    Codec(pb.CODEC_SIGN1, chunk).decode_add(m_code, n, want_m)
+    want_v = np.zeros(n, np.float32)
+    casts.bf16_decode_add(bits, n, want_v)
+    assert np.array_equal(momentum.m[3], want_m) and np.array_equal(momentum.v[3], want_v)
+    assert np.abs(momentum.v[3] - v).max() <= 2 ** -8 * v.max()
+    with pytest.raises(PSError) as err:
+        momentum.load(pb.KeyOptimizerState(key=4, exp_avg=m_code, exp_avg_sq=bits.tobytes()[:-2],
+                                           compact=True), n)
+    assert err.value.code == pb.BAD_LENGTH and "expected" in err.value.message

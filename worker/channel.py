@@ -281,8 +281,8 @@ class Channel:
         """Add the codes a shard published (``ps.publish``: compressed pulls, or 1-bit Adam's
         updates) to this worker's copy ``out``, oldest first, exactly as the shard added them
         to its own; checked whole before anything is added, so a bad frame leaves the copy as
-        it was. One pass per code: decode and add (sync 1-bit Adam: the code is the momentum,
-        applied with the frozen v)."""
+        it was. One pass per code: decode and add (sync 1-bit Adam after the warmup: the code is
+        the momentum, applied with the frozen v)."""
         n, base = out.shape[0], self.versions.get(key, 0)
         parts = codec.split(frame, n)
         if isinstance(parts, str) or len(parts) != version - base:
@@ -291,7 +291,7 @@ class Channel:
                            f"version {base} to {version}; expected {version - base}",
                            shard=shard)
         for i, code in enumerate(parts):
-            if self.momentum is not None:
+            if self.momentum is not None and self.momentum.is_momentum(base + i + 1):
                 self.momentum.apply(key, code, out, codec.chunk, base + i + 1)
             else:
                 codec.decode_add(code, n, out)

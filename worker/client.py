@@ -350,7 +350,7 @@ class PSClient:
                         raise PSError(pb.BAD_CLOCK, f"shard {shard} key {state.key}: optimizer "
                                       f"state of version {state.version}, parameters of "
                                       f"version {self.versions.get(state.key)}", shard=shard)
-                    self._momentum.load(state)
+                    self._momentum.load(state, self.plan.keys[state.key].length)
             except grpc.RpcError as err:
                 raise self._rpc_error(err, shard) from None
 

@@ -27,6 +27,7 @@ import native
 from native import sign1
 from proto import bitps_pb2 as pb
 from proto.schedule import LRSchedule
+from proto.wire import PSError
 
 __all__ = ["OneBitMomentum", "WorkerMoments"]
 
@@ -53,10 +54,28 @@ class OneBitMomentum:
     def loaded(self, key: int) -> bool:
         return key in self.m
 
-    def load(self, state: pb.KeyOptimizerState) -> None:
-        """Take one key's state from the OptimizerState RPC."""
-        self.m[state.key] = np.frombuffer(state.exp_avg, np.float32).copy()
-        self.v[state.key] = np.frombuffer(state.exp_avg_sq, np.float32).copy()
+    def load(self, state: pb.KeyOptimizerState, n: int) -> None:
+        """Take one key's state (``n`` elements) from the OptimizerState RPC: float32 m and v,
+        or (``compact``) m's sign1 code and v in bf16; :class:`PSError` ``BAD_LENGTH`` when the
+        bytes do not fit ``n``."""
+        if state.compact:
+            sizes = (sign1.payload_bytes(n, self.params.chunk), 2 * n)
+        else:
+            sizes = (4 * n, 4 * n)
+        if (len(state.exp_avg), len(state.exp_avg_sq)) != sizes:
+            raise PSError(pb.BAD_LENGTH, f"key {state.key}: optimizer state of "
+                          f"{len(state.exp_avg)} + {len(state.exp_avg_sq)} bytes; expected "
+                          f"{sizes[0]} + {sizes[1]} for {n} elements"
+                          + (" (compact)" if state.compact else ""))
+        if state.compact:
+            m = np.zeros(n, np.float32)
+            sign1.decode_add(state.exp_avg, n, m, chunk=self.params.chunk)
+            bits = np.frombuffer(state.exp_avg_sq, np.uint16)
+            v = (bits.astype(np.uint32) << 16).view(np.float32)
+        else:
+            m = np.frombuffer(state.exp_avg, np.float32).copy()
+            v = np.frombuffer(state.exp_avg_sq, np.float32).copy()
+        self.m[state.key], self.v[state.key] = m, v
         self.bc2[state.key] = np.float32(state.bias_correction2_sqrt)
 
     def momentum(self, key: int, grad: np.ndarray, scale: float = 1.0) -> np.ndarray:
@@ -73,6 +92,12 @@ class OneBitMomentum:
         np.multiply(u, self._one_minus_beta1, out=u)
         np.add(u, m, out=u)
         return u
+
+    def is_momentum(self, version: int) -> bool:
+        """Whether the code that made ``version`` is a published momentum: every update after
+        the warmup's ``freeze_step`` ones (sync mode makes one update per clock). A warmup
+        update's code (``onebit_warmup_codes``) is a parameter change, added as it is."""
+        return version > self.params.freeze_step
 
     def apply(self, key: int, code, out: np.ndarray, chunk: int, version: int) -> None:
         """One published momentum ``code`` (a sign1 payload), the update that made the key's
