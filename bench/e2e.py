@@ -88,8 +88,13 @@ CASES = (
     # both directions compressed from the first step (--onebit-warmup-codes), a short warm-up
     Case(name="bitps sync 1-bit Adam, coded 5% warm-up", kind="bitps", optimizer="onebit_adam",
          freeze_frac=0.05, shard_args=("--onebit-warmup-codes",)),
-    Case(name="bitps sync 1-bit Adam, coded 10% warm-up", kind="bitps",
-         optimizer="onebit_adam", freeze_frac=0.1, shard_args=("--onebit-warmup-codes",)),
+    # and every key compressed, 2048 elements per scale (1.016 bits per element)
+    Case(name="bitps sync 1-bit Adam, lean 5% warm-up", kind="bitps", optimizer="onebit_adam",
+         freeze_frac=0.05, compress_min_bytes=0,
+         shard_args=("--onebit-warmup-codes", "--onebit-chunk", "2048")),
+    Case(name="bitps sync 1-bit Adam, lean 3% warm-up", kind="bitps", optimizer="onebit_adam",
+         freeze_frac=0.03, compress_min_bytes=0,
+         shard_args=("--onebit-warmup-codes", "--onebit-chunk", "2048")),
 )
 # a persistent straggler: what bounded staleness can and cannot buy (the straggler default)
 STRAGGLER_CASES = (
