@@ -14,7 +14,8 @@ __all__ = ["main"]
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bitps-bench", description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, default=None, help="results directory")
+    p.add_argument("--out", type=Path, default=None,
+                   help="results directory (default bench/results; --quick: bench/results/quick)")
     sub = p.add_subparsers(dest="scenario", required=True)
     pp = sub.add_parser("pushpull", help="push+pull throughput and round trip vs raw pyzmq")
     pp.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 16, 64])
@@ -132,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_scenario(args) -> dict:
-    """Run the scenario ``args`` name; its result (rows and checks)."""
+    """Run the scenario ``args`` name; its result (rows and checks). Smoke-test results
+    (``--quick``) go under ``<results>/quick`` unless ``--out`` names a folder: they never
+    overwrite a full run's."""
+    if getattr(args, "quick", False) and args.out is None:
+        args.out = DEFAULT_OUT / "quick"
     if args.scenario == "pushpull":
         from bench.pushpull import run
 
@@ -160,12 +165,11 @@ def run_scenario(args) -> dict:
 
         name = args.name or ("e2e-" + ("tiny" if args.quick else args.model)
                              + ("-straggler" if args.straggler else ""))
-        out = args.out or (DEFAULT_OUT / "quick" if args.quick else None)
         result = run(model=args.model, steps=args.steps, sweep_steps=args.sweep_steps,
                      lrs=tuple(args.lrs), rate=args.rate, placement=args.placement,
                      straggler=args.straggler, cases=tuple(args.cases), device=args.device,
                      warmup_frac=args.warmup_frac, clip_norm=args.clip_norm,
-                     freeze_frac=args.freeze_frac, out=out, quick=args.quick, name=name)
+                     freeze_frac=args.freeze_frac, out=args.out, quick=args.quick, name=name)
     elif args.scenario == "overlap":
         from bench.overlap import run
 

@@ -457,6 +457,16 @@ def _report(results: dict[str, dict], s: Settings, *, busy: float, link_note: st
     return {"rows": rows, "checks": checks}
 
 
+def best_run(rows) -> dict | None:
+    """bitps's best run, one run held to every goal at once: of the bitps learning runs, the
+    first to reach the target loss, or the fastest in samples/s when none does."""
+    bitps = [r for r in rows if r["run"].startswith("bitps") and r.get("lr") is not None]
+    reached = [r for r in bitps if r.get("time_to_target_s") is not None]
+    if reached:
+        return min(reached, key=lambda r: r["time_to_target_s"])
+    return max(bitps, key=lambda r: r["samples_per_s"], default=None)
+
+
 def _checks(by: dict[str, dict], s: Settings) -> dict:
     checks = {}
     bitps = [r for n, r in by.items() if n.startswith("bitps") and r.get("lr") is not None]
@@ -499,11 +509,8 @@ def _checks(by: dict[str, dict], s: Settings) -> dict:
         return checks
     if not bitps:
         return checks
-    # "bitps's best run" is one run: the first to reach the target (the fastest one when
-    # none does), held to every goal at once
-    reached = [r for r in bitps if r.get("time_to_target_s") is not None]
-    best = (min(reached, key=lambda r: r["time_to_target_s"]) if reached
-            else max(bitps, key=lambda r: r["samples_per_s"]))
+    best = best_run(bitps)
+    reached = best.get("time_to_target_s") is not None
     if not reached:
         checks["some_bitps_run_reaches_target"] = check(None, "a bitps run reaches it", False)
     name = best["run"]

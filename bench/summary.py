@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from bench.e2e import best_run
 from bench.report import DEFAULT_OUT, _fmt, moving_average
 
 __all__ = ["claims", "write_report"]
@@ -38,11 +39,6 @@ def _rows(doc: dict, key: str) -> dict:
     return {r.get(key): r for r in doc["rows"]}
 
 
-def _best_bitps(doc: dict) -> dict | None:
-    runs = [r for r in doc["rows"] if r["run"].startswith("bitps") and r.get("lr") is not None]
-    return max(runs, key=lambda r: r["samples_per_s"]) if runs else None
-
-
 def claims(docs: dict[str, dict]) -> list[dict]:
     """The problem statement's claims and bitps's measured values: one dict per row with
     ``claim``, ``problem`` (the statement's figures, as text), ``baseline`` and ``bitps``
@@ -52,12 +48,10 @@ def claims(docs: dict[str, dict]) -> list[dict]:
     if e2e_name:
         doc = docs[e2e_name]
         by = _rows(doc, "run")
-        ddp, best = by.get("DDP fp32"), _best_bitps(doc)
+        ddp, best = by.get("DDP fp32"), best_run(doc["rows"])
         src = f"{e2e_name}.json"
         if ddp and best:
-            first = min((r for r in doc["rows"] if r["run"].startswith("bitps")
-                         and r.get("time_to_target_s") is not None),
-                        key=lambda r: r["time_to_target_s"], default=None)
+            first = best if best.get("time_to_target_s") is not None else None
             out += [
                 {"claim": "communication volume per step (MB on the wire)",
                  "problem": "FP32 30 GB -> 1-bit 3.75 GB (8x)",
@@ -153,6 +147,31 @@ def _plots(name: str, doc: dict, out: Path) -> list[str]:
     return files
 
 
+_PEERS = ("DDP fp32", "DDP bf16", "DDP PowerSGD r1")
+
+
+def headline(docs: dict[str, dict]) -> list[dict]:
+    """One row per end-to-end result file: bitps's best run (``bench.e2e.best_run``) against
+    the ceiling and each DDP peer of the same run, in samples/s, time to the target loss and
+    wire bytes per step."""
+    out = []
+    for name in [n for n in _ORDER if n in docs and n.startswith("e2e")]:
+        rows = docs[name]["rows"]
+        by, best = _rows(docs[name], "run"), best_run(rows)
+        if best is None:
+            continue
+        row = {"scenario": name, "run": best["run"], "vs_ceiling": best.get("vs_ceiling"),
+               "time_to_target_s": best.get("time_to_target_s"),
+               "wire_vs_fp32": best.get("wire_vs_fp32")}
+        for peer in _PEERS:
+            p = by.get(peer)
+            row[f"{peer} samples/s"] = (best["samples_per_s"] / p["samples_per_s"]
+                                        if p else None)
+            row[f"{peer} s to target"] = p.get("time_to_target_s") if p else None
+        out.append(row)
+    return out
+
+
 def write_report(out: Path | None = None) -> Path:
     """Write ``REPORT.md`` (and the e2e plots) from the JSON files under ``out``."""
     out = Path(out or DEFAULT_OUT)
@@ -171,6 +190,22 @@ def write_report(out: Path | None = None) -> Path:
                      f"{_fmt(c['bitps']) if c['bitps'] is not None else 'not measured'} | "
                      f"{c['source']} |")
     lines.append("")
+    if heads := headline(docs):
+        lines += ["## bitps's best run against DDP, per end-to-end scenario", "",
+                  "Best run: the first bitps run to reach the target loss (DDP fp32's final), or "
+                  "the fastest when none does. Ratios are its samples/s over each peer's; "
+                  "seconds to the target are its and each peer's (blank: not reached).", "",
+                  "| scenario | best bitps run | vs ceiling | vs DDP fp32 | vs DDP bf16 | "
+                  "vs DDP PowerSGD r1 | s to target | DDP fp32 s | DDP bf16 s | "
+                  "DDP PowerSGD r1 s | wire vs DDP fp32 |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for h in heads:
+            cells = [h["scenario"], h["run"], h["vs_ceiling"],
+                     *(h[f"{p} samples/s"] for p in _PEERS), h["time_to_target_s"],
+                     *(h[f"{p} s to target"] for p in _PEERS), h["wire_vs_fp32"]]
+            lines.append("| " + " | ".join(c if isinstance(c, str) else _fmt(c)
+                                           for c in cells) + " |")
+        lines.append("")
     for name in names:
         doc = docs[name]
         md = out / f"{name}.md"

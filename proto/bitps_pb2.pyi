@@ -103,7 +103,7 @@ class KeySpec(_message.Message):
     def __init__(self, key: _Optional[int] = ..., name: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., compressed_pull: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("protocol", "rank", "world_size", "signature", "num_shards", "shard_id", "keys", "sends_values", "token", "pull_codec", "pull_codec_chunk", "pull_codec_flags")
+    __slots__ = ("protocol", "rank", "world_size", "signature", "num_shards", "shard_id", "keys", "sends_values", "token", "pull_codec", "pull_codec_chunk", "pull_codec_flags", "value_digests")
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class RegisterRequest(_message.Message):
     PULL_CODEC_FIELD_NUMBER: _ClassVar[int]
     PULL_CODEC_CHUNK_FIELD_NUMBER: _ClassVar[int]
     PULL_CODEC_FLAGS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     protocol: int
     rank: int
     world_size: int
@@ -128,7 +129,8 @@ class RegisterRequest(_message.Message):
     pull_codec: Codec
     pull_codec_chunk: int
     pull_codec_flags: int
-    def __init__(self, protocol: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., signature: _Optional[str] = ..., num_shards: _Optional[int] = ..., shard_id: _Optional[int] = ..., keys: _Optional[_Iterable[_Union[KeySpec, _Mapping]]] = ..., sends_values: _Optional[bool] = ..., token: _Optional[str] = ..., pull_codec: _Optional[_Union[Codec, str]] = ..., pull_codec_chunk: _Optional[int] = ..., pull_codec_flags: _Optional[int] = ...) -> None: ...
+    value_digests: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, protocol: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., signature: _Optional[str] = ..., num_shards: _Optional[int] = ..., shard_id: _Optional[int] = ..., keys: _Optional[_Iterable[_Union[KeySpec, _Mapping]]] = ..., sends_values: _Optional[bool] = ..., token: _Optional[str] = ..., pull_codec: _Optional[_Union[Codec, str]] = ..., pull_codec_chunk: _Optional[int] = ..., pull_codec_flags: _Optional[int] = ..., value_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class KeyValues(_message.Message):
     __slots__ = ("key", "data")
@@ -147,7 +149,7 @@ class RegisterMessage(_message.Message):
     def __init__(self, request: _Optional[_Union[RegisterRequest, _Mapping]] = ..., values: _Optional[_Union[KeyValues, _Mapping]] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("shard_id", "num_shards", "data_port", "metrics_port", "mode", "staleness", "start_clock", "max_frame_bytes", "onebit", "holds_pulls")
+    __slots__ = ("shard_id", "num_shards", "data_port", "metrics_port", "mode", "staleness", "start_clock", "max_frame_bytes", "onebit", "holds_pulls", "current_keys", "current_versions")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +160,8 @@ class RegisterReply(_message.Message):
     MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
     ONEBIT_FIELD_NUMBER: _ClassVar[int]
     HOLDS_PULLS_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     num_shards: int
     data_port: int
@@ -168,7 +172,9 @@ class RegisterReply(_message.Message):
     max_frame_bytes: int
     onebit: OneBitParams
     holds_pulls: bool
-    def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., data_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., start_clock: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., onebit: _Optional[_Union[OneBitParams, _Mapping]] = ..., holds_pulls: _Optional[bool] = ...) -> None: ...
+    current_keys: _containers.RepeatedScalarFieldContainer[int]
+    current_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., data_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., start_clock: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., onebit: _Optional[_Union[OneBitParams, _Mapping]] = ..., holds_pulls: _Optional[bool] = ..., current_keys: _Optional[_Iterable[int]] = ..., current_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OneBitParams(_message.Message):
     __slots__ = ("freeze_step", "chunk", "codec_flags", "lr", "beta1", "eps", "weight_decay", "ratio_clip", "beta2", "worker_moments", "lr_warmup_steps", "lr_decay_steps", "lr_min_ratio")

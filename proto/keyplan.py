@@ -24,7 +24,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_PARTITION_BYTES", "Key", "KeyPlan", "ParamSpec", "make_plan"]
+__all__ = ["DEFAULT_PARTITION_BYTES", "DIGEST_BYTES", "Key", "KeyPlan", "ParamSpec", "make_plan",
+           "value_digest"]
 
 DEFAULT_PARTITION_BYTES = 1 << 20
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -84,6 +85,15 @@ class KeyPlan:
         loads = self.shard_bytes()
         mean = sum(loads) / len(loads)
         return max(loads) / mean if mean else 1.0
+
+
+DIGEST_BYTES = 16
+
+
+def value_digest(values) -> bytes:
+    """BLAKE2b-128 of one key's values as the shard stores them (float32, C order): what a
+    worker sends at registration so that a copy it already holds need not be pulled."""
+    return hashlib.blake2b(memoryview(values).cast("B"), digest_size=DIGEST_BYTES).digest()
 
 
 def _signature(params: Sequence[ParamSpec], num_shards: int, partition_bytes: int) -> str:

@@ -61,6 +61,10 @@ class ControlServicer(pb_grpc.ControlServicer):
             _abort(context, PSError(pb.DEADLINE, f"rank {req.rank} waited "
                                     f"{self.init_timeout_s:.0f} s for rank 0's initial values"))
         reply.data_port, reply.metrics_port = self.data_port, max(self.metrics_port, 0)
+        if req.value_digests:
+            keys, versions = self.core.current_copies(req)
+            reply.current_keys.extend(keys)
+            reply.current_versions.extend(versions)
         return reply
 
     def Heartbeat(self, request, context):

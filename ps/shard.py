@@ -23,6 +23,7 @@ import numpy as np
 
 from proto import bitps_pb2 as pb
 from proto.codecs import Codec
+from proto.keyplan import DIGEST_BYTES, value_digest
 from proto.wire import PROTOCOL, PSError, error_name, parse_header
 from ps import checks, onebit, publish
 from ps.clocks import ClockTable
@@ -127,6 +128,11 @@ class ShardCore:
                 self._check_pulls(req, pull, slots)
             if req.sends_values:
                 self._check_values(slots, values)
+            if req.value_digests and (len(req.value_digests) != len(req.keys) or any(
+                    len(d) != DIGEST_BYTES for d in req.value_digests)):
+                raise PSError(pb.BAD_HEADER, f"rank {req.rank} sent {len(req.value_digests)} "
+                              f"value digests of {sorted({len(d) for d in req.value_digests})} "
+                              f"bytes; expected none or {len(req.keys)} of {DIGEST_BYTES}")
             self.slots, self.signature, self.pull_codec = slots, req.signature, pull
             if req.sends_values and not self.initialized.is_set():
                 # A restarted rank 0 must not reset trained parameters.
@@ -139,6 +145,19 @@ class ShardCore:
                                 staleness=cfg.staleness, start_clock=start,
                                 max_frame_bytes=cfg.max_frame_bytes, onebit=onebit.params(cfg),
                                 holds_pulls=cfg.mode == "sync" and req.world_size > 1)
+
+    def current_copies(self, req: pb.RegisterRequest) -> tuple[list[int], list[int]]:
+        """The keys (and their versions) whose values equal the ``value_digests`` a registering
+        worker sent: its copies of them are current and need no initial pull. Hashed under the
+        lock, so no update lands between the values and the version."""
+        keys, versions = [], []
+        with self.lock:
+            for spec, digest in zip(req.keys, req.value_digests):
+                slot = self.slots.get(spec.key)
+                if slot is not None and value_digest(slot.param) == digest:
+                    keys.append(spec.key)
+                    versions.append(slot.version)
+        return keys, versions
 
     def optimizer_state(self, rank: int) -> list[pb.KeyOptimizerState]:
         """sync 1-bit Adam: every key's momentum and frozen v, for a worker at the freeze.

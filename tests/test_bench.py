@@ -189,8 +189,9 @@ def test_e2e_quick_and_report_figures_equal_the_json(tmp_path):
         cells = _cells(md, name)
         assert cells[2] == _fmt(by[name]["samples_per_s"])  # the e2e table's samples/s
         assert cells[4] == _fmt(by[name]["step_ms"])
-    bitps = [r for r in doc["rows"] if r["run"].startswith("bitps")]
-    best = max(bitps, key=lambda r: r["samples_per_s"])
+    from bench.e2e import best_run
+
+    best = best_run(doc["rows"])
     ddp = by["DDP fp32"]
     thr = _cells(md, "throughput (samples/s)")
     assert thr[2:4] == [_fmt(ddp["samples_per_s"]), _fmt(best["samples_per_s"])]
@@ -199,6 +200,10 @@ def test_e2e_quick_and_report_figures_equal_the_json(tmp_path):
     eff = _cells(md, "async vs sync efficiency (samples/s ratio)")
     assert eff[3] == _fmt(by["bitps async fp32"]["samples_per_s"]
                           / by["bitps sync fp32"]["samples_per_s"])
+    head = _cells(md, "e2e-tiny")  # the per-scenario headline row
+    assert head[1] == best["run"]
+    assert head[3] == _fmt(best["samples_per_s"] / ddp["samples_per_s"])
+    assert head[7] == _fmt(ddp.get("time_to_target_s"))
 
 
 def test_straggler_checks_measure_the_bound_a_staleness_bound_sets():
@@ -221,3 +226,14 @@ def test_straggler_checks_measure_the_bound_a_staleness_bound_sets():
     assert checks["straggler_ssp_vs_sync_samples_per_s"]["ok"]
     assert checks["straggler_ssp_reaches_target_first"]["ok"]
     assert checks["straggler_async_vs_sync_samples_per_s"]["value"] == "bitps async sign1: 1.500"
+
+
+def test_a_quick_run_never_overwrites_a_full_runs_results(tmp_path, monkeypatch):
+    """``--quick`` without ``--out`` writes under ``<results>/quick``, for every scenario."""
+    import bench.__main__ as cli
+
+    monkeypatch.setattr(cli, "DEFAULT_OUT", tmp_path)
+    args = cli.build_parser().parse_args(["codec", "--quick"])
+    cli.run_scenario(args)
+    assert (tmp_path / "quick" / "codec.json").exists()
+    assert not (tmp_path / "codec.json").exists()

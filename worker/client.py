@@ -30,7 +30,7 @@ import native
 from proto import bitps_pb2 as pb
 from proto import bitps_pb2_grpc as pb_grpc
 from proto.codecs import MEAN_ABS, RAW, Codec, Compressor
-from proto.keyplan import KeyPlan
+from proto.keyplan import KeyPlan, value_digest
 from proto.wire import PROTOCOL, PSError
 from worker.channel import Channel, Handle, PSTimeoutError, Request
 from worker.config import ClientConfig
@@ -89,19 +89,28 @@ class PSClient:
         self.metrics.watch_codecs(self._codec_snapshot)
 
     # -- control plane ------------------------------------------------------------------------
-    def register(self, plan: KeyPlan, values: Mapping[int, np.ndarray] | None = None) -> None:
+    def register(self, plan: KeyPlan, values: Mapping[int, np.ndarray] | None = None, *,
+                 copies: Mapping[int, np.ndarray] | None = None) -> None:
         """Join every shard with ``plan``; ``values`` (rank 0) are the initial parameters by key.
-        Other ranks block until rank 0's values have landed."""
+        Other ranks block until rank 0's values have landed.
+
+        ``copies`` (any rank, every key): the values this worker holds now. Their digests go
+        with the registration, and keys whose shard values match count as received
+        (:attr:`versions`), so the first pull can skip them."""
         if plan.num_shards != self.num_shards:
             raise ValueError(f"plan is cut for {plan.num_shards} shards; the client has "
                              f"{self.num_shards} servers")
         if (values is not None) != (self.cfg.rank == 0):
             raise ValueError("rank 0, and only rank 0, must pass initial values")
+        if copies is not None and set(copies) != {k.key for k in plan.keys}:
+            raise ValueError(f"copies name {len(copies)} keys; the plan has {len(plan.keys)}")
         self.plan = plan
-        endpoints = []
+        endpoints, current = [], {}
         for shard, stub in enumerate(self._stubs):
-            reply = self._call(stub.Register, iter(self._register_stream(plan, shard, values)),
+            reply = self._call(stub.Register, iter(self._register_stream(plan, shard, values,
+                                                                         copies)),
                                shard, timeout=self.cfg.register_timeout_s)
+            current.update(zip(reply.current_keys, reply.current_versions))
             if reply.shard_id != shard:
                 raise PSError(pb.BAD_HEADER, f"server {self.cfg.servers[shard]} is shard "
                               f"{reply.shard_id}; expected shard {shard} (list servers in order)")
@@ -120,12 +129,13 @@ class PSClient:
         # Versions of the copies this worker holds, filled by replies: a request names versions
         # only for keys it has received (a shard sends codes only against a copy it sent).
         self.versions.clear()
+        self.versions.update(current)
         self._endpoints = endpoints
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="bitps-heartbeat",
                                            daemon=True)
         self._heartbeat.start()
 
-    def _register_stream(self, plan: KeyPlan, shard: int, values):
+    def _register_stream(self, plan: KeyPlan, shard: int, values, copies=None):
         keys = plan.for_shard(shard)
         pull = self.pull_codec
         large = self._large_keys()
@@ -138,6 +148,9 @@ class PSClient:
                   for k in keys])
         if not pull.is_raw:
             req.pull_codec, req.pull_codec_chunk, req.pull_codec_flags = pull.wire_fields()
+        if copies is not None:
+            req.value_digests.extend(
+                value_digest(np.ascontiguousarray(copies[k.key], dtype=_F32)) for k in keys)
         yield pb.RegisterMessage(request=req)
         if values is not None:
             for k in keys:

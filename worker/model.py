@@ -85,16 +85,21 @@ class PSModel:
         self._stream = torch.cuda.Stream() if self.cuda else None  # the comm stream
         self.keys = [k.key for k in self.plan.keys]
         self._outs = self._key_views(self._host)
-        values = None
-        if client.cfg.rank == 0:
-            values = {k.key: v for k, v in zip(self.plan.keys, self._key_views(
-                [p.detach().reshape(-1).cpu().numpy() for _, p in self.params]))}
-        client.register(self.plan, values)
+        if self.cuda:
+            for (_, p), host in zip(self.params, self._host):
+                host[:] = p.detach().reshape(-1).cpu().numpy()
+        # the host copies hold the model's values now: rank 0 sends them, and every rank's
+        # digests let the shards say which copies are current (one seed, one model)
+        copies = dict(zip(self.keys, self._outs))
+        client.register(self.plan, copies if client.cfg.rank == 0 else None, copies=copies)
         self.clock = client.start_clock
         self.device_codec = self._wants_device_codec(device_codec)
         self._residuals: dict[int, torch.Tensor] = {}  # device EF per key (device_codec)
         self._staged: dict[int, torch.Tensor] = {}  # pinned host payloads per key (CUDA)
-        client.pull(self.keys, self._outs, clock=self.clock).wait()
+        stale = [i for i, k in enumerate(self.keys) if k not in client.versions]
+        if stale:
+            client.pull([self.keys[i] for i in stale], [self._outs[i] for i in stale],
+                        clock=self.clock).wait()
         self._copy_in()
         self._init_overlap(overlap or OverlapConfig())
 
