@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 import native
-from native import sign1
+from native import casts, sign1
 from proto import bitps_pb2 as pb
 from proto.schedule import LRSchedule
 from proto.wire import PSError
@@ -70,8 +70,8 @@ class OneBitMomentum:
         if state.compact:
             m = np.zeros(n, np.float32)
             sign1.decode_add(state.exp_avg, n, m, chunk=self.params.chunk)
-            bits = np.frombuffer(state.exp_avg_sq, np.uint16)
-            v = (bits.astype(np.uint32) << 16).view(np.float32)
+            v = np.zeros(n, np.float32)
+            casts.bf16_decode_add(state.exp_avg_sq, n, v)
         else:
             m = np.frombuffer(state.exp_avg, np.float32).copy()
             v = np.frombuffer(state.exp_avg_sq, np.float32).copy()
