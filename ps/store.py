@@ -121,7 +121,9 @@ class Slot:
     def lookahead(self, steps: float) -> tuple[np.ndarray, Buffer | None]:
         """The parameters ``steps`` more updates like the last one ahead, ``x + steps * delta``,
         as :meth:`reply_frame` gives a frame: the array and the buffer to track. The key's own
-        parameters are unchanged; the array is reused by the next call once it is sent."""
+        parameters are unchanged; the array is reused by the next call once it is sent (a
+        small key's frame is copied by ZeroMQ at send, which the data loop does before it
+        handles the next message, as for :meth:`reply_frame`)."""
         buf = self.ahead
         if buf is None or buf.in_flight():
             # ZeroMQ keeps a buffer it is still sending alive: dropping ours frees it later
