@@ -30,8 +30,13 @@ bench: venv  # every scenario, then bench/results/REPORT.md (the e2e runs take h
 bench-quick: venv  # every scenario at smoke-test size, under bench/results/quick (minutes)
 	$(VENV)/bin/bitps-bench all --quick
 
+# The stubs must import as bitps.proto.*: compile from a staging tree laid out as installed.
 proto: venv
-	$(VPY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/bitps.proto
+	rm -rf build/proto && mkdir -p build/proto/bitps/proto && cp proto/bitps.proto build/proto/bitps/proto/
+	$(VPY) -m grpc_tools.protoc -Ibuild/proto --python_out=build/proto --pyi_out=build/proto \
+		--grpc_python_out=build/proto bitps/proto/bitps.proto
+	cp build/proto/bitps/proto/bitps_pb2.py build/proto/bitps/proto/bitps_pb2.pyi \
+		build/proto/bitps/proto/bitps_pb2_grpc.py proto/
 
 lint: venv
 	$(VENV)/bin/ruff check .

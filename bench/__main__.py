@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench.report import DEFAULT_OUT
+from bitps.bench.report import DEFAULT_OUT
 
 __all__ = ["main"]
 
@@ -109,7 +109,7 @@ _ALL = ((["volume"], False), (["pushpull"], True), (["codec"], True), (["overlap
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.scenario == "report":
-        from bench.summary import write_report
+        from bitps.bench.summary import write_report
 
         print(write_report(args.out))
         return 0
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         sub_args = build_parser().parse_args(
             ["--out", str(out), *scenario, *(["--quick"] if args.quick and has_quick else [])])
         failed += _print(run_scenario(sub_args))
-    from bench.summary import write_report
+    from bitps.bench.summary import write_report
 
     print(write_report(out))
     return 1 if failed else 0
@@ -139,29 +139,29 @@ def run_scenario(args) -> dict:
     if getattr(args, "quick", False) and args.out is None:
         args.out = DEFAULT_OUT / "quick"
     if args.scenario == "pushpull":
-        from bench.pushpull import run
+        from bitps.bench.pushpull import run
 
         result = run(sizes_mib=tuple(args.sizes_mib), rounds=args.rounds,
                      small_bytes=args.small_bytes, out=args.out, quick=args.quick)
     elif args.scenario == "volume":
-        from bench.volume import run
+        from bitps.bench.volume import run
 
         result = run(out=args.out)
     elif args.scenario == "convergence":
-        from bench.convergence import run
+        from bitps.bench.convergence import run
 
         steps, seeds = (40, (0,)) if args.quick else (args.steps, tuple(args.seeds))
         result = run(steps=steps, freeze_fraction=args.freeze_fraction, lr=args.lr,
                      beta2=args.beta2, seeds=seeds, sweep_lrs=tuple(args.sweep_lrs),
                      out=args.out)
     elif args.scenario == "memory":
-        from bench.memory import run
+        from bitps.bench.memory import run
 
         result = run(trace_steps=args.trace_steps, train_steps=args.train_steps,
                      micro=args.micro, in_flight=args.in_flight, scale=args.scale,
                      seed=args.seed, out=args.out, quick=args.quick)
     elif args.scenario == "e2e":
-        from bench.e2e import run
+        from bitps.bench.e2e import run
 
         name = args.name or ("e2e-" + ("tiny" if args.quick else args.model)
                              + ("-straggler" if args.straggler else ""))
@@ -171,7 +171,7 @@ def run_scenario(args) -> dict:
                      warmup_frac=args.warmup_frac, clip_norm=args.clip_norm,
                      freeze_frac=args.freeze_frac, out=args.out, quick=args.quick, name=name)
     elif args.scenario == "overlap":
-        from bench.overlap import run
+        from bitps.bench.overlap import run
 
         result = run(rate=args.rate, width=args.width, depth=args.depth,
                      comm_ratios=tuple(args.comm_ratios), steps=args.steps,
@@ -179,7 +179,7 @@ def run_scenario(args) -> dict:
                      inflight_bytes=args.inflight_bytes, device=args.device, out=args.out,
                      quick=args.quick)
     else:
-        from bench.codec import run
+        from bitps.bench.codec import run
 
         mib, repeats = (8, 2) if args.quick else (args.mib, args.repeats)
         result = run(mib=mib, repeats=repeats, out=args.out)

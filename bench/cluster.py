@@ -18,7 +18,7 @@ every node is ``127.0.0.1``, nothing is shaped, ``wire_bytes`` is empty and ``no
 
     with emulated_cluster(2, rate="1gbit") as cluster:
         node = cluster.nodes[0]
-        subprocess.Popen([*node.prefix, sys.executable, "-m", "ps", "--host", node.ip])
+        subprocess.Popen([*node.prefix, sys.executable, "-m", "bitps.ps", "--host", node.ip])
 """
 
 from __future__ import annotations

@@ -18,8 +18,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-
-from bench.report import DEFAULT_OUT, check, moving_average, write_results
+from bitps.bench.report import DEFAULT_OUT, check, moving_average, write_results
 
 __all__ = ["RUNS", "run"]
 
@@ -78,7 +77,7 @@ ASYNC_PAIRS = {"async": ("fp32 Adam (async)", "fp32 Adam (sync)"),
 
 def _launch(name: str, launch_args: list[str], worker_args: list[str], *, steps: int,
             freeze: int, lr: float, beta2: float, seed: int, run_dir: Path) -> dict:
-    argv = [sys.executable, "-m", "worker.launch", "--shards", "2", "--workers", "2",
+    argv = [sys.executable, "-m", "bitps.worker.launch", "--shards", "2", "--workers", "2",
             "--lr", str(lr), "--run-dir", str(run_dir), *launch_args,
             f"--server-arg=--freeze-step={freeze}", f"--server-arg=--beta2={beta2}", "--",
             "--steps", str(steps), "--log-every", "1", "--seed", str(seed), *worker_args]

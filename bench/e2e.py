@@ -41,11 +41,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-from bench.cluster import Cluster, emulated_cluster
-from bench.models import MODELS
-from bench.proc import ReadyProcess, machine_busy, process_cpu
-from bench.report import DEFAULT_OUT, check, moving_average, write_results
+from bitps.bench.cluster import Cluster, emulated_cluster
+from bitps.bench.models import MODELS
+from bitps.bench.proc import ReadyProcess, machine_busy, process_cpu
+from bitps.bench.report import DEFAULT_OUT, check, moving_average, write_results
 
 __all__ = ["CASES", "Case", "run"]
 
@@ -195,7 +194,8 @@ def _shards(cluster: Cluster, case: Case, s: Settings, lr: float, steps: int
     sched = _schedule(steps, s)
     n, out = case.workers, []
     for i, node in enumerate(_shard_nodes(cluster, case, s)):
-        argv = [*node.prefix, sys.executable, "-m", "ps", "--host", node.ip, "--grpc-port", "0",
+        argv = [*node.prefix, sys.executable, "-m", "bitps.ps", "--host", node.ip,
+                "--grpc-port", "0",
                 "--data-port", "0", "--metrics-port", "-1", "--shard-id", str(i),
                 "--num-shards", str(n), "--mode", case.mode, "--optimizer", case.optimizer,
                 "--lr", str(lr), "--lr-warmup", str(sched["warmup_steps"]),
@@ -235,7 +235,7 @@ def _train(cluster: Cluster, case: Case, s: Settings, lr: float, steps: int, tmp
                           "compress_min_bytes": case.compress_min_bytes, "overlap": "auto"}}
             log = tmp / f"rank{r}.log"
             logs.append(log)
-            ranks.start([*node.prefix, sys.executable, "-m", "bench.e2e_rank",
+            ranks.start([*node.prefix, sys.executable, "-m", "bitps.bench.e2e_rank",
                          json.dumps(settings)], log)
         ranks.wait(timeout=120 + steps * 20, logs=logs)
         shard_cpu = [process_cpu(p.proc.pid) for p in shards]

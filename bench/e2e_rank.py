@@ -1,4 +1,5 @@
-"""One rank of ``bitps-bench e2e``, run on an emulated node: ``python -m bench.e2e_rank '<json>'``.
+"""One rank of ``bitps-bench e2e``, run on an emulated node:
+``python -m bitps.bench.e2e_rank '<json>'``.
 
 The settings (JSON) say what kind of rank it is:
 
@@ -76,10 +77,10 @@ def _wrap_ddp(model, s: dict):
 
 
 def _bitps(model, s: dict):
-    from proto.codecs import CodecConfig
-    from worker.client import PSClient
-    from worker.config import ClientConfig, OverlapConfig
-    from worker.model import PSModel
+    from bitps.proto.codecs import CodecConfig
+    from bitps.worker.client import PSClient
+    from bitps.worker.config import ClientConfig, OverlapConfig
+    from bitps.worker.model import PSModel
 
     b = s["bitps"]
     codec = CodecConfig(name=b["push_codec"])
@@ -92,10 +93,9 @@ def _bitps(model, s: dict):
 
 def main(argv: list[str] | None = None) -> int:
     import torch
-
-    from bench.models import MODELS, build
-    from proto.schedule import LRSchedule
-    from worker.demo import batches, load_corpus, loss_fn
+    from bitps.bench.models import MODELS, build
+    from bitps.proto.schedule import LRSchedule
+    from bitps.worker.demo import batches, load_corpus, loss_fn
 
     s = json.loads((argv or sys.argv[1:])[0])
     torch.set_num_threads(s.get("threads", 1))

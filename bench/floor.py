@@ -13,7 +13,7 @@ No validation, clocks, metrics, handles, deadlines or locks. Raw pyzmq moves the
 and does none of this work; the gap between the floor and raw pyzmq is what the work itself
 costs here, whatever the code around it.
 
-Run as ``python -m bench.floor``; prints ``{"event": "ready", "port": N}`` then serves until
+Run as ``python -m bitps.bench.floor``; prints ``{"event": "ready", "port": N}`` then serves until
 killed.
 """
 
@@ -23,11 +23,11 @@ import sys
 
 import numpy as np
 import zmq
+from bitps.bench.proc import ready_router
+from bitps.proto import bitps_pb2 as pb
+from bitps.proto.wire import PROTOCOL, encode_header
 
-import native
-from bench.proc import ready_router
-from proto import bitps_pb2 as pb
-from proto.wire import PROTOCOL, encode_header
+from bitps import native
 
 __all__ = ["FloorClient", "serve"]
 

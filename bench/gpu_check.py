@@ -1,5 +1,5 @@
-"""``python -m bench.gpu_check``: the overlap checks on the CUDA stream path, for a machine with
-a GPU; on one without, it says so and checks nothing.
+"""``python -m bitps.bench.gpu_check``: the overlap checks on the CUDA stream path, for a machine
+with a GPU; on one without, it says so and checks nothing.
 
 1. **No race** (issue 4, acceptance 3): with overlap on, what the communication thread sends for
    every bucket (hashed when sent and again once answered) equals the bytes computed from a
@@ -36,8 +36,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
-
-from bench.report import check, write_results
+from bitps.bench.report import check, write_results
 
 __all__ = ["clipped_sum_problems", "main", "nonfinite_refused", "pulled_copies_match",
            "pushed_bytes_match", "sync_result"]
@@ -49,7 +48,7 @@ def _digest(a) -> str:
 
 def _recording_client(cfg):
     """A ``PSClient`` that hashes every payload the communication thread sends, as sent."""
-    from worker.client import PSClient
+    from bitps.worker.client import PSClient
 
     class Recording(PSClient):
         def __init__(self, cfg) -> None:
@@ -69,7 +68,7 @@ def _recording_client(cfg):
 
 
 def _demo(device):
-    from worker.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
+    from bitps.worker.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
 
     demo = DemoConfig(seq_len=32, batch_size=4, corpus_bytes=100_000)
     corpus = load_corpus(demo.corpus_bytes)
@@ -84,11 +83,10 @@ def pushed_bytes_match(server: str, *, device: str = "cpu", codec: str = "raw",
     (async, any update rule) and return every difference between what was pushed and what a
     synchronous copy of the gradients gives (empty = no race)."""
     import torch
-
-    from native import sign1
-    from proto.codecs import CodecConfig
-    from worker.config import ClientConfig, OverlapConfig
-    from worker.model import PSModel
+    from bitps.native import sign1
+    from bitps.proto.codecs import CodecConfig
+    from bitps.worker.config import ClientConfig, OverlapConfig
+    from bitps.worker.model import PSModel
 
     chunk = 64
     cfg = ClientConfig(servers=(server,), partition_bytes=8 << 10, compress_min_bytes=4096,
@@ -144,10 +142,9 @@ def sync_result(server_for_run, *, device: str = "cpu", steps: int = 20) -> bool
     parameters, bit for bit, with overlap off and on. ``server_for_run()`` starts a sync shard
     and returns its ``host:port``."""
     import torch
-
-    from worker.client import PSClient
-    from worker.config import ClientConfig, OverlapConfig
-    from worker.model import PSModel
+    from bitps.worker.client import PSClient
+    from bitps.worker.config import ClientConfig, OverlapConfig
+    from bitps.worker.model import PSModel
 
     finals = []
     for mode in ("off", "on"):
@@ -169,9 +166,8 @@ def pool_gradients_match(*, device: str = "cpu", budget: float = 0.5, steps: int
     ``budget`` of the activation peak (offloads to host memory: pinned buffers and a side
     stream on CUDA) and without it."""
     import torch
-
-    from worker.config import PoolConfig
-    from worker.pool import ActivationPool
+    from bitps.worker.config import PoolConfig
+    from bitps.worker.pool import ActivationPool
 
     small = dict(min_block=4096, max_block=2 << 20, min_tensor_bytes=1024)
     results = []
@@ -203,13 +199,12 @@ def nonfinite_refused(server: str, *, device: str = "cpu") -> bool:
     """Whether ``PSModel``'s device codec refuses a NaN gradient (``NON_FINITE``) and keeps its
     error-feedback residuals (on ``device``) as they were."""
     import torch
-
-    from proto import bitps_pb2 as pb
-    from proto.codecs import CodecConfig
-    from proto.wire import PSError
-    from worker.client import PSClient
-    from worker.config import ClientConfig
-    from worker.model import PSModel
+    from bitps.proto import bitps_pb2 as pb
+    from bitps.proto.codecs import CodecConfig
+    from bitps.proto.wire import PSError
+    from bitps.worker.client import PSClient
+    from bitps.worker.config import ClientConfig
+    from bitps.worker.model import PSModel
 
     dev = torch.device(device)
     torch.manual_seed(0)
@@ -241,11 +236,10 @@ def clipped_sum_problems(server: str, *, device: str = "cpu", codec: str = "sign
     breaks the invariant: received plus the worker's residuals = the exactly clipped gradients
     summed (empty = it holds). Pulls are float32, so the shard's parameters are its updates."""
     import torch
-
-    from proto.codecs import CodecConfig
-    from worker.client import PSClient
-    from worker.config import ClientConfig, OverlapConfig
-    from worker.model import PSModel
+    from bitps.proto.codecs import CodecConfig
+    from bitps.worker.client import PSClient
+    from bitps.worker.config import ClientConfig, OverlapConfig
+    from bitps.worker.model import PSModel
 
     dev = torch.device(device)
     torch.manual_seed(0)
@@ -310,11 +304,10 @@ def pulled_copies_match(server_for_run, *, device: str = "cpu", steps: int = 8) 
     pinned host buffer on CUDA) or model parameters differ from the shard's after a last pull
     (empty = bit-identical)."""
     import torch
-
-    from proto.codecs import CodecConfig
-    from worker.client import PSClient
-    from worker.config import ClientConfig, OverlapConfig
-    from worker.model import PSModel
+    from bitps.proto.codecs import CodecConfig
+    from bitps.worker.client import PSClient
+    from bitps.worker.config import ClientConfig, OverlapConfig
+    from bitps.worker.model import PSModel
 
     server, core = server_for_run()
     problems = []
@@ -342,7 +335,7 @@ def pulled_copies_match(server_for_run, *, device: str = "cpu", steps: int = 8) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split(
+    p = argparse.ArgumentParser(prog="python -m bitps.bench.gpu_check", description=__doc__.split(
         "\n")[0])
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (dry run)")
     p.add_argument("--out", type=Path, default=None, help="results directory")
@@ -354,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench.gpu_check: no CUDA device on this machine; the CUDA stream path was NOT "
               "checked (run it on a machine with a GPU, or --device cpu for a dry run)")
         return 0
-    from ps import OptimizerConfig, ServerConfig, create_server
+    from bitps.ps import OptimizerConfig, ServerConfig, create_server
 
     shards = []
 
@@ -408,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"check": "tests/test_codec_torch.py on CUDA", "result": f"exit {code}"})
         checks["codec_torch_cuda_tests"] = check(code, "exit 0", code == 0)
         if not args.no_bench:
-            code = subprocess.call([sys.executable, "-m", "bench", *(
+            code = subprocess.call([sys.executable, "-m", "bitps.bench", *(
                 ["--out", str(args.out)] if args.out else []), "overlap", "--device", "cuda"])
             rows.append({"check": "bitps-bench overlap --device cuda", "result": f"exit {code}"})
             checks["overlap_bench_cuda"] = check(code, "exit 0", code == 0)

@@ -7,7 +7,8 @@ is torn down on exit, also after an error. Creating namespaces needs root (CAP_N
 ``ip``/``tc``; when that fails the link falls back to unshaped loopback and says why.
 
     with shaped_link("1gbit") as link:
-        shard = ReadyProcess([*link.prefix, sys.executable, "-m", "ps", "--host", link.server_ip])
+        shard = ReadyProcess([*link.prefix, sys.executable, "-m", "bitps.ps",
+                              "--host", link.server_ip])
         ...  # connect to link.server_ip
 """
 

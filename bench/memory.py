@@ -34,7 +34,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.report import check, write_results
+from bitps.bench.report import check, write_results
 
 __all__ = ["run"]
 
@@ -53,9 +53,9 @@ def _schedule(micro: int, in_flight: int) -> list[tuple[str, int]]:
 
 def _record_trace(steps: int, micro: int, in_flight: int, seed: int,
                   min_tensor_bytes: int) -> list[tuple]:
-    from worker.config import PoolConfig
-    from worker.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
-    from worker.pool import ActivationPool
+    from bitps.worker.config import PoolConfig
+    from bitps.worker.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
+    from bitps.worker.pool import ActivationPool
 
     rng = random.Random(seed)
     demo = DemoConfig(seq_len=128, corpus_bytes=500_000)
@@ -197,9 +197,8 @@ class _Run:
     def __init__(self, pool_cfg, micro: int, in_flight: int, seed: int,
                  trace: list | None = None) -> None:
         import torch
-
-        from worker.demo import DemoConfig, batches, build_model, load_corpus
-        from worker.pool import ActivationPool
+        from bitps.worker.demo import DemoConfig, batches, build_model, load_corpus
+        from bitps.worker.pool import ActivationPool
 
         torch.manual_seed(seed)
         demo = DemoConfig(seq_len=128, batch_size=8, corpus_bytes=500_000, seed=seed)
@@ -212,7 +211,7 @@ class _Run:
 
     def step(self) -> float:
         """One step (fresh gradients); returns its seconds."""
-        from worker.demo import loss_fn
+        from bitps.worker.demo import loss_fn
 
         pool, model = self.pool, self.model
         xs = [next(self.data) for _ in range(self.micro)]
@@ -269,10 +268,9 @@ def run(*, trace_steps: int = 12, train_steps: int = 18, micro: int = 8,
         quick: bool = False) -> dict:
     """Run the scenario, write ``memory.json``/``.md`` under ``out``, return the document."""
     import torch
-
-    from native.bestfit import BestFitAllocator
-    from native.buddy import BuddyAllocator
-    from worker.config import PoolConfig
+    from bitps.native.bestfit import BestFitAllocator
+    from bitps.native.buddy import BuddyAllocator
+    from bitps.worker.config import PoolConfig
 
     torch.set_num_threads(1)
     if quick:

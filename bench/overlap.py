@@ -36,9 +36,9 @@ import threading
 import time
 from pathlib import Path
 
-from bench.link import Link, shaped_link
-from bench.proc import ReadyProcess, machine_busy, process_cpu, thread_cpu
-from bench.report import check, write_results
+from bitps.bench.link import Link, shaped_link
+from bitps.bench.proc import ReadyProcess, machine_busy, process_cpu, thread_cpu
+from bitps.bench.report import check, write_results
 
 __all__ = ["client_config", "make_model", "overlap_config", "run", "train_steps"]
 
@@ -55,7 +55,7 @@ def make_model(width: int, depth: int, device):
 
 def _shard(prefix: tuple[str, ...], host: str, shard_id: int = 0,
            num_shards: int = 1) -> ReadyProcess:
-    return ReadyProcess([*prefix, sys.executable, "-m", "ps", "--host", host,
+    return ReadyProcess([*prefix, sys.executable, "-m", "bitps.ps", "--host", host,
                          "--grpc-port", "0", "--data-port", "0", "--metrics-port", "-1",
                          "--shard-id", str(shard_id), "--num-shards", str(num_shards),
                          "--mode", "sync", "--optimizer", "sgd", "--lr", "1e-4"])
@@ -124,8 +124,8 @@ def train_steps(model, batch: int, steps: int, warmup: int, device, ps_model=Non
 
 def client_config(servers, cfg: dict, *, rank: int = 0, world_size: int = 1,
                    codec: str = "raw"):
-    from proto.codecs import CodecConfig
-    from worker.config import ClientConfig
+    from bitps.proto.codecs import CodecConfig
+    from bitps.worker.config import ClientConfig
 
     return ClientConfig(servers=servers, rank=rank, world_size=world_size,
                         partition_bytes=cfg["partition_bytes"],
@@ -133,7 +133,7 @@ def client_config(servers, cfg: dict, *, rank: int = 0, world_size: int = 1,
 
 
 def overlap_config(mode: str, cfg: dict):
-    from worker.config import OverlapConfig
+    from bitps.worker.config import OverlapConfig
 
     return OverlapConfig(mode=mode, bucket_bytes=cfg["bucket_bytes"],
                          inflight_bytes=cfg["inflight_bytes"])
@@ -141,8 +141,8 @@ def overlap_config(mode: str, cfg: dict):
 
 def _ps_run(link: Link, model, batch: int, steps: int, warmup: int, device, mode: str,
             cfg: dict, *, codec: str = "raw", loss_scale: float = 1.0) -> dict:
-    from worker.client import PSClient
-    from worker.model import PSModel
+    from bitps.worker.client import PSClient
+    from bitps.worker.model import PSModel
 
     shard = _shard(link.prefix, link.server_ip)
     try:
@@ -161,8 +161,8 @@ def _ps_run(link: Link, model, batch: int, steps: int, warmup: int, device, mode
 def _two_workers(link: Link, width: int, depth: int, batch: int, steps: int, warmup: int,
                  device, mode: str, cfg: dict) -> dict:
     """Case 2: two workers in sync, a shard beside each; this process is worker 0."""
-    from worker.client import PSClient
-    from worker.model import PSModel
+    from bitps.worker.client import PSClient
+    from bitps.worker.model import PSModel
 
     shards = [_shard((), link.host_ip, 0, 2), _shard(link.prefix, link.server_ip, 1, 2)]
     peer = None
@@ -170,7 +170,7 @@ def _two_workers(link: Link, width: int, depth: int, batch: int, steps: int, war
         servers = (f"{link.host_ip}:{shards[0].ready['grpc_port']}",
                    f"{link.server_ip}:{shards[1].ready['grpc_port']}")
         peer = subprocess.Popen(
-            [*link.prefix, sys.executable, "-m", "bench.overlap_peer", json.dumps({
+            [*link.prefix, sys.executable, "-m", "bitps.bench.overlap_peer", json.dumps({
                 "servers": servers, "rank": 1, "world_size": 2, "width": width,
                 "depth": depth, "batch": batch, "steps": steps, "warmup": warmup,
                 "mode": mode, "cfg": cfg, "device": str(device)})],

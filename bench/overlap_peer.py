@@ -1,5 +1,5 @@
 """The second worker of ``bitps-bench overlap``'s two-worker case, run inside the link's network
-namespace: ``python -m bench.overlap_peer '<json settings>'`` trains the bench's model as one
+namespace: ``python -m bitps.bench.overlap_peer '<json settings>'`` trains the bench's model as one
 rank against the given shards and prints its measurements as one JSON line on stdout."""
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ __all__ = ["main"]
 
 def main(argv: list[str] | None = None) -> int:
     import torch
-
-    from bench.overlap import client_config, make_model, overlap_config, train_steps
-    from worker.client import PSClient
-    from worker.model import PSModel
+    from bitps.bench.overlap import client_config, make_model, overlap_config, train_steps
+    from bitps.worker.client import PSClient
+    from bitps.worker.model import PSModel
 
     s = json.loads((argv or sys.argv[1:])[0])
     torch.set_num_threads(1)

@@ -18,13 +18,12 @@ from pathlib import Path
 
 import numpy as np
 import zmq
-
-from bench.floor import FloorClient
-from bench.proc import ReadyProcess
-from bench.report import check, median, write_results
-from proto.keyplan import DEFAULT_PARTITION_BYTES, ParamSpec, make_plan
-from worker.client import PSClient
-from worker.config import ClientConfig
+from bitps.bench.floor import FloorClient
+from bitps.bench.proc import ReadyProcess
+from bitps.bench.report import check, median, write_results
+from bitps.proto.keyplan import DEFAULT_PARTITION_BYTES, ParamSpec, make_plan
+from bitps.worker.client import PSClient
+from bitps.worker.config import ClientConfig
 
 __all__ = ["run"]
 
@@ -124,15 +123,15 @@ def run(*, sizes_mib=(1, 16, 64), rounds: int = 7, small_bytes: int = 1024,
         quick: bool = False) -> dict:
     """Run the scenario, write ``pushpull.json``/``.md`` under ``out``, return the document."""
     py = sys.executable
-    shard_argv = [py, "-m", "ps", "--mode", "async", "--optimizer", "sgd", "--lr", "1e-3",
+    shard_argv = [py, "-m", "bitps.ps", "--mode", "async", "--optimizer", "sgd", "--lr", "1e-3",
                   "--metrics-port", "-1"]
-    raw_peer = ReadyProcess([py, "-m", "bench.rawzmq"])
+    raw_peer = ReadyProcess([py, "-m", "bitps.bench.rawzmq"])
     raw = _Raw(raw_peer.ready["port"])
     rows, checks, shard, floor_peer = [], {}, None, None
     cases = [(f"push+pull {mib:g} MiB", int(mib * MIB)) for mib in sizes_mib]
     cases.append((f"round trip {small_bytes} B", small_bytes))
     try:
-        floor_peer = ReadyProcess([py, "-m", "bench.floor"])
+        floor_peer = ReadyProcess([py, "-m", "bitps.bench.floor"])
         for case, nbytes in cases:
             small = nbytes == small_bytes
             shard = _fresh(shard, shard_argv)  # a shard holds one model: a new one per case

@@ -2,7 +2,7 @@
 frames of the same sizes, from preallocated buffers, zero-copy. What bitps' data plane is measured
 against: the same bytes both ways over the same transport with no PS logic.
 
-Run as ``python -m bench.rawzmq``; prints ``{"event": "ready", "port": N}`` then serves until
+Run as ``python -m bitps.bench.rawzmq``; prints ``{"event": "ready", "port": N}`` then serves until
 killed.
 """
 
@@ -11,8 +11,7 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-
-from bench.proc import ready_router
+from bitps.bench.proc import ready_router
 
 __all__ = ["serve"]
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.e2e import best_run
-from bench.report import DEFAULT_OUT, _fmt, moving_average
+from bitps.bench.e2e import best_run
+from bitps.bench.report import DEFAULT_OUT, _fmt, moving_average
 
 __all__ = ["claims", "write_report"]
 

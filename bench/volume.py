@@ -18,9 +18,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from native import sign1, sparse
-from proto.keyplan import DEFAULT_PARTITION_BYTES, ParamSpec, make_plan
-from ps.config import OptimizerConfig
+from bitps.native import sign1, sparse
+from bitps.proto.keyplan import DEFAULT_PARTITION_BYTES, ParamSpec, make_plan
+from bitps.ps.config import OptimizerConfig
 
 __all__ = ["run"]
 
@@ -62,7 +62,7 @@ def _key_lengths(params: int) -> list[int]:
 
 
 def _demo_key_lengths() -> list[int]:
-    from worker.demo import DemoConfig, build_model
+    from bitps.worker.demo import DemoConfig, build_model
 
     model = build_model(DemoConfig())
     plan = make_plan([ParamSpec(n, tuple(p.shape)) for n, p in model.named_parameters()],
@@ -79,7 +79,7 @@ def _count(lengths: list[int], codec: str) -> int:
 
 
 def run(*, out: Path | None = None) -> dict:
-    from bench.report import check, write_results
+    from bitps.bench.report import check, write_results
 
     models = {"demo (tiny Qwen3-MoE)": _demo_key_lengths(),
               "7.5B (one of 4 pipeline stages)": _key_lengths(7_500_000_000),

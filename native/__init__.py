@@ -5,7 +5,7 @@ Imports numpy and numba only. Kernels take flat numpy arrays and scalars, never 
 document their byte layout and buffer ownership.
 """
 
-from native.update_rules import (
+from bitps.native.update_rules import (
     accumulate,
     adam_direction,
     adam_direction_correct,

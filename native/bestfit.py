@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 
-from native.arena import AllocatorError, ArenaStats, check_tiling, in_range
+from bitps.native.arena import AllocatorError, ArenaStats, check_tiling, in_range
 
 __all__ = ["BestFitAllocator"]
 

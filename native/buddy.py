@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from native.arena import AllocatorError, ArenaStats, check_tiling, in_range
+from bitps.native.arena import AllocatorError, ArenaStats, check_tiling, in_range
 
 __all__ = ["BuddyAllocator"]
 

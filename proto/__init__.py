@@ -1,9 +1,9 @@
 """Wire schema and shared layouts: generated gRPC/protobuf stubs (``make proto``), the data-plane
 frame layout and typed errors (:mod:`proto.wire`), and the key plan (:mod:`proto.keyplan`)."""
 
-from proto import bitps_pb2, bitps_pb2_grpc
-from proto.keyplan import DEFAULT_PARTITION_BYTES, Key, KeyPlan, ParamSpec, make_plan
-from proto.wire import MAX_FRAME_BYTES, PROTOCOL, PSError, error_name, parse_header
+from bitps.proto import bitps_pb2, bitps_pb2_grpc
+from bitps.proto.keyplan import DEFAULT_PARTITION_BYTES, Key, KeyPlan, ParamSpec, make_plan
+from bitps.proto.wire import MAX_FRAME_BYTES, PROTOCOL, PSError, error_name, parse_header
 
 __all__ = [
     "DEFAULT_PARTITION_BYTES",

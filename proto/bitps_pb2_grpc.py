@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import bitps_pb2 as proto_dot_bitps__pb2
+from bitps.proto import bitps_pb2 as bitps_dot_proto_dot_bitps__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/bitps_pb2_grpc.py depends on'
+        + ' but the generated code in bitps/proto/bitps_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -40,28 +40,28 @@ class ControlStub:
         """
         self.Register = channel.stream_unary(
                 '/bitps.Control/Register',
-                request_serializer=proto_dot_bitps__pb2.RegisterMessage.SerializeToString,
-                response_deserializer=proto_dot_bitps__pb2.RegisterReply.FromString,
+                request_serializer=bitps_dot_proto_dot_bitps__pb2.RegisterMessage.SerializeToString,
+                response_deserializer=bitps_dot_proto_dot_bitps__pb2.RegisterReply.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/bitps.Control/Heartbeat',
-                request_serializer=proto_dot_bitps__pb2.HeartbeatRequest.SerializeToString,
-                response_deserializer=proto_dot_bitps__pb2.HeartbeatReply.FromString,
+                request_serializer=bitps_dot_proto_dot_bitps__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=bitps_dot_proto_dot_bitps__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
         self.Status = channel.unary_unary(
                 '/bitps.Control/Status',
-                request_serializer=proto_dot_bitps__pb2.StatusRequest.SerializeToString,
-                response_deserializer=proto_dot_bitps__pb2.StatusReply.FromString,
+                request_serializer=bitps_dot_proto_dot_bitps__pb2.StatusRequest.SerializeToString,
+                response_deserializer=bitps_dot_proto_dot_bitps__pb2.StatusReply.FromString,
                 _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/bitps.Control/Leave',
-                request_serializer=proto_dot_bitps__pb2.LeaveRequest.SerializeToString,
-                response_deserializer=proto_dot_bitps__pb2.LeaveReply.FromString,
+                request_serializer=bitps_dot_proto_dot_bitps__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=bitps_dot_proto_dot_bitps__pb2.LeaveReply.FromString,
                 _registered_method=True)
         self.OptimizerState = channel.unary_stream(
                 '/bitps.Control/OptimizerState',
-                request_serializer=proto_dot_bitps__pb2.OptimizerStateRequest.SerializeToString,
-                response_deserializer=proto_dot_bitps__pb2.KeyOptimizerState.FromString,
+                request_serializer=bitps_dot_proto_dot_bitps__pb2.OptimizerStateRequest.SerializeToString,
+                response_deserializer=bitps_dot_proto_dot_bitps__pb2.KeyOptimizerState.FromString,
                 _registered_method=True)
 
 
@@ -116,28 +116,28 @@ def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Register': grpc.stream_unary_rpc_method_handler(
                     servicer.Register,
-                    request_deserializer=proto_dot_bitps__pb2.RegisterMessage.FromString,
-                    response_serializer=proto_dot_bitps__pb2.RegisterReply.SerializeToString,
+                    request_deserializer=bitps_dot_proto_dot_bitps__pb2.RegisterMessage.FromString,
+                    response_serializer=bitps_dot_proto_dot_bitps__pb2.RegisterReply.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
-                    request_deserializer=proto_dot_bitps__pb2.HeartbeatRequest.FromString,
-                    response_serializer=proto_dot_bitps__pb2.HeartbeatReply.SerializeToString,
+                    request_deserializer=bitps_dot_proto_dot_bitps__pb2.HeartbeatRequest.FromString,
+                    response_serializer=bitps_dot_proto_dot_bitps__pb2.HeartbeatReply.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=proto_dot_bitps__pb2.StatusRequest.FromString,
-                    response_serializer=proto_dot_bitps__pb2.StatusReply.SerializeToString,
+                    request_deserializer=bitps_dot_proto_dot_bitps__pb2.StatusRequest.FromString,
+                    response_serializer=bitps_dot_proto_dot_bitps__pb2.StatusReply.SerializeToString,
             ),
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
-                    request_deserializer=proto_dot_bitps__pb2.LeaveRequest.FromString,
-                    response_serializer=proto_dot_bitps__pb2.LeaveReply.SerializeToString,
+                    request_deserializer=bitps_dot_proto_dot_bitps__pb2.LeaveRequest.FromString,
+                    response_serializer=bitps_dot_proto_dot_bitps__pb2.LeaveReply.SerializeToString,
             ),
             'OptimizerState': grpc.unary_stream_rpc_method_handler(
                     servicer.OptimizerState,
-                    request_deserializer=proto_dot_bitps__pb2.OptimizerStateRequest.FromString,
-                    response_serializer=proto_dot_bitps__pb2.KeyOptimizerState.SerializeToString,
+                    request_deserializer=bitps_dot_proto_dot_bitps__pb2.OptimizerStateRequest.FromString,
+                    response_serializer=bitps_dot_proto_dot_bitps__pb2.KeyOptimizerState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -169,8 +169,8 @@ class Control:
             request_iterator,
             target,
             '/bitps.Control/Register',
-            proto_dot_bitps__pb2.RegisterMessage.SerializeToString,
-            proto_dot_bitps__pb2.RegisterReply.FromString,
+            bitps_dot_proto_dot_bitps__pb2.RegisterMessage.SerializeToString,
+            bitps_dot_proto_dot_bitps__pb2.RegisterReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -196,8 +196,8 @@ class Control:
             request,
             target,
             '/bitps.Control/Heartbeat',
-            proto_dot_bitps__pb2.HeartbeatRequest.SerializeToString,
-            proto_dot_bitps__pb2.HeartbeatReply.FromString,
+            bitps_dot_proto_dot_bitps__pb2.HeartbeatRequest.SerializeToString,
+            bitps_dot_proto_dot_bitps__pb2.HeartbeatReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -223,8 +223,8 @@ class Control:
             request,
             target,
             '/bitps.Control/Status',
-            proto_dot_bitps__pb2.StatusRequest.SerializeToString,
-            proto_dot_bitps__pb2.StatusReply.FromString,
+            bitps_dot_proto_dot_bitps__pb2.StatusRequest.SerializeToString,
+            bitps_dot_proto_dot_bitps__pb2.StatusReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -250,8 +250,8 @@ class Control:
             request,
             target,
             '/bitps.Control/Leave',
-            proto_dot_bitps__pb2.LeaveRequest.SerializeToString,
-            proto_dot_bitps__pb2.LeaveReply.FromString,
+            bitps_dot_proto_dot_bitps__pb2.LeaveRequest.SerializeToString,
+            bitps_dot_proto_dot_bitps__pb2.LeaveReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -277,8 +277,8 @@ class Control:
             request,
             target,
             '/bitps.Control/OptimizerState',
-            proto_dot_bitps__pb2.OptimizerStateRequest.SerializeToString,
-            proto_dot_bitps__pb2.KeyOptimizerState.FromString,
+            bitps_dot_proto_dot_bitps__pb2.OptimizerStateRequest.SerializeToString,
+            bitps_dot_proto_dot_bitps__pb2.KeyOptimizerState.FromString,
             options,
             channel_credentials,
             insecure,

@@ -33,10 +33,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from native import casts, sign1, sparse
-from proto import bitps_pb2 as pb
-from proto.wire import PSError
+from bitps.native import casts, sign1, sparse
+from bitps.proto import bitps_pb2 as pb
+from bitps.proto.wire import PSError
 
 __all__ = ["CODECS", "RAW", "Codec", "CodecConfig", "Compressor", "MEAN_ABS", "SPARSE_BF16",
            "chunk_problem"]

@@ -4,11 +4,11 @@ Start one with ``bitps-server`` or :func:`create_server`. Read ``ps/shard.py`` (
 and consistency), then ``ps/clocks.py``, ``ps/store.py`` and ``ps/data.py``.
 """
 
-from ps.clocks import ClockTable
-from ps.config import MODES, OPTIMIZERS, OptimizerConfig, ServerConfig
-from ps.rules import UpdateRule, make_rule
-from ps.server import ServerShard, create_server
-from ps.shard import Admission, ShardCore
+from bitps.ps.clocks import ClockTable
+from bitps.ps.config import MODES, OPTIMIZERS, OptimizerConfig, ServerConfig
+from bitps.ps.rules import UpdateRule, make_rule
+from bitps.ps.server import ServerShard, create_server
+from bitps.ps.shard import Admission, ShardCore
 
 __all__ = [
     "MODES",

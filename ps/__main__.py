@@ -12,9 +12,9 @@ import os
 import signal
 import sys
 
-from proto.schedule import LRSchedule
-from ps.config import MODES, ONEBIT_MOMENTS, OPTIMIZERS, OptimizerConfig, ServerConfig
-from ps.server import create_server
+from bitps.proto.schedule import LRSchedule
+from bitps.ps.config import MODES, ONEBIT_MOMENTS, OPTIMIZERS, OptimizerConfig, ServerConfig
+from bitps.ps.server import create_server
 
 __all__ = ["main", "parse_config"]
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from proto.codecs import chunk_problem
-from proto.schedule import LRSchedule
-from proto.wire import MAX_FRAME_BYTES
+from bitps.proto.codecs import chunk_problem
+from bitps.proto.schedule import LRSchedule
+from bitps.proto.wire import MAX_FRAME_BYTES
 
 __all__ = ["MODES", "ONEBIT_MOMENTS", "OPTIMIZERS", "OptimizerConfig", "ServerConfig"]
 

@@ -7,11 +7,10 @@ metadata carries ``bitps-error-code``, so clients re-raise the same typed ``PSEr
 from __future__ import annotations
 
 import grpc
-
-from proto import bitps_pb2 as pb
-from proto import bitps_pb2_grpc as pb_grpc
-from proto.wire import PSError, error_name
-from ps.shard import ShardCore
+from bitps.proto import bitps_pb2 as pb
+from bitps.proto import bitps_pb2_grpc as pb_grpc
+from bitps.proto.wire import PSError, error_name
+from bitps.ps.shard import ShardCore
 
 __all__ = ["ControlServicer", "ERROR_METADATA_KEY"]
 

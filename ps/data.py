@@ -13,9 +13,8 @@ import threading
 import time
 
 import zmq
-
-from proto.wire import encode_header
-from ps.shard import Reply, ShardCore
+from bitps.proto.wire import encode_header
+from bitps.ps.shard import Reply, ShardCore
 
 __all__ = ["DataLoop"]
 

@@ -40,18 +40,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
-
-from native import casts
-from proto import bitps_pb2 as pb
-from proto.codecs import MEAN_ABS, Codec, Compressor
-from proto.wire import PSError
-from ps.config import ServerConfig
-from ps.publish import Publisher
-from ps.rules import make_rule
+from bitps.native import casts
+from bitps.proto import bitps_pb2 as pb
+from bitps.proto.codecs import MEAN_ABS, Codec, Compressor
+from bitps.proto.wire import PSError
+from bitps.ps.config import ServerConfig
+from bitps.ps.publish import Publisher
+from bitps.ps.rules import make_rule
 
 if TYPE_CHECKING:
-    from ps.rules import KeyState
-    from ps.store import Slot
+    from bitps.ps.rules import KeyState
+    from bitps.ps.store import Slot
 
 __all__ = ["OneBitState", "key_states", "new_state", "params", "published_codec",
            "uses_worker_moments"]

@@ -24,12 +24,11 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 import numpy as np
-
-from proto import bitps_pb2 as pb
-from proto.codecs import Codec, Compressor
+from bitps.proto import bitps_pb2 as pb
+from bitps.proto.codecs import Codec, Compressor
 
 if TYPE_CHECKING:
-    from ps.store import Slot
+    from bitps.ps.store import Slot
 
 __all__ = ["Publisher", "publish_update", "reply_frames"]
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from bitps.ps.config import OptimizerConfig
 
-import native
-from ps.config import OptimizerConfig
+from bitps import native
 
 __all__ = ["KeyState", "UpdateRule", "make_rule"]
 

@@ -20,18 +20,17 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-
-from proto import bitps_pb2 as pb
-from proto.codecs import Codec
-from proto.keyplan import DIGEST_BYTES, value_digest
-from proto.wire import PROTOCOL, PSError, error_name, parse_header
-from ps import checks, onebit, publish
-from ps.clocks import ClockTable
-from ps.config import ServerConfig
-from ps.metrics import ClockSnapshot, ShardMetrics
-from ps.publish import Publisher
-from ps.rules import make_rule
-from ps.store import Slot
+from bitps.proto import bitps_pb2 as pb
+from bitps.proto.codecs import Codec
+from bitps.proto.keyplan import DIGEST_BYTES, value_digest
+from bitps.proto.wire import PROTOCOL, PSError, error_name, parse_header
+from bitps.ps import checks, onebit, publish
+from bitps.ps.clocks import ClockTable
+from bitps.ps.config import ServerConfig
+from bitps.ps.metrics import ClockSnapshot, ShardMetrics
+from bitps.ps.publish import Publisher
+from bitps.ps.rules import make_rule
+from bitps.ps.store import Slot
 
 __all__ = ["Admission", "Reply", "ShardCore"]
 

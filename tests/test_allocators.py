@@ -4,12 +4,11 @@ alloc/free sequences (hypothesis), sizes scaled down, plus the exact cases the d
 from __future__ import annotations
 
 import pytest
+from bitps.native.arena import AllocatorError
+from bitps.native.bestfit import BestFitAllocator
+from bitps.native.buddy import BuddyAllocator
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from native.arena import AllocatorError
-from native.bestfit import BestFitAllocator
-from native.buddy import BuddyAllocator
 
 MIN, MAX, ALIGN = 16, 256, 16
 

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_pushpull_quick_writes_results(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "bench", "--out", str(tmp_path), "pushpull",
+    out = subprocess.run([sys.executable, "-m", "bitps.bench", "--out", str(tmp_path), "pushpull",
                           "--quick", "--sizes-mib", "0.25", "--rounds", "1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode in (0, 1), out.stderr  # 1 = a goal missed, still a complete run
@@ -31,7 +31,7 @@ def test_pushpull_quick_writes_results(tmp_path):
 
 
 def _bench(tmp_path, *args, timeout=300) -> dict:
-    out = subprocess.run([sys.executable, "-m", "bench", "--out", str(tmp_path), *args],
+    out = subprocess.run([sys.executable, "-m", "bitps.bench", "--out", str(tmp_path), *args],
                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert out.returncode in (0, 1), out.stderr  # 1 = a goal missed, still a complete run
     doc = json.loads((tmp_path / f"{args[0]}.json").read_text())
@@ -131,7 +131,7 @@ def test_fewest_evicted_is_beladys_optimum_on_hand_traces():
     """Three tensors of 4 bytes in 8: the one freed last is offloaded (4 bytes); with sizes
     3, 3, 4 only the 2 bytes over capacity must go; nothing when everything fits, and a
     tensor freed before the next birth never counts."""
-    from bench.memory import _fewest_evicted
+    from bitps.bench.memory import _fewest_evicted
 
     def trace(sizes, frees):
         return [("alloc", i, n) for i, n in enumerate(sizes)] + [("free", i) for i in frees]
@@ -158,11 +158,11 @@ def test_e2e_quick_and_report_figures_equal_the_json(tmp_path):
     """A real emulated-cluster run (namespaces where they can be made, else loopback) of the
     peers and two bitps runs, then ``bitps-bench report``: every figure the report prints for
     the e2e runs and for the claims is the JSON's."""
-    from bench.report import _fmt
+    from bitps.bench.report import _fmt
 
     cases = ["compute-only", "ceiling (no traffic)", "DDP fp32", "bitps sync fp32",
              "bitps async fp32", "bitps async sign1"]
-    out = subprocess.run([sys.executable, "-m", "bench", "--out", str(tmp_path), "e2e",
+    out = subprocess.run([sys.executable, "-m", "bitps.bench", "--out", str(tmp_path), "e2e",
                           "--quick", "--name", "e2e-tiny", "--cases", *cases],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode in (0, 1), out.stderr
@@ -178,7 +178,7 @@ def test_e2e_quick_and_report_figures_equal_the_json(tmp_path):
     curves = json.loads((tmp_path / "e2e-tiny_curves.json").read_text())
     assert len(curves["DDP fp32"]["loss"]) == 30
 
-    rep = subprocess.run([sys.executable, "-m", "bench", "--out", str(tmp_path), "report"],
+    rep = subprocess.run([sys.executable, "-m", "bitps.bench", "--out", str(tmp_path), "report"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert rep.returncode == 0, rep.stderr
     md = (tmp_path / "REPORT.md").read_text()
@@ -189,7 +189,7 @@ def test_e2e_quick_and_report_figures_equal_the_json(tmp_path):
         cells = _cells(md, name)
         assert cells[2] == _fmt(by[name]["samples_per_s"])  # the e2e table's samples/s
         assert cells[4] == _fmt(by[name]["step_ms"])
-    from bench.e2e import best_run
+    from bitps.bench.e2e import best_run
 
     best = best_run(doc["rows"])
     ddp = by["DDP fp32"]
@@ -209,7 +209,7 @@ def test_e2e_quick_and_report_figures_equal_the_json(tmp_path):
 def test_straggler_checks_measure_the_bound_a_staleness_bound_sets():
     """With a persistent straggler a staleness bound holds every worker to the slow one's
     pace: the checks report that bound from the ceiling run's slowest rank beside the ratios."""
-    from bench.e2e import Settings, _checks
+    from bitps.bench.e2e import Settings, _checks
 
     by = {"ceiling (no traffic)": {"run": "ceiling (no traffic)", "lr": None, "step_ms": 1500.0,
                                    "samples_per_s": 6.9, "rank_cpu_ms": [980, 980]},
@@ -230,7 +230,7 @@ def test_straggler_checks_measure_the_bound_a_staleness_bound_sets():
 
 def test_a_quick_run_never_overwrites_a_full_runs_results(tmp_path, monkeypatch):
     """``--quick`` without ``--out`` writes under ``<results>/quick``, for every scenario."""
-    import bench.__main__ as cli
+    import bitps.bench.__main__ as cli
 
     monkeypatch.setattr(cli, "DEFAULT_OUT", tmp_path)
     args = cli.build_parser().parse_args(["codec", "--quick"])

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from proto import bitps_pb2 as pb
-from proto.codecs import CodecConfig
-from ps import OptimizerConfig, ServerConfig, create_server
-from worker import ClientConfig, PSClient
-from worker.clip import StepClip
-from worker.config import OverlapConfig
+from bitps.proto import bitps_pb2 as pb
+from bitps.proto.codecs import CodecConfig
+from bitps.ps import OptimizerConfig, ServerConfig, create_server
+from bitps.worker import ClientConfig, PSClient
+from bitps.worker.clip import StepClip
+from bitps.worker.config import OverlapConfig
 
 torch = pytest.importorskip("torch")
 
@@ -44,7 +43,7 @@ def test_worker_moments_correction_equals_the_exact_factor():
     """1-bit Adam with worker moments: moments advanced with a predicted factor, then
     corrected, match moments advanced with the exact one; the push's residual gets the
     direction's change."""
-    from worker.onebit import WorkerMoments
+    from bitps.worker.onebit import WorkerMoments
 
     params = pb.OneBitParams(beta1=0.9, beta2=0.99, eps=1e-8)
     rng = np.random.default_rng(0)
@@ -87,7 +86,7 @@ def test_what_the_shard_receives_plus_the_residuals_is_the_clipped_gradient_sum(
     adds up to the exactly clipped gradients; raw keys (the biases) too. Overlap off pushes
     with the exact factor and corrects nothing. ``device_codec``: the GPU path (torch ops,
     residuals next to the gradients) on CPU tensors; ``bench/gpu_check.py`` runs it on CUDA."""
-    from bench.gpu_check import clipped_sum_problems
+    from bitps.bench.gpu_check import clipped_sum_problems
 
     torch.set_num_threads(1)
     shard = create_server(ServerConfig(mode="async", metrics_port=-1,
@@ -104,7 +103,7 @@ def test_overlap_on_with_clipping_reports_overlap_on(tmp_path):
     the 20 % rule turns overlap on (it used to stay off, 'clipping needs every gradient')."""
     import time
 
-    from worker.model import PSModel
+    from bitps.worker.model import PSModel
 
     torch.set_num_threads(1)
     shard = create_server(ServerConfig(mode="sync", metrics_port=-1,
@@ -132,7 +131,7 @@ def test_overlap_on_with_clipping_reports_overlap_on(tmp_path):
 def test_one_bit_adam_with_worker_moments_clips_under_overlap_and_stays_bit_identical():
     """1-bit Adam (ssp, worker moments) with clipping in force and overlap on: the moments are
     corrected to the exact factor, and the worker's copy stays the shard's, bit for bit."""
-    from worker.model import PSModel
+    from bitps.worker.model import PSModel
 
     torch.set_num_threads(1)
     opt = OptimizerConfig(name="onebit_adam", lr=1e-3, freeze_step=3, onebit_chunk=256)
@@ -166,7 +165,7 @@ def _clipped_sync_run(mode: str, bucket_bytes: int, jitter: int | None = None
     import random
     import time
 
-    from worker.model import PSModel
+    from bitps.worker.model import PSModel
 
     torch.set_num_threads(1)
     shard = create_server(ServerConfig(mode="sync", metrics_port=-1,

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from ps.clocks import ClockTable
+from bitps.ps.clocks import ClockTable
 
 TIMEOUT = 10.0
 

@@ -13,14 +13,13 @@ import urllib.request
 import numpy as np
 import pytest
 import zmq
+from bitps.proto import bitps_pb2 as pb
+from bitps.proto.keyplan import ParamSpec, make_plan
+from bitps.proto.wire import PROTOCOL, PSError
+from bitps.ps import OptimizerConfig, ServerConfig, create_server
+from bitps.worker import ClientConfig, PSClient, PSTimeoutError
 from prometheus_client import start_http_server
 from prometheus_client.parser import text_string_to_metric_families
-
-from proto import bitps_pb2 as pb
-from proto.keyplan import ParamSpec, make_plan
-from proto.wire import PROTOCOL, PSError
-from ps import OptimizerConfig, ServerConfig, create_server
-from worker import ClientConfig, PSClient, PSTimeoutError
 
 
 @pytest.fixture
@@ -62,8 +61,8 @@ def test_sync_one_worker_equals_local_torch(cluster, optimizer):
     """
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from worker.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
-    from worker.model import PSModel
+    from bitps.worker.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
+    from bitps.worker.model import PSModel
 
     torch.set_num_threads(1)
     lr = {"sgd": 0.05, "momentum": 0.02, "adam": 3e-3, "adamw": 3e-3}[optimizer]
@@ -287,7 +286,7 @@ def test_held_pull_times_out_and_status_names_who_is_late(cluster):
 
 def test_psmodel_pushes_zeros_for_parameters_without_gradients(cluster):
     torch = pytest.importorskip("torch")
-    from worker.model import PSModel
+    from bitps.worker.model import PSModel
 
     (shard,) = cluster(1, mode="sync", optimizer=OptimizerConfig(name="sgd", lr=0.1))
     torch.manual_seed(0)

@@ -7,10 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from native.casts import bf16_reference
-from native.sign1 import decode_reference, encode_reference
-from worker.codec_torch import bf16_decode_add, bf16_encode, sign1_decode_add, sign1_encode
+from bitps.native.casts import bf16_reference
+from bitps.native.sign1 import decode_reference, encode_reference
+from bitps.worker.codec_torch import bf16_decode_add, bf16_encode, sign1_decode_add, sign1_encode
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device"))]

@@ -8,11 +8,10 @@ import textwrap
 
 import numpy as np
 import pytest
-
-from native import casts, sign1
-from proto import bitps_pb2 as pb
-from proto.codecs import Codec, CodecConfig, Compressor
-from proto.wire import PSError
+from bitps.native import casts, sign1
+from bitps.proto import bitps_pb2 as pb
+from bitps.proto.codecs import Codec, CodecConfig, Compressor
+from bitps.proto.wire import PSError
 
 SIZES = (1, 63, 64, 100, 2048, 2049, 5000, 100_003)
 SPECIAL = np.array([0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFFFFFFF,
@@ -161,7 +160,7 @@ _NOJIT_SCRIPT = textwrap.dedent("""
     import numba
     import numpy as np
     assert numba.config.DISABLE_JIT
-    from native import casts, sign1
+    from bitps.native import casts, sign1
 
     data = np.load(sys.argv[1])
     out = {}

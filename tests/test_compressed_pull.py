@@ -9,12 +9,11 @@ import threading
 
 import numpy as np
 import pytest
-
-from proto import bitps_pb2 as pb
-from proto.codecs import Codec, CodecConfig, Compressor
-from proto.keyplan import ParamSpec, make_plan
-from ps import OptimizerConfig, ServerConfig, create_server
-from worker import ClientConfig, PSClient
+from bitps.proto import bitps_pb2 as pb
+from bitps.proto.codecs import Codec, CodecConfig, Compressor
+from bitps.proto.keyplan import ParamSpec, make_plan
+from bitps.ps import OptimizerConfig, ServerConfig, create_server
+from bitps.worker import ClientConfig, PSClient
 
 STEPS = 50
 
@@ -101,7 +100,7 @@ def test_workers_hold_the_shards_parameters_bit_for_bit_after_50_steps(codec, mo
 def test_a_pull_codec_of_its_own_and_mismatched_workers_are_refused():
     """``pull_codec`` overrides the push codec's; every worker must pull alike (the shard's
     parameters follow one stream of codes per key)."""
-    from proto.wire import PSError
+    from bitps.proto.wire import PSError
 
     shard = create_server(ServerConfig(mode="async", metrics_port=-1,
                                        optimizer=OptimizerConfig(name="sgd", lr=0.1)))
@@ -137,8 +136,8 @@ def test_the_demo_moves_20x_fewer_bytes_with_sign1_in_sync():
     """Acceptance 4: in sync mode a worker's bytes per step for sign1 (pushes + pulls, from its
     byte counters) are >= 20x below fp32's on the demo model with compress_min_bytes=0."""
     torch = pytest.importorskip("torch")
-    from worker.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
-    from worker.model import PSModel
+    from bitps.worker.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
+    from bitps.worker.model import PSModel
 
     torch.set_num_threads(1)
     demo = DemoConfig(seq_len=32, batch_size=4, corpus_bytes=100_000)
@@ -176,7 +175,7 @@ def test_overlap_with_compressed_pulls_keeps_the_model_bit_identical_to_the_shar
     CPU path: codes added straight into the parameters; ``bench/gpu_check.py`` runs the CUDA
     path, pinned host copies then uploads)."""
     pytest.importorskip("torch")
-    from bench.gpu_check import pulled_copies_match
+    from bitps.bench.gpu_check import pulled_copies_match
 
     started = []
 

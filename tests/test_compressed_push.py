@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from bitps.native import sign1
+from bitps.proto.codecs import CodecConfig
+from bitps.proto.keyplan import ParamSpec, make_plan
+from bitps.ps import OptimizerConfig, ServerConfig, create_server
+from bitps.worker import ClientConfig, PSClient
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-
-from native import sign1
-from proto.codecs import CodecConfig
-from proto.keyplan import ParamSpec, make_plan
-from ps import OptimizerConfig, ServerConfig, create_server
-from worker import ClientConfig, PSClient
 
 LR = np.float32(0.5)  # a power of two: SGD's fma and numpy's two roundings agree
 
@@ -120,7 +119,7 @@ def test_psmodel_device_codec_path_trains_like_the_host_path(codec):
     run on CPU tensors: the same bytes reach the shard as from the host path (numba kernels), so
     the two trainings end bit-identical."""
     torch = pytest.importorskip("torch")
-    from worker.model import PSModel
+    from bitps.worker.model import PSModel
 
     def train(device_codec: bool):
         shard = create_server(ServerConfig(mode="sync", metrics_port=-1,
@@ -158,8 +157,8 @@ def test_nonfinite_gradient_is_refused_on_the_worker_unless_it_arrives_encoded(s
     """A compressed push holding NaN never reaches the error-feedback residual (NON_FINITE
     on the worker, counted); a key that arrives already encoded (the device codec: its host
     gradient is not filled) is not read."""
-    from proto import bitps_pb2 as pb
-    from proto.wire import PSError
+    from bitps.proto import bitps_pb2 as pb
+    from bitps.proto.wire import PSError
 
     plan = make_plan([ParamSpec("big", (2048,))], num_shards=2, partition_bytes=4096)
     cfg = ClientConfig(servers=tuple(f"127.0.0.1:{s.ports['grpc_port']}" for s in shards),
@@ -187,9 +186,9 @@ def test_psmodel_device_codec_refuses_a_nonfinite_gradient_before_its_residual()
     """The device codec keeps error feedback next to the gradients: a NaN gradient is refused
     (NON_FINITE, counted) before it reaches them, and training goes on from the same state."""
     torch = pytest.importorskip("torch")
-    from proto import bitps_pb2 as pb
-    from proto.wire import PSError
-    from worker.model import PSModel
+    from bitps.proto import bitps_pb2 as pb
+    from bitps.proto.wire import PSError
+    from bitps.worker.model import PSModel
 
     shard = create_server(ServerConfig(mode="async", metrics_port=-1,
                                        optimizer=OptimizerConfig(name="sgd", lr=0.05)))

@@ -8,13 +8,12 @@ import threading
 
 import numpy as np
 import pytest
-
-from proto import bitps_pb2 as pb
-from proto.codecs import CodecConfig
-from proto.keyplan import ParamSpec, make_plan, value_digest
-from proto.wire import PROTOCOL, PSError
-from ps import ServerConfig, create_server
-from worker import ClientConfig, PSClient
+from bitps.proto import bitps_pb2 as pb
+from bitps.proto.codecs import CodecConfig
+from bitps.proto.keyplan import ParamSpec, make_plan, value_digest
+from bitps.proto.wire import PROTOCOL, PSError
+from bitps.ps import ServerConfig, create_server
+from bitps.worker import ClientConfig, PSClient
 
 torch = pytest.importorskip("torch")
 
@@ -85,7 +84,7 @@ def test_matching_copies_skip_the_first_pull_and_later_codes_apply_to_them():
 def test_psmodel_ranks_built_from_one_seed_pull_nothing_at_start():
     """Two ranks of the same seeded model: rank 1's copy matches, so it pulls nothing; a rank
     built from another seed pulls and ends with rank 0's values."""
-    from worker.model import PSModel
+    from bitps.worker.model import PSModel
 
     def build(seed: int) -> torch.nn.Module:
         torch.manual_seed(seed)

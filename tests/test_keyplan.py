@@ -5,8 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
-from proto.keyplan import DEFAULT_PARTITION_BYTES, ParamSpec, make_plan
+from bitps.proto.keyplan import DEFAULT_PARTITION_BYTES, ParamSpec, make_plan
 
 PARAMS = [
     ParamSpec("embed", (300, 70)),
@@ -112,7 +111,7 @@ def test_more_shards_than_keys_leaves_empty_shards():
 @pytest.mark.parametrize("num_shards", [2, 3, 4])
 def test_demo_model_is_balanced(num_shards):
     pytest.importorskip("transformers")
-    from worker.demo import DemoConfig, build_model
+    from bitps.worker.demo import DemoConfig, build_model
 
     model = build_model(DemoConfig())
     params = [ParamSpec(n, tuple(p.shape)) for n, p in model.named_parameters()]

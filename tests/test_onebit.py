@@ -12,17 +12,16 @@ import threading
 
 import numpy as np
 import pytest
+from bitps.native import sign1
+from bitps.proto import bitps_pb2 as pb
+from bitps.proto.codecs import Codec, CodecConfig, Compressor
+from bitps.proto.keyplan import ParamSpec, make_plan
+from bitps.proto.schedule import LRSchedule
+from bitps.proto.wire import PSError
+from bitps.ps import OptimizerConfig, ServerConfig, create_server
+from bitps.worker import ClientConfig, PSClient
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-
-from native import sign1
-from proto import bitps_pb2 as pb
-from proto.codecs import Codec, CodecConfig, Compressor
-from proto.keyplan import ParamSpec, make_plan
-from proto.schedule import LRSchedule
-from proto.wire import PSError
-from ps import OptimizerConfig, ServerConfig, create_server
-from worker import ClientConfig, PSClient
 
 N = 20_000
 FREEZE = 10
@@ -171,7 +170,7 @@ def test_compressed_traffic_is_about_one_bit_per_element():
 def test_error_feedback_state_saves_and_restores():
     """Worker and shard residuals come out as arrays and go back in unchanged; bad input to
     the shard is refused whole."""
-    from proto.wire import PSError
+    from bitps.proto.wire import PSError
 
     # shard moments: with worker moments (and no weight decay) the shard's codes are exact
     # and its residuals stay 0 (test_workers_hold_the_shards_parameters_bit_for_bit)
@@ -311,8 +310,8 @@ def test_a_late_warmup_push_after_the_switch_is_a_gradient_not_a_direction():
 def test_a_compact_optimizer_state_is_decoded_and_checked_for_size():
     """sync with onebit_warmup_codes: OptimizerState sends m as its sign1 code and v as bf16;
     state bytes that do not fit the key are refused with what was expected."""
-    from native import casts
-    from worker.onebit import OneBitMomentum
+    from bitps.native import casts
+    from bitps.worker.onebit import OneBitMomentum
 
     n, chunk = 1000, 256
     momentum = OneBitMomentum(pb.OneBitParams(chunk=chunk, lr=0.01, beta1=0.9, beta2=0.999,

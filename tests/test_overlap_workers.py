@@ -18,8 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from ps import OptimizerConfig, ServerConfig, create_server
+from bitps.ps import OptimizerConfig, ServerConfig, create_server
 
 torch = pytest.importorskip("torch")
 
@@ -28,9 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = r"""
 import random, sys, time
 import torch
-from worker import ClientConfig, PSClient
-from worker.config import OverlapConfig
-from worker.model import PSModel
+from bitps.worker import ClientConfig, PSClient
+from bitps.worker.config import OverlapConfig
+from bitps.worker.model import PSModel
 
 rank, world, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 runs = {"off": tuple(sys.argv[4].split(",")), "on": tuple(sys.argv[5].split(","))}

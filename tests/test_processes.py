@@ -38,7 +38,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_server_prints_ready_serves_health_and_stops_on_sigterm():
-    proc = subprocess.Popen([sys.executable, "-m", "ps", "--metrics-port", "0", "--mode", "ssp"],
+    proc = subprocess.Popen([sys.executable, "-m", "bitps.ps", "--metrics-port", "0",
+                             "--mode", "ssp"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         ready = json.loads(proc.stdout.readline())
@@ -57,14 +58,14 @@ def test_server_prints_ready_serves_health_and_stops_on_sigterm():
 
 
 def test_server_rejects_bad_flags():
-    out = subprocess.run([sys.executable, "-m", "ps", "--staleness", "-1"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "bitps.ps", "--staleness", "-1"], cwd=ROOT,
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "staleness must be >= 0, got -1" in out.stderr
 
 
 def _launch(tmp_path: Path, *extra: str, steps: int) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "worker.launch", "--shards", "2", "--workers", "2",
+        [sys.executable, "-m", "bitps.worker.launch", "--shards", "2", "--workers", "2",
          "--mode", "async", "--run-dir", str(tmp_path), *extra, "--", "--steps", str(steps),
          "--seq-len", "64", "--log-every", "5"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -10,25 +10,27 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from proto import bitps_pb2 as pb
-from proto.wire import PROTOCOL, ZMQ_BATCH_BYTES, encode_header, parse_header
+from bitps.proto import bitps_pb2 as pb
+from bitps.proto.wire import PROTOCOL, ZMQ_BATCH_BYTES, encode_header, parse_header
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERATED = ("bitps_pb2.py", "bitps_pb2.pyi", "bitps_pb2_grpc.py")
 
 
 def test_generated_stubs_are_fresh(tmp_path):
+    """The committed stubs are what ``make proto`` makes: compiled as ``bitps/proto/bitps.proto``
+    so that they import through the namespace (``from bitps.proto import bitps_pb2``)."""
     pytest.importorskip("grpc_tools")
-    (tmp_path / "proto").mkdir()
-    shutil.copy(ROOT / "proto" / "bitps.proto", tmp_path / "proto")
+    (tmp_path / "bitps" / "proto").mkdir(parents=True)
+    shutil.copy(ROOT / "proto" / "bitps.proto", tmp_path / "bitps" / "proto")
     subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I.", "--python_out=.",
-                    "--pyi_out=.", "--grpc_python_out=.", "proto/bitps.proto"],
+                    "--pyi_out=.", "--grpc_python_out=.", "bitps/proto/bitps.proto"],
                    cwd=tmp_path, check=True)
     for name in GENERATED:
-        fresh = (tmp_path / "proto" / name).read_text()
+        fresh = (tmp_path / "bitps" / "proto" / name).read_text()
         committed = (ROOT / "proto" / name).read_text()
         assert fresh == committed, f"proto/{name} is stale: run `make proto`"
+    assert "from bitps.proto import bitps_pb2" in (ROOT / "proto" / "bitps_pb2_grpc.py").read_text()
 
 
 def test_every_field_is_commented():

@@ -7,11 +7,11 @@ import math
 
 import numpy as np
 import pytest
+from bitps.proto import bitps_pb2 as pb
+from bitps.proto.schedule import LRSchedule
+from bitps.ps.config import OptimizerConfig, ServerConfig
+from bitps.ps.shard import ShardCore
 
-from proto import bitps_pb2 as pb
-from proto.schedule import LRSchedule
-from ps.config import OptimizerConfig, ServerConfig
-from ps.shard import ShardCore
 from tests.test_shard_core import INIT, KEYS, _grad, _reg, _send, _values
 
 
@@ -34,7 +34,7 @@ def test_bad_schedule_is_refused_with_the_value(kw, match):
 
 
 def test_server_flags_build_the_schedule():
-    from ps.__main__ import parse_config
+    from bitps.ps.__main__ import parse_config
 
     cfg, _ = parse_config(["--lr-warmup", "5", "--lr-decay", "50", "--lr-min-ratio", "0.2"])
     assert cfg.optimizer.schedule == LRSchedule(warmup_steps=5, decay_steps=50, min_ratio=0.2)

@@ -9,13 +9,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-
-from proto import bitps_pb2 as pb
-from proto.codecs import Codec, CodecConfig, Compressor
-from proto.wire import PROTOCOL, PSError
-from ps import store
-from ps.config import OptimizerConfig, ServerConfig
-from ps.shard import ShardCore
+from bitps.proto import bitps_pb2 as pb
+from bitps.proto.codecs import Codec, CodecConfig, Compressor
+from bitps.proto.wire import PROTOCOL, PSError
+from bitps.ps import store
+from bitps.ps.config import OptimizerConfig, ServerConfig
+from bitps.ps.shard import ShardCore
 
 # Key 2 is 64 KiB, large enough to be answered from snapshots; keys 0 and 1 come as bytes copies.
 KEYS = {0: 6, 1: 10, 2: 16384}
@@ -563,7 +562,7 @@ def test_sync_dead_worker_is_dropped_and_aggregate_applied():
 
 
 def test_sync_worker_leaving_completes_pending_aggregate():
-    from ps.control import ControlServicer
+    from bitps.ps.control import ControlServicer
 
     core, t = _core("sync")
     assert _send(core, pb.PUSH_PULL, 0, 0, [0], [_G0]) == []

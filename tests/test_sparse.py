@@ -10,8 +10,7 @@ import textwrap
 
 import numpy as np
 import pytest
-
-from native import sparse as sp
+from bitps.native import sparse as sp
 
 MODES = [sp.BF16, sp.NATEXP8]
 STEPS = 3
@@ -392,7 +391,7 @@ _NOJIT_SCRIPT = textwrap.dedent("""
     import numba
     import numpy as np
     assert numba.config.DISABLE_JIT
-    from native import sparse as sp
+    from bitps.native import sparse as sp
 
     data = np.load(sys.argv[1])
     out = {}

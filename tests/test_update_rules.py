@@ -8,10 +8,10 @@ import textwrap
 
 import numpy as np
 import pytest
+from bitps.ps.config import OptimizerConfig
+from bitps.ps.rules import make_rule
 
-import native
-from ps.config import OptimizerConfig
-from ps.rules import make_rule
+from bitps import native
 
 # Odd length so the scalar tail of torch's vectorised loops is exercised too.
 N = 1037
@@ -187,9 +187,9 @@ _NOJIT_SCRIPT = textwrap.dedent("""
     import numba
     import numpy as np
     assert numba.config.DISABLE_JIT
-    import native
-    from ps.config import OptimizerConfig
-    from ps.rules import make_rule
+    from bitps import native
+    from bitps.ps.config import OptimizerConfig
+    from bitps.ps.rules import make_rule
     from tests.test_update_rules import _worker_moments
 
     data = np.load(sys.argv[1])
@@ -232,8 +232,8 @@ def _worker_moments(param: np.ndarray, grads: np.ndarray,
                     adamw: OptimizerConfig = CONFIGS["adamw_wd"]) -> np.ndarray:
     """1-bit Adam with worker moments, nothing compressed: the worker's directions
     (``WorkerMoments``) applied by the shard (``UpdateRule.direction_delta``)."""
-    from proto import bitps_pb2 as pb
-    from worker.onebit import WorkerMoments
+    from bitps.proto import bitps_pb2 as pb
+    from bitps.worker.onebit import WorkerMoments
 
     cfg = OptimizerConfig(name="onebit_adam", lr=adamw.lr, beta1=adamw.beta1,
                           beta2=adamw.beta2, eps=adamw.eps, weight_decay=adamw.weight_decay)

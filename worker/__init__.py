@@ -5,16 +5,16 @@ five-line integration) and ``worker/__main__.py`` (the demo trainer). ``PSModel`
 on first use, so the client stays torch-free.
 """
 
-from worker.client import Handle, PSClient, PSTimeoutError
-from worker.config import ClientConfig
-from worker.metrics import WorkerMetrics
+from bitps.worker.client import Handle, PSClient, PSTimeoutError
+from bitps.worker.config import ClientConfig
+from bitps.worker.metrics import WorkerMetrics
 
 __all__ = ["ClientConfig", "Handle", "PSClient", "PSModel", "PSTimeoutError", "WorkerMetrics"]
 
 
 def __getattr__(name: str):
     if name == "PSModel":
-        from worker.model import PSModel
+        from bitps.worker.model import PSModel
 
         return PSModel
     raise AttributeError(f"module 'worker' has no attribute {name!r}")

@@ -115,13 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     servers = tuple(s for s in args.servers.split(",") if s)
 
     import torch
+    from bitps.proto.codecs import CodecConfig
+    from bitps.worker.client import PSClient
+    from bitps.worker.config import ClientConfig, OverlapConfig, PoolConfig
+    from bitps.worker.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
+    from bitps.worker.model import PSModel
     from prometheus_client import start_http_server
-
-    from proto.codecs import CodecConfig
-    from worker.client import PSClient
-    from worker.config import ClientConfig, OverlapConfig, PoolConfig
-    from worker.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
-    from worker.model import PSModel
 
     try:
         codec = CodecConfig(name=args.push_codec, chunk=args.codec_chunk,
@@ -164,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ps_model = PSModel(model, client, overlap=overlap)
     pool = None
     if args.activation_pool:
-        from worker.pool import ActivationPool
+        from bitps.worker.pool import ActivationPool
 
         pool = ActivationPool(pool_cfg, device=device, params=model.parameters())
         client.metrics.registry.register(pool.collector())

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from proto.keyplan import KeyPlan
+from bitps.proto.keyplan import KeyPlan
 
 __all__ = ["Bucket", "make_buckets"]
 

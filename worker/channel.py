@@ -19,12 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import zmq
-
-from proto import bitps_pb2 as pb
-from proto.codecs import Codec
-from proto.wire import PSError, encode_header, parse_header
-from worker.metrics import WorkerMetrics
-from worker.onebit import OneBitMomentum
+from bitps.proto import bitps_pb2 as pb
+from bitps.proto.codecs import Codec
+from bitps.proto.wire import PSError, encode_header, parse_header
+from bitps.worker.metrics import WorkerMetrics
+from bitps.worker.onebit import OneBitMomentum
 
 __all__ = ["Channel", "Handle", "PSTimeoutError"]
 

@@ -25,17 +25,17 @@ from collections.abc import Mapping, Sequence
 import grpc
 import numpy as np
 import zmq
+from bitps.proto import bitps_pb2 as pb
+from bitps.proto import bitps_pb2_grpc as pb_grpc
+from bitps.proto.codecs import MEAN_ABS, RAW, Codec, Compressor
+from bitps.proto.keyplan import KeyPlan, value_digest
+from bitps.proto.wire import PROTOCOL, PSError
+from bitps.worker.channel import Channel, Handle, PSTimeoutError, Request
+from bitps.worker.config import ClientConfig
+from bitps.worker.metrics import CodecSnapshot, WorkerMetrics
+from bitps.worker.onebit import OneBitMomentum, WorkerMoments
 
-import native
-from proto import bitps_pb2 as pb
-from proto import bitps_pb2_grpc as pb_grpc
-from proto.codecs import MEAN_ABS, RAW, Codec, Compressor
-from proto.keyplan import KeyPlan, value_digest
-from proto.wire import PROTOCOL, PSError
-from worker.channel import Channel, Handle, PSTimeoutError, Request
-from worker.config import ClientConfig
-from worker.metrics import CodecSnapshot, WorkerMetrics
-from worker.onebit import OneBitMomentum, WorkerMoments
+from bitps import native
 
 __all__ = ["Handle", "PSClient", "PSTimeoutError"]
 

@@ -43,9 +43,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from worker.channel import Handle, PSTimeoutError
-from worker.client import PSClient
+from bitps.worker.channel import Handle, PSTimeoutError
+from bitps.worker.client import PSClient
 
 __all__ = ["CommThread", "Job", "Payload"]
 

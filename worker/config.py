@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from proto.codecs import CodecConfig
-from proto.keyplan import DEFAULT_PARTITION_BYTES
+from bitps.proto.codecs import CodecConfig
+from bitps.proto.keyplan import DEFAULT_PARTITION_BYTES
 
 __all__ = ["ClientConfig", "OverlapConfig", "PoolConfig"]
 

@@ -160,7 +160,7 @@ def _run(cluster: Cluster, args, worker_args: list[str]) -> int:
     shards = []
     for i in range(args.shards):
         shards.append(cluster.spawn(f"shard-{i}", [
-            py, "-m", "ps", "--shard-id", str(i), "--num-shards", str(args.shards),
+            py, "-m", "bitps.ps", "--shard-id", str(i), "--num-shards", str(args.shards),
             "--host", args.host, "--mode", args.mode, "--staleness", str(args.staleness),
             "--optimizer", args.optimizer, "--lr", str(args.lr), *args.server_arg]))
     ready = _wait_ready(cluster, shards, args.ready_timeout)
@@ -172,7 +172,7 @@ def _run(cluster: Cluster, args, worker_args: list[str]) -> int:
                       f"metrics http://{args.host}:{r['metrics_port']}/metrics")
     steps = _flag(worker_args, "--steps", 150)
     workers = [cluster.spawn(f"worker-{r}", [
-        py, "-m", "worker", "--servers", servers, "--rank", str(r), "--world-size",
+        py, "-m", "bitps.worker", "--servers", servers, "--rank", str(r), "--world-size",
         str(args.workers), "--json", *worker_args]) for r in range(args.workers)]
     threading.Thread(target=_write_endpoints, args=(cluster, ready, workers), daemon=True).start()
     code = _follow(cluster, workers, steps)

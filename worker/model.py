@@ -45,18 +45,17 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
-
-from proto import bitps_pb2 as pb
-from proto.codecs import MEAN_ABS
-from proto.keyplan import Key, KeyPlan, ParamSpec, make_plan
-from worker import codec_torch
-from worker.buckets import Bucket, make_buckets
-from worker.client import PSClient
-from worker.clip import StepClip
-from worker.comm import CommThread, Job, Payload
-from worker.config import OverlapConfig
-from worker.readers import ReadTrace
-from worker.utilization import Decision, StepStats, StepTimer, decide
+from bitps.proto import bitps_pb2 as pb
+from bitps.proto.codecs import MEAN_ABS
+from bitps.proto.keyplan import Key, KeyPlan, ParamSpec, make_plan
+from bitps.worker import codec_torch
+from bitps.worker.buckets import Bucket, make_buckets
+from bitps.worker.client import PSClient
+from bitps.worker.clip import StepClip
+from bitps.worker.comm import CommThread, Job, Payload
+from bitps.worker.config import OverlapConfig
+from bitps.worker.readers import ReadTrace
+from bitps.worker.utilization import Decision, StepStats, StepTimer, decide
 
 __all__ = ["PSModel"]
 

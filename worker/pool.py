@@ -50,13 +50,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+from bitps.native.arena import Allocator
+from bitps.native.bestfit import BestFitAllocator
+from bitps.native.buddy import BuddyAllocator
+from bitps.worker.config import PoolConfig
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
-
-from native.arena import Allocator
-from native.bestfit import BestFitAllocator
-from native.buddy import BuddyAllocator
-from worker.config import PoolConfig
 
 __all__ = ["ActivationPool", "PoolStats", "make_allocator"]
 

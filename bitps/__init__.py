@@ -1,0 +1,48 @@
+"""bitps: a parameter server for asynchronous distributed PyTorch training with 1-bit gradients.
+
+The public API is the names below; everything else lives in the subpackages and may change:
+``bitps.ps`` (the shard: numpy + numba, no torch), ``bitps.worker`` (the client and the torch
+integration), ``bitps.proto`` (wire schema and layouts), ``bitps.native`` (numba kernels) and
+``bitps.bench`` (the benchmark harness).
+
+Names resolve on first use (PEP 562), so ``import bitps`` alone loads neither torch nor the
+shard: a shard process (``python -m bitps.ps``) imports this package first and must stay
+torch-free.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.2.0"
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "PSClient": "bitps.worker.client",
+    "PSModel": "bitps.worker.model",
+    "ClientConfig": "bitps.worker.config",
+    "OverlapConfig": "bitps.worker.config",
+    "PoolConfig": "bitps.worker.config",
+    "ActivationPool": "bitps.worker.pool",
+    "CodecConfig": "bitps.proto.codecs",
+    "PSError": "bitps.proto.wire",
+    "PSTimeoutError": "bitps.worker.channel",
+    "ServerConfig": "bitps.ps.config",
+    "OptimizerConfig": "bitps.ps.config",
+    "create_server": "bitps.ps.server",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'bitps' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # resolved once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
