@@ -38,6 +38,10 @@ proto: venv
 	cp build/proto/bitps/proto/bitps_pb2.py build/proto/bitps/proto/bitps_pb2.pyi \
 		build/proto/bitps/proto/bitps_pb2_grpc.py proto/
 
+.PHONY: docs
+docs: venv  # docs/configuration.md from the settings tables and parsers of every program
+	$(VPY) docs/gen_configuration.py
+
 lint: venv
 	$(VENV)/bin/ruff check .
 

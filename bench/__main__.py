@@ -7,16 +7,34 @@ import argparse
 import sys
 from pathlib import Path
 
+from bitps import __version__
 from bitps.bench.report import DEFAULT_OUT
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
+
+_OUT_HELP = "results directory (default bench/results; --quick: bench/results/quick)"
+
+
+class _Scenarios:
+    """The scenario sub-parsers, each also taking ``--out`` (``bitps-bench SCENARIO --out DIR``
+    as well as ``bitps-bench --out DIR SCENARIO``). The sub-parser's copy has no default, so
+    it overrides the top-level value only when given (argparse lets a sub-parser's default
+    overwrite the parent's otherwise)."""
+
+    def __init__(self, action) -> None:
+        self._action = action
+
+    def add_parser(self, name: str, **kw) -> argparse.ArgumentParser:
+        sp = self._action.add_parser(name, **kw)
+        sp.add_argument("--out", type=Path, default=argparse.SUPPRESS, help=_OUT_HELP)
+        return sp
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bitps-bench", description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, default=None,
-                   help="results directory (default bench/results; --quick: bench/results/quick)")
-    sub = p.add_subparsers(dest="scenario", required=True)
+    p.add_argument("--version", action="version", version=f"bitps {__version__}")
+    p.add_argument("--out", type=Path, default=None, help=_OUT_HELP)
+    sub = _Scenarios(p.add_subparsers(dest="scenario", required=True))
     pp = sub.add_parser("pushpull", help="push+pull throughput and round trip vs raw pyzmq")
     pp.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 16, 64])
     pp.add_argument("--rounds", type=int, default=7, help="alternating rounds per size")

@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bitps.bench.report import check, median, write_results
-from bitps.native import casts, sign1, sparse
 
 from bitps import native
+from bitps.bench.report import check, median, write_results
+from bitps.native import casts, sign1, sparse
 
 __all__ = ["run"]
 
@@ -36,6 +36,7 @@ def _cases(grads: list[np.ndarray]) -> dict:
     import itertools
 
     import torch
+
     from bitps.worker import codec_torch
 
     grad = grads[0]

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+
 from bitps.bench.report import DEFAULT_OUT, check, moving_average, write_results
 
 __all__ = ["RUNS", "run"]

@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+
 from bitps.bench.cluster import Cluster, emulated_cluster
 from bitps.bench.models import MODELS
 from bitps.bench.proc import ReadyProcess, machine_busy, process_cpu

@@ -93,6 +93,7 @@ def _bitps(model, s: dict):
 
 def main(argv: list[str] | None = None) -> int:
     import torch
+
     from bitps.bench.models import MODELS, build
     from bitps.proto.schedule import LRSchedule
     from bitps.worker.demo import batches, load_corpus, loss_fn

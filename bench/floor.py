@@ -23,11 +23,11 @@ import sys
 
 import numpy as np
 import zmq
+
+from bitps import native
 from bitps.bench.proc import ready_router
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.wire import PROTOCOL, encode_header
-
-from bitps import native
 
 __all__ = ["FloorClient", "serve"]
 

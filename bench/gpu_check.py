@@ -36,6 +36,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+
 from bitps.bench.report import check, write_results
 
 __all__ = ["clipped_sum_problems", "main", "nonfinite_refused", "pulled_copies_match",
@@ -83,6 +84,7 @@ def pushed_bytes_match(server: str, *, device: str = "cpu", codec: str = "raw",
     (async, any update rule) and return every difference between what was pushed and what a
     synchronous copy of the gradients gives (empty = no race)."""
     import torch
+
     from bitps.native import sign1
     from bitps.proto.codecs import CodecConfig
     from bitps.worker.config import ClientConfig, OverlapConfig
@@ -142,6 +144,7 @@ def sync_result(server_for_run, *, device: str = "cpu", steps: int = 20) -> bool
     parameters, bit for bit, with overlap off and on. ``server_for_run()`` starts a sync shard
     and returns its ``host:port``."""
     import torch
+
     from bitps.worker.client import PSClient
     from bitps.worker.config import ClientConfig, OverlapConfig
     from bitps.worker.model import PSModel
@@ -166,6 +169,7 @@ def pool_gradients_match(*, device: str = "cpu", budget: float = 0.5, steps: int
     ``budget`` of the activation peak (offloads to host memory: pinned buffers and a side
     stream on CUDA) and without it."""
     import torch
+
     from bitps.worker.config import PoolConfig
     from bitps.worker.pool import ActivationPool
 
@@ -199,6 +203,7 @@ def nonfinite_refused(server: str, *, device: str = "cpu") -> bool:
     """Whether ``PSModel``'s device codec refuses a NaN gradient (``NON_FINITE``) and keeps its
     error-feedback residuals (on ``device``) as they were."""
     import torch
+
     from bitps.proto import bitps_pb2 as pb
     from bitps.proto.codecs import CodecConfig
     from bitps.proto.wire import PSError
@@ -236,6 +241,7 @@ def clipped_sum_problems(server: str, *, device: str = "cpu", codec: str = "sign
     breaks the invariant: received plus the worker's residuals = the exactly clipped gradients
     summed (empty = it holds). Pulls are float32, so the shard's parameters are its updates."""
     import torch
+
     from bitps.proto.codecs import CodecConfig
     from bitps.worker.client import PSClient
     from bitps.worker.config import ClientConfig, OverlapConfig
@@ -304,6 +310,7 @@ def pulled_copies_match(server_for_run, *, device: str = "cpu", steps: int = 8) 
     pinned host buffer on CUDA) or model parameters differ from the shard's after a last pull
     (empty = bit-identical)."""
     import torch
+
     from bitps.proto.codecs import CodecConfig
     from bitps.worker.client import PSClient
     from bitps.worker.config import ClientConfig, OverlapConfig

@@ -197,6 +197,7 @@ class _Run:
     def __init__(self, pool_cfg, micro: int, in_flight: int, seed: int,
                  trace: list | None = None) -> None:
         import torch
+
         from bitps.worker.demo import DemoConfig, batches, build_model, load_corpus
         from bitps.worker.pool import ActivationPool
 
@@ -268,6 +269,7 @@ def run(*, trace_steps: int = 12, train_steps: int = 18, micro: int = 8,
         quick: bool = False) -> dict:
     """Run the scenario, write ``memory.json``/``.md`` under ``out``, return the document."""
     import torch
+
     from bitps.native.bestfit import BestFitAllocator
     from bitps.native.buddy import BuddyAllocator
     from bitps.worker.config import PoolConfig
@@ -381,7 +383,7 @@ def run(*, trace_steps: int = 12, train_steps: int = 18, micro: int = 8,
     checks["optimum_vs_lru_bytes_at_50pct"] = check(
         round(optimum_vs_lru[0.5], 3), "<= 0.5 (else the goal above is out of reach)",
         optimum_vs_lru[0.5] <= 0.5)
-    # ../shared/reference/pipeline_memory.md, test 4: Belady's bytes, <= 0.45x LRU at 75 %.
+    # the memory goal's second bound: the schedule's bytes <= 0.45x LRU's at a 75 % budget
     checks["schedule_vs_lru_bytes_at_75pct"] = check(round(ratios[0.75], 3), "<= 0.45",
                                                      ratios[0.75] <= 0.45)
     checks["schedule_vs_optimum_bytes_at_50pct"] = check(

@@ -38,6 +38,7 @@ MODELS = {
 def build(name: str, seed: int = 0):
     """A fresh float32 model in train mode; the same weights for the same ``seed``."""
     import torch
+
     from bitps.worker.demo import DemoConfig, build_model
 
     if name not in MODELS:

@@ -12,6 +12,7 @@ __all__ = ["main"]
 
 def main(argv: list[str] | None = None) -> int:
     import torch
+
     from bitps.bench.overlap import client_config, make_model, overlap_config, train_steps
     from bitps.worker.client import PSClient
     from bitps.worker.model import PSModel

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import zmq
+
 from bitps.bench.floor import FloorClient
 from bitps.bench.proc import ReadyProcess
 from bitps.bench.report import check, median, write_results

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+
 from bitps.bench.proc import ready_router
 
 __all__ = ["serve"]

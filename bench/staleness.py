@@ -20,6 +20,7 @@ import sys
 import time
 
 import torch
+
 from bitps.worker.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
 
 torch.set_num_threads(1)

@@ -30,9 +30,10 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+
 from bitps.native import casts, sign1, sparse
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.wire import PSError
@@ -64,13 +65,13 @@ def chunk_problem(chunk: int) -> str | None:
 class CodecConfig:
     """How one direction of traffic is compressed (a setting; see the README's table)."""
 
-    name: str = "raw"
+    name: str = field(default="raw", metadata={"choices": tuple(CODECS)})
     """``raw``, ``bf16``, ``fp16``, ``sign1`` or ``sparse``."""
     chunk: int = sign1.DEFAULT_CHUNK
     """Elements per scale chunk (sign1) or per exponent chunk (sparse); a multiple of 64."""
-    scale: str = "rms"
+    scale: str = field(default="rms", metadata={"choices": _SCALES})
     """sign1 scale rule: ``rms`` (DeepSpeed's; the default) or ``mean_abs``."""
-    values: str = "natexp8"
+    values: str = field(default="natexp8", metadata={"choices": _VALUES})
     """sparse value encoding: ``natexp8`` (sign + power-of-two exponent, 8 bits) or ``bf16``."""
 
     def __post_init__(self) -> None:

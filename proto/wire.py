@@ -10,6 +10,7 @@ message naming the offending value and what was expected.
 from __future__ import annotations
 
 import numpy as np
+
 from bitps.proto import bitps_pb2 as pb
 
 __all__ = [

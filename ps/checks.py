@@ -9,13 +9,13 @@ and what was expected; the shard turns that into one ``ERROR`` reply.
 from __future__ import annotations
 
 import numpy as np
+
+from bitps import native
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import Codec
 from bitps.proto.wire import PROTOCOL, PSError
 from bitps.ps.config import ServerConfig
 from bitps.ps.store import Slot
-
-from bitps import native
 
 __all__ = ["OPS", "decode_push", "request_slots"]
 

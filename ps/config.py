@@ -1,6 +1,9 @@
 """Shard configuration: keyword-only dataclasses, one docstring per field, validated on creation.
 
-``ps/__main__.py`` is the one place that reads flags and environment variables into these.
+Each default is written here once, and each field with a fixed set of values lists them in its
+``metadata["choices"]`` (the tuple ``__post_init__`` checks); ``ps/__main__.py`` turns the fields
+into ``bitps-server``'s flags, environment variables and config-file keys through
+``bitps.proto.settings``, which reads both from the fields.
 """
 
 from __future__ import annotations
@@ -11,19 +14,21 @@ from bitps.proto.codecs import chunk_problem
 from bitps.proto.schedule import LRSchedule
 from bitps.proto.wire import MAX_FRAME_BYTES
 
-__all__ = ["MODES", "ONEBIT_MOMENTS", "OPTIMIZERS", "OptimizerConfig", "ServerConfig"]
+__all__ = ["MODES", "ONEBIT_MOMENTS", "ONEBIT_SCALES", "OPTIMIZERS", "OptimizerConfig",
+           "ServerConfig"]
 
 MODES = ("sync", "async", "ssp")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "onebit_adam")
 ONEBIT_MOMENTS = ("auto", "worker", "shard")
+ONEBIT_SCALES = ("auto", "mean_abs", "rms")
 
 
 @dataclass(kw_only=True, frozen=True)
 class OptimizerConfig:
     """The update rule the shard applies to each key (same meaning as ``torch.optim``)."""
 
-    name: str = "adam"
-    """One of ``sgd``, ``momentum``, ``adam``, ``adamw``."""
+    name: str = field(default="adam", metadata={"choices": OPTIMIZERS})
+    """One of ``sgd``, ``momentum``, ``adam``, ``adamw``, ``onebit_adam``."""
     lr: float = 1e-3
     """Learning rate (the peak, with a schedule)."""
     schedule: LRSchedule = field(default_factory=LRSchedule)
@@ -52,12 +57,12 @@ class OptimizerConfig:
     """``onebit_adam``: elements per scale of every sign1 code, pushed and published (1 +
     32/256 = 1.125 bits per element). 2048 cost the demo model 1.8 % in final loss against fp32
     Adam, 256 cost 0.5 % (README, 1-bit Adam)."""
-    onebit_scale: str = "auto"
+    onebit_scale: str = field(default="auto", metadata={"choices": ONEBIT_SCALES})
     """``onebit_adam``: scale rule of the shard's sign1 codes, ``rms``, ``mean_abs`` or ``auto``
     (``rms`` in sync mode, where the codes are momenta as in DeepSpeed; ``mean_abs``, the
     least-squares scale that never overshoots, for the heavy-tailed parameter updates of
     async/ssp). Both choices trained the demo model best in their mode (README, 1-bit Adam)."""
-    onebit_moments: str = "auto"
+    onebit_moments: str = field(default="auto", metadata={"choices": ONEBIT_MOMENTS})
     """``onebit_adam`` in ``async``/``ssp``: where Adam's moments live after the warmup.
     ``worker``: each worker keeps m and v of its own gradients in float32 and pushes its
     sign1-compressed Adam direction ``m/(1-beta1^t) / (sqrt(v/(1-beta2^t)) + eps)``; the shard
@@ -94,9 +99,9 @@ class OptimizerConfig:
         if self.freeze_step < 1 or self.delta_history < 1:
             raise ValueError(f"freeze_step and delta_history must be >= 1, got "
                              f"{self.freeze_step} and {self.delta_history}")
-        if self.onebit_scale not in ("auto", "mean_abs", "rms"):
-            raise ValueError(f"onebit_scale {self.onebit_scale!r}; expected auto, mean_abs or "
-                             f"rms")
+        if self.onebit_scale not in ONEBIT_SCALES:
+            raise ValueError(f"onebit_scale {self.onebit_scale!r}; expected one of "
+                             f"{ONEBIT_SCALES}")
         if self.onebit_moments not in ONEBIT_MOMENTS:
             raise ValueError(f"onebit_moments {self.onebit_moments!r}; expected one of "
                              f"{ONEBIT_MOMENTS}")
@@ -120,7 +125,7 @@ class ServerConfig:
     """ZeroMQ ROUTER data port; 0 picks a free port."""
     metrics_port: int = 0
     """Prometheus HTTP port; 0 picks a free port, -1 disables the endpoint."""
-    mode: str = "async"
+    mode: str = field(default="async", metadata={"choices": MODES})
     """Consistency: ``sync`` (BSP), ``async`` (ASP) or ``ssp`` (bounded staleness)."""
     staleness: int = 2
     """SSP bound S: a worker at clock c is held until every live worker has clock >= c - S."""

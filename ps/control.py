@@ -7,6 +7,7 @@ metadata carries ``bitps-error-code``, so clients re-raise the same typed ``PSEr
 from __future__ import annotations
 
 import grpc
+
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto import bitps_pb2_grpc as pb_grpc
 from bitps.proto.wire import PSError, error_name

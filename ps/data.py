@@ -13,6 +13,7 @@ import threading
 import time
 
 import zmq
+
 from bitps.proto.wire import encode_header
 from bitps.ps.shard import Reply, ShardCore
 

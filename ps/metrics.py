@@ -6,10 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bitps.proto.metrics import MetricSet, labeled_gauge
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from bitps.proto.metrics import MetricSet, labeled_gauge
 
 __all__ = ["ClockSnapshot", "ShardMetrics"]
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
+
 from bitps.native import casts
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import MEAN_ABS, Codec, Compressor

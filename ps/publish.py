@@ -24,6 +24,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 import numpy as np
+
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import Codec, Compressor
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from bitps.ps.config import OptimizerConfig
 
 from bitps import native
+from bitps.ps.config import OptimizerConfig
 
 __all__ = ["KeyState", "UpdateRule", "make_rule"]
 

@@ -15,14 +15,15 @@ import threading
 from concurrent import futures
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import start_http_server
+
 from bitps.proto import bitps_pb2_grpc as pb_grpc
 from bitps.ps.config import ServerConfig
 from bitps.ps.control import ControlServicer
 from bitps.ps.data import DataLoop
 from bitps.ps.metrics import ShardMetrics
 from bitps.ps.shard import ShardCore
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import start_http_server
 
 __all__ = ["ServerShard", "create_server"]
 

@@ -16,12 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from bitps import native
 from bitps.proto import bitps_pb2 as pb
 from bitps.ps.onebit import OneBitState
 from bitps.ps.publish import Publisher, publish_update
 from bitps.ps.rules import KeyState, UpdateRule
-
-from bitps import native
 
 __all__ = ["ZERO_COPY_MIN_BYTES", "Buffer", "Slot"]
 

@@ -4,11 +4,12 @@ alloc/free sequences (hypothesis), sizes scaled down, plus the exact cases the d
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from bitps.native.arena import AllocatorError
 from bitps.native.bestfit import BestFitAllocator
 from bitps.native.buddy import BuddyAllocator
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 MIN, MAX, ALIGN = 16, 256, 16
 

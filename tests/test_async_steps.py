@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from bitps.proto import bitps_pb2 as pb
 from bitps.ps.__main__ import parse_config
-
 from tests.test_shard_core import INIT, LR, _arrays, _core, _grad, _send
 
 

@@ -237,3 +237,20 @@ def test_a_quick_run_never_overwrites_a_full_runs_results(tmp_path, monkeypatch)
     cli.run_scenario(args)
     assert (tmp_path / "quick" / "codec.json").exists()
     assert not (tmp_path / "codec.json").exists()
+
+
+def test_out_is_taken_before_or_after_the_scenario(tmp_path):
+    """``bitps-bench SCENARIO --out DIR`` (once refused) and ``bitps-bench --out DIR SCENARIO``
+    both write to DIR; a scenario's ``--out`` wins over the top-level one."""
+    done = subprocess.run([sys.executable, "-m", "bitps.bench", "volume", "--out", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "volume.json").exists()
+
+    from bitps.bench.__main__ import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["pushpull", "--out", "a"]).out == Path("a")
+    assert parse(["--out", "a", "pushpull"]).out == Path("a")
+    assert parse(["--out", "a", "e2e", "--out", "b"]).out == Path("b")
+    assert parse(["all", "--quick"]).out is None

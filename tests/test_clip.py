@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import CodecConfig
 from bitps.ps import OptimizerConfig, ServerConfig, create_server

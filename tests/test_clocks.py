@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from bitps.ps.clocks import ClockTable
 
 TIMEOUT = 10.0

@@ -13,13 +13,14 @@ import urllib.request
 import numpy as np
 import pytest
 import zmq
+from prometheus_client import start_http_server
+from prometheus_client.parser import text_string_to_metric_families
+
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.keyplan import ParamSpec, make_plan
 from bitps.proto.wire import PROTOCOL, PSError
 from bitps.ps import OptimizerConfig, ServerConfig, create_server
 from bitps.worker import ClientConfig, PSClient, PSTimeoutError
-from prometheus_client import start_http_server
-from prometheus_client.parser import text_string_to_metric_families
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from bitps.native.casts import bf16_reference
 from bitps.native.sign1 import decode_reference, encode_reference
 from bitps.worker.codec_torch import bf16_decode_add, bf16_encode, sign1_decode_add, sign1_encode

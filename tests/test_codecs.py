@@ -8,6 +8,7 @@ import textwrap
 
 import numpy as np
 import pytest
+
 from bitps.native import casts, sign1
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import Codec, CodecConfig, Compressor

@@ -9,6 +9,7 @@ import threading
 
 import numpy as np
 import pytest
+
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import Codec, CodecConfig, Compressor
 from bitps.proto.keyplan import ParamSpec, make_plan

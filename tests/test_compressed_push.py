@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
 from bitps.native import sign1
 from bitps.proto.codecs import CodecConfig
 from bitps.proto.keyplan import ParamSpec, make_plan
 from bitps.ps import OptimizerConfig, ServerConfig, create_server
 from bitps.worker import ClientConfig, PSClient
-from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 LR = np.float32(0.5)  # a power of two: SGD's fma and numpy's two roundings agree
 

@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 
 import numpy as np
 import torch
+
 from bitps.worker.demo import Corpus, DemoConfig, batches, build_model, load_corpus, loss_fn
 
 SMALL = dict(hidden_size=32, num_layers=1, num_experts=2, experts_per_token=1, num_heads=2,

@@ -8,6 +8,7 @@ import threading
 
 import numpy as np
 import pytest
+
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import CodecConfig
 from bitps.proto.keyplan import ParamSpec, make_plan, value_digest

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from bitps.proto.keyplan import DEFAULT_PARTITION_BYTES, ParamSpec, make_plan
 
 PARAMS = [

@@ -42,7 +42,7 @@ def _imports(path: Path) -> set[str]:
         else:
             sub = {n for n in imported if n in PROJECT}
             names.update(sub)
-            if not sub or len(sub) < len(imported):
+            if set(imported) - sub - {"__version__"}:  # the version is not the lazy API
                 names.add("bitps")
 
     for node in ast.walk(tree):

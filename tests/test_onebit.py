@@ -12,6 +12,9 @@ import threading
 
 import numpy as np
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
 from bitps.native import sign1
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import Codec, CodecConfig, Compressor
@@ -20,8 +23,6 @@ from bitps.proto.schedule import LRSchedule
 from bitps.proto.wire import PSError
 from bitps.ps import OptimizerConfig, ServerConfig, create_server
 from bitps.worker import ClientConfig, PSClient
-from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 N = 20_000
 FREEZE = 10

@@ -11,6 +11,7 @@ import logging
 import threading
 
 import pytest
+
 from bitps.proto.keyplan import ParamSpec, make_plan
 from bitps.ps import OptimizerConfig, ServerConfig, create_server
 from bitps.worker import ClientConfig, PSClient

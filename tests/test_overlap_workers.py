@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from bitps.ps import OptimizerConfig, ServerConfig, create_server
 
 torch = pytest.importorskip("torch")

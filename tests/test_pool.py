@@ -10,9 +10,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
+
 from bitps.worker.config import PoolConfig  # noqa: E402
 from bitps.worker.pool import ActivationPool  # noqa: E402
-from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 
 SMALL = dict(min_block=1024, max_block=1 << 20, min_tensor_bytes=1024)
 

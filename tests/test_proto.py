@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.wire import PROTOCOL, ZMQ_BATCH_BYTES, encode_header, parse_header
 

@@ -7,11 +7,11 @@ import math
 
 import numpy as np
 import pytest
+
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.schedule import LRSchedule
 from bitps.ps.config import OptimizerConfig, ServerConfig
 from bitps.ps.shard import ShardCore
-
 from tests.test_shard_core import INIT, KEYS, _grad, _reg, _send, _values
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import Codec, CodecConfig, Compressor
 from bitps.proto.wire import PROTOCOL, PSError

@@ -10,6 +10,7 @@ import textwrap
 
 import numpy as np
 import pytest
+
 from bitps.native import sparse as sp
 
 MODES = [sp.BF16, sp.NATEXP8]

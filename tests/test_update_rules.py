@@ -8,10 +8,10 @@ import textwrap
 
 import numpy as np
 import pytest
-from bitps.ps.config import OptimizerConfig
-from bitps.ps.rules import make_rule
 
 from bitps import native
+from bitps.ps.config import OptimizerConfig
+from bitps.ps.rules import make_rule
 
 # Odd length so the scalar tail of torch's vectorised loops is exercised too.
 N = 1037

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import zmq
+
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import Codec
 from bitps.proto.wire import PSError, encode_header, parse_header

@@ -25,6 +25,8 @@ from collections.abc import Mapping, Sequence
 import grpc
 import numpy as np
 import zmq
+
+from bitps import native
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto import bitps_pb2_grpc as pb_grpc
 from bitps.proto.codecs import MEAN_ABS, RAW, Codec, Compressor
@@ -34,8 +36,6 @@ from bitps.worker.channel import Channel, Handle, PSTimeoutError, Request
 from bitps.worker.config import ClientConfig
 from bitps.worker.metrics import CodecSnapshot, WorkerMetrics
 from bitps.worker.onebit import OneBitMomentum, WorkerMoments
-
-from bitps import native
 
 __all__ = ["Handle", "PSClient", "PSTimeoutError"]
 

@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import torch
+
 from bitps.native.sign1 import DEFAULT_CHUNK, LANES, payload_bytes
 
 __all__ = ["bf16_decode_add", "bf16_encode", "sign1_decode_add", "sign1_encode"]

@@ -43,6 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from bitps.worker.channel import Handle, PSTimeoutError
 from bitps.worker.client import PSClient
 

@@ -1,6 +1,9 @@
 """Worker configuration: keyword-only dataclasses, one docstring per field, validated on creation.
 
-``worker/__main__.py`` is the one place that reads worker flags and environment variables.
+Each default is written here once, and each field with a fixed set of values lists them in its
+``metadata["choices"]`` (the tuple ``__post_init__`` checks); ``worker/__main__.py`` turns the
+fields into ``bitps-worker``'s flags, environment variables and config-file keys through
+``bitps.proto.settings``, which reads both from the fields.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from dataclasses import dataclass, field
 from bitps.proto.codecs import CodecConfig
 from bitps.proto.keyplan import DEFAULT_PARTITION_BYTES
 
-__all__ = ["ClientConfig", "OverlapConfig", "PoolConfig"]
+__all__ = ["ClientConfig", "OverlapConfig", "PoolConfig", "RunConfig"]
 
 OVERLAP_MODES = ("auto", "on", "off")
 
@@ -86,7 +89,7 @@ class ClientConfig:
 class OverlapConfig:
     """How ``PSModel`` overlaps gradient exchange with compute (``worker.comm``)."""
 
-    mode: str = "auto"
+    mode: str = field(default="auto", metadata={"choices": OVERLAP_MODES})
     """``on``: push each bucket from backward hooks on the communication thread and wait for
     its parameters in the forward pre-hook of the module that owns them; ``off``: push and pull
     everything in ``step()``; ``auto``: measure the first steps with overlap off, then turn it
@@ -132,14 +135,14 @@ class PoolConfig:
     fraction: float = 0.3
     """Share of device memory reserved when ``capacity_bytes`` is 0 (the problem statement's
     30 %)."""
-    allocator: str = "bestfit"
+    allocator: str = field(default="bestfit", metadata={"choices": POOL_ALLOCATORS})
     """``bestfit`` (``native.bestfit``) or ``buddy`` (power-of-two blocks, ``native.buddy``).
     ``bitps-bench memory`` measured best-fit needing 0.6 % more arena than the peak of live
     activations on a dynamic-batch 1F1B trace, against +24 % for a buddy (+21 % trimmed)."""
     trim: bool = True
     """buddy: give the unused tail of each block back (allocations keep their size rounded up
     to ``min_block`` instead of to a power of two)."""
-    policy: str = "schedule"
+    policy: str = field(default="schedule", metadata={"choices": POOL_POLICIES})
     """What to offload to host memory under pressure: ``schedule`` (the entry needed furthest in
     the future: the latest micro-batch's backward, then the earliest layer; fetches are served
     from host memory) or ``lru`` (least recently used; a fetched entry comes back into the
@@ -165,3 +168,50 @@ class PoolConfig:
                              f"{self.capacity_bytes} and {self.fraction}")
         if self.min_tensor_bytes < 1:
             raise ValueError(f"min_tensor_bytes must be >= 1, got {self.min_tensor_bytes}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class RunConfig:
+    """What the ``bitps-worker`` program does around the library: how long it trains, on which
+    device, and what it reports (``ClientConfig``, ``OverlapConfig`` and ``PoolConfig`` are the
+    library's settings; ``worker.demo.DemoConfig`` the model's)."""
+
+    steps: int = 150
+    """Training steps (every step pushes and pulls once)."""
+    threads: int = 1
+    """torch CPU threads (``torch.set_num_threads``)."""
+    local_rank: int = 0
+    """GPU index on this host (torchrun's ``LOCAL_RANK``); picks the device when ``device`` is
+    ``auto``."""
+    device: str = "auto"
+    """torch device; ``auto`` = ``cuda:<local_rank>`` when CUDA is available, else ``cpu``."""
+    metrics_port: int = 0
+    """Prometheus port; 0 picks a free port (reported in the start line), -1 disables it."""
+    metrics_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint binds to (0.0.0.0 inside containers)."""
+    step_delay_s: float = 0.0
+    """Extra seconds of sleep per step, after backward (simulates a straggler)."""
+    profile_dir: str = ""
+    """Non-empty: write a ``torch.profiler`` trace of ``profile_steps`` steps (after 2 warm-up
+    steps) to ``<profile_dir>/trace-rank<R>.json`` and print the top operators."""
+    profile_steps: int = 5
+    """Steps the profiler records."""
+    activation_pool: bool = False
+    """Keep saved activations in a pre-reserved arena with host offload
+    (``ActivationPool``, set up by ``PoolConfig``)."""
+    log_every: int = 10
+    """A progress line every this many steps (and after the last)."""
+    json: bool = False
+    """Progress as JSON lines on stdout (``start``, ``step``, ``done``), which ``bitps-launch``
+    reads; else log lines on stderr."""
+
+    def __post_init__(self) -> None:
+        for attr in ("steps", "threads", "profile_steps", "log_every"):
+            if getattr(self, attr) < 1:
+                raise ValueError(f"{attr} must be >= 1, got {getattr(self, attr)}")
+        if self.local_rank < 0:
+            raise ValueError(f"local_rank must be >= 0, got {self.local_rank}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [-1, 65535], got {self.metrics_port}")
+        if not self.step_delay_s >= 0:
+            raise ValueError(f"step_delay_s must be >= 0, got {self.step_delay_s}")

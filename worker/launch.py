@@ -9,7 +9,12 @@ whole cluster down (each child runs in its own process group and dies with the l
 exit status is non-zero. Logs, ``cluster.json`` (every endpoint, written once all workers have
 started), ``steps.jsonl`` (every worker's step lines) and ``summary.json`` go to ``--run-dir``.
 
-The launcher starts processes; it imports neither ``ps`` nor the torch side of ``worker``.
+The launcher starts processes; it imports neither ``ps`` nor the torch side of ``worker``, and
+restates no default of theirs: ``--mode``, ``--staleness`` and ``--optimizer`` reach the shards
+only when given (else each shard reads its own: flag, environment, ``--config`` file, default),
+the mode reported is the one the shards' ready lines name, and the progress bars' length is the
+step count each worker's ``start`` line names. ``--host`` and ``--lr`` are the launcher's own
+(a cluster on loopback, the demo model's learning rate) and always passed.
 """
 
 from __future__ import annotations
@@ -118,12 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
     add = p.add_argument
     add("--shards", type=int, default=2, help="PS shard processes")
     add("--workers", type=int, default=2, help="worker rank processes")
-    add("--mode", choices=("sync", "async", "ssp"), default="async")
-    add("--staleness", type=int, default=2, help="SSP bound")
-    add("--optimizer", default="adam", help="server update rule")
-    add("--lr", type=float, default=3e-3, help="server learning rate")
+    add("--mode", default=None, help="consistency model of every shard (not given: the "
+                                      "shards' own setting)")
+    add("--staleness", type=int, default=None,
+        help="SSP bound of every shard (not given: the shards' own setting)")
+    add("--optimizer", default=None,
+        help="server update rule of every shard (not given: the shards' own setting)")
+    add("--lr", type=float, default=3e-3, help="server learning rate (the demo model's)")
     add("--server-arg", action="append", default=[], help="extra bitps-server flag (repeatable)")
-    add("--host", default="127.0.0.1")
+    add("--host", default="127.0.0.1", help="address the shards bind to and workers dial")
     add("--run-dir", default=None, help="logs + summary.json (default runs/<timestamp>)")
     add("--ready-timeout", type=float, default=60.0, help="seconds for shards to become ready")
     add("--expect-loss-drop", type=float, default=0.0,
@@ -158,11 +166,13 @@ def main(argv: list[str] | None = None) -> int:
 def _run(cluster: Cluster, args, worker_args: list[str]) -> int:
     py = sys.executable
     shards = []
+    given = [arg for flag, value in (("--mode", args.mode), ("--staleness", args.staleness),
+                                     ("--optimizer", args.optimizer)) if value is not None
+             for arg in (flag, str(value))]
     for i in range(args.shards):
         shards.append(cluster.spawn(f"shard-{i}", [
             py, "-m", "bitps.ps", "--shard-id", str(i), "--num-shards", str(args.shards),
-            "--host", args.host, "--mode", args.mode, "--staleness", str(args.staleness),
-            "--optimizer", args.optimizer, "--lr", str(args.lr), *args.server_arg]))
+            "--host", args.host, *given, "--lr", str(args.lr), *args.server_arg]))
     ready = _wait_ready(cluster, shards, args.ready_timeout)
     if ready is None:
         return 1
@@ -170,18 +180,17 @@ def _run(cluster: Cluster, args, worker_args: list[str]) -> int:
     for r in ready:
         console.print(f"shard {r['shard_id']}: grpc {r['grpc_port']} data {r['data_port']} "
                       f"metrics http://{args.host}:{r['metrics_port']}/metrics")
-    steps = _flag(worker_args, "--steps", 150)
     workers = [cluster.spawn(f"worker-{r}", [
         py, "-m", "bitps.worker", "--servers", servers, "--rank", str(r), "--world-size",
         str(args.workers), "--json", *worker_args]) for r in range(args.workers)]
     threading.Thread(target=_write_endpoints, args=(cluster, ready, workers), daemon=True).start()
-    code = _follow(cluster, workers, steps)
+    code = _follow(cluster, workers)
     with (cluster.run_dir / "steps.jsonl").open("w") as f:
         for w in workers:
             for e in w.events:
                 if e.get("event") == "step":
                     f.write(json.dumps(e) + "\n")
-    summary = {"mode": args.mode, "shards": ready,
+    summary = {"mode": ready[0].get("mode", args.mode), "shards": ready,
                "workers": [next((e for e in w.events if e["event"] == "done"), None)
                            for w in workers],
                "starts": [next((e for e in w.events if e["event"] == "start"), None)
@@ -205,15 +214,6 @@ def _write_endpoints(cluster: Cluster, ready: list[dict], workers: list[_Child])
     tmp.replace(cluster.run_dir / "cluster.json")
 
 
-def _flag(argv: list[str], name: str, default: int) -> int:
-    for i, a in enumerate(argv):
-        if a == name and i + 1 < len(argv):
-            return int(argv[i + 1])
-        if a.startswith(name + "="):
-            return int(a.split("=", 1)[1])
-    return default
-
-
 def _wait_ready(cluster: Cluster, shards: list[_Child], timeout: float) -> list[dict] | None:
     deadline = time.monotonic() + timeout
     ready: dict[int, dict] = {}
@@ -230,12 +230,14 @@ def _wait_ready(cluster: Cluster, shards: list[_Child], timeout: float) -> list[
     return [ready[i] for i in range(len(shards))]
 
 
-def _follow(cluster: Cluster, workers: list[_Child], steps: int) -> int:
+def _follow(cluster: Cluster, workers: list[_Child]) -> int:
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
                TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as bar:
-        tasks = {w.name: bar.add_task(w.name, total=steps, loss="-", rate="-") for w in workers}
+        # A bar's length is the steps the worker's start line names (its flag, environment,
+        # file or default: the launcher does not parse worker arguments).
+        tasks = {w.name: bar.add_task(w.name, total=None, loss="-", rate="-") for w in workers}
         while any(w.proc.poll() is None for w in workers) or not cluster.events.empty():
             if (bad := cluster.failed()) is not None:
                 bar.stop()
@@ -249,6 +251,7 @@ def _follow(cluster: Cluster, workers: list[_Child], steps: int) -> int:
                 bar.update(tasks[child.name], completed=event["step"] + 1,
                            loss=f"{event['loss']:.3f}", rate=f"{event['samples_per_s']:.1f}")
             elif child.name in tasks and event.get("event") == "start":
+                bar.update(tasks[child.name], total=event.get("steps"))
                 console.print(f"{child.name}: metrics "
                               f"http://127.0.0.1:{event['metrics_port']}/metrics, "
                               f"{event['params']} params in {event['keys']} keys, corpus "

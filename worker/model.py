@@ -45,6 +45,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
+
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import MEAN_ABS
 from bitps.proto.keyplan import Key, KeyPlan, ParamSpec, make_plan

@@ -22,12 +22,12 @@ used.
 from __future__ import annotations
 
 import numpy as np
+
+from bitps import native
 from bitps.native import casts, sign1
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.schedule import LRSchedule
 from bitps.proto.wire import PSError
-
-from bitps import native
 
 __all__ = ["OneBitMomentum", "WorkerMoments"]
 

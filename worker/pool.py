@@ -50,12 +50,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
 from bitps.native.arena import Allocator
 from bitps.native.bestfit import BestFitAllocator
 from bitps.native.buddy import BuddyAllocator
 from bitps.worker.config import PoolConfig
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
 
 __all__ = ["ActivationPool", "PoolStats", "make_allocator"]
 

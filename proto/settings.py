@@ -1,0 +1,486 @@
+"""One reader for every program's settings: a command-line flag, its environment twin, a key of
+a TOML config file and a default, each setting declared once, as a :class:`Setting`.
+
+A value comes from the first source that has one::
+
+    --grpc-port 50051  >  BITPS_GRPC_PORT=50051  >  grpc-port = 50051 in --config FILE  >  default
+
+Every source is converted and checked the same way (type, then allowed values); a value that
+cannot be read is a :class:`SettingError` naming its source (flag, environment variable or
+config-file key), the value received and what was expected.
+
+Where things are written:
+
+- a setting bound to a dataclass field (:func:`from_field`) takes its default from the field and
+  its allowed values from the field's ``metadata["choices"]`` (the tuple its ``__post_init__``
+  checks), so the dataclass is the one place that states them;
+- a setting of a program alone (:func:`option`: how long to train, where to log) states its
+  default in its one declaration;
+- help text, flag name and environment name are in each program's table
+  (``ps/__main__.py``, ``worker/__main__.py``).
+
+Booleans: ``1 true yes on`` and ``0 false no off``, in any case, for flags (``--nesterov``,
+``--nesterov=false``, ``--no-nesterov``) and environment variables alike; a config file uses
+TOML's ``true``/``false``.
+
+The config file is flat: its keys are the flag names without the leading ``--``
+(``grpc-port = 50051``), one spelling only. An unknown key or a value of the wrong type is an
+error naming the key.
+
+No torch, zmq or grpc here: shards and workers both read their settings through it, and
+``bitps.proto`` may import neither ``bitps.ps`` nor ``bitps.worker``, so the programs hand their
+tables in (:class:`Program`) and ``docs/gen_configuration.py`` renders them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bitps import __version__
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # 3.10: the same parser, from PyPI
+    import tomli as tomllib
+
+__all__ = ["BOOL_SPELLINGS", "CHOICES", "FALSE_WORDS", "TRUE_WORDS", "Program", "Resolved",
+           "Setting", "SettingError", "env_name", "format_value", "from_field", "option",
+           "parse_bool", "parser_markdown", "read_config_file"]
+
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+BOOL_SPELLINGS = f"{'/'.join(TRUE_WORDS)} or {'/'.join(FALSE_WORDS)} (any case)"
+CHOICES = "choices"
+"""The dataclass field metadata key listing a field's allowed values."""
+ENV_PREFIX = "BITPS_"
+
+_KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "text"}
+_TOML_KINDS = {bool: "boolean", int: "integer", float: "float", str: "string", list: "array",
+               dict: "table"}
+_TOML_EXPECTED = {bool: "a boolean", int: "an integer", float: "a number (integer or float)",
+                  str: "a string"}
+_METAVARS = {int: "INT", float: "NUM", str: "TEXT"}
+_TYPE_NAMES = {"bool": bool, "int": int, "float": float, "str": str}
+_AUTO: Any = object()  # env=_AUTO: BITPS_ + the flag name
+_UNSET: Any = object()  # a flag not given on the command line
+_BARE: Any = object()  # a boolean flag given without a value
+
+
+class SettingError(ValueError):
+    """A setting's value was refused. The message names where the value came from (a flag, an
+    environment variable or a config-file key), the value received and what was expected."""
+
+
+def parse_bool(text: str, *, source: str) -> bool:
+    """``True`` for 1/true/yes/on, ``False`` for 0/false/no/off (any case, surrounding blanks
+    ignored); anything else is a :class:`SettingError` naming ``source``. The one boolean
+    reader of every flag and environment variable."""
+    word = text.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise SettingError(f"{source}: got {text!r}; expected a boolean, {BOOL_SPELLINGS}")
+
+
+def env_name(name: str) -> str:
+    """The environment twin of flag ``--<name>``: ``grpc-port`` -> ``BITPS_GRPC_PORT``."""
+    return ENV_PREFIX + name.upper().replace("-", "_")
+
+
+def format_value(value: Any) -> str:
+    """A value as a config file writes it (``true``, ``0.001``, ``"127.0.0.1"`` is shown
+    bare); byte-like powers of two get their size too: ``1048576 (1 MiB)``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
+            if value >= 1 << shift and value % (1 << shift) == 0:
+                return f"{value} ({value >> shift} {unit})"
+        return str(value)
+    if isinstance(value, str):
+        return value if value else '""'
+    if isinstance(value, (list, tuple)):
+        return " ".join(format_value(v) for v in value)
+    return str(value)
+
+
+def _toml_kind(value: Any) -> str:
+    for kind, name in _TOML_KINDS.items():
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setting:
+    """One setting of a program: the flag ``--<name>``, the config-file key ``<name>``, the
+    environment variable ``env`` (``None``: none), a type, a default and the allowed values.
+    Build it with :func:`from_field` or :func:`option`, which take the default from where it
+    is written."""
+
+    name: str
+    """The flag without its dashes, e.g. ``grpc-port``; also the config-file key."""
+    help: str
+    """One line for ``--help`` and the configuration reference."""
+    type: type
+    """``bool``, ``int``, ``float`` or ``str``."""
+    default: Any
+    choices: tuple[str, ...] | None = None
+    """The allowed values (strings only), or ``None`` for any value of the type."""
+    env: str | None = None
+    """The environment variable read when the flag is not given; ``None``: none."""
+    owner: type | None = None
+    """The dataclass whose field this setting fills; ``None``: a setting of the program."""
+    field: str = ""
+    """That field's name."""
+    metavar: str | None = None
+    """How ``--help`` names the value (default: by type, ``INT``, ``NUM``, ``TEXT``)."""
+
+    def __post_init__(self) -> None:
+        if self.type not in _KINDS:
+            raise TypeError(f"setting {self.name!r}: type {self.type!r}; expected one of "
+                            f"bool, int, float, str")
+        if not self.name or not self.name.replace("-", "").isalnum() or self.name[0] == "-":
+            raise TypeError(f"setting name {self.name!r}; expected letters, digits and inner "
+                            f"dashes (the flag without its leading --)")
+        if self.choices is not None and self.default not in self.choices:
+            raise TypeError(f"setting {self.name!r}: default {self.default!r} is not one of "
+                            f"{self.choices}")
+        if self.choices is not None and self.type is not str:
+            raise TypeError(f"setting {self.name!r}: choices need type str, got {self.type}")
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name
+
+    @property
+    def dest(self) -> str:
+        """The attribute name in the parsed namespace."""
+        return self.name.replace("-", "_")
+
+    @property
+    def target(self) -> str:
+        """``Owner.field`` it fills, or ``""``."""
+        return f"{self.owner.__name__}.{self.field}" if self.owner is not None else ""
+
+    @property
+    def kind(self) -> str:
+        """What a value must be, in words (for errors and the reference)."""
+        if self.choices is not None:
+            return "one of " + ", ".join(self.choices)
+        return _KINDS[self.type]
+
+    def from_text(self, text: str, *, source: str) -> Any:
+        """The value of a flag's or an environment variable's text."""
+        if self.type is bool:
+            return parse_bool(text, source=source)
+        if self.type is str:
+            return self.check(text, source=source)
+        try:
+            value = self.type(text.strip())
+        except ValueError:
+            raise SettingError(f"{source}: got {text!r}; expected {self.kind}") from None
+        return self.check(value, source=source)
+
+    def from_toml(self, value: Any, *, source: str) -> Any:
+        """The value of a config-file entry: a TOML value of this setting's type (an integer
+        is a number too); booleans are never numbers."""
+        if self.type is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        elif self.type is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, self.type)
+        if not ok:
+            raise SettingError(f"{source}: got {value!r} ({_toml_kind(value)}); expected "
+                               f"{_TOML_EXPECTED[self.type]}"
+                               + (f", one of {', '.join(self.choices)}" if self.choices else ""))
+        return self.check(self.type(value), source=source)
+
+    def check(self, value: Any, *, source: str) -> Any:
+        if self.choices is not None and value not in self.choices:
+            raise SettingError(f"{source}: got {value!r}; expected {self.kind}")
+        return value
+
+    def help_line(self) -> str:
+        """``help`` with the default and the environment twin, as ``--help`` shows it."""
+        where = f"; env {self.env}" if self.env else ""
+        return f"{self.help} (default: {format_value(self.default)}{where})"
+
+
+def from_field(owner: type, field: str, *, help: str, name: str | None = None,
+               env: str | None = _AUTO, metavar: str | None = None) -> Setting:
+    """The setting that fills ``owner.field``: its type and default come from the dataclass
+    field, its allowed values from the field's ``metadata["choices"]``. The flag is
+    ``--<name>`` (default: the field name, ``_`` written ``-``); the environment twin is
+    ``env`` (default: ``BITPS_`` + the flag name; ``None``: none)."""
+    fields = {f.name: f for f in dataclasses.fields(owner)}
+    if field not in fields:
+        raise TypeError(f"{owner.__name__} has no field {field!r}; its fields are "
+                        f"{sorted(fields)}")
+    f = fields[field]
+    if f.default is dataclasses.MISSING:
+        raise TypeError(f"{owner.__name__}.{field} has no plain default to offer a flag")
+    kind = f.type if isinstance(f.type, type) else _TYPE_NAMES.get(f.type)
+    if kind is None:
+        raise TypeError(f"{owner.__name__}.{field} is {f.type!r}; a setting needs bool, int, "
+                        f"float or str")
+    name = name or field.replace("_", "-")
+    choices = f.metadata.get(CHOICES)
+    return Setting(name=name, help=help, type=kind, default=f.default,
+                   choices=tuple(choices) if choices is not None else None,
+                   env=env_name(name) if env is _AUTO else env, owner=owner, field=field,
+                   metavar=metavar)
+
+
+def option(name: str, *, default: bool | int | float | str, help: str,
+           choices: Sequence[str] | None = None, env: str | None = _AUTO,
+           metavar: str | None = None) -> Setting:
+    """A setting of the program alone (no dataclass field), its default stated here."""
+    return Setting(name=name, help=help, type=type(default), default=default,
+                   choices=tuple(choices) if choices is not None else None,
+                   env=env_name(name) if env is _AUTO else env, metavar=metavar)
+
+
+def read_config_file(path: str | os.PathLike, settings: Sequence[Setting]) -> dict[str, Any]:
+    """The values a TOML config file sets, by setting name. Its keys are the flag names
+    without ``--``; an unknown key, a table or a value of the wrong type is a
+    :class:`SettingError` naming the file and the key."""
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except OSError as err:
+        raise SettingError(f"config file {str(path)!r}: {err.strerror or err}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise SettingError(f"config file {str(path)!r} is not valid TOML: {err}") from None
+    by_name = {s.name: s for s in settings}
+    values = {}
+    for key, value in doc.items():
+        setting = by_name.get(key)
+        if setting is None:
+            close = difflib.get_close_matches(key.replace("_", "-"), by_name, n=1, cutoff=0.75)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise SettingError(f"config file {str(path)!r}: unknown key {key!r}{hint}; the keys "
+                               f"are the flag names without --: {', '.join(sorted(by_name))}")
+        values[key] = setting.from_toml(value, source=f"config file {str(path)!r}: key {key!r}")
+    return values
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Every setting's value, and where it came from."""
+
+    settings: tuple[Setting, ...]
+    values: dict[str, Any]
+    """By setting name."""
+    sources: dict[str, str]
+    """By setting name: the flag, the environment variable, ``config file 'F'`` or
+    ``default``."""
+    config: Path | None
+    """The ``--config`` file read, if any."""
+
+    def __getitem__(self, name: str) -> Any:
+        return self.values[name]
+
+    def kwargs(self, owner: type) -> dict[str, Any]:
+        """The keyword arguments of ``owner`` that settings fill (field name -> value)."""
+        return {s.field: self.values[s.name] for s in self.settings if s.owner is owner}
+
+    def namespace(self) -> argparse.Namespace:
+        """The values under their flags' dest names, plus ``config``."""
+        return argparse.Namespace(**{s.dest: self.values[s.name] for s in self.settings},
+                                  config=self.config)
+
+
+class _BoolFlag(argparse.Action):
+    """``--x`` or ``--x=BOOL`` (any spelling :func:`parse_bool` reads) sets it; ``--no-x``
+    clears it and takes no value."""
+
+    def __init__(self, option_strings, dest, *, setting: Setting, **kwargs) -> None:
+        kwargs.update(nargs="?", const=_BARE, metavar="BOOL",
+                      type=lambda text: _flag_value(setting, text))
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        negative = option_string is not None and option_string.startswith("--no-")
+        if negative and values is not _BARE:
+            parser.error(f"{option_string} takes no value; write {option_string} alone or "
+                         f"{self.option_strings[0]}=BOOL")
+        setattr(namespace, self.dest, not negative if values is _BARE else values)
+
+
+def _flag_value(setting: Setting, text: str) -> Any:
+    try:
+        return setting.from_text(text, source=setting.flag)
+    except SettingError as err:
+        # argparse prefixes "argument --flag: " itself
+        raise argparse.ArgumentTypeError(str(err).removeprefix(setting.flag + ": ")) from None
+
+
+class _Formatter(argparse.HelpFormatter):
+    def _format_action_invocation(self, action) -> str:
+        if isinstance(action, _BoolFlag):
+            return f"{action.option_strings[0]} [BOOL], {action.option_strings[1]}"
+        return super()._format_action_invocation(action)
+
+
+@dataclass(frozen=True)
+class Program:
+    """One program's settings, in ``--help`` order, and how to read them."""
+
+    prog: str
+    description: str
+    settings: tuple[Setting, ...]
+    epilog: str = ""
+
+    def __post_init__(self) -> None:
+        for attr in ("name", "dest", "env"):
+            seen = [getattr(s, attr) for s in self.settings if getattr(s, attr)]
+            if dup := sorted({v for v in seen if seen.count(v) > 1}):
+                raise TypeError(f"{self.prog}: settings share the {attr} {dup}")
+        if {"config", "version", "help"} & {s.name for s in self.settings}:
+            raise TypeError(f"{self.prog}: config, version and help are not settings")
+
+    def parser(self) -> argparse.ArgumentParser:
+        """The parser of the whole command line: every setting's flag, ``--config`` and
+        ``--version``. A flag not given parses to the setting's default; neither the
+        environment nor a config file is read (that is :meth:`parse`), so it parses any
+        command line the same way wherever it runs."""
+        p = argparse.ArgumentParser(prog=self.prog, description=self.description,
+                                    epilog=self.epilog or None, formatter_class=_Formatter)
+        p.add_argument("--version", action="version", version=f"bitps {__version__}",
+                       help="print 'bitps <version>' and exit")
+        p.add_argument("--config", metavar="FILE", type=Path, default=None,
+                       help="TOML file of settings: keys are the flag names without --; "
+                            "flags and environment variables win over it")
+        for s in self.settings:
+            # argparse %-formats help strings
+            kw = dict(dest=s.dest, default=s.default, help=s.help_line().replace("%", "%%"))
+            if s.type is bool:
+                p.add_argument(s.flag, f"--no-{s.name}", action=_BoolFlag, setting=s, **kw)
+            else:
+                metavar = s.metavar or (_METAVARS[s.type] if s.choices is None else None)
+                p.add_argument(s.flag, choices=s.choices, metavar=metavar,
+                               type=lambda text, s=s: _flag_value(s, text), **kw)
+        return p
+
+    def parse(self, argv: Sequence[str] | None = None,
+              environ: Mapping[str, str] | None = None) -> Resolved:
+        """Every setting's value: its flag in ``argv`` (default ``sys.argv[1:]``), else its
+        variable in ``environ`` (default ``os.environ``), else its key in the ``--config``
+        file, else its default. An empty variable counts as unset, except for a text setting,
+        where it is the empty text. A bad flag exits through argparse (status 2); a bad
+        variable or file is a :class:`SettingError`."""
+        parser = self.parser()
+        # Flags not given parse to _UNSET, so that a flag given with the default's value still
+        # wins over the environment and the file.
+        parser.set_defaults(**{s.dest: _UNSET for s in self.settings})
+        ns = parser.parse_args(argv)
+        environ = os.environ if environ is None else environ
+        in_file = read_config_file(ns.config, self.settings) if ns.config is not None else {}
+        values, sources = {}, {}
+        for s in self.settings:
+            value = getattr(ns, s.dest)
+            text = environ.get(s.env) if s.env else None
+            if text == "" and s.type is not str:
+                text = None
+            if value is not _UNSET:
+                values[s.name], sources[s.name] = value, s.flag
+            elif text is not None:
+                source = f"environment variable {s.env}"
+                values[s.name], sources[s.name] = s.from_text(text, source=source), s.env
+            elif s.name in in_file:
+                values[s.name], sources[s.name] = in_file[s.name], f"config file {ns.config!s}"
+            else:
+                values[s.name], sources[s.name] = s.default, "default"
+        return Resolved(self.settings, values, sources, ns.config)
+
+    def markdown(self) -> str:
+        """This program's section of the configuration reference: one row per setting."""
+        rows = [f"## `{self.prog}`", "", self.description, "",
+                "| flag | environment | file key | value | default | sets | meaning |",
+                "|---|---|---|---|---|---|---|"]
+        for s in self.settings:
+            flag = f"`{s.flag}`, `--no-{s.name}`" if s.type is bool else f"`{s.flag}`"
+            kind = ("one of " + ", ".join(f"`{c}`" for c in s.choices) if s.choices
+                    else _KINDS[s.type])
+            cells = [flag, f"`{s.env}`" if s.env else "—", f"`{s.name}`", kind,
+                     f"`{format_value(s.default)}`", f"`{s.target}`" if s.target else "—",
+                     ]
+            rows.append("| " + " | ".join(_cell(c) for c in cells) + f" | {_prose(s.help)} |")
+        if self.epilog:
+            rows += ["", self.epilog]
+        return "\n".join(rows) + "\n"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _prose(text: str) -> str:
+    """A table cell of plain text: ``<R>`` must not read as an HTML tag."""
+    return _cell(text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;"))
+
+
+def _invocation(a: argparse.Action) -> str:
+    """``--sizes-mib SIZES_MIB [SIZES_MIB ...]``: spelled here, not by argparse's formatter,
+    whose spelling changed in Python 3.13 (the page must not depend on the Python rendering
+    it)."""
+    if a.nargs == 0:
+        return ", ".join(a.option_strings)
+    m = a.metavar if isinstance(a.metavar, str) else (
+        "{" + ",".join(map(str, a.choices)) + "}" if a.choices else a.dest.upper())
+    value = {None: m, "?": f"[{m}]", "*": f"[{m} ...]", "+": f"{m} [{m} ...]"}.get(
+        a.nargs, " ".join([m] * a.nargs) if isinstance(a.nargs, int) else m)
+    if not a.option_strings:
+        return value
+    return ", ".join([f"{a.option_strings[0]} {value}", *a.option_strings[1:]])
+
+
+def _action_rows(parser: argparse.ArgumentParser) -> Iterator[str]:
+    for a in parser._actions:  # argparse offers no public walk of its actions
+        if isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)):
+            continue
+        flag = f"`{_invocation(a)}`"
+        if (isinstance(a, argparse._VersionAction) or a.default is None
+                or a.default is argparse.SUPPRESS or a.default == []):
+            default = "—"
+        else:
+            default = f"`{format_value(a.default)}`"
+        help_text = "" if a.help in (None, argparse.SUPPRESS) else a.help
+        try:  # as argparse expands it
+            help_text = help_text % dict(vars(a), prog=parser.prog)
+        except (KeyError, TypeError, ValueError):
+            pass
+        yield "| " + " | ".join((_cell(flag), _cell(default), _prose(help_text))) + " |"
+
+
+def parser_markdown(parser: argparse.ArgumentParser, *, level: int = 2,
+                    description: str | None = None) -> str:
+    """A reference section rendered from an argparse parser (its sub-commands as
+    sub-sections): every option with its default and help, for programs whose flags have no
+    environment twin or config file."""
+    heading = "#" * level
+    out = [f"{heading} `{parser.prog}`", ""]
+    if description := description or parser.description:
+        out += [description, ""]
+    rows = list(_action_rows(parser))
+    if rows:
+        out += ["| flag | default | meaning |", "|---|---|---|", *rows, ""]
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            helps = {c.dest: c.help for c in a._choices_actions}
+            for name, sub in a.choices.items():
+                out.append(parser_markdown(sub, level=level + 1,
+                                           description=helps.get(name) or "").rstrip("\n"))
+                out.append("")
+    return "\n".join(out).rstrip("\n") + "\n"
