@@ -57,7 +57,7 @@ RUNS = {
 BASELINE = "fp32 Adam (sync)"
 # Each 1-bit run is judged against fp32 Adam in the same consistency mode: ssp alone changes
 # the loss (every push is applied on its own), which is not compression's doing. The shard-moment
-# layout (frozen v on the shard, reference/compression.md 8.2) is reported, not checked: ssp
+# layout (frozen v on the shard) is reported, not checked: ssp
 # defaults to worker moments.
 PAIRS = {"onebit_sync": ("1-bit Adam (sync)", "fp32 Adam (sync)"),
          "onebit_ssp": ("1-bit Adam (ssp S=2)", "fp32 Adam (ssp S=2)")}

@@ -1,6 +1,6 @@
 """``bitps-bench pushpull``: push+pull throughput and small-message round trip against raw pyzmq.
 
-One worker (this process, a real :class:`worker.PSClient`), one shard (a real ``bitps-server``
+One worker (this process, a real :class:`bitps.worker.PSClient`), one shard (a real ``bitps-server``
 process, ``async`` mode, ``sgd`` rule), loopback TCP. Each iteration pushes a float32 gradient of
 the payload size and pulls the updated parameters back (``push_pull``): 2 x payload bytes move.
 In the same run, a raw pyzmq DEALER/ROUTER pair (``bench.rawzmq``, another process) moves the same

@@ -6,7 +6,7 @@ byte offsets inside one pre-reserved arena, no memory of its own.
     a.free(off)
     a.check()                     # raises AllocatorError if an invariant is broken
 
-Statistics are the three fragmentation numbers of ``reference/pipeline_memory.md`` §B5 at the
+Statistics are the three usual fragmentation numbers (docs/benchmarks.md, Memory) at the
 moment asked: internal = 1 - requested / allocated, external = 1 - largest free / total free, and
 the high-water mark (the arena a run needed) for the overhead factor.
 """

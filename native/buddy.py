@@ -11,7 +11,7 @@ With ``trim=True`` (Linux's ``alloc_pages_exact``) an allocation keeps only ``n`
 ``min_block``: the unused tail of its block goes back to the free lists as smaller blocks, and the
 allocation is recorded as the pieces it kept, which ``free`` returns one by one (each merging with
 its buddy). Without it a 5 MiB request holds an 8 MiB block: the 25-60 % internal waste a buddy
-shows on non-power-of-two tensors (``reference/pipeline_memory.md`` §B7).
+shows on non-power-of-two tensors (docs/benchmarks.md, Memory).
 
 Pure bookkeeping (Python, O(log capacity) splits per call; free lists kept sorted so the lowest
 offset is taken, which keeps the high-water mark low).

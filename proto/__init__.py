@@ -1,5 +1,6 @@
 """Wire schema and shared layouts: generated gRPC/protobuf stubs (``make proto``), the data-plane
-frame layout and typed errors (:mod:`proto.wire`), and the key plan (:mod:`proto.keyplan`)."""
+frame layout and typed errors (:mod:`bitps.proto.wire`), and the key plan
+(:mod:`bitps.proto.keyplan`)."""
 
 from bitps.proto import bitps_pb2, bitps_pb2_grpc
 from bitps.proto.keyplan import DEFAULT_PARTITION_BYTES, Key, KeyPlan, ParamSpec, make_plan

@@ -56,21 +56,22 @@ class OptimizerConfig:
     onebit_chunk: int = 256
     """``onebit_adam``: elements per scale of every sign1 code, pushed and published (1 +
     32/256 = 1.125 bits per element). 2048 cost the demo model 1.8 % in final loss against fp32
-    Adam, 256 cost 0.5 % (README, 1-bit Adam)."""
+    Adam, 256 cost 0.5 % (docs/benchmarks.md, 1-bit Adam notes)."""
     onebit_scale: str = field(default="auto", metadata={"choices": ONEBIT_SCALES})
     """``onebit_adam``: scale rule of the shard's sign1 codes, ``rms``, ``mean_abs`` or ``auto``
     (``rms`` in sync mode, where the codes are momenta as in DeepSpeed; ``mean_abs``, the
     least-squares scale that never overshoots, for the heavy-tailed parameter updates of
-    async/ssp). Both choices trained the demo model best in their mode (README, 1-bit Adam)."""
+    async/ssp). Both choices trained the demo model best in their mode (docs/benchmarks.md,
+    1-bit Adam notes)."""
     onebit_moments: str = field(default="auto", metadata={"choices": ONEBIT_MOMENTS})
     """``onebit_adam`` in ``async``/``ssp``: where Adam's moments live after the warmup.
     ``worker``: each worker keeps m and v of its own gradients in float32 and pushes its
     sign1-compressed Adam direction ``m/(1-beta1^t) / (sqrt(v/(1-beta2^t)) + eps)``; the shard
     applies ``-lr * (direction + wd * x)`` (Efficient-Adam's two-way compressed update; v is
     never frozen). ``shard``: the shard keeps m and freezes v at the switch, workers push
-    sign1 gradients (reference/compression.md section 8.2). ``auto`` = ``worker``; it trained
-    the demo model within 1 % of fp32 Adam in ssp, ``shard`` 9-18 % worse (README, 1-bit
-    Adam). ``sync`` always uses DeepSpeed's layout and accepts only ``auto``."""
+    sign1 gradients. ``auto`` = ``worker``; it trained the demo model within 1 % of fp32 Adam
+    in ssp, ``shard`` 9-18 % worse (docs/benchmarks.md, 1-bit Adam notes). ``sync`` always
+    uses DeepSpeed's layout and accepts only ``auto``."""
     onebit_warmup_codes: bool = False
     """``onebit_adam``: during the warmup, pull replies carry sign1 codes of the shard's Adam
     updates (error feedback on the shard, ``ps.publish``) instead of the float32 parameters, so
@@ -146,15 +147,15 @@ class ServerConfig:
     together move the parameters about as far as one sync step. Without it every push is a
     full Adam step, which is W steps per clock: on the demo model, two gradients from the same
     parameters applied one after the other at sync's best learning rate ended 20 % above sync
-    at equal samples, and 1 % with the split (README, Consistency models)."""
+    at equal samples, and 1 % with the split (docs/design.md, Consistency and clocks)."""
     lookahead: bool = True
     """Async/SSP, keys pulled as float32: a pull gets ``x + (W - 1) * delta``, the parameters
     moved on by the key's last update once for each other live worker, so that a gradient is
     taken about where it will be applied instead of one update behind (the shard's own
     parameters are unchanged; keys whose pulls are compressed get the exact copy they need).
     On the demo model, Adam with every gradient one update stale ended 15 % above sync at
-    equal samples at its best learning rate, and within 0.2 % with the lookahead (README,
-    Consistency models)."""
+    equal samples at its best learning rate, and within 0.2 % with the lookahead (docs/design.md,
+    Consistency and clocks)."""
     staleness_damping: bool = False
     """Async/SSP: scale the learning rate by 1 / (1 + version gap) as well."""
 

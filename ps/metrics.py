@@ -1,5 +1,5 @@
 """Prometheus metrics of one shard, on a registry of its own (several shards can share a process
-in tests). Names are ``bitps_*`` with unit suffixes; the README lists them all."""
+in tests). Names are ``bitps_*`` with unit suffixes; docs/metrics.md lists them all."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ _GAP = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 
 
 class ShardMetrics:
-    """Every metric a shard exports (hot-path primitives, see :mod:`proto.metrics`)."""
+    """Every metric a shard exports (hot-path primitives, see :mod:`bitps.proto.metrics`)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()

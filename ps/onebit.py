@@ -12,7 +12,7 @@ the shard, per push::
     x      += decode(payload)                    version += 1; payload kept in the history
 
 This is Efficient-Adam's two-way compressed update. With the moments on the shard
-(``onebit_moments=shard``, reference/compression.md section 8.2)::
+(``onebit_moments=shard``: the shard keeps m and a frozen v)::
 
     g       = decode(push)                       (sync: the mean of the live workers' pushes)
     m       = lerp(m, g, 1 - beta1)              v frozen at the switch
@@ -30,8 +30,8 @@ A worker whose copy of the key is at version ``b`` gets, in its pull reply, the 
 versions ``b+1 .. now`` (``frame_codecs`` = CODEC_SIGN1) and adds each to its copy exactly as the
 shard did, so worker and shard hold bit-identical parameters; a worker further behind than the
 history (or behind a warmup update, which has no payload) gets the float32 parameters instead
-(CODEC_RAW). Both directions carry about one bit per element. reference/compression.md section 8
-derives the shard-moment and sync layouts. With a frozen v, coordinates whose v is 0 never move
+(CODEC_RAW). Both directions carry about one bit per element. docs/design.md (1-bit Adam) sets out
+the shard-moment and sync layouts. With a frozen v, coordinates whose v is 0 never move
 (``native.onebit_adam_delta``).
 """
 

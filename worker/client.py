@@ -1,9 +1,10 @@
 """``PSClient``: a worker's connection to every shard.
 
 ``push``, ``pull`` and ``push_pull`` send at once from the calling thread and return a
-:class:`~worker.channel.Handle`; ``Handle.wait()`` blocks until every shard involved has answered,
-with a deadline. Each submitting thread gets its own :class:`~worker.channel.Channel` (DEALER
-sockets; ZeroMQ sockets are not thread-safe), so no thread hand-off sits on the latency path.
+:class:`~bitps.worker.channel.Handle`; ``Handle.wait()`` blocks until every shard involved has
+answered, with a deadline. Each submitting thread gets its own
+:class:`~bitps.worker.channel.Channel` (DEALER sockets; ZeroMQ sockets are not thread-safe), so
+no thread hand-off sits on the latency path.
 Payloads go out zero-copy: arrays passed to ``push``/``push_pull`` must stay unchanged until the
 handle completes (the handle keeps them alive); pulled values are copied straight from the
 received frame into the caller's ``outs``.

@@ -1,6 +1,6 @@
 """Prometheus metrics of one worker rank, on a registry of its own. Names are ``bitps_worker_*``
-with unit suffixes; the README lists them all. Hot-path primitives (:mod:`proto.metrics`):
-writers hold :attr:`WorkerMetrics.lock`."""
+with unit suffixes; docs/metrics.md lists them all. Hot-path primitives
+(:mod:`bitps.proto.metrics`): writers hold :attr:`WorkerMetrics.lock`."""
 
 from __future__ import annotations
 
