@@ -12,9 +12,11 @@ sign1       3  ceil(n/8) + 4 ceil(n/C) bytes                        ``native/sig
 sparse      4  8 + index block + value block (data dependent)       ``native/sparse.py``
 =========  ==  =================================================  =========================
 
-:class:`Codec` is one codec with its parameters; :class:`Compressor` is one key's sender state
-(the error-feedback residual and a reusable output buffer); error feedback wraps every codec the
-same way: ``u = grad + residual``, send ``encode(u)``, keep ``residual = u - decode(...)``.
+Each codec is one :class:`CodecKind` subclass added with :func:`register` (a new codec needs
+nothing else); :class:`Codec` is one codec with its parameters; :class:`Compressor` is one key's
+sender state (the error-feedback residual and a reusable output buffer); error feedback wraps
+every codec the same way: ``u = grad + residual``, send ``encode(u)``, keep
+``residual = u - decode(...)``.
 
 Example::
 
@@ -38,12 +40,9 @@ from bitps.native import casts, sign1, sparse
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.wire import PSError
 
-__all__ = ["CODECS", "RAW", "Codec", "CodecConfig", "Compressor", "MEAN_ABS", "SPARSE_BF16",
-           "chunk_problem"]
+__all__ = ["CODECS", "RAW", "Codec", "CodecConfig", "CodecKind", "Compressor", "MEAN_ABS",
+           "SPARSE_BF16", "chunk_problem", "register"]
 
-CODECS = {"raw": pb.CODEC_RAW, "bf16": pb.CODEC_BF16, "fp16": pb.CODEC_FP16,
-          "sign1": pb.CODEC_SIGN1, "sparse": pb.CODEC_SPARSE}
-_NAMES = {v: k for k, v in CODECS.items()}
 MEAN_ABS = 1
 """``codec_flags`` bit 0: sign1 scales are mean |u| (else RMS)."""
 SPARSE_BF16 = 2
@@ -61,12 +60,181 @@ def chunk_problem(chunk: int) -> str | None:
     return f"chunk {chunk}; expected a multiple of {sign1.LANES} in 64 .. {_MAX_CHUNK}"
 
 
+class CodecKind:
+    """One codec's layout: its name and wire id, the payload size of a key, the checks of an
+    untrusted payload, decoding, and the encoder with error feedback fused in (``u = grad *
+    scale + residual``; the payload is ``code(u)``; ``residual = u - decode(payload)``, in one
+    pass). Stateless: the codec's parameters (:class:`Codec`: chunk, flags) come with every
+    call. A new codec is a subclass passed to :func:`register`; nothing else dispatches on ids.
+    """
+
+    name: str
+    id: int
+    chunked = False
+    """Whether ``codec_chunk`` is one of this codec's parameters (then checked on receipt)."""
+    is_raw = False
+
+    def max_bytes(self, codec: Codec, n: int) -> int:
+        """The largest payload for a key of ``n`` elements (exact unless overridden)."""
+        raise NotImplementedError
+
+    def size_of(self, codec: Codec, buf: np.ndarray, n: int) -> int | None:
+        """The size of the payload at the start of ``buf`` (codes published back to back), or
+        ``None`` when unreadable; fixed-size codecs answer :meth:`max_bytes`."""
+        return self.max_bytes(codec, n)
+
+    def check(self, codec: Codec, payload, n: int) -> str | None:
+        """What is wrong with an untrusted payload for a key of ``n`` elements, or ``None``
+        (fixed-size codecs: only its length can be wrong)."""
+        size = payload.nbytes if isinstance(payload, memoryview) else len(payload)
+        expected = self.max_bytes(codec, n)
+        if size != expected:
+            return (f"{self.name} payload is {size} bytes; expected {expected} for {n} "
+                    f"elements{self._size_note(codec)}")
+        return None
+
+    def _size_note(self, codec: Codec) -> str:
+        return ""
+
+    def decode_add(self, codec: Codec, payload, n: int, acc: np.ndarray) -> None:
+        """``acc[:n] += decode(payload)``; the payload passed :meth:`check`."""
+        raise NotImplementedError
+
+    def scratch(self, codec: Codec, n: int) -> np.ndarray | None:
+        """A reusable work buffer the encoder needs for a key of ``n`` elements, if any."""
+        return None
+
+    def encode(self, codec: Codec, grad: np.ndarray, residual: np.ndarray, out: np.ndarray,
+               scratch: np.ndarray | None, seed: int, scale: float) -> int:
+        """Encode ``grad * scale + residual`` into ``out`` (uint8 of :meth:`max_bytes`),
+        update ``residual`` in place; returns the payload size."""
+        raise NotImplementedError
+
+
+CODECS: dict[str, int] = {}
+"""Every registered codec: name -> wire id (``DataHeader.codec``)."""
+_KINDS: dict[int, CodecKind] = {}
+_BY_NAME: dict[str, CodecKind] = {}
+
+
+def register(kind: type[CodecKind]) -> type[CodecKind]:
+    """Add a codec to the registry (a class decorator); its name and id must be new."""
+    if kind.id in _KINDS or kind.name in _BY_NAME:
+        raise ValueError(f"codec {kind.name!r} (id {kind.id}) is already registered")
+    _KINDS[kind.id] = _BY_NAME[kind.name] = kind()
+    CODECS[kind.name] = kind.id
+    return kind
+
+
+@register
+class RawKind(CodecKind):
+    """Little-endian float32 values, 4n bytes. With error feedback only clipping under overlap
+    leaves a residual (see :class:`Compressor`)."""
+
+    name, id, is_raw = "raw", pb.CODEC_RAW, True
+
+    def max_bytes(self, codec, n):
+        return 4 * n
+
+    def decode_add(self, codec, payload, n, acc):
+        np.add(acc[:n], np.frombuffer(payload, np.float32, count=n), out=acc[:n])
+
+    def encode(self, codec, grad, residual, out, scratch, seed, scale):
+        return casts.raw_encode(grad, residual, out.view(np.float32), scale=scale)
+
+
+@register
+class Bf16Kind(CodecKind):
+    """bfloat16, 2n bytes, round to nearest even (``native/casts.py``)."""
+
+    name, id = "bf16", pb.CODEC_BF16
+
+    def max_bytes(self, codec, n):
+        return 2 * n
+
+    def decode_add(self, codec, payload, n, acc):
+        casts.bf16_decode_add(payload, n, acc)
+
+    def encode(self, codec, grad, residual, out, scratch, seed, scale):
+        return casts.bf16_encode(grad, residual, out.view(np.uint16), scale=scale)
+
+
+@register
+class Fp16Kind(CodecKind):
+    """IEEE binary16, 2n bytes (``native/casts.py``)."""
+
+    name, id = "fp16", pb.CODEC_FP16
+
+    def max_bytes(self, codec, n):
+        return 2 * n
+
+    def decode_add(self, codec, payload, n, acc):
+        casts.fp16_decode_add(payload, n, acc)
+
+    def encode(self, codec, grad, residual, out, scratch, seed, scale):
+        return casts.fp16_encode(grad, residual, out.view(np.uint16), scale=scale)
+
+
+@register
+class Sign1Kind(CodecKind):
+    """One sign bit per element and one float32 scale per chunk (``native/sign1.py``); flag
+    :data:`MEAN_ABS` picks the mean-|u| scale over RMS."""
+
+    name, id, chunked = "sign1", pb.CODEC_SIGN1, True
+
+    def max_bytes(self, codec, n):
+        return sign1.payload_bytes(n, codec.chunk)
+
+    def _size_note(self, codec):
+        return f" (chunk {codec.chunk})"
+
+    def decode_add(self, codec, payload, n, acc):
+        sign1.decode_add(payload, n, acc, chunk=codec.chunk)
+
+    def encode(self, codec, grad, residual, out, scratch, seed, scale):
+        return sign1.encode(grad, residual, out, chunk=codec.chunk,
+                            mean_abs=bool(codec.flags & MEAN_ABS), scale=scale)
+
+
+@register
+class SparseKind(CodecKind):
+    """Elements above a sampled threshold, data-dependent size (``native/sparse.py``); flag
+    :data:`SPARSE_BF16` picks bf16 values over 8-bit sign + exponent."""
+
+    name, id, chunked = "sparse", pb.CODEC_SPARSE, True
+
+    @staticmethod
+    def _values(codec: Codec) -> int:
+        return sparse.BF16 if codec.flags & SPARSE_BF16 else sparse.NATEXP8
+
+    def max_bytes(self, codec, n):
+        return sparse.max_payload_bytes(n, codec.chunk, self._values(codec))
+
+    def size_of(self, codec, buf, n):
+        return sparse.size_of(buf, n, codec.chunk)
+
+    def check(self, codec, payload, n):
+        return sparse.check(np.frombuffer(payload, np.uint8), n, codec.chunk)
+
+    def decode_add(self, codec, payload, n, acc):
+        sparse.decode_add(np.frombuffer(payload, np.uint8), n, codec.chunk, acc)
+
+    def scratch(self, codec, n):
+        return np.empty(sparse.sample_size(n), np.float32)
+
+    def encode(self, codec, grad, residual, out, scratch, seed, scale):
+        return sparse.encode(grad, residual, out, scratch, np.uint64(seed), codec.chunk,
+                             self._values(codec), scale)
+
+
 @dataclass(frozen=True, kw_only=True)
 class CodecConfig:
-    """How one direction of traffic is compressed (a setting; see the README's table)."""
+    """How one direction of traffic is compressed (a setting; the codec table is in
+    docs/design.md)."""
 
-    name: str = field(default="raw", metadata={"choices": tuple(CODECS)})
-    """``raw``, ``bf16``, ``fp16``, ``sign1`` or ``sparse``."""
+    name: str = field(default="raw", metadata={"choices": CODECS.keys()})
+    """A registered codec: ``raw``, ``bf16``, ``fp16``, ``sign1``, ``sparse`` or one added with
+    :func:`register` (the choices are the live registry)."""
     chunk: int = sign1.DEFAULT_CHUNK
     """Elements per scale chunk (sign1) or per exponent chunk (sparse); a multiple of 64."""
     scale: str = field(default="rms", metadata={"choices": _SCALES})
@@ -87,11 +255,17 @@ class CodecConfig:
 
 @dataclass(frozen=True)
 class Codec:
-    """One codec and its parameters: encode, check and decode payload frames."""
+    """One codec and its parameters, as a header carries them: encode, check and decode payload
+    frames through the registered :class:`CodecKind` of ``id``."""
 
     id: int
     chunk: int = sign1.DEFAULT_CHUNK
     flags: int = 0
+
+    def __post_init__(self) -> None:
+        if self.id not in _KINDS:
+            raise ValueError(f"codec id {self.id} is not registered; expected one of "
+                             f"{sorted(_KINDS)}")
 
     @classmethod
     def from_config(cls, cfg: CodecConfig) -> Codec:
@@ -106,22 +280,27 @@ class Codec:
         codec, chunk, flags = header.codec, header.codec_chunk, header.codec_flags
         if not (codec or chunk or flags):
             return RAW  # every uncompressed message: no object per message
-        if codec not in _NAMES:
+        kind = _KINDS.get(codec)
+        if kind is None:
             raise PSError(pb.BAD_DTYPE, f"codec {codec} is unknown; expected one of "
-                          f"{sorted(_NAMES)} ({', '.join(CODECS)})")
-        if codec in (pb.CODEC_SIGN1, pb.CODEC_SPARSE) and (problem := chunk_problem(chunk)):
-            raise PSError(pb.BAD_DTYPE, f"{_NAMES[codec]} {problem}")
+                          f"{sorted(_KINDS)} ({', '.join(CODECS)})")
+        if kind.chunked and (problem := chunk_problem(chunk)):
+            raise PSError(pb.BAD_DTYPE, f"{kind.name} {problem}")
         if flags & ~(MEAN_ABS | SPARSE_BF16):
             raise PSError(pb.BAD_DTYPE, f"codec flags {flags:#x}; only bits 0 and 1 are defined")
         return cls(codec, chunk or sign1.DEFAULT_CHUNK, flags)
 
     @property
+    def kind(self) -> CodecKind:
+        return _KINDS[self.id]
+
+    @property
     def name(self) -> str:
-        return _NAMES[self.id]
+        return self.kind.name
 
     @property
     def is_raw(self) -> bool:
-        return self.id == pb.CODEC_RAW
+        return self.kind.is_raw
 
     def wire_fields(self) -> tuple[int, int, int]:
         """``(codec, codec_chunk, codec_flags)`` for a ``DataHeader``."""
@@ -129,37 +308,19 @@ class Codec:
 
     def max_bytes(self, n: int) -> int:
         """The largest payload for a key of ``n`` elements (exact for all but sparse)."""
-        if self.id == pb.CODEC_RAW:
-            return 4 * n
-        if self.id in (pb.CODEC_BF16, pb.CODEC_FP16):
-            return 2 * n
-        if self.id == pb.CODEC_SIGN1:
-            return sign1.payload_bytes(n, self.chunk)
-        return sparse.max_payload_bytes(n, self.chunk, self._sparse_values)
-
-    @property
-    def _sparse_values(self) -> int:
-        return sparse.BF16 if self.flags & SPARSE_BF16 else sparse.NATEXP8
+        return self.kind.max_bytes(self, n)
 
     def check(self, payload, n: int) -> str | None:
         """What is wrong with an untrusted frame for a key of ``n`` elements, or ``None``."""
-        size = payload.nbytes if isinstance(payload, memoryview) else len(payload)
-        if self.id == pb.CODEC_SPARSE:
-            return sparse.check(np.frombuffer(payload, np.uint8), n, self.chunk)
-        expected = self.max_bytes(n)
-        if size != expected:
-            return (f"{self.name} payload is {size} bytes; expected {expected} for {n} "
-                    f"elements" + (f" (chunk {self.chunk})" if self.id == pb.CODEC_SIGN1 else ""))
-        return None
+        return self.kind.check(self, payload, n)
 
     def split(self, frame, n: int) -> list[np.ndarray] | str:
         """The payloads concatenated in ``frame`` (the codes a shard published for a key of
         ``n`` elements, oldest first), each checked; or what is wrong with the frame."""
         buf = np.frombuffer(frame, np.uint8)
-        parts, pos = [], 0
+        kind, parts, pos = self.kind, [], 0
         while pos < buf.shape[0]:
-            size = (sparse.size_of(buf[pos:], n, self.chunk) if self.id == pb.CODEC_SPARSE
-                    else self.max_bytes(n))
+            size = kind.size_of(self, buf[pos:], n)
             if size is None or pos + size > buf.shape[0]:
                 return (f"{buf.shape[0]} bytes of {self.name} codes: the one at byte {pos} "
                         f"is cut off or unreadable")
@@ -172,20 +333,11 @@ class Codec:
 
     def decode_add(self, payload, n: int, acc: np.ndarray) -> None:
         """``acc[:n] += decode(payload)``; the payload passed :meth:`check`."""
-        if self.id == pb.CODEC_RAW:
-            np.add(acc[:n], np.frombuffer(payload, np.float32, count=n), out=acc[:n])
-        elif self.id == pb.CODEC_BF16:
-            casts.bf16_decode_add(payload, n, acc)
-        elif self.id == pb.CODEC_FP16:
-            casts.fp16_decode_add(payload, n, acc)
-        elif self.id == pb.CODEC_SIGN1:
-            sign1.decode_add(payload, n, acc, chunk=self.chunk)
-        else:
-            sparse.decode_add(np.frombuffer(payload, np.uint8), n, self.chunk, acc)
+        self.kind.decode_add(self, payload, n, acc)
 
     def decode(self, payload, n: int, out: np.ndarray) -> np.ndarray:
         """The float32 values of ``payload`` written to ``out[:n]`` (raw: a view, no copy)."""
-        if self.id == pb.CODEC_RAW:
+        if self.is_raw:
             return np.frombuffer(payload, np.float32, count=n)
         out = out[:n]
         out.fill(0.0)
@@ -205,29 +357,18 @@ class Compressor:
         self.codec, self.n = codec, n
         self.residual = np.zeros(n, np.float32)
         self._out = np.empty(codec.max_bytes(n), np.uint8)
-        self._scratch = (np.empty(sparse.sample_size(n), np.float32)
-                         if codec.id == pb.CODEC_SPARSE else None)
+        self._scratch = codec.kind.scratch(codec, n)
 
     def encode(self, grad: np.ndarray, *, seed: int = 0, scale: float = 1.0) -> memoryview:
         """The payload for ``grad * scale`` (plus the residual); valid until the next call.
         ``seed`` drives sparse's sampling and stochastic rounding (vary it per step); ``scale``
         is the clip factor."""
-        codec, out = self.codec, self._out
         if grad.shape != (self.n,):
             raise ValueError(f"gradient has shape {grad.shape}; this key has ({self.n},)")
-        if codec.id == pb.CODEC_RAW:
-            size = casts.raw_encode(grad, self.residual, out.view(np.float32), scale=scale)
-        elif codec.id == pb.CODEC_BF16:
-            size = casts.bf16_encode(grad, self.residual, out.view(np.uint16), scale=scale)
-        elif codec.id == pb.CODEC_FP16:
-            size = casts.fp16_encode(grad, self.residual, out.view(np.uint16), scale=scale)
-        elif codec.id == pb.CODEC_SIGN1:
-            size = sign1.encode(grad, self.residual, out, chunk=codec.chunk,
-                                mean_abs=bool(codec.flags & MEAN_ABS), scale=scale)
-        else:
-            size = sparse.encode(grad, self.residual, out, self._scratch, np.uint64(seed),
-                                 codec.chunk, codec._sparse_values, scale)
-        return memoryview(out)[:size]
+        codec = self.codec
+        size = codec.kind.encode(codec, grad, self.residual, self._out, self._scratch, seed,
+                                 scale)
+        return memoryview(self._out)[:size]
 
     def residual_norm(self) -> float:
         """L2 norm of the residual, for metrics."""
