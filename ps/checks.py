@@ -84,14 +84,6 @@ def decode_push(cfg: ServerConfig, header: pb.DataHeader, payload: list,
             if not native.all_finite(grad):
                 raise PSError(pb.NON_FINITE, f"key {slot.spec.key}: gradient holds NaN or Inf"
                               + ("" if codec.is_raw else f" (decoded from {codec.name})"))
-    if cfg.mode == "sync":
-        for slot in slots:
-            if header.clock != slot.version or header.worker in slot.pushed:
-                raise PSError(pb.BAD_CLOCK, f"key {slot.spec.key}: sync push from worker "
-                              f"{header.worker} at clock {header.clock}; the shard is "
-                              f"aggregating clock {slot.version}"
-                              + (" and already has this worker's push"
-                                 if header.worker in slot.pushed else ""))
     return grads, codec
 
 

@@ -1,17 +1,10 @@
-"""Worker clocks, liveness and the consistency policy (BSP / ASP / SSP admission).
+"""Worker clocks and liveness, for the consistency modes (``ps.consistency``) to decide on.
 
 A worker's *clock* is the number of steps it has completed as this shard has seen it: a pull for
 step ``c`` (or a push_pull at step ``c - 1``) says the worker has completed ``c`` steps, and since
 one DEALER->ROUTER connection is FIFO, all of its pushes for earlier steps have already arrived.
 
 Pure and socket-free: time comes from an injected ``now`` so tests drive it by hand.
-
-- ``async``: every pull is admitted at once.
-- ``ssp`` with bound S: a pull for step ``c`` is admitted once every live worker has clock
-  ``>= c - S``; so a worker is never handed parameters more than S steps ahead of the slowest live
-  worker.
-- ``sync``: pulls for step ``c`` wait for the keys' versions to reach ``c`` (the shard checks
-  versions; this table supplies the live set whose pushes an aggregate must contain).
 
 A worker is live while it has been heard from (heartbeat or data) within ``timeout_s``; ranks of
 the registered world that have not shown up yet count as live from the first registration, so
@@ -42,10 +35,7 @@ class WorkerClock:
 class ClockTable:
     """Clocks and liveness of the workers of one shard."""
 
-    def __init__(self, *, mode: str, staleness: int, timeout_s: float,
-                 now: Callable[[], float] = time.monotonic) -> None:
-        self.mode = mode
-        self.staleness = staleness
+    def __init__(self, *, timeout_s: float, now: Callable[[], float] = time.monotonic) -> None:
         self.timeout_s = timeout_s
         self.now = now
         self.workers: dict[int, WorkerClock] = {}
@@ -99,14 +89,7 @@ class ClockTable:
         clocks = [w.clock for w in self.workers.values() if not (w.left or w.dropped)]
         return min(clocks) if clocks else 0
 
-    def admits(self, clock: int) -> bool:
-        """May a worker be handed parameters for step ``clock`` now (SSP/ASP)?"""
-        if self.mode != "ssp":
-            return True
-        return self.min_clock() >= clock - self.staleness
-
-    def laggards(self, clock: int) -> list[int]:
-        """Live ranks whose clock is below what a pull for step ``clock`` needs (SSP)."""
-        need = clock - self.staleness
+    def below(self, need: int) -> list[int]:
+        """Live ranks whose clock is below ``need``."""
         return sorted(r for r, w in self.workers.items()
                       if not (w.left or w.dropped) and w.clock < need)

@@ -41,19 +41,21 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from bitps import native
 from bitps.native import casts
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import MEAN_ABS, Codec, Compressor
 from bitps.proto.wire import PSError
 from bitps.ps.config import ServerConfig
-from bitps.ps.publish import Publisher
-from bitps.ps.rules import make_rule
+from bitps.ps.publish import Publisher, publish_update
+from bitps.ps.rules import AdamW, make_rule, register
 
 if TYPE_CHECKING:
     from bitps.ps.rules import KeyState
     from bitps.ps.store import Slot
 
-__all__ = ["OneBitState", "key_states", "new_state", "params", "published_codec",
+__all__ = ["OneBitAdam", "OneBitAdamShardMoments", "OneBitAdamSync", "OneBitAdamWorkerMoments",
+           "OneBitState", "key_states", "new_state", "params", "published_codec",
            "uses_worker_moments"]
 
 
@@ -183,3 +185,185 @@ class OneBitState:
     def forget(self) -> None:
         """A warmup update has no payload: workers behind it need the full parameters."""
         self.pub.forget()
+
+
+@register
+class OneBitAdam(AdamW):
+    """1-bit Adam: AdamW (decoupled decay) for ``freeze_step`` clocks, then compressed updates
+    in one of three layouts (the module docstring): :class:`OneBitAdamSync` (DeepSpeed's
+    momenta), :class:`OneBitAdamWorkerMoments` and :class:`OneBitAdamShardMoments`
+    (async/ssp). This class alone is the arithmetic, for tests; a shard gets a layout."""
+
+    name = "onebit_adam"
+
+    @classmethod
+    def create(cls, cfg, server=None):
+        if server is None:
+            return cls(cfg, None)
+        if server.mode == "sync":  # the layout follows the mode: DeepSpeed's is sync-only
+            return OneBitAdamSync(cfg, server)
+        if uses_worker_moments(server):
+            return OneBitAdamWorkerMoments(cfg, server)
+        return OneBitAdamShardMoments(cfg, server)
+
+    # -- a key on a shard ---------------------------------------------------------------------
+    def setup(self, slot):
+        slot.onebit = new_state(slot.length, self.server)
+        slot.publisher = slot.onebit.pub
+
+    def update(self, slot, grad, *, clock, grad_scale=1.0, lr_scale=1.0):
+        """Full Adam during the warmup; then the compressed update, added to the parameters
+        exactly as workers will add it, and published."""
+        ob = slot.onebit
+        if not ob.compressing or self._warmup_push(clock):
+            if ob.warmup_codes:
+                # full Adam, published as the sign1 code of the parameter change
+                return publish_update(slot, lambda dst: self.apply(
+                    slot.param, grad, slot.state, grad_scale=grad_scale, lr_scale=lr_scale,
+                    dst=dst), seed=0)
+            self.apply(slot.writable(), grad, slot.state, grad_scale=grad_scale,
+                       lr_scale=lr_scale)
+            slot.version += 1
+            ob.forget()
+            return
+        payload = self._compressed(slot, grad, grad_scale, lr_scale)
+        slot.version += 1
+        ob.publish(slot.version, payload)
+
+    def _warmup_push(self, clock: int) -> bool:
+        """Whether a push computed at ``clock`` still gets a warmup step after the switch."""
+        return False
+
+    def _compressed(self, slot: Slot, grad: np.ndarray, grad_scale: float,
+                    lr_scale: float) -> memoryview:
+        """One compression-stage update of ``slot``; returns the published payload."""
+        raise NotImplementedError(f"{type(self).__name__} is the arithmetic alone; a shard "
+                                  f"uses a layout (create)")
+
+    def arrived(self, slot, clock):
+        # async/ssp: pushes for clocks >= freeze_step are compression-stage pushes
+        if clock >= self.cfg.freeze_step and not slot.onebit.compressing:
+            slot.onebit.freeze(self.bias_correction2_sqrt(slot.state), slot.state)
+
+    def aggregated(self, slot):
+        ob = slot.onebit
+        if not ob.compressing and slot.version >= self.cfg.freeze_step:
+            # the warmup is complete: workers now fetch m and v (OptimizerState) and push momenta
+            ob.freeze(self.bias_correction2_sqrt(slot.state), slot.state)
+
+    def published_codec(self):
+        return published_codec(self.server)
+
+    def register_params(self):
+        return params(self.server)
+
+    def optimizer_state(self, slots):
+        return key_states(slots, self.server)
+
+    def compressing_keys(self, slots):
+        return sum(s.onebit.compressing for s in slots.values())
+
+    def save_state(self, slot):
+        out = super().save_state(slot)
+        ob = slot.onebit
+        if ob is not None:
+            out["compressing"] = np.array([ob.compressing], np.int64)
+            out["bias_correction2_sqrt"] = np.array([ob.bias_correction2_sqrt], np.float64)
+            out["m_code"] = np.frombuffer(ob.m_code, np.uint8).copy()
+        return out
+
+    def load_state(self, slot, arrays):
+        ob = slot.onebit
+        extra = ("compressing", "bias_correction2_sqrt", "m_code") if ob is not None else ()
+        if missing := [k for k in extra if k not in arrays]:
+            raise PSError(pb.BAD_HEADER, f"key {slot.spec.key}: onebit_adam state lacks "
+                          f"{missing}")
+        if ob is not None:
+            m_code, size = arrays["m_code"], ob.codec.max_bytes(ob.n)
+            if m_code.size not in (0, size) or arrays["compressing"].shape != (1,) \
+                    or arrays["bias_correction2_sqrt"].shape != (1,):
+                raise PSError(pb.BAD_LENGTH, f"key {slot.spec.key}: onebit_adam state of "
+                              f"m code {m_code.size} bytes (expected 0 or {size}) and flags "
+                              f"{arrays['compressing'].shape}; expected one value each")
+        super().load_state(slot, {k: v for k, v in arrays.items() if k not in extra})
+        if ob is not None:
+            ob.compressing = bool(arrays["compressing"][0])
+            ob.bias_correction2_sqrt = float(arrays["bias_correction2_sqrt"][0])
+            ob.m_code = arrays["m_code"].tobytes()
+
+    # -- arithmetic of the compression stage --------------------------------------------------
+    def delta(self, param: np.ndarray, grad: np.ndarray, state: KeyState, out: np.ndarray, *,
+              bias_correction2_sqrt: float, grad_scale: float = 1.0,
+              lr_scale: float = 1.0) -> None:
+        """After warmup: update the momentum with ``grad * grad_scale`` and write the
+        parameter update ``-lr * (m / (sqrt(v)/bc2 + eps) + wd * param)`` to ``out`` (v and
+        its bias correction frozen at the switch; m's correction is ~1 by then and omitted, as
+        in DeepSpeed)."""
+        f32 = np.float32
+        state.step += 1
+        native.onebit_adam_delta(param, grad, state.buf1, state.buf2, out, f32(grad_scale),
+                                 self._one_minus_beta1, self._eps, self._wd,
+                                 self.neg_lr(lr_scale), f32(bias_correction2_sqrt),
+                                 f32(self.ratio_clip))
+
+    def apply_momentum(self, param: np.ndarray, state: KeyState, *,
+                       bias_correction2_sqrt: float, lr_scale: float = 1.0) -> None:
+        """sync: ``state.buf1`` holds the published momentum; apply it with the frozen v,
+        exactly as workers do (``native.onebit_adam_apply``)."""
+        f32 = np.float32
+        state.step += 1
+        native.onebit_adam_apply(param, state.buf1, state.buf2, self._eps, self._wd,
+                                 self.neg_lr(lr_scale), f32(bias_correction2_sqrt),
+                                 f32(self.ratio_clip))
+
+    def direction_delta(self, param: np.ndarray, direction: np.ndarray, out: np.ndarray, *,
+                        grad_scale: float = 1.0, lr_scale: float = 1.0) -> None:
+        """Worker moments, after warmup: write ``-lr * (clip(direction) + wd * param)`` to
+        ``out``, ``direction`` being a worker's decoded Adam direction."""
+        native.onebit_direction_delta(param, direction, out, np.float32(grad_scale), self._wd,
+                                      self.neg_lr(lr_scale), np.float32(self.ratio_clip))
+
+
+class OneBitAdamSync(OneBitAdam):
+    """sync: pushes are worker momenta; their compressed mean is published as m and every
+    replica applies it with the frozen v (DeepSpeed's compressed allreduce)."""
+
+    def _compressed(self, slot, grad, grad_scale, lr_scale):
+        ob = slot.onebit
+        # grad is the sum of the workers' momenta: publish their compressed mean as m
+        np.multiply(grad, np.float32(grad_scale), out=ob.delta)
+        payload = ob.server.encode(ob.delta)
+        slot.state.buf1.fill(0.0)
+        ob.codec.decode_add(payload, slot.length, slot.state.buf1)
+        self.apply_momentum(slot.writable(), slot.state, lr_scale=lr_scale,
+                            bias_correction2_sqrt=ob.bias_correction2_sqrt)
+        return payload
+
+
+class OneBitAdamWorkerMoments(OneBitAdam):
+    """async/ssp, moments on the workers: pushes are Adam directions (Efficient-Adam)."""
+
+    def _warmup_push(self, clock):
+        # a push computed before the switch holds a gradient, not a direction: a late one (a
+        # slower async worker's) gets a warmup step even after the switch
+        return clock < self.cfg.freeze_step
+
+    def _compressed(self, slot, grad, grad_scale, lr_scale):
+        ob = slot.onebit
+        self.direction_delta(slot.param, grad, ob.delta, grad_scale=grad_scale,
+                             lr_scale=lr_scale)
+        payload = ob.server.encode(ob.delta)
+        ob.codec.decode_add(payload, slot.length, slot.writable())
+        return payload
+
+
+class OneBitAdamShardMoments(OneBitAdam):
+    """async/ssp, moments on the shard: pushes are gradients; m is updated and v frozen."""
+
+    def _compressed(self, slot, grad, grad_scale, lr_scale):
+        ob = slot.onebit
+        self.delta(slot.param, grad, slot.state, ob.delta, grad_scale=grad_scale,
+                   lr_scale=lr_scale, bias_correction2_sqrt=ob.bias_correction2_sqrt)
+        payload = ob.server.encode(ob.delta)
+        ob.codec.decode_add(payload, slot.length, slot.writable())
+        return payload

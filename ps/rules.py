@@ -1,21 +1,37 @@
-"""Update rules: the optimizer a shard runs on each key, over the kernels in ``native``.
+"""Update rules: the optimizer a shard runs on each key, one class per rule, registered by its
+``OptimizerConfig.name``.
 
-A rule owns no arrays: :meth:`UpdateRule.new_state` makes a key's state (moments, step count),
-:meth:`UpdateRule.apply` updates ``param`` in place from a gradient and that state. Each key is a
-partition of one tensor and is updated once per optimizer step, so per-key step counts equal
-torch's per-parameter ones.
+A rule owns no arrays. It makes a key's state (:meth:`UpdateRule.new_state`: moments, step
+count), does the arithmetic (:meth:`UpdateRule.apply` updates ``param`` from a gradient and that
+state, over the kernels in ``native``), and runs a key's updates on the shard
+(:meth:`UpdateRule.update`, with the phase hooks :meth:`~UpdateRule.arrived` and
+:meth:`~UpdateRule.aggregated`), including what the key publishes for compressed pulls. It also
+saves and restores a key's state (:meth:`~UpdateRule.save_state`). 1-bit Adam's rule, with its
+layouts and phases, is in ``ps.onebit``; the shard core calls rules only through this interface.
+
+Each key is a partition of one tensor and is updated once per optimizer step, so per-key step
+counts equal torch's per-parameter ones.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
 from bitps import native
-from bitps.ps.config import OptimizerConfig
+from bitps.proto import bitps_pb2 as pb
+from bitps.proto.wire import PSError
+from bitps.ps.config import OptimizerConfig, ServerConfig
+from bitps.ps.publish import publish_update
 
-__all__ = ["KeyState", "UpdateRule", "make_rule"]
+if TYPE_CHECKING:
+    from bitps.proto.codecs import Codec
+    from bitps.ps.store import Slot
+
+__all__ = ["RULES", "Adam", "AdamW", "KeyState", "Momentum", "SGD", "UpdateRule", "make_rule",
+           "register"]
 
 _EMPTY = np.empty(0, dtype=np.float32)
 
@@ -30,10 +46,18 @@ class KeyState:
 
 
 class UpdateRule:
-    """Applies ``cfg``'s optimizer; see ``native.update_rules`` for the exact arithmetic."""
+    """One optimizer: the arithmetic (``native.update_rules`` has it exactly) and a key's life on
+    a shard. Subclass, set :attr:`name` and :attr:`buffers`, implement :meth:`_step`, and
+    :func:`register` it; a rule with phases or published codes overrides the key hooks too."""
 
-    def __init__(self, cfg: OptimizerConfig) -> None:
+    name: ClassVar[str]
+    buffers: ClassVar[int] = 0
+    """Moment buffers per key (``KeyState.buf1``, ``buf2``)."""
+
+    def __init__(self, cfg: OptimizerConfig, server: ServerConfig | None = None) -> None:
         self.cfg = cfg
+        self.server = server
+        """The shard's configuration (``None`` for the arithmetic alone, as in tests)."""
         f32 = np.float32
         self._lr, self._wd = f32(cfg.lr), f32(cfg.weight_decay)
         # Complements are taken in float64 before the cast, as torch does.
@@ -41,83 +65,111 @@ class UpdateRule:
         self._one_minus_beta1, self._beta2 = f32(1 - cfg.beta1), f32(cfg.beta2)
         self._one_minus_beta2, self._eps = f32(1 - cfg.beta2), f32(cfg.eps)
 
+    @classmethod
+    def create(cls, cfg: OptimizerConfig, server: ServerConfig | None = None) -> UpdateRule:
+        """The rule for ``cfg`` on a shard configured by ``server`` (a rule with several
+        layouts picks one here)."""
+        return cls(cfg, server)
+
+    # -- arithmetic ---------------------------------------------------------------------------
     def new_state(self, length: int) -> KeyState:
         """Fresh state for a key of ``length`` elements (zeros, as torch initialises it)."""
-        name = self.cfg.name
-        if name == "momentum":
-            return KeyState(buf1=np.zeros(length, np.float32))
-        if name in ("adam", "adamw", "onebit_adam"):
-            return KeyState(buf1=np.zeros(length, np.float32), buf2=np.zeros(length, np.float32))
-        return KeyState()
+        bufs = [np.zeros(length, np.float32) for _ in range(self.buffers)]
+        return KeyState(*([0] + bufs))
 
     def apply(self, param: np.ndarray, grad: np.ndarray, state: KeyState, *,
               grad_scale: float = 1.0, lr_scale: float = 1.0,
               dst: np.ndarray | None = None) -> None:
         """One optimizer step with gradient ``grad * grad_scale``; the new parameters go to
-        ``dst`` (default: ``param``, in place). ``lr_scale`` damps the learning rate
-        (staleness-aware damping)."""
-        cfg, f32 = self.cfg, np.float32
+        ``dst`` (default: ``param``, in place). ``lr_scale`` scales the learning rate (the
+        schedule, the split over workers, staleness damping)."""
         if dst is not None:
             if dst.shape != param.shape:
                 raise ValueError(f"dst has shape {dst.shape}; expected {param.shape}")
             # The kernels update in place (that is what lets them vectorize): copy, then update.
             np.copyto(dst, param)
             param = dst
-        lr = self._lr if lr_scale == 1.0 else f32(cfg.lr * lr_scale)
-        scale = f32(grad_scale)
+        lr = self._lr if lr_scale == 1.0 else np.float32(self.cfg.lr * lr_scale)
         state.step += 1
-        if cfg.name == "sgd":
-            native.sgd_step(param, grad, scale, lr, self._wd)
-        elif cfg.name == "momentum":
-            native.momentum_step(param, grad, state.buf1, scale, lr, self._momentum,
-                                 self._keep, self._wd, cfg.nesterov, state.step == 1)
-        else:
-            # torch computes the bias corrections in float64 Python scalars, then casts.
-            t = state.step
-            neg_step_size = -(cfg.lr * lr_scale) / (1 - cfg.beta1**t)
-            bc2_sqrt = (1 - cfg.beta2**t) ** 0.5
-            native.adam_step(param, grad, state.buf1, state.buf2, scale,
-                             self._one_minus_beta1, self._beta2, self._one_minus_beta2,
-                             self._eps, self._wd, cfg.name != "adam",
-                             f32(1 - cfg.lr * lr_scale * cfg.weight_decay), f32(neg_step_size),
-                             f32(bc2_sqrt))
+        self._step(param, grad, state, np.float32(grad_scale), lr, lr_scale)
 
-    @property
-    def onebit(self) -> bool:
-        """True for 1-bit Adam: Adam (decoupled decay) during warmup, then :meth:`delta`."""
-        return self.cfg.name == "onebit_adam"
+    def _step(self, param: np.ndarray, grad: np.ndarray, state: KeyState, scale: np.float32,
+              lr: np.float32, lr_scale: float) -> None:
+        raise NotImplementedError
 
-    def delta(self, param: np.ndarray, grad: np.ndarray, state: KeyState, out: np.ndarray, *,
-              bias_correction2_sqrt: float, grad_scale: float = 1.0,
-              lr_scale: float = 1.0) -> None:
-        """1-bit Adam after warmup: update the momentum with ``grad * grad_scale`` and write
-        the parameter update ``-lr * (m / (sqrt(v)/bc2 + eps) + wd * param)`` to ``out`` (v and
-        its bias correction frozen at the switch; m's correction is ~1 by then and omitted, as
-        in DeepSpeed)."""
-        f32 = np.float32
-        state.step += 1
-        native.onebit_adam_delta(param, grad, state.buf1, state.buf2, out, f32(grad_scale),
-                                 self._one_minus_beta1, self._eps, self._wd,
-                                 self.neg_lr(lr_scale), f32(bias_correction2_sqrt),
-                                 f32(self.ratio_clip))
+    # -- a key on a shard ---------------------------------------------------------------------
+    def setup(self, slot: Slot) -> None:
+        """A new key's extra state on this shard (none by default)."""
 
-    def apply_momentum(self, param: np.ndarray, state: KeyState, *,
-                       bias_correction2_sqrt: float, lr_scale: float = 1.0) -> None:
-        """sync 1-bit Adam: ``state.buf1`` holds the published momentum; apply it with the
-        frozen v, exactly as workers do (``native.onebit_adam_apply``)."""
-        f32 = np.float32
-        state.step += 1
-        native.onebit_adam_apply(param, state.buf1, state.buf2, self._eps, self._wd,
-                                 self.neg_lr(lr_scale), f32(bias_correction2_sqrt),
-                                 f32(self.ratio_clip))
+    def update(self, slot: Slot, grad: np.ndarray, *, clock: int, grad_scale: float = 1.0,
+               lr_scale: float = 1.0) -> None:
+        """One update of ``slot`` from a push (sync: the sum of a step's pushes, with
+        ``grad_scale`` 1/W) computed by a worker at ``clock``: in place unless the current
+        parameters are being sent; through the key's publisher when its pulls are compressed;
+        recording the update for lookahead pulls."""
+        if slot.publisher is not None:
+            # the version number seeds sparse's sampling: every update draws afresh
+            return publish_update(slot, lambda dst: self.apply(
+                slot.param, grad, slot.state, grad_scale=grad_scale, lr_scale=lr_scale,
+                dst=dst), seed=(slot.spec.key << 32) + slot.version)
+        target = slot.writable()
+        delta = slot.last_delta
+        if delta is not None:
+            np.copyto(delta, target)
+        self.apply(target, grad, slot.state, grad_scale=grad_scale, lr_scale=lr_scale)
+        if delta is not None:
+            np.subtract(target, delta, out=delta)
+        slot.version += 1
 
-    def direction_delta(self, param: np.ndarray, direction: np.ndarray, out: np.ndarray, *,
-                        grad_scale: float = 1.0, lr_scale: float = 1.0) -> None:
-        """1-bit Adam with worker moments after warmup: write ``-lr * (clip(direction) + wd *
-        param)`` to ``out``, ``direction`` being a worker's decoded Adam direction."""
-        native.onebit_direction_delta(param, direction, out, np.float32(grad_scale), self._wd,
-                                      self.neg_lr(lr_scale), np.float32(self.ratio_clip))
+    def arrived(self, slot: Slot, clock: int) -> None:
+        """async/ssp: a push computed at ``clock`` is about to be applied to ``slot``."""
 
+    def aggregated(self, slot: Slot) -> None:
+        """sync: a step's mean was applied to ``slot``."""
+
+    def published_codec(self) -> Codec | None:
+        """The codec of the codes this rule publishes for every key, or ``None``: the pull
+        codec is then the first registration's."""
+        return None
+
+    def register_params(self) -> pb.OneBitParams | None:
+        """What a RegisterReply tells workers about this rule (1-bit Adam's parameters)."""
+        return None
+
+    def optimizer_state(self, slots: dict[int, Slot]) -> list[pb.KeyOptimizerState]:
+        """The state workers fetch (the OptimizerState RPC); only sync 1-bit Adam has one."""
+        mode = self.server.mode if self.server is not None else "?"
+        raise PSError(pb.BAD_HEADER, f"shard runs {self.cfg.name} in {mode} mode; optimizer "
+                      f"state is only shared by sync onebit_adam")
+
+    def compressing_keys(self, slots: dict[int, Slot]) -> int:
+        """Keys past a compression switch, for metrics (-1: the rule has none)."""
+        return -1
+
+    def save_state(self, slot: Slot) -> dict[str, np.ndarray]:
+        """The key's optimizer state as named arrays (a checkpoint's; parameters, version and
+        codec residuals are saved by the shard). :meth:`load_state` restores it."""
+        out = {"step": np.array([slot.state.step], np.int64)}
+        for i, buf in enumerate((slot.state.buf1, slot.state.buf2)[:self.buffers], 1):
+            out[f"buf{i}"] = buf.copy()
+        return out
+
+    def load_state(self, slot: Slot, arrays: dict[str, np.ndarray]) -> None:
+        """Restore :meth:`save_state`; :class:`PSError` (nothing changed) when a name or a
+        shape does not match."""
+        want = UpdateRule.save_state(self, slot)  # this class's arrays; subclasses add theirs
+        if set(arrays) != set(want):
+            raise PSError(pb.BAD_HEADER, f"key {slot.spec.key}: {self.name} state has "
+                          f"{sorted(want)}; got {sorted(arrays)}")
+        for name, value in arrays.items():
+            if value.shape != want[name].shape:
+                raise PSError(pb.BAD_LENGTH, f"key {slot.spec.key}: {self.name} state {name} "
+                              f"of shape {value.shape}; expected {want[name].shape}")
+        slot.state.step = int(arrays["step"][0])
+        for i, buf in enumerate((slot.state.buf1, slot.state.buf2)[:self.buffers], 1):
+            np.copyto(buf, arrays[f"buf{i}"], casting="same_kind")
+
+    # -- shared scalars -----------------------------------------------------------------------
     def neg_lr(self, lr_scale: float = 1.0) -> np.float32:
         """``-lr * lr_scale`` as the float32 the kernels take; sync 1-bit Adam workers compute
         the same scalar from the same doubles (``worker.onebit``)."""
@@ -138,6 +190,66 @@ class UpdateRule:
         return (1 - self.cfg.beta2 ** max(state.step, 1)) ** 0.5
 
 
-def make_rule(cfg: OptimizerConfig) -> UpdateRule:
-    """The update rule for ``cfg``."""
-    return UpdateRule(cfg)
+RULES: dict[str, type[UpdateRule]] = {}
+"""Every registered rule by ``OptimizerConfig.name``."""
+
+
+def register(cls: type[UpdateRule]) -> type[UpdateRule]:
+    """Add an update rule (a class decorator); ``OptimizerConfig.name`` selects it."""
+    if cls.name in RULES:
+        raise ValueError(f"update rule {cls.name!r} is already registered")
+    RULES[cls.name] = cls
+    return cls
+
+
+@register
+class SGD(UpdateRule):
+    name = "sgd"
+
+    def _step(self, param, grad, state, scale, lr, lr_scale):
+        native.sgd_step(param, grad, scale, lr, self._wd)
+
+
+@register
+class Momentum(UpdateRule):
+    name, buffers = "momentum", 1
+
+    def _step(self, param, grad, state, scale, lr, lr_scale):
+        native.momentum_step(param, grad, state.buf1, scale, lr, self._momentum,
+                             self._keep, self._wd, self.cfg.nesterov, state.step == 1)
+
+
+@register
+class Adam(UpdateRule):
+    """Adam with L2 weight decay (``decoupled`` False) or AdamW's decoupled decay."""
+
+    name, buffers = "adam", 2
+    decoupled: ClassVar[bool] = False
+
+    def _step(self, param, grad, state, scale, lr, lr_scale):
+        cfg, f32 = self.cfg, np.float32
+        # torch computes the bias corrections in float64 Python scalars, then casts.
+        t = state.step
+        neg_step_size = -(cfg.lr * lr_scale) / (1 - cfg.beta1**t)
+        bc2_sqrt = (1 - cfg.beta2**t) ** 0.5
+        native.adam_step(param, grad, state.buf1, state.buf2, scale,
+                         self._one_minus_beta1, self._beta2, self._one_minus_beta2,
+                         self._eps, self._wd, self.decoupled,
+                         f32(1 - cfg.lr * lr_scale * cfg.weight_decay), f32(neg_step_size),
+                         f32(bc2_sqrt))
+
+
+@register
+class AdamW(Adam):
+    name, decoupled = "adamw", True
+
+
+def make_rule(cfg: OptimizerConfig, server: ServerConfig | None = None) -> UpdateRule:
+    """The registered rule ``cfg.name`` names, for a shard configured by ``server`` (``None``:
+    the arithmetic alone)."""
+    from bitps.ps import onebit  # noqa: F401  (registers onebit_adam; it imports this module)
+
+    cls = RULES.get(cfg.name)
+    if cls is None:
+        raise ValueError(f"update rule {cfg.name!r}; expected one of {sorted(RULES)}")
+    return cls.create(cfg, server)

@@ -25,9 +25,10 @@ from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import Codec
 from bitps.proto.keyplan import DIGEST_BYTES, value_digest
 from bitps.proto.wire import PROTOCOL, PSError, error_name, parse_header
-from bitps.ps import checks, onebit, publish
+from bitps.ps import checks, publish
 from bitps.ps.clocks import ClockTable
 from bitps.ps.config import ServerConfig
+from bitps.ps.consistency import make_consistency
 from bitps.ps.metrics import ClockSnapshot, ShardMetrics
 from bitps.ps.publish import Publisher
 from bitps.ps.rules import make_rule
@@ -80,9 +81,9 @@ class ShardCore:
         self.lock = threading.RLock()
         self.metrics = metrics or ShardMetrics()
         self.metrics.watch_clocks(self.clock_snapshot)
-        self.rule = make_rule(cfg.optimizer)
-        self.clocks = ClockTable(mode=cfg.mode, staleness=cfg.staleness,
-                                 timeout_s=cfg.heartbeat_timeout_s, now=now)
+        self.rule = make_rule(cfg.optimizer, cfg)
+        self.consistency = make_consistency(cfg)
+        self.clocks = ClockTable(timeout_s=cfg.heartbeat_timeout_s, now=now)
         self.slots: dict[int, Slot] = {}
         self.signature = ""
         self.initialized = threading.Event()
@@ -90,11 +91,10 @@ class ShardCore:
         self.admissions: deque[Admission] = deque(maxlen=100_000)
         self.updates_applied = 0
         self._membership_changed = False
-        self.pull_codec: Codec | None = None
-        """What this shard publishes for compressed pulls (``ps.publish``): 1-bit Adam's sign1
-        codes, else fixed by the first registration; ``RAW`` = parameters only."""
-        if self.rule.onebit:
-            self.pull_codec = onebit.published_codec(cfg)
+        self.pull_codec: Codec | None = self.rule.published_codec()
+        """What this shard publishes for compressed pulls (``ps.publish``): the rule's own
+        codes (1-bit Adam's sign1), else fixed by the first registration; ``RAW`` = parameters
+        only."""
 
     # -- registration (gRPC) ------------------------------------------------------------------
     def register(self, req: pb.RegisterRequest, values: dict[int, bytes]) -> pb.RegisterReply:
@@ -124,7 +124,7 @@ class ShardCore:
             # the shard as empty as it was.
             pull = self.pull_codec or self._pull_codec(req)
             slots = self.slots or self._new_slots(req, pull)
-            if not self.rule.onebit:
+            if self.rule.published_codec() is None:  # else the rule's codes, for every key
                 self._check_pulls(req, pull, slots)
             if req.sends_values:
                 self._check_values(slots, values)
@@ -143,8 +143,9 @@ class ShardCore:
             start = self.clocks.workers[req.rank].clock
         return pb.RegisterReply(shard_id=cfg.shard_id, num_shards=cfg.num_shards, mode=cfg.mode,
                                 staleness=cfg.staleness, start_clock=start,
-                                max_frame_bytes=cfg.max_frame_bytes, onebit=onebit.params(cfg),
-                                holds_pulls=cfg.mode == "sync" and req.world_size > 1)
+                                max_frame_bytes=cfg.max_frame_bytes,
+                                onebit=self.rule.register_params(),
+                                holds_pulls=self.consistency.holds_pulls(req.world_size))
 
     def current_copies(self, req: pb.RegisterRequest) -> tuple[list[int], list[int]]:
         """The keys (and their versions) whose values equal the ``value_digests`` a registering
@@ -166,7 +167,7 @@ class ShardCore:
             if not self.clocks.is_registered(rank):
                 raise PSError(pb.NOT_REGISTERED, f"rank {rank} is not registered with shard "
                               f"{self.cfg.shard_id}")
-            return onebit.key_states(self.slots, self.cfg)
+            return self.rule.optimizer_state(self.slots)
 
     def codec_state(self) -> dict[int, np.ndarray]:
         """The shard's error-feedback residuals by key (copies; keys that publish codes: 1-bit
@@ -225,20 +226,15 @@ class ShardCore:
                 raise PSError(pb.TOO_LARGE, f"key {spec.key} is {spec.length * 4} bytes; frames "
                               f"are limited to {self.cfg.max_frame_bytes}")
             slots[spec.key] = slot = Slot.zeros(spec, self.rule.new_state(spec.length))
-            if self.rule.onebit:
-                slot.onebit = onebit.new_state(spec.length, self.cfg)
-                slot.publisher = slot.onebit.pub
-            elif spec.compressed_pull and not pull.is_raw:
+            self.rule.setup(slot)
+            if slot.publisher is not None:
+                continue  # the rule publishes its own codes (1-bit Adam)
+            if spec.compressed_pull and not pull.is_raw:
                 slot.publisher = Publisher(pull, spec.length,
                                            history=self.cfg.optimizer.delta_history)
-            elif self._looks_ahead:
+            elif self.consistency.looks_ahead:
                 slot.last_delta = np.zeros(spec.length, np.float32)
         return slots
-
-    @property
-    def _looks_ahead(self) -> bool:
-        """Raw pulls in async/ssp are answered ahead (``ServerConfig.lookahead``)."""
-        return self.cfg.lookahead and self.cfg.mode != "sync"
 
     @staticmethod
     def _check_values(slots: dict[int, Slot], values: dict[int, bytes]) -> None:
@@ -302,59 +298,43 @@ class ShardCore:
         if header.op == pb.PULL:
             return slots, [], None
         grads, codec = checks.decode_push(self.cfg, header, payload, slots)
+        self.consistency.check_push(header, slots)
         return slots, grads, codec
 
     def _push(self, header: pb.DataHeader, payload: list, grads: list[np.ndarray],
               codec: Codec, slots: list[Slot], min_clock: int):
-        m, sync = self.metrics, self.cfg.mode == "sync"
+        m = self.metrics
         nbytes = sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in payload)
         if not codec.is_raw:
             m.codec_wire_bytes.labels(codec.name).inc(nbytes)
             m.codec_decoded_bytes.labels(codec.name).inc(sum(s.nbytes for s in slots))
-        # async/ssp: pushes for clocks >= freeze_step are compression-stage pushes (sync
-        # freezes in _try_aggregate, once the last warmup step is applied).
-        freeze = self.rule.onebit and not sync and header.clock >= self.cfg.optimizer.freeze_step
-        live = self.clocks.live()
-        # async/ssp: a clock's pushes share one step's learning rate (ServerConfig.split_lr)
-        split = 1.0 / max(len(live), 1) if self.cfg.split_lr else 1.0
-        for i, (slot, grad) in enumerate(zip(slots, grads)):
-            if freeze and not slot.onebit.compressing:
-                slot.onebit.freeze(self.rule.bias_correction2_sqrt(slot.state), slot.state)
-            if sync:
-                slot.accumulate(header.worker, grad, live)
-                self._try_aggregate(slot, live)
-                continue
-            vgap = slot.version - header.versions[i] if header.versions else 0
-            lr_scale = self.cfg.optimizer.schedule.factor(header.clock) * split
-            if self.cfg.staleness_damping:
-                lr_scale /= 1 + max(vgap, 0)
-            slot.apply(self.rule, grad, lr_scale=lr_scale, warmup_push=not freeze)
-            self._applied(header.clock - min_clock, vgap)
+        self.consistency.push(self, header, slots, grads, self.clocks.live(), min_clock)
         m.push_bytes.inc(nbytes)
 
-    def _try_aggregate(self, slot: Slot, live: list[int]) -> bool:
+    def apply_arrived(self, slot: Slot, grad: np.ndarray, clock: int, lr_scale: float) -> None:
+        """Apply one push on arrival (async/ssp) at ``lr_scale`` times the learning rate."""
+        self.rule.arrived(slot, clock)
+        self.rule.update(slot, grad, clock=clock, lr_scale=lr_scale)
+
+    def try_aggregate(self, slot: Slot, live: list[int]) -> bool:
+        """sync: apply the mean of ``slot``'s pushes once every live worker's is in."""
         if not slot.pushed or not slot.pushed.issuperset(live):
             return False
         # the step being applied is clock slot.version
         slot.apply_aggregate(self.rule, lr_scale=self.cfg.optimizer.schedule.factor(slot.version))
-        self._applied(0, 0)
-        ob = slot.onebit
-        if ob is not None and not ob.compressing and \
-                slot.version >= self.cfg.optimizer.freeze_step:
-            # the warmup is complete: workers now fetch m and v (OptimizerState) and push momenta
-            ob.freeze(self.rule.bias_correction2_sqrt(slot.state), slot.state)
+        self.applied(0, 0)
+        self.rule.aggregated(slot)
         return True
 
-    def _applied(self, clock_gap: int, version_gap: int) -> None:
+    def applied(self, clock_gap: int, version_gap: int) -> None:
+        """Count one applied update and the staleness it was applied with."""
         self.updates_applied += 1
         self.metrics.updates.inc()
         self.metrics.clock_gap.observe(max(clock_gap, 0))
         self.metrics.version_gap.observe(max(version_gap, 0))
 
     def _admits(self, clock: int, slots: list[Slot]) -> bool:
-        if self.cfg.mode == "sync":
-            return all(s.version >= clock for s in slots)
-        return self.clocks.admits(clock)
+        return self.consistency.admits(self.clocks, clock, slots)
 
     def _pull(self, ident, header, clock, slots, t0, min_clock) -> list[Reply]:
         if self._admits(clock, slots):
@@ -369,7 +349,8 @@ class ShardCore:
         publishes = self.pull_codec is not None and not self.pull_codec.is_raw
         # async/ssp: by the time this worker's next push lands, the other live workers' pushes
         # have probably been applied: hand out the parameters that far ahead
-        ahead = len(self.clocks.live()) - 1 if self._looks_ahead and not publishes else 0
+        ahead = len(self.clocks.live()) - 1 if self.consistency.looks_ahead and not publishes \
+            else 0
         if publishes:
             frames, frame_codecs = publish.reply_frames(header, slots)
         elif ahead > 0:
@@ -380,8 +361,7 @@ class ShardCore:
         m.pull_bytes.inc(sum(f.nbytes if isinstance(f, np.ndarray) else len(f)
                              for f, _ in frames))
         m.pull_latency.observe(now - since)
-        if self.cfg.mode == "ssp":
-            m.admission_gap.observe(max(clock - min_clock, 0))
+        self.consistency.observe_admission(m, clock, min_clock)
         self.admissions.append(Admission(header.worker, clock, min_clock, now - since))
         out = pb.DataHeader(op=pb.REPLY, protocol=PROTOCOL, worker=header.worker,
                             request_id=header.request_id, clock=clock, keys=header.keys,
@@ -412,10 +392,8 @@ class ShardCore:
         with self.lock:
             changed = bool(self.clocks.expire()) or self._membership_changed
             self._membership_changed = False
-            if changed and self.cfg.mode == "sync":
-                live = self.clocks.live()
-                for slot in self.slots.values():
-                    self._try_aggregate(slot, live)
+            if changed:
+                self.consistency.membership_changed(self, self.clocks.live())
             return self._release_held(self.clocks.min_clock())
 
     def clock_snapshot(self) -> ClockSnapshot:
@@ -423,14 +401,14 @@ class ShardCore:
         with self.lock:
             c = self.clocks
             states = [s.onebit for s in self.slots.values() if s.onebit is not None]
+            keys = self.rule.compressing_keys(self.slots)
             clocks = {r: w.clock for r, w in c.workers.items()}
             min_clock, live, held = c.min_clock(), len(c.live()), len(self.held)
         # A pass over every residual: outside the lock, so the data loop never waits for a
         # scrape (a residual updated meanwhile only moves the reading).
         norm = float(np.sqrt(sum(o.server.residual_norm() ** 2 for o in states)))
         return ClockSnapshot(clocks=clocks, min_clock=min_clock, live=live, held=held,
-                             onebit_keys=sum(o.compressing for o in states)
-                             if self.rule.onebit else -1, onebit_residual_norm=norm)
+                             onebit_keys=keys, onebit_residual_norm=norm)
 
     def _release_held(self, min_clock: int) -> list[Reply]:
         """Answer held pulls that are admitted now, fail those past their deadline."""
@@ -451,17 +429,7 @@ class ShardCore:
         return replies
 
     def _waiting_for(self, worker: int, clock: int, slots: list[Slot]) -> str:
-        keys = [s.spec.key for s in slots][:8]
-        if self.cfg.mode == "sync":
-            behind = [s for s in slots if s.version < clock]
-            missing = sorted(set(self.clocks.live()) - behind[0].pushed) if behind else []
-            return (f"worker {worker} pull for clock {clock} keys {keys}: sync step "
-                    f"{clock - 1} still lacks pushes from workers {missing}")
-        return (f"worker {worker} pull for clock {clock} keys {keys}: SSP bound "
-                f"{self.cfg.staleness} needs every live worker at clock >= "
-                f"{clock - self.cfg.staleness}; behind: "
-                + ", ".join(f"worker {r} at {self.clocks.workers[r].clock}"
-                            for r in self.clocks.laggards(clock)))
+        return self.consistency.waiting_for(self.clocks, worker, clock, slots)
 
     def held_reasons(self) -> dict[int, str]:
         """What each worker's held pull waits for (for Status)."""

@@ -20,7 +20,7 @@ import numpy as np
 from bitps import native
 from bitps.proto import bitps_pb2 as pb
 from bitps.ps.onebit import OneBitState
-from bitps.ps.publish import Publisher, publish_update
+from bitps.ps.publish import Publisher
 from bitps.ps.rules import KeyState, UpdateRule
 
 __all__ = ["ZERO_COPY_MIN_BYTES", "Buffer", "Slot"]
@@ -96,28 +96,7 @@ class Slot:
     def nbytes(self) -> int:
         return self.buffer.array.nbytes
 
-    # -- updates ------------------------------------------------------------------------------
-    def apply(self, rule: UpdateRule, grad: np.ndarray, *, grad_scale: float = 1.0,
-              lr_scale: float = 1.0, warmup_push: bool = False) -> None:
-        """One optimizer step, in place unless the current parameters are being sent (1-bit
-        Adam: :meth:`apply_onebit`)."""
-        if self.onebit is not None:
-            return self.apply_onebit(rule, grad, grad_scale=grad_scale, lr_scale=lr_scale,
-                                     warmup_push=warmup_push)
-        if self.publisher is not None:
-            # the version number seeds sparse's sampling: every update draws afresh
-            return publish_update(self, lambda dst: rule.apply(
-                self.param, grad, self.state, grad_scale=grad_scale, lr_scale=lr_scale,
-                dst=dst), seed=(self.spec.key << 32) + self.version)
-        target = self.writable()
-        delta = self.last_delta
-        if delta is not None:
-            np.copyto(delta, target)
-        rule.apply(target, grad, self.state, grad_scale=grad_scale, lr_scale=lr_scale)
-        if delta is not None:
-            np.subtract(target, delta, out=delta)
-        self.version += 1
-
+    # -- updates (the rule decides how: ``UpdateRule.update``) --------------------------------
     def lookahead(self, steps: float) -> tuple[np.ndarray, Buffer | None]:
         """The parameters ``steps`` more updates like the last one ahead, ``x + steps * delta``,
         as :meth:`reply_frame` gives a frame: the array and the buffer to track. The key's own
@@ -132,46 +111,6 @@ class Slot:
         if self.last_delta is not None and steps:
             native.add_scaled(buf.array, self.last_delta, np.float32(steps))
         return buf.array, (buf if buf.array.nbytes >= ZERO_COPY_MIN_BYTES else None)
-
-    def apply_onebit(self, rule: UpdateRule, grad: np.ndarray, *, grad_scale: float = 1.0,
-                     lr_scale: float = 1.0, warmup_push: bool = False) -> None:
-        """One 1-bit Adam step (``ps.onebit``): full Adam during warmup; then the compressed
-        update, added to the parameters exactly as workers will add it, and published.
-
-        ``warmup_push``: the push was computed before the switch (its clock is below
-        ``freeze_step``). With worker moments it holds a gradient, not an Adam direction, so a
-        late one (a slower async worker's) gets a warmup step even after the switch."""
-        ob = self.onebit
-        if not ob.compressing or (ob.worker_moments and warmup_push):
-            if ob.warmup_codes:
-                # full Adam, published as the sign1 code of the parameter change
-                return publish_update(self, lambda dst: rule.apply(
-                    self.param, grad, self.state, grad_scale=grad_scale, lr_scale=lr_scale,
-                    dst=dst), seed=0)
-            rule.apply(self.writable(), grad, self.state, grad_scale=grad_scale,
-                       lr_scale=lr_scale)
-            self.version += 1
-            ob.forget()
-            return
-        if ob.sync:
-            # grad is the sum of the workers' momenta: publish their compressed mean as m
-            np.multiply(grad, np.float32(grad_scale), out=ob.delta)
-            payload = ob.server.encode(ob.delta)
-            self.state.buf1.fill(0.0)
-            ob.codec.decode_add(payload, self.length, self.state.buf1)
-            rule.apply_momentum(self.writable(), self.state, lr_scale=lr_scale,
-                                bias_correction2_sqrt=ob.bias_correction2_sqrt)
-        else:
-            if ob.worker_moments:
-                rule.direction_delta(self.param, grad, ob.delta, grad_scale=grad_scale,
-                                     lr_scale=lr_scale)
-            else:
-                rule.delta(self.param, grad, self.state, ob.delta, grad_scale=grad_scale,
-                           lr_scale=lr_scale, bias_correction2_sqrt=ob.bias_correction2_sqrt)
-            payload = ob.server.encode(ob.delta)
-            ob.codec.decode_add(payload, self.length, self.writable())
-        self.version += 1
-        ob.publish(self.version, payload)
 
     def writable(self) -> np.ndarray:
         """The parameters to update in place: the current array, or a copy of it in a spare
@@ -225,7 +164,8 @@ class Slot:
         """Sync mode: apply the mean of the accumulated pushes."""
         self._add_held(None)
         n = len(self.pushed)
-        self.apply(rule, self.acc, grad_scale=1.0 / n, lr_scale=lr_scale)
+        # the step being applied is clock self.version
+        rule.update(self, self.acc, clock=self.version, grad_scale=1.0 / n, lr_scale=lr_scale)
         self.pushed.clear()
         self.folded = 0
 

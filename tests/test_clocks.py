@@ -1,20 +1,27 @@
-"""Tests for ps.clocks.ClockTable driven by a fake clock: liveness, expiry, min clock, admission."""
+"""Tests for ps.clocks.ClockTable driven by a fake clock: liveness, expiry, min clock; and the
+admission the consistency modes (ps.consistency) decide from it."""
 
 from __future__ import annotations
 
 import pytest
 
 from bitps.ps.clocks import ClockTable
+from bitps.ps.config import ServerConfig
+from bitps.ps.consistency import make_consistency
 
 TIMEOUT = 10.0
 
 
-def _table(mode: str = "ssp", staleness: int = 1, world: int = 0):
+def _table(world: int = 0):
     t = [100.0]
-    table = ClockTable(mode=mode, staleness=staleness, timeout_s=TIMEOUT, now=lambda: t[0])
+    table = ClockTable(timeout_s=TIMEOUT, now=lambda: t[0])
     for r in range(world):
         table.register(r, world)
     return table, t
+
+
+def _mode(mode: str, staleness: int):
+    return make_consistency(ServerConfig(mode=mode, staleness=staleness))
 
 
 def test_registration_makes_the_rest_of_the_world_expected():
@@ -120,33 +127,36 @@ def test_min_clock_over_live_workers():
 
 @pytest.mark.parametrize("staleness", [0, 1, 3])
 def test_ssp_admits_iff_min_clock_within_bound(staleness):
-    table, _ = _table(mode="ssp", staleness=staleness, world=3)
+    table, _ = _table(world=3)
+    ssp = _mode("ssp", staleness)
     table.seen(0, 4)
     table.seen(1, 9)
     table.seen(2, 6)
     assert table.min_clock() == 4
     for c in range(0, 15):
-        assert table.admits(c) == (4 >= c - staleness), c
-    assert table.admits(4 + staleness) and not table.admits(5 + staleness)
+        assert ssp.admits(table, c, []) == (4 >= c - staleness), c
+    assert ssp.admits(table, 4 + staleness, []) and not ssp.admits(table, 5 + staleness, [])
 
 
 @pytest.mark.parametrize("staleness", [0, 1, 3])
 def test_laggards_are_live_workers_below_the_bound(staleness):
-    table, _ = _table(mode="ssp", staleness=staleness, world=4)
+    table, _ = _table(world=4)
+    ssp = _mode("ssp", staleness)
     for r, c in enumerate([2, 4, 6, 8]):
         table.seen(r, c)
     for c in range(0, 14):
         expect = [r for r, wc in enumerate([2, 4, 6, 8]) if wc < c - staleness]
-        assert table.laggards(c) == expect, c
-        assert table.admits(c) == (expect == [])
+        assert ssp.laggards(table, c) == expect, c
+        assert ssp.admits(table, c, []) == (expect == [])
     table.leave(0)
-    assert table.laggards(6 + staleness) == [1]
-    assert 0 not in table.laggards(100)
+    assert ssp.laggards(table, 6 + staleness) == [1]
+    assert 0 not in ssp.laggards(table, 100)
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_non_ssp_modes_admit_everything(mode):
-    table, _ = _table(mode=mode, staleness=0, world=2)
+    table, _ = _table(world=2)
+    policy = _mode(mode, 0)
     table.seen(1, 3)
     assert table.min_clock() == 0
-    assert all(table.admits(c) for c in (0, 1, 5, 10**9))
+    assert all(policy.admits(table, c, []) for c in (0, 1, 5, 10**9))

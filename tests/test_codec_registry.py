@@ -88,3 +88,17 @@ def test_without_registration_the_codec_is_unknown():
     assert "int8" not in codecs.CODECS
     with pytest.raises(ValueError, match="int8"):
         CodecConfig(name="int8")
+
+
+def test_device_encoders_are_looked_up_by_codec_name():
+    torch = pytest.importorskip("torch")
+    from bitps.worker import codec_torch
+
+    g = torch.randn(300)
+    r1, r2 = torch.zeros(300), torch.zeros(300)
+    sign1 = Codec.from_config(CodecConfig(name="sign1", chunk=128, scale="mean_abs"))
+    by_name = codec_torch.encode(g, r1, sign1, 0.5)
+    direct = codec_torch.sign1_encode(g, r2, chunk=128, mean_abs=True, scale=0.5)
+    assert torch.equal(by_name, direct) and torch.equal(r1, r2)
+    with pytest.raises(ValueError, match="no device encoder"):
+        codec_torch.encode(g, r1, Codec.from_config(CodecConfig(name="sparse")))

@@ -30,8 +30,10 @@ from __future__ import annotations
 import torch
 
 from bitps.native.sign1 import DEFAULT_CHUNK, LANES, payload_bytes
+from bitps.proto.codecs import MEAN_ABS
 
-__all__ = ["bf16_decode_add", "bf16_encode", "sign1_decode_add", "sign1_encode"]
+__all__ = ["ENCODERS", "bf16_decode_add", "bf16_encode", "encode", "sign1_decode_add",
+           "sign1_encode"]
 
 
 def _check_vectors(grad: torch.Tensor, residual: torch.Tensor | None) -> None:
@@ -192,3 +194,24 @@ def _bf16_bits(u: torch.Tensor) -> torch.Tensor:
     q = b.clamp(max=0x7F800000)
     q.add_(high & 1).add_(0x7FFF).bitwise_right_shift_(16)
     return torch.where(torch.isnan(u), high.bitwise_or_(0x40), q, out=q)
+
+
+# -- by codec -------------------------------------------------------------------------------------
+
+ENCODERS = {
+    "sign1": lambda grad, residual, codec, scale: sign1_encode(
+        grad, residual, chunk=codec.chunk, mean_abs=bool(codec.flags & MEAN_ABS), scale=scale),
+    "bf16": lambda grad, residual, codec, scale: bf16_encode(grad, residual, scale=scale),
+}
+"""The codecs with a device encoder, by registered name (``bitps.proto.codecs``): ``(grad,
+residual, codec, scale) -> payload``."""
+
+
+def encode(grad: torch.Tensor, residual: torch.Tensor, codec, scale: float = 1.0) -> torch.Tensor:
+    """The payload of ``grad * scale + residual`` in ``codec`` (a ``bitps.proto.codecs.Codec``
+    named in :data:`ENCODERS`), with error feedback into ``residual``."""
+    encoder = ENCODERS.get(codec.name)
+    if encoder is None:
+        raise ValueError(f"codec {codec.name!r} has no device encoder; expected one of "
+                         f"{sorted(ENCODERS)}")
+    return encoder(grad, residual, codec, scale)

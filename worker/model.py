@@ -46,8 +46,6 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from bitps.proto import bitps_pb2 as pb
-from bitps.proto.codecs import MEAN_ABS
 from bitps.proto.keyplan import Key, KeyPlan, ParamSpec, make_plan
 from bitps.worker import codec_torch
 from bitps.worker.buckets import Bucket, make_buckets
@@ -109,9 +107,10 @@ class PSModel:
         pushes, outside 1-bit Adam (whose sync mode pushes momenta). ``True`` on CPU runs the
         same torch path on CPU tensors (it produces the bytes of the numba kernels)."""
         name = self.client.cfg.push_codec.name
-        possible = name in ("sign1", "bf16") and not self.client.freeze_step
+        possible = name in codec_torch.ENCODERS and not self.client.freeze_step
         if asked and not possible:
-            raise ValueError(f"device_codec needs a sign1 or bf16 push codec and a shard "
+            raise ValueError(f"device_codec needs a push codec with a device encoder "
+                             f"({' or '.join(sorted(codec_torch.ENCODERS))}) and a shard "
                              f"without onebit_adam; push codec is {name!r}")
         return possible and (self.cuda if asked is None else asked)
 
@@ -217,11 +216,7 @@ class PSModel:
         r = self._residuals.get(key)
         if r is None:
             r = self._residuals[key] = torch.zeros_like(g)
-        if codec.id == pb.CODEC_SIGN1:
-            code = codec_torch.sign1_encode(g, r, chunk=codec.chunk,
-                                            mean_abs=bool(codec.flags & MEAN_ABS), scale=scale)
-        else:
-            code = codec_torch.bf16_encode(g, r, scale=scale)
+        code = codec_torch.encode(g, r, codec, scale)
         if not self.cuda:
             return code
         host = self._staged.get(key)

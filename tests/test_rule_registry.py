@@ -1,0 +1,96 @@
+"""Update rules are registered classes owning a key's state: the registry names every optimizer
+the config accepts, a rule's state saves and loads so that a restored shard continues bit for
+bit, and a bad state is refused before anything changes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bitps.proto import bitps_pb2 as pb
+from bitps.proto.wire import PROTOCOL, PSError
+from bitps.ps.config import OPTIMIZERS, OptimizerConfig, ServerConfig
+from bitps.ps.onebit import OneBitAdamShardMoments, OneBitAdamSync, OneBitAdamWorkerMoments
+from bitps.ps.rules import RULES, UpdateRule, make_rule
+from bitps.ps.shard import ShardCore
+
+N = 4096  # one key, large enough for several sign1 chunks
+
+
+def _core(mode: str, optimizer: OptimizerConfig) -> ShardCore:
+    core = ShardCore(ServerConfig(mode=mode, optimizer=optimizer), now=lambda: 0.0)
+    spec = pb.KeySpec(key=0, name="w", offset=0, length=N, dtype=pb.FLOAT32)
+    init = np.linspace(-1, 1, N, dtype=np.float32)
+    core.register(pb.RegisterRequest(protocol=PROTOCOL, rank=0, world_size=1, signature="s",
+                                     num_shards=1, shard_id=0, keys=[spec], sends_values=True),
+                  {0: init.tobytes()})
+    return core
+
+
+def _push(core: ShardCore, clock: int, seed: int) -> None:
+    grad = np.random.default_rng(seed).standard_normal(N).astype(np.float32)
+    header = pb.DataHeader(op=pb.PUSH, protocol=PROTOCOL, worker=0, clock=clock, keys=[0],
+                           dtype=pb.FLOAT32, request_id=seed + 1)
+    replies = core.handle(b"w0", [header.SerializeToString(), grad.tobytes()])
+    assert replies[-1].header.op == pb.REPLY, replies[-1].header.message
+
+
+def test_every_optimizer_is_a_registered_rule_and_layouts_follow_the_mode():
+    assert set(OPTIMIZERS) == set(RULES)
+    for name in OPTIMIZERS:
+        assert isinstance(make_rule(OptimizerConfig(name=name)), UpdateRule)
+    onebit = OptimizerConfig(name="onebit_adam")
+    layouts = {"sync": OneBitAdamSync, "async": OneBitAdamWorkerMoments}
+    for mode, cls in layouts.items():
+        assert type(make_rule(onebit, ServerConfig(mode=mode, optimizer=onebit))) is cls
+    shard_m = OptimizerConfig(name="onebit_adam", onebit_moments="shard")
+    assert type(make_rule(shard_m, ServerConfig(mode="ssp", optimizer=shard_m))) \
+        is OneBitAdamShardMoments
+
+
+@pytest.mark.parametrize("mode,optimizer", [
+    ("async", OptimizerConfig(name="adam", lr=1e-2)),
+    ("async", OptimizerConfig(name="momentum", lr=1e-2, momentum=0.9, nesterov=True)),
+    ("sync", OptimizerConfig(name="onebit_adam", lr=1e-2, freeze_step=3)),
+    ("async", OptimizerConfig(name="onebit_adam", lr=1e-2, freeze_step=3,
+                              onebit_moments="shard")),
+])
+def test_a_restored_key_continues_bit_for_bit(mode, optimizer):
+    """Train, save the rule's state (and the parameters and codec residuals, as a checkpoint
+    will), load it into a fresh shard, and both go on identically, across 1-bit Adam's
+    switch."""
+    a = _core(mode, optimizer)
+    for clock in range(4):
+        _push(a, clock, clock)
+    slot = a.slots[0]
+    saved = a.rule.save_state(slot)
+    params, version, residuals = slot.param.copy(), slot.version, a.codec_state()
+
+    b = _core(mode, optimizer)
+    b.rule.load_state(b.slots[0], saved)
+    b.slots[0].set_values(params.tobytes())
+    b.slots[0].version = version
+    b.load_codec_state(residuals)
+    for clock in range(4, 8):
+        _push(a, clock, clock)
+        _push(b, clock, clock)
+    np.testing.assert_array_equal(a.slots[0].param, b.slots[0].param)
+    after_a, after_b = a.rule.save_state(a.slots[0]), b.rule.save_state(b.slots[0])
+    assert after_a.keys() == after_b.keys()
+    for name in after_a:
+        np.testing.assert_array_equal(after_a[name], after_b[name], err_msg=name)
+
+
+def test_a_state_of_the_wrong_shape_or_names_is_refused_and_nothing_changes():
+    core = _core("async", OptimizerConfig(name="adam"))
+    _push(core, 0, 0)
+    slot, rule = core.slots[0], core.rule
+    before = rule.save_state(slot)
+    bad = dict(before, buf2=np.zeros(N - 1, np.float32))
+    with pytest.raises(PSError) as err:
+        rule.load_state(slot, bad)
+    assert err.value.code == pb.BAD_LENGTH and "buf2" in err.value.message
+    with pytest.raises(PSError, match="buf1"):
+        rule.load_state(slot, {"step": before["step"]})
+    for name, value in rule.save_state(slot).items():
+        np.testing.assert_array_equal(value, before[name])
