@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 from bitps.proto import bitps_pb2 as pb
+from bitps.proto.registry import Registry
 from bitps.proto.wire import PSError
 from bitps.ps.clocks import ClockTable
 from bitps.ps.config import MODES, ServerConfig
@@ -83,24 +84,14 @@ class Consistency:
         """The live set changed (a worker left or expired): finish what waited for it."""
 
 
-CONSISTENCY: dict[str, type[Consistency]] = {}
+CONSISTENCY = Registry("consistency mode")
 """Every registered mode by name."""
-
-
-def register(cls: type[Consistency]) -> type[Consistency]:
-    """Add a consistency mode (a class decorator); ``ServerConfig.mode`` selects it by name."""
-    if cls.name in CONSISTENCY:
-        raise ValueError(f"consistency mode {cls.name!r} is already registered")
-    CONSISTENCY[cls.name] = cls
-    return cls
+register = CONSISTENCY.register
 
 
 def make_consistency(cfg: ServerConfig) -> Consistency:
     """The mode object ``cfg.mode`` names."""
-    cls = CONSISTENCY.get(cfg.mode)
-    if cls is None:
-        raise ValueError(f"consistency mode {cfg.mode!r}; expected one of {sorted(CONSISTENCY)}")
-    return cls(cfg)
+    return CONSISTENCY.lookup(cfg.mode)(cfg)
 
 
 @register

@@ -22,6 +22,7 @@ import numpy as np
 
 from bitps import native
 from bitps.proto import bitps_pb2 as pb
+from bitps.proto.registry import Registry
 from bitps.proto.wire import PSError
 from bitps.ps.config import OptimizerConfig, ServerConfig
 from bitps.ps.publish import publish_update
@@ -190,16 +191,9 @@ class UpdateRule:
         return (1 - self.cfg.beta2 ** max(state.step, 1)) ** 0.5
 
 
-RULES: dict[str, type[UpdateRule]] = {}
+RULES = Registry("update rule")
 """Every registered rule by ``OptimizerConfig.name``."""
-
-
-def register(cls: type[UpdateRule]) -> type[UpdateRule]:
-    """Add an update rule (a class decorator); ``OptimizerConfig.name`` selects it."""
-    if cls.name in RULES:
-        raise ValueError(f"update rule {cls.name!r} is already registered")
-    RULES[cls.name] = cls
-    return cls
+register = RULES.register
 
 
 @register
@@ -249,7 +243,4 @@ def make_rule(cfg: OptimizerConfig, server: ServerConfig | None = None) -> Updat
     the arithmetic alone)."""
     from bitps.ps import onebit  # noqa: F401  (registers onebit_adam; it imports this module)
 
-    cls = RULES.get(cfg.name)
-    if cls is None:
-        raise ValueError(f"update rule {cfg.name!r}; expected one of {sorted(RULES)}")
-    return cls.create(cfg, server)
+    return RULES.lookup(cfg.name).create(cfg, server)

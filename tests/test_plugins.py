@@ -60,3 +60,15 @@ def test_every_mode_has_its_object():
     for mode in MODES:
         policy = make_consistency(ServerConfig(mode=mode))
         assert isinstance(policy, Consistency) and policy.name == mode
+
+
+def test_registries_refuse_a_taken_name_and_name_the_registered_ones():
+    from bitps.ps.rules import RULES, SGD
+
+    class Again(SGD):
+        name = "sgd"
+
+    with pytest.raises(ValueError, match="update rule 'sgd' is already registered"):
+        RULES.register(Again)
+    with pytest.raises(ValueError, match=r"consistency mode 'bsp'; expected one of \['async'"):
+        CONSISTENCY.lookup("bsp")

@@ -31,6 +31,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.test_processes import _alive
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMETHEUS_YML = ROOT / "docker" / "prometheus.yml"
 DASHBOARD = ROOT / "docker" / "grafana" / "dashboards" / "bitps.json"
@@ -142,18 +144,6 @@ def _stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    try:
-        return not stat.read_text().split(") ")[1].startswith("Z")
-    except (OSError, IndexError):
-        return False
 
 
 def _api(base: str, path: str, **params) -> dict:
