@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--small-bytes", type=int, default=1024, help="round-trip payload")
     pp.add_argument("--quick", action="store_true", help="few iterations (smoke test)")
     sub.add_parser("volume", help="bytes per step by codec, by arithmetic (problem's table)")
-    cv = sub.add_parser("convergence", help="fp32 Adam vs 1-bit Adam vs sparse on the demo")
+    cv = sub.add_parser("convergence", help="fp32 Adam vs 1-bit Adam, sparse, sign1 and "
+                                             "DiLoCo on the demo")
     cv.add_argument("--steps", type=int, default=600, help="training steps per run")
     cv.add_argument("--freeze-fraction", type=float, default=0.25,
                     help="1-bit Adam warmup as a fraction of the steps")
@@ -52,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--sweep-lrs", type=float, nargs="+", default=[1.5e-3, 3e-3, 6e-3],
                     help="learning rates fp32 sync, async and ssp are also run at (asynchrony "
                          "is judged at each one's best)")
+    cv.add_argument("--runs", nargs="+", default=[],
+                    help="only these runs (by name; the sync fp32 baseline and each run's "
+                         "peer come too; checks without their runs are left out)")
     cv.add_argument("--quick", action="store_true", help="40 steps, one seed (smoke test)")
     cd = sub.add_parser("codec", help="codec kernels vs memcpy, numpy and torch (1 thread)")
     cd.add_argument("--mib", type=int, default=64, help="gradient size")
@@ -171,7 +175,7 @@ def run_scenario(args) -> dict:
         steps, seeds = (40, (0,)) if args.quick else (args.steps, tuple(args.seeds))
         result = run(steps=steps, freeze_fraction=args.freeze_fraction, lr=args.lr,
                      beta2=args.beta2, seeds=seeds, sweep_lrs=tuple(args.sweep_lrs),
-                     out=args.out)
+                     out=args.out, only=tuple(args.runs))
     elif args.scenario == "memory":
         from bitps.bench.memory import run
 

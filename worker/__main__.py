@@ -31,7 +31,13 @@ from typing import TYPE_CHECKING
 
 from bitps.proto.codecs import CODECS, CodecConfig
 from bitps.proto.settings import Program, from_field, option
-from bitps.worker.config import ClientConfig, OverlapConfig, PoolConfig, RunConfig
+from bitps.worker.config import (
+    AlgorithmConfig,
+    ClientConfig,
+    OverlapConfig,
+    PoolConfig,
+    RunConfig,
+)
 
 if TYPE_CHECKING:  # its module imports torch
     from bitps.worker.demo import DemoConfig
@@ -45,8 +51,8 @@ def program() -> Program:
     holds the model's defaults, imports torch."""
     from bitps.worker.demo import DemoConfig
 
-    _C, _K, _O, _P, _R, _D = (ClientConfig, CodecConfig, OverlapConfig, PoolConfig, RunConfig,
-                              DemoConfig)
+    _C, _K, _O, _P, _R, _D, _A = (ClientConfig, CodecConfig, OverlapConfig, PoolConfig,
+                                  RunConfig, DemoConfig, AlgorithmConfig)
     return Program("bitps-worker", "Train the bitps demo model as one worker rank.", (
         option("servers", default="", metavar="HOST:PORT,...",
                help="comma-separated gRPC host:port of every shard, in shard-id order"),
@@ -54,6 +60,16 @@ def program() -> Program:
         from_field(_C, "world_size", env="WORLD_SIZE",
                    help="number of worker ranks (torchrun's WORLD_SIZE)"),
         from_field(_R, "steps", help="training steps"),
+        from_field(_A, "name", name="algorithm",
+                   help="ps: push gradients and pull parameters every step; diloco: local "
+                        "SGD, H inner AdamW steps per push of the pseudo-gradient"),
+        from_field(_A, "inner_steps", help="diloco: inner steps per round (H)"),
+        from_field(_A, "inner_lr", help="diloco: inner AdamW learning rate"),
+        from_field(_A, "inner_weight_decay", help="diloco: inner AdamW weight decay"),
+        from_field(_A, "fragments", help="diloco: streaming fragments, each exchanged at its "
+                                         "own step of the round (1 = no streaming)"),
+        from_field(_A, "fragment_overlap_steps",
+                   help="diloco streaming: inner steps an exchange stays in flight"),
         from_field(_D, "batch_size", help="sequences per step per rank"),
         from_field(_D, "seq_len", help="bytes per sequence"),
         from_field(_D, "corpus_bytes", help="corpus byte budget"),
@@ -130,6 +146,7 @@ class WorkerConfig:
     """Everything one ``bitps-worker`` run is configured with."""
 
     client: ClientConfig
+    algorithm: AlgorithmConfig
     overlap: OverlapConfig
     pool: PoolConfig
     run: RunConfig
@@ -151,6 +168,7 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     cfg = WorkerConfig(
         client=ClientConfig(**r.kwargs(ClientConfig), servers=servers, push_codec=push,
                             pull_codec=pull),
+        algorithm=AlgorithmConfig(**r.kwargs(AlgorithmConfig)),
         overlap=OverlapConfig(**r.kwargs(OverlapConfig)), pool=PoolConfig(**r.kwargs(PoolConfig)),
         run=RunConfig(**r.kwargs(RunConfig)), demo=DemoConfig(**r.kwargs(DemoConfig)))
     return cfg, r.namespace()
@@ -181,7 +199,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from bitps.worker.client import PSClient
     from bitps.worker.demo import batches, build_model, load_corpus, loss_fn
-    from bitps.worker.model import PSModel
 
     torch.set_num_threads(run.threads)
     client = PSClient(cfg.client)
@@ -196,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     corpus = load_corpus(demo.corpus_bytes)
     model = build_model(demo).to(device)
-    ps_model = PSModel(model, client, overlap=cfg.overlap)
+    trainer = TRAINERS[cfg.algorithm.name](model, client, cfg)
     pool = None
     if run.activation_pool:
         from bitps.worker.pool import ActivationPool
@@ -206,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     m = client.metrics
     _emit(run, event="start", rank=rank, steps=run.steps, metrics_port=metrics_port,
           device=str(device), params=sum(p.numel() for p in model.parameters()),
-          keys=len(ps_model.keys), corpus_sha256=corpus.sha256, corpus_files=corpus.files,
+          keys=len(trainer.keys), corpus_sha256=corpus.sha256, corpus_files=corpus.files,
           corpus_bytes=len(corpus.data))
     data = batches(corpus, batch_size=demo.batch_size, seq_len=demo.seq_len, rank=rank,
                    world_size=world_size, seed=demo.seed)
@@ -224,8 +241,10 @@ def main(argv: list[str] | None = None) -> int:
             loss.backward()
             if run.step_delay_s:
                 time.sleep(run.step_delay_s)
-            ps_model.step()
-            utilization.append(ps_model.last_stats.utilization)
+            trainer.step()
+            stats = getattr(trainer, "last_stats", None)  # PSModel's step statistics
+            if stats is not None:
+                utilization.append(stats.utilization)
             if profiler is not None:
                 profiler.step()
             dt = time.perf_counter() - t0
@@ -238,22 +257,46 @@ def main(argv: list[str] | None = None) -> int:
                 m.loss.set(last)
             if step % run.log_every == 0 or step == run.steps - 1:
                 _emit(run, event="step", rank=rank, step=step, loss=last,
-                      samples_per_s=demo.batch_size / dt, clock=ps_model.clock)
+                      samples_per_s=demo.batch_size / dt, clock=trainer.clock)
     finally:
         if profiler is not None:
             profiler.stop()
-        ps_model.close()
+        trainer.close()
     wall = time.perf_counter() - t_start
     wire = m.push_wire_bytes.value
+    decision = getattr(trainer, "decision", None)  # PSModel's overlap decision
     _emit(run, event="done", rank=rank, steps=run.steps, first_loss=first,
           final_loss=sum(recent) / max(len(recent), 1), last_loss=last, seconds=wall,
           samples_per_s=run.steps * demo.batch_size / wall,
           push_wire_bytes=wire, pull_bytes=m.pull_bytes.value,
-          overlap=bool(ps_model.decision and ps_model.decision.enabled),
-          overlap_decision=ps_model.decision.describe() if ps_model.decision else "",
+          overlap=bool(decision and decision.enabled),
+          overlap_decision=decision.describe() if decision else "",
           utilization=sum(utilization) / max(len(utilization), 1),
           pool=_pool_summary(pool))
     return 0
+
+
+def _ps_model(model, client, cfg: WorkerConfig):
+    from bitps.worker.model import PSModel
+
+    return PSModel(model, client, overlap=cfg.overlap)
+
+
+def _local_sgd(model, client, cfg: WorkerConfig):
+    import torch
+
+    from bitps.worker.local_sgd import LocalSGD
+
+    a = cfg.algorithm
+    inner = torch.optim.AdamW(model.parameters(), lr=a.inner_lr,
+                              weight_decay=a.inner_weight_decay)
+    return LocalSGD(model, client, inner, inner_steps=a.inner_steps, fragments=a.fragments,
+                    overlap_steps=a.fragment_overlap_steps)
+
+
+TRAINERS = {"ps": _ps_model, "diloco": _local_sgd}
+"""How each ``--algorithm`` wraps the model: ``(model, client, cfg) -> trainer`` with
+``step()``, ``clock``, ``keys`` and ``close()``."""
 
 
 def _pool_summary(pool) -> dict | None:

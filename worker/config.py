@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from bitps.proto.codecs import CodecConfig
 from bitps.proto.keyplan import DEFAULT_PARTITION_BYTES
 
-__all__ = ["ClientConfig", "OverlapConfig", "PoolConfig", "RunConfig"]
+__all__ = ["ALGORITHMS", "AlgorithmConfig", "ClientConfig", "OverlapConfig", "PoolConfig",
+           "RunConfig"]
 
 OVERLAP_MODES = ("auto", "on", "off")
 
@@ -215,3 +216,46 @@ class RunConfig:
             raise ValueError(f"metrics_port must be in [-1, 65535], got {self.metrics_port}")
         if not self.step_delay_s >= 0:
             raise ValueError(f"step_delay_s must be >= 0, got {self.step_delay_s}")
+
+
+ALGORITHMS = ("ps", "diloco")
+
+
+@dataclass(kw_only=True, frozen=True)
+class AlgorithmConfig:
+    """How ``bitps-worker`` trains through the parameter server."""
+
+    name: str = field(default="ps", metadata={"choices": ALGORITHMS})
+    """``ps``: every step pushes the gradients and pulls the parameters (``PSModel``; the
+    shards run the optimizer). ``diloco``: local SGD (``worker.local_sgd.LocalSGD``): every
+    worker runs ``inner_steps`` steps of AdamW on its own, then pushes the pseudo-gradient and
+    pulls; the shards' rule is the outer optimizer (``bitps-launch --algorithm diloco`` sets
+    DiLoCo's: SGD, Nesterov momentum 0.9, lr 0.7)."""
+    inner_steps: int = 8
+    """diloco: inner steps per round (H); one push and one pull per round."""
+    inner_lr: float = 3e-3
+    """diloco: learning rate of the inner AdamW."""
+    inner_weight_decay: float = 0.0
+    """diloco: decoupled weight decay of the inner AdamW."""
+    fragments: int = 1
+    """diloco: streaming, the parameters in this many fragments of consecutive tensors, each
+    exchanged once per round at its own step (1: all at the end of the round)."""
+    fragment_overlap_steps: int = 0
+    """diloco streaming: inner steps a fragment's exchange stays in flight while training goes
+    on (0: wait for it at once); below inner_steps / fragments."""
+
+    def __post_init__(self) -> None:
+        if self.name not in ALGORITHMS:
+            raise ValueError(f"algorithm {self.name!r}; expected one of {ALGORITHMS}")
+        if self.inner_steps < 1:
+            raise ValueError(f"inner_steps must be >= 1, got {self.inner_steps}")
+        if not 1 <= self.fragments <= self.inner_steps:
+            raise ValueError(f"fragments must be in 1 .. inner_steps ({self.inner_steps}), "
+                             f"got {self.fragments}")
+        if not 0 <= self.fragment_overlap_steps < self.inner_steps // self.fragments:
+            raise ValueError(f"fragment_overlap_steps must be in 0 .. "
+                             f"{self.inner_steps // self.fragments - 1}, got "
+                             f"{self.fragment_overlap_steps}")
+        if not self.inner_lr > 0 or self.inner_weight_decay < 0:
+            raise ValueError(f"inner_lr {self.inner_lr} must be > 0 and inner_weight_decay "
+                             f"{self.inner_weight_decay} >= 0")

@@ -117,6 +117,25 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
+@dataclass(frozen=True)
+class _Preset:
+    """What ``--algorithm`` adds to every shard's and every worker's command line (before the
+    flags given explicitly, which win)."""
+
+    shard: tuple[str, ...]
+    worker: tuple[str, ...]
+    lr: float
+
+
+ALGORITHM_PRESETS = {
+    "ps": _Preset(shard=(), worker=(), lr=3e-3),
+    # DiLoCo (Douillard et al. 2023): outer SGD with Nesterov momentum 0.9 at lr 0.7
+    "diloco": _Preset(shard=("--optimizer", "momentum", "--nesterov", "--momentum", "0.9"),
+                      worker=("--algorithm", "diloco", "--push-codec", "sign1",
+                              "--compress-min-bytes", "0"), lr=0.7),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bitps-launch", description=__doc__.split("\n")[0],
                                 usage="bitps-launch [options] [-- worker args]")
@@ -129,7 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="SSP bound of every shard (not given: the shards' own setting)")
     add("--optimizer", default=None,
         help="server update rule of every shard (not given: the shards' own setting)")
-    add("--lr", type=float, default=3e-3, help="server learning rate (the demo model's)")
+    add("--algorithm", default="ps", choices=tuple(ALGORITHM_PRESETS),
+        help="ps: the shards run the optimizer on every step's gradients; diloco: local SGD, "
+             "the shards run DiLoCo's outer SGD (Nesterov momentum 0.9, lr 0.7) on sign1 "
+             "pseudo-gradients of every tensor (workers get --algorithm diloco --push-codec sign1 "
+             "--compress-min-bytes 0; flags given after -- win)")
+    add("--lr", type=float, default=None,
+        help="server learning rate (default: 3e-3, the demo model's; diloco: 0.7)")
     add("--server-arg", action="append", default=[], help="extra bitps-server flag (repeatable)")
     add("--host", default="127.0.0.1", help="address the shards bind to and workers dial")
     add("--run-dir", default=None, help="logs + summary.json (default runs/<timestamp>)")
@@ -166,13 +191,15 @@ def main(argv: list[str] | None = None) -> int:
 def _run(cluster: Cluster, args, worker_args: list[str]) -> int:
     py = sys.executable
     shards = []
+    preset = ALGORITHM_PRESETS[args.algorithm]
+    lr = preset.lr if args.lr is None else args.lr
     given = [arg for flag, value in (("--mode", args.mode), ("--staleness", args.staleness),
                                      ("--optimizer", args.optimizer)) if value is not None
              for arg in (flag, str(value))]
     for i in range(args.shards):
         shards.append(cluster.spawn(f"shard-{i}", [
             py, "-m", "bitps.ps", "--shard-id", str(i), "--num-shards", str(args.shards),
-            "--host", args.host, *given, "--lr", str(args.lr), *args.server_arg]))
+            "--host", args.host, *preset.shard, *given, "--lr", str(lr), *args.server_arg]))
     ready = _wait_ready(cluster, shards, args.ready_timeout)
     if ready is None:
         return 1
@@ -182,7 +209,7 @@ def _run(cluster: Cluster, args, worker_args: list[str]) -> int:
                       f"metrics http://{args.host}:{r['metrics_port']}/metrics")
     workers = [cluster.spawn(f"worker-{r}", [
         py, "-m", "bitps.worker", "--servers", servers, "--rank", str(r), "--world-size",
-        str(args.workers), "--json", *worker_args]) for r in range(args.workers)]
+        str(args.workers), "--json", *preset.worker, *worker_args]) for r in range(args.workers)]
     threading.Thread(target=_write_endpoints, args=(cluster, ready, workers), daemon=True).start()
     code = _follow(cluster, workers)
     with (cluster.run_dir / "steps.jsonl").open("w") as f:
