@@ -66,7 +66,9 @@ def test_convergence_bench_smoke(tmp_path):
     """A few steps of every run: the curves, the PNG and the byte counts come out."""
     doc = _bench(tmp_path, "convergence", "--steps", "12", "--seeds", "0", "--lr", "3e-3",
                  "--sweep-lrs", "6e-3", timeout=600)
-    assert len(doc["rows"]) == 11
+    from bitps.bench.convergence import RUNS
+
+    assert [r["run"] for r in doc["rows"]] == list(RUNS)
     assert (tmp_path / "convergence.png").read_bytes()[:4] == b"\x89PNG"
     by = {r["run"]: r for r in doc["rows"]}
     fp32 = by["fp32 Adam (sync)"]["push_bytes_per_step"]
@@ -79,7 +81,14 @@ def test_convergence_bench_smoke(tmp_path):
                                   "sign1_clip_overlap_on_final_loss_vs_off",
                                   "sign1_sync_traffic_reduction_vs_fp32",
                                   "fp32_async_vs_sync_final_loss_each_at_best_lr",
-                                  "fp32_ssp_vs_sync_final_loss_each_at_best_lr"}
+                                  "fp32_ssp_vs_sync_final_loss_each_at_best_lr",
+                                  "diloco_h8_sync_final_loss_vs_fp32_sync",
+                                  "local_sgd_h8_raw_final_loss_vs_fp32_sync",
+                                  "diloco_h8_sync_bytes_per_sample_reduction_vs_fp32_sync"}
+    # 12 steps: one H=8 round, so DiLoCo pushed once; H=32 never did
+    diloco = by["DiLoCo H=8, sign1 (sync)"]
+    assert 0 < diloco["push_bytes_per_step"] < fp32 / 100
+    assert by["DiLoCo H=32, sign1 (sync)"]["push_bytes_per_step"] == 0
     for run in ("fp32 Adam (sync)", "fp32 Adam (async)", "fp32 Adam (ssp S=2)"):
         assert set(by[run]["sweep"]) == {"0.003", "0.006"}
         assert by[run]["best_final_loss"] == min(by[run]["sweep"].values())
