@@ -72,3 +72,14 @@ def test_registries_refuse_a_taken_name_and_name_the_registered_ones():
         RULES.register(Again)
     with pytest.raises(ValueError, match=r"consistency mode 'bsp'; expected one of \['async'"):
         CONSISTENCY.lookup("bsp")
+
+
+def test_the_channel_applies_published_codes_without_knowing_any_algorithm():
+    """``worker/channel.py`` moves bytes: it imports no torch and no algorithm module, and adds
+    codes through the applier it is given (1-bit Adam's momenta are ``OneBitMomentum.add``)."""
+    tree = ast.parse((ROOT / "worker" / "channel.py").read_text())
+    modules = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)} | {
+        a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+    assert not {m for m in modules if m and (m.startswith("torch") or m.endswith(
+        ("onebit", "local_sgd", "model")))}, modules
+    assert "momentum" not in (ROOT / "worker" / "channel.py").read_text()

@@ -24,7 +24,6 @@ from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import Codec
 from bitps.proto.wire import PSError, encode_header, parse_header
 from bitps.worker.metrics import WorkerMetrics
-from bitps.worker.onebit import OneBitMomentum
 
 __all__ = ["Channel", "Handle", "PSTimeoutError"]
 
@@ -115,14 +114,27 @@ class Request:
     """Send payload frames by copy: they live in buffers reused by the next encode."""
 
 
+class CodeApplier:
+    """How a worker adds one code a shard published to its copy of a key: the decode, by
+    default. An algorithm whose codes mean something else (sync 1-bit Adam's momenta,
+    ``worker.onebit.OneBitMomentum``) passes its own; the transport knows none of them."""
+
+    def add(self, key: int, code, out: np.ndarray, codec: Codec, version: int) -> None:
+        """Add ``code``, the update that made ``key``'s ``version``, to ``out``."""
+        codec.decode_add(code, out.shape[0], out)
+
+
+DECODE_ADD = CodeApplier()
+
+
 class Channel:
     """DEALER sockets to every shard for one submitting thread."""
 
     def __init__(self, context: zmq.Context, endpoints: list[str], *, servers: Sequence[str],
                  metrics: WorkerMetrics, versions: dict[int, int],
-                 momentum: OneBitMomentum | None = None) -> None:
+                 codes: CodeApplier | None = None) -> None:
         self.lock = threading.Lock()
-        self.momentum = momentum
+        self.codes = codes or DECODE_ADD
         self.servers = servers
         self.metrics = metrics
         self.versions = versions
@@ -281,8 +293,8 @@ class Channel:
         """Add the codes a shard published (``ps.publish``: compressed pulls, or 1-bit Adam's
         updates) to this worker's copy ``out``, oldest first, exactly as the shard added them
         to its own; checked whole before anything is added, so a bad frame leaves the copy as
-        it was. One pass per code: decode and add (sync 1-bit Adam after the warmup: the code is
-        the momentum, applied with the frozen v)."""
+        it was. One pass per code, through :attr:`codes` (decode and add, unless the algorithm
+        says otherwise: sync 1-bit Adam's codes after the warmup are momenta)."""
         n, base = out.shape[0], self.versions.get(key, 0)
         parts = codec.split(frame, n)
         if isinstance(parts, str) or len(parts) != version - base:
@@ -291,10 +303,7 @@ class Channel:
                            f"version {base} to {version}; expected {version - base}",
                            shard=shard)
         for i, code in enumerate(parts):
-            if self.momentum is not None and self.momentum.is_momentum(base + i + 1):
-                self.momentum.apply(key, code, out, codec.chunk, base + i + 1)
-            else:
-                codec.decode_add(code, n, out)
+            self.codes.add(key, code, out, codec, base + i + 1)
         return None
 
     @staticmethod

@@ -484,7 +484,7 @@ class PSClient:
         if channel is None:
             channel = Channel(self._ctx, self._endpoints, servers=self.cfg.servers,
                               metrics=self.metrics, versions=self.versions,
-                              momentum=self._momentum)
+                              codes=self._momentum)
             self._local.channel = channel
             with self._channels_lock:
                 self._channels.append(channel)

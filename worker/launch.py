@@ -14,7 +14,9 @@ restates no default of theirs: ``--mode``, ``--staleness`` and ``--optimizer`` r
 only when given (else each shard reads its own: flag, environment, ``--config`` file, default),
 the mode reported is the one the shards' ready lines name, and the progress bars' length is the
 step count each worker's ``start`` line names. ``--host`` and ``--lr`` are the launcher's own
-(a cluster on loopback, the demo model's learning rate) and always passed.
+(a cluster on loopback; the demo model's learning rate, or DiLoCo's outer one) and always
+passed. ``--algorithm`` adds its preset flags (:data:`ALGORITHM_PRESETS`) before the ones
+given, which win.
 """
 
 from __future__ import annotations

@@ -99,6 +99,14 @@ class OneBitMomentum:
         update's code (``onebit_warmup_codes``) is a parameter change, added as it is."""
         return version > self.params.freeze_step
 
+    def add(self, key: int, code, out: np.ndarray, codec, version: int) -> None:
+        """The transport's ``CodeApplier``: a published momentum goes through :meth:`apply`,
+        a warmup code is decoded and added."""
+        if self.is_momentum(version):
+            self.apply(key, code, out, codec.chunk, version)
+        else:
+            codec.decode_add(code, out.shape[0], out)
+
     def apply(self, key: int, code, out: np.ndarray, chunk: int, version: int) -> None:
         """One published momentum ``code`` (a sign1 payload), the update that made the key's
         ``version``: set m, update ``out`` (this worker's copy of the key) exactly as the shard
