@@ -164,10 +164,13 @@ def test_misfit_settings_are_refused_before_anything_runs(shards):
 
     with pytest.raises(ValueError, match="fragment_overlap_steps"):
         AlgorithmConfig(name="diloco", inner_steps=8, fragments=4, fragment_overlap_steps=2)
-    client = _client(servers)
-    client.freeze_step = 5  # what a onebit_adam shard's registration reply sets
-    with pytest.raises(ValueError, match="onebit_adam"):
-        LocalSGD(model, client, torch.optim.SGD(model.parameters(), lr=0.1), inner_steps=2)
+    onebit = shards(1, mode="sync", optimizer=OptimizerConfig(name="onebit_adam"))
+    client = _client(onebit)
+    try:
+        with pytest.raises(ValueError, match="onebit_adam"):
+            LocalSGD(model, client, torch.optim.SGD(model.parameters(), lr=0.1), inner_steps=2)
+    finally:
+        client.close()
 
 
 def test_a_worker_restarting_mid_round_resumes_from_the_shards_parameters(shards):

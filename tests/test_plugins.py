@@ -83,3 +83,19 @@ def test_the_channel_applies_published_codes_without_knowing_any_algorithm():
     assert not {m for m in modules if m and (m.startswith("torch") or m.endswith(
         ("onebit", "local_sgd", "model")))}, modules
     assert "momentum" not in (ROOT / "worker" / "channel.py").read_text()
+
+
+def test_the_client_holds_no_algorithm_and_the_registration_picks_the_push_policy():
+    """``PSClient`` imports no algorithm module; what pushes carry is the push policy the
+    shards' registration replies call for (``worker.push_policy``)."""
+    from bitps.proto import bitps_pb2 as pb
+    from bitps.worker.onebit import MomentsPush, SyncMomenta
+    from bitps.worker.push_policy import for_registration
+
+    tree = ast.parse((ROOT / "worker" / "client.py").read_text())
+    modules = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not {m for m in modules if m and m.endswith(("onebit", "local_sgd", "model"))}
+    params = pb.OneBitParams(freeze_step=4, chunk=256, worker_moments=True)
+    assert for_registration(pb.RegisterReply(mode="async")) is None
+    assert type(for_registration(pb.RegisterReply(mode="sync", onebit=params))) is SyncMomenta
+    assert type(for_registration(pb.RegisterReply(mode="ssp", onebit=params))) is MomentsPush

@@ -30,13 +30,13 @@ import zmq
 from bitps import native
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto import bitps_pb2_grpc as pb_grpc
-from bitps.proto.codecs import MEAN_ABS, RAW, Codec, Compressor
+from bitps.proto.codecs import RAW, Codec, Compressor
 from bitps.proto.keyplan import KeyPlan, value_digest
 from bitps.proto.wire import PROTOCOL, PSError
 from bitps.worker.channel import Channel, Handle, PSTimeoutError, Request
 from bitps.worker.config import ClientConfig
 from bitps.worker.metrics import CodecSnapshot, WorkerMetrics
-from bitps.worker.onebit import OneBitMomentum, WorkerMoments
+from bitps.worker.push_policy import CODEC_PUSH, PushPolicy, for_registration
 
 __all__ = ["Handle", "PSClient", "PSTimeoutError"]
 
@@ -44,7 +44,6 @@ log = logging.getLogger(__name__)
 _F32 = np.dtype("<f4")
 _ERROR_METADATA_KEY = "bitps-error-code"
 _U64 = (1 << 64) - 1
-_WARMUP_CODEC = Codec(pb.CODEC_BF16)
 
 
 class PSClient:
@@ -81,13 +80,15 @@ class PSClient:
         self.pull_codec = Codec.from_config(cfg.pull_codec or cfg.push_codec)
         """What the shards publish for this worker's pulls (registered; ``ps.publish``)."""
         self._compressors: dict[tuple[int, int], Compressor] = {}
-        self.freeze_step = 0
-        self._onebit_chunk = 0
-        """Set by a ``onebit_adam`` shard at registration: pushes for clocks before it go bf16,
-        from it on sign1 (with the shard's ``onebit_chunk``)."""
-        self._momentum: OneBitMomentum | None = None  # sync 1-bit Adam (worker/onebit.py)
-        self._moments: WorkerMoments | None = None  # async/ssp 1-bit Adam, worker moments
+        self.policy: PushPolicy = CODEC_PUSH
+        """What pushes carry (``worker.push_policy``), set at registration: the gradients
+        through the push codec, unless the shards' rule calls for another (1-bit Adam)."""
         self.metrics.watch_codecs(self._codec_snapshot)
+
+    @property
+    def freeze_step(self) -> int:
+        """The clock of the push policy's compression switch (1-bit Adam), or 0: none."""
+        return self.policy.freeze_step
 
     # -- control plane ------------------------------------------------------------------------
     def register(self, plan: KeyPlan, values: Mapping[int, np.ndarray] | None = None, *,
@@ -119,13 +120,10 @@ class PSClient:
             endpoints.append(f"tcp://{host}:{reply.data_port}")
             self.start_clock = max(self.start_clock, reply.start_clock)
             self.holds_pulls = self.holds_pulls or reply.holds_pulls
-            if reply.HasField("onebit"):
-                self.freeze_step = reply.onebit.freeze_step
-                self._onebit_chunk = reply.onebit.chunk
-                if reply.mode == "sync":
-                    self._momentum = OneBitMomentum(reply.onebit)
-                elif reply.onebit.worker_moments and self._moments is None:
-                    self._moments = WorkerMoments(reply.onebit)
+            fresh = for_registration(reply)
+            if fresh is not None and not (type(fresh) is type(self.policy)
+                                          and self.policy.survives_rejoin):
+                self.policy = fresh
         self.clock = self.start_clock
         # Versions of the copies this worker holds, filled by replies: a request names versions
         # only for keys it has received (a shard sends codes only against a copy it sent).
@@ -237,16 +235,9 @@ class PSClient:
         delivers it. Call before the keys are pushed again; ``grads`` unchanged since."""
         if used == exact:
             return
-        after = bool(self.freeze_step) and clock >= self.freeze_step
-        # sync 1-bit Adam pushes the momentum lerp(m, g, 1 - beta1): linear in g
-        alpha = np.float32((exact - used) * (1 - self._momentum.params.beta1
-                                             if self._momentum is not None and after else 1))
         for key, grad in zip(keys, grads):
             residual = self._push_compressor(key, clock, grad.shape[0]).residual
-            if self._moments is not None:
-                self._moments.correct(key, grad, residual, used, exact, directions=after)
-            else:
-                native.add_scaled(residual, grad, alpha)
+            self.policy.correct(key, grad, residual, clock=clock, used=used, exact=exact)
 
     def progress(self, timeout_s: float, *, wake_fd: int | None = None) -> None:
         """Receive replies to this thread's requests for up to ``timeout_s`` seconds, returning
@@ -282,23 +273,10 @@ class PSClient:
         codec = self.push_codec_at(clock)
         if encoded:
             self._check_encoded(encoded, codec, clock)
-        if grads and scale is None and (not codec.is_raw or self._momentum is not None
-                                        or self._moments is not None):
+        if grads and scale is None and (not codec.is_raw or self.policy.keeps_state):
             self._check_finite(keys, grads, skip=encoded or {})
-        clip = 1.0 if scale is None else scale
-        momenta = self._momentum is not None and bool(grads) and clock >= self.freeze_step
-        if momenta:
-            # sync 1-bit Adam: push this worker's momentum instead of its gradient
-            self._load_optimizer_state(keys)
-            grads = [self._momentum.momentum(k, g, clip) for k, g in zip(keys, grads)]
-        directions = self._moments is not None and bool(grads) and clock >= self.freeze_step
-        if self._moments is not None and grads:
-            # async/ssp 1-bit Adam with worker moments: every push advances this worker's Adam
-            # moments; from the switch on it carries the Adam direction, not the gradient
-            adam = [self._moments.direction(k, g, clip) for k, g in zip(keys, grads)]
-            grads = adam if directions else grads
-        if momenta or directions:
-            clip = 1.0  # the clip factor went into the momentum or the direction
+        grads, clip, own = self.policy.prepare(self, keys, grads, clock,
+                                               1.0 if scale is None else scale)
         groups = self._group(keys, grads, outs, compress=bool(grads) and not codec.is_raw)
         channel = self._channel()
         handle = Handle(channel, len(groups), (self.cfg.rank, op, clock, keys),
@@ -326,8 +304,7 @@ class PSClient:
                     payload = [grads[i] for i in idx]
             requests.append(Request(shard, header.request_id, ks, header, payload,
                                     [outs[i] for i in idx] if outs else (), handle, deadline,
-                                    op, nbytes, copy=compressed or momenta or directions
-                                    or scale is not None))
+                                    op, nbytes, copy=compressed or own or scale is not None))
         channel.send(requests)
         return handle
 
@@ -352,10 +329,11 @@ class PSClient:
         return PSError(pb.NON_FINITE, f"key {key}: gradient holds NaN or Inf; nothing sent, "
                        f"error feedback and moments unchanged")
 
-    def _load_optimizer_state(self, keys: Sequence[int]) -> None:
-        """Fetch m and the frozen v of every key from its shard, once (sync 1-bit Adam)."""
-        missing = {self.plan.keys[k].shard for k in keys if not self._momentum.loaded(k)}
-        for shard in sorted(missing):
+    def load_optimizer_state(self, keys: Sequence[int], load) -> None:
+        """Fetch the optimizer state of ``keys`` from their shards (the OptimizerState RPC,
+        one stream per shard) and hand each key's message to ``load(state, length)``; a state
+        of another version than this worker's copy is refused (``BAD_CLOCK``)."""
+        for shard in sorted({self.plan.keys[k].shard for k in keys}):
             stream = self._stubs[shard].OptimizerState(pb.OptimizerStateRequest(
                 rank=self.cfg.rank, token=self.cfg.token), timeout=self.cfg.deadline_s)
             try:
@@ -364,19 +342,14 @@ class PSClient:
                         raise PSError(pb.BAD_CLOCK, f"shard {shard} key {state.key}: optimizer "
                                       f"state of version {state.version}, parameters of "
                                       f"version {self.versions.get(state.key)}", shard=shard)
-                    self._momentum.load(state, self.plan.keys[state.key].length)
+                    load(state, self.plan.keys[state.key].length)
             except grpc.RpcError as err:
                 raise self._rpc_error(err, shard) from None
 
     def push_codec_at(self, clock: int) -> Codec:
-        """The codec pushes for ``clock`` use: the configured push codec, or 1-bit Adam's (bf16
-        during warmup, then sign1)."""
-        if not self.freeze_step:
-            return self._push_codec
-        if clock < self.freeze_step:
-            return _WARMUP_CODEC
-        # the shard's chunk: one knob for both directions
-        return Codec(pb.CODEC_SIGN1, self._onebit_chunk, self._push_codec.flags & MEAN_ABS)
+        """The codec pushes for ``clock`` use: the configured push codec, or the push
+        policy's (1-bit Adam: bf16 during warmup, then sign1)."""
+        return self.policy.codec_at(clock, self._push_codec)
 
     def _check_encoded(self, encoded: Mapping[int, np.ndarray], codec: Codec,
                        clock: int) -> None:
@@ -426,7 +399,7 @@ class PSClient:
             for (key, _), comp in list(self._compressors.items()):
                 shard = self.plan.keys[key].shard
                 norms[shard] = float(np.hypot(norms.get(shard, 0.0), comp.residual_norm()))
-        phase = int(self.clock >= self.freeze_step) if self.freeze_step else -1
+        phase = self.policy.phase(self.clock)
         return CodecSnapshot(residual_norms=norms, onebit_phase=phase)
 
     def residuals(self, *, clock: int | None = None) -> dict[int, np.ndarray]:
@@ -458,14 +431,13 @@ class PSClient:
         """async/ssp 1-bit Adam with worker moments: every key's ``(step, m, v)`` this worker
         has pushed, the state to save beside :meth:`residuals` (arrays owned by the client);
         empty for any other optimizer or layout."""
-        return self._moments.state() if self._moments is not None else {}
+        return self.policy.moments()
 
     def load_onebit_moments(self, moments: Mapping[int, tuple[int, np.ndarray, np.ndarray]]
                             ) -> None:
         """Restore moments saved by :meth:`onebit_moments` (same plan; after register())."""
-        if self._moments is None:
-            raise RuntimeError("no worker moments here: register() with an async/ssp "
-                               "onebit_adam shard (onebit_moments auto or worker) first")
+        if not self.policy.has_moments:
+            self.policy.load_moments(moments)  # raises: this policy keeps no moments
         for key, (step, m, v) in moments.items():
             if not 0 <= key < len(self.plan.keys):
                 raise ValueError(f"key {key} is not in the plan (0 .. {len(self.plan.keys) - 1})")
@@ -476,15 +448,14 @@ class PSClient:
                                      f"float32[{n}]")
             if step < 1:
                 raise ValueError(f"step of key {key} is {step}; expected >= 1")
-        for key, (step, m, v) in moments.items():
-            self._moments.load(key, step, m, v)
+        self.policy.load_moments(moments)
 
     def _channel(self) -> Channel:
         channel = getattr(self._local, "channel", None)
         if channel is None:
             channel = Channel(self._ctx, self._endpoints, servers=self.cfg.servers,
                               metrics=self.metrics, versions=self.versions,
-                              codes=self._momentum)
+                              codes=self.policy.codes)
             self._local.channel = channel
             with self._channels_lock:
                 self._channels.append(channel)

@@ -60,9 +60,6 @@ class LocalSGD:
             raise ValueError(f"overlap_steps is {overlap_steps}; expected 0 .. "
                              f"{max(inner_steps // fragments - 1, 0)} (an exchange lands "
                              f"before the next fragment's starts)")
-        if client.freeze_step:
-            raise ValueError("local SGD pushes pseudo-gradients: run the shards with an outer "
-                             "rule (e.g. --optimizer momentum --nesterov), not onebit_adam")
         self.model, self.client, self.inner = model, client, inner
         self.inner_steps, self.fragments, self.overlap_steps = inner_steps, fragments, \
             overlap_steps
@@ -102,6 +99,9 @@ class LocalSGD:
         self._inflight: dict[int, tuple[object, int]] = {}  # fragment -> (handle, land step)
         copies = dict(zip(self.keys, self._outs))
         client.register(self.plan, copies if client.cfg.rank == 0 else None, copies=copies)
+        if client.freeze_step:  # known once the shards answered: their rule has phases
+            raise ValueError("local SGD pushes pseudo-gradients: run the shards with an outer "
+                             "rule (e.g. --optimizer momentum --nesterov), not onebit_adam")
         self.clock = client.start_clock
         """Rounds completed (the clock of the next push)."""
         self.inner_step = 0

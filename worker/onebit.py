@@ -26,10 +26,14 @@ import numpy as np
 from bitps import native
 from bitps.native import casts, sign1
 from bitps.proto import bitps_pb2 as pb
+from bitps.proto.codecs import MEAN_ABS, Codec
 from bitps.proto.schedule import LRSchedule
 from bitps.proto.wire import PSError
+from bitps.worker.push_policy import PushPolicy
 
-__all__ = ["OneBitMomentum", "WorkerMoments"]
+__all__ = ["MomentsPush", "OneBitMomentum", "SyncMomenta", "WorkerMoments", "push_policy"]
+
+_WARMUP_CODEC = Codec(pb.CODEC_BF16)
 
 
 class OneBitMomentum:
@@ -177,3 +181,90 @@ class WorkerMoments:
         self.m[key], self.v[key] = m.copy(), v.copy()
         self.steps[key] = step
         self._out[key] = np.empty_like(m)
+
+
+# -- push policies (``worker.push_policy``) ------------------------------------------------------
+
+class _OneBitPush(PushPolicy):
+    """bf16 gradients before ``freeze_step``, sign1 from it on, with the shard's chunk."""
+
+    keeps_state = True
+
+    def __init__(self, params: pb.OneBitParams) -> None:
+        self.params = params
+        self.freeze_step = params.freeze_step
+
+    def codec_at(self, clock, configured):
+        if clock < self.freeze_step:
+            return _WARMUP_CODEC
+        # the shard's chunk: one knob for both directions
+        return Codec(pb.CODEC_SIGN1, self.params.chunk, configured.flags & MEAN_ABS)
+
+    def phase(self, clock):
+        return int(clock >= self.freeze_step)
+
+
+class SyncMomenta(_OneBitPush):
+    """sync 1-bit Adam: from the switch on, push this worker's momentum (fetched once with the
+    frozen v through ``PSClient.load_optimizer_state``), and apply published momenta."""
+
+    def __init__(self, params: pb.OneBitParams) -> None:
+        super().__init__(params)
+        self.momentum = OneBitMomentum(params)
+        self.codes = self.momentum
+
+    def prepare(self, client, keys, grads, clock, clip):
+        if not grads or clock < self.freeze_step:
+            return grads, clip, False
+        client.load_optimizer_state([k for k in keys if not self.momentum.loaded(k)],
+                                    self.momentum.load)
+        # the clip factor goes into the momentum
+        return [self.momentum.momentum(k, g, clip) for k, g in zip(keys, grads)], 1.0, True
+
+    def correct(self, key, grad, residual, *, clock, used, exact):
+        # the pushed momentum lerp(m, g, 1 - beta1) is linear in g
+        after = clock >= self.freeze_step
+        native.add_scaled(residual, grad, np.float32(
+            (exact - used) * (1 - self.params.beta1 if after else 1)))
+
+
+class MomentsPush(_OneBitPush):
+    """async/ssp 1-bit Adam with worker moments: every push advances this worker's Adam
+    moments; from the switch on it carries the Adam direction, not the gradient."""
+
+    has_moments = True
+    survives_rejoin = True  # the moments are this worker's own state, not the shards'
+
+    def __init__(self, params: pb.OneBitParams) -> None:
+        super().__init__(params)
+        self.worker_moments = WorkerMoments(params)
+
+    def prepare(self, client, keys, grads, clock, clip):
+        if not grads:
+            return grads, clip, False
+        adam = [self.worker_moments.direction(k, g, clip) for k, g in zip(keys, grads)]
+        if clock < self.freeze_step:
+            return grads, clip, False
+        return adam, 1.0, True  # the clip factor went into the direction
+
+    def correct(self, key, grad, residual, *, clock, used, exact):
+        self.worker_moments.correct(key, grad, residual, used, exact,
+                                    directions=clock >= self.freeze_step)
+
+    def moments(self):
+        return self.worker_moments.state()
+
+    def load_moments(self, moments):
+        for key, (step, m, v) in moments.items():
+            self.worker_moments.load(key, step, m, v)
+
+
+def push_policy(reply: pb.RegisterReply) -> PushPolicy | None:
+    """The push policy a ``onebit_adam`` shard's registration reply calls for, or ``None``."""
+    if not reply.HasField("onebit"):
+        return None
+    if reply.mode == "sync":  # the shard's layout follows its mode (ps.onebit.OneBitAdam)
+        return SyncMomenta(reply.onebit)
+    if reply.onebit.worker_moments:
+        return MomentsPush(reply.onebit)
+    return _OneBitPush(reply.onebit)  # shard moments: gradients, 1-bit after the switch

@@ -1,0 +1,92 @@
+"""Push policies: what a worker pushes for its gradients, chosen at registration.
+
+``PSClient`` sends and receives; the policy it registered with decides, per push, which codec the
+clock calls for (:meth:`PushPolicy.codec_at`), what is pushed for the gradients
+(:meth:`PushPolicy.prepare`: the gradients themselves, or a 1-bit Adam momentum or direction made
+from them), how an inexact clip factor is made good (:meth:`PushPolicy.correct`), and how the
+codes a shard publishes are added to the worker's copy (:attr:`PushPolicy.codes`, which the
+channels use). The client holds no algorithm's code.
+
+- :class:`CodecPush` (every shard rule but ``onebit_adam``): the gradients, raw or through the
+  configured push codec, with error feedback per key.
+- ``worker.onebit.SyncMomenta`` and ``worker.onebit.MomentsPush``: sync 1-bit Adam's momenta and
+  async/ssp 1-bit Adam's worker-side Adam directions (bf16 gradients during the warmup).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from bitps import native
+from bitps.proto.codecs import Codec
+from bitps.worker.channel import DECODE_ADD, CodeApplier
+
+if TYPE_CHECKING:
+    from bitps.worker.client import PSClient
+
+__all__ = ["CODEC_PUSH", "CodecPush", "PushPolicy", "for_registration"]
+
+
+class PushPolicy:
+    """How one worker turns gradients into pushes; one per client, set at registration."""
+
+    freeze_step = 0
+    """The clock of a compression switch (1-bit Adam), or 0: none."""
+    keeps_state = False
+    """Whether pushes fold the gradients into state (moments): a NaN must be refused first."""
+    codes: CodeApplier = DECODE_ADD
+    """How the transport adds a published code to this worker's copy."""
+    has_moments = False
+    """Whether :meth:`moments` holds state to save (worker-side Adam moments)."""
+    survives_rejoin = False
+    """Whether a registration again (a rejoin) keeps this policy and its state, or takes the
+    fresh one the shards' replies call for."""
+
+    def codec_at(self, clock: int, configured: Codec) -> Codec:
+        """The codec pushes for ``clock`` use (``configured``: the client's push codec)."""
+        return configured
+
+    def prepare(self, client: PSClient, keys: Sequence[int], grads: Sequence[np.ndarray],
+                clock: int, clip: float) -> tuple[Sequence[np.ndarray], float, bool]:
+        """What to push for ``grads`` of ``keys`` at ``clock``, with clip factor ``clip``:
+        ``(arrays, clip factor still to apply, whether the arrays are this policy's own
+        buffers)`` (own buffers change with the next push: they go by copy)."""
+        return grads, clip, False
+
+    def correct(self, key: int, grad: np.ndarray, residual: np.ndarray, *, clock: int,
+                used: float, exact: float) -> None:
+        """A push of ``grad`` for ``clock`` went with clip factor ``used`` where ``exact`` was
+        right: add the difference to ``residual`` (the key's error feedback) in the units the
+        push carried."""
+        native.add_scaled(residual, grad, np.float32(exact - used))
+
+    def phase(self, clock: int) -> int:
+        """For metrics: 0 before a compression switch, 1 after, -1 without one."""
+        return -1
+
+    def moments(self) -> dict[int, tuple[int, np.ndarray, np.ndarray]]:
+        """Adam moments this worker keeps, by key (state to save); none by default."""
+        return {}
+
+    def load_moments(self, moments) -> None:
+        raise RuntimeError("no worker moments here: register() with an async/ssp "
+                           "onebit_adam shard (onebit_moments auto or worker) first")
+
+
+class CodecPush(PushPolicy):
+    """The gradients, through the configured push codec with error feedback (raw: as they are,
+    and clipped raw keys through a raw compressor that keeps what clipping missed)."""
+
+
+CODEC_PUSH = CodecPush()
+
+
+def for_registration(reply) -> PushPolicy | None:
+    """The policy a shard's ``RegisterReply`` calls for (its rule's, e.g. 1-bit Adam's), or
+    ``None``: the client's codec push. The factories live with their algorithms."""
+    from bitps.worker import onebit  # the 1-bit Adam policies import this module
+
+    return onebit.push_policy(reply)
