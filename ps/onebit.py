@@ -96,7 +96,6 @@ def new_state(n: int, cfg: ServerConfig) -> OneBitState:
     o = cfg.optimizer
     return OneBitState(n, chunk=o.onebit_chunk, history=o.delta_history,
                        mean_abs=uses_mean_abs(cfg), sync=cfg.mode == "sync",
-                       worker_moments=uses_worker_moments(cfg),
                        warmup_codes=o.onebit_warmup_codes)
 
 
@@ -119,15 +118,12 @@ class OneBitState:
     """One key's 1-bit Adam state beyond the Adam moments (which live in ``KeyState``)."""
 
     def __init__(self, n: int, *, chunk: int, history: int, mean_abs: bool,
-                 sync: bool, worker_moments: bool, warmup_codes: bool = False) -> None:
+                 sync: bool, warmup_codes: bool = False) -> None:
         self.n = n
         self.codec = Codec(pb.CODEC_SIGN1, chunk, MEAN_ABS if mean_abs else 0)
         self.sync = sync
         """Momentum lives on the workers (DeepSpeed's math): pushes are worker momenta, the
         published codes are the averaged momentum, every replica applies it."""
-        self.worker_moments = worker_moments
-        """async/ssp: pushes are worker Adam directions, not gradients (the shard's m and v
-        are only used during warmup)."""
         self.warmup_codes = warmup_codes
         """Warmup updates are published as sign1 codes of the parameter change
         (``onebit_warmup_codes``) instead of leaving workers to pull the parameters."""

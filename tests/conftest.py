@@ -29,3 +29,22 @@ def run_without_jit(tmp_path):
         return dict(np.load(tmp_path / "out.npz"))
 
     return run
+
+
+@pytest.fixture
+def cluster():
+    """``cluster(num_shards, **server_config)`` -> list of running in-process shards (real
+    sockets), stopped afterwards."""
+    from bitps.ps import ServerConfig, create_server
+
+    started = []
+
+    def make(num_shards: int = 1, **kw):
+        shards = [create_server(ServerConfig(shard_id=i, num_shards=num_shards, **kw))
+                  for i in range(num_shards)]
+        started.extend(shards)
+        return shards
+
+    yield make
+    for s in started:
+        s.stop(0)

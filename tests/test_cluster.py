@@ -19,24 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.keyplan import ParamSpec, make_plan
 from bitps.proto.wire import PROTOCOL, PSError
-from bitps.ps import OptimizerConfig, ServerConfig, create_server
+from bitps.ps import OptimizerConfig
 from bitps.worker import ClientConfig, PSClient, PSTimeoutError
-
-
-@pytest.fixture
-def cluster():
-    """``cluster(num_shards, **server_config)`` -> list of running shards, stopped afterwards."""
-    started = []
-
-    def make(num_shards: int = 1, **kw):
-        shards = [create_server(ServerConfig(shard_id=i, num_shards=num_shards, **kw))
-                  for i in range(num_shards)]
-        started.extend(shards)
-        return shards
-
-    yield make
-    for s in started:
-        s.stop(0)
 
 
 def servers_of(shards) -> tuple[str, ...]:

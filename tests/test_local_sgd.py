@@ -13,27 +13,19 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from bitps import CodecConfig  # noqa: E402
-from bitps.ps import OptimizerConfig, ServerConfig, create_server  # noqa: E402
+from bitps.ps import OptimizerConfig  # noqa: E402
 from bitps.worker import ClientConfig, PSClient  # noqa: E402
 from bitps.worker.local_sgd import LocalSGD  # noqa: E402
+from tests.test_cluster import servers_of  # noqa: E402
 
 OUTER_PLAIN = OptimizerConfig(name="sgd", lr=1.0)
 STEPS = 20
 
 
 @pytest.fixture
-def shards():
-    started = []
-
-    def make(num_shards: int = 2, **kw):
-        out = [create_server(ServerConfig(shard_id=i, num_shards=num_shards, **kw))
-               for i in range(num_shards)]
-        started.extend(out)
-        return tuple(f"127.0.0.1:{s.ports['grpc_port']}" for s in out)
-
-    yield make
-    for s in started:
-        s.stop(0)
+def shards(cluster):
+    """``shards(num_shards, **server_config)`` -> the gRPC addresses of running shards."""
+    return lambda num_shards=2, **kw: servers_of(cluster(num_shards, **kw))
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -148,18 +140,20 @@ def test_h_inner_steps_push_once_per_round_and_sign1_shrinks_the_bytes(shards):
 def test_misfit_settings_are_refused_before_anything_runs(shards):
     model = _model()
     servers = shards(1, mode="sync", optimizer=OUTER_PLAIN)
-    with pytest.raises(ValueError, match="inner_steps is 0"):
-        LocalSGD(model, _client(servers), torch.optim.SGD(model.parameters(), lr=0.1),
-                 inner_steps=0)
-    with pytest.raises(ValueError, match="does not update"):
-        LocalSGD(model, _client(servers), torch.optim.SGD(model[0].parameters(), lr=0.1),
-                 inner_steps=2)
-    with pytest.raises(ValueError, match="fragments is 3"):
-        LocalSGD(model, _client(servers), torch.optim.SGD(model.parameters(), lr=0.1),
-                 inner_steps=2, fragments=3)
-    with pytest.raises(ValueError, match="overlap_steps is 2"):
-        LocalSGD(model, _client(servers), torch.optim.SGD(model.parameters(), lr=0.1),
-                 inner_steps=4, fragments=2, overlap_steps=2)
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    cases = [({"inner_steps": 0}, model.parameters(), "inner_steps is 0"),
+             ({"inner_steps": 2}, model[0].parameters(), "does not update"),
+             ({"inner_steps": 2, "fragments": 3}, model.parameters(), "fragments is 3"),
+             ({"inner_steps": 4, "fragments": 2, "overlap_steps": 2}, model.parameters(),
+              "overlap_steps is 2")]
+    for kw, params, message in cases:
+        client = _client(servers)
+        try:
+            with pytest.raises(ValueError, match=message):
+                LocalSGD(model, client, sgd(params), **kw)
+            assert client.plan is None  # refused before registering
+        finally:
+            client.close(leave=False)
     from bitps.worker.config import AlgorithmConfig
 
     with pytest.raises(ValueError, match="fragment_overlap_steps"):
@@ -168,7 +162,7 @@ def test_misfit_settings_are_refused_before_anything_runs(shards):
     client = _client(onebit)
     try:
         with pytest.raises(ValueError, match="onebit_adam"):
-            LocalSGD(model, client, torch.optim.SGD(model.parameters(), lr=0.1), inner_steps=2)
+            LocalSGD(model, client, sgd(model.parameters()), inner_steps=2)
     finally:
         client.close()
 
