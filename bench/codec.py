@@ -8,7 +8,7 @@ times, round-robin with the others and with ``np.copyto`` of the same bytes into
 buffer (memcpy), so machine noise hits all alike; medians are reported. "vs memcpy" = memcpy
 time / this time (1.0 = as fast as copying the float32 gradient once); "kernel speedup" = this
 time / the numba kernel's time for the same operation. "clipped sign1 push" compares the
-worker's preparation of a clipped compressed push before ``worker.clip`` (torch's
+worker's preparation of a clipped compressed push before ``worker.training.clip`` (torch's
 ``clip_grad_norm_`` in place, the finiteness check, the encode) with now (``sum_squares`` for
 the norm and the finiteness check in one read, the encode applying the factor).
 """
@@ -37,7 +37,7 @@ def _cases(grads: list[np.ndarray]) -> dict:
 
     import torch
 
-    from bitps.worker import codec_torch
+    from bitps.worker.training import codec_torch
 
     grad = grads[0]
     n, chunk = grad.shape[0], sign1.DEFAULT_CHUNK

@@ -31,7 +31,7 @@ RUNS = {
     "fp32 Adam (sync)": (["--mode", "sync", "--optimizer", "adam"], []),
     "1-bit Adam (sync)": (["--mode", "sync", "--optimizer", "onebit_adam"],
                           ["--compress-min-bytes", "0"]),
-    # clipping under overlap (worker.clip) on a compressed run that converges well: momenta
+    # clipping under overlap (worker.training.clip) on a compressed run that converges well: momenta
     # pushed bucket by bucket with predicted factors, corrected through error feedback
     "1-bit Adam (sync), overlap on": (["--mode", "sync", "--optimizer", "onebit_adam"],
                                       ["--compress-min-bytes", "0", "--overlap", "on",
@@ -46,7 +46,7 @@ RUNS = {
                                  ["--push-codec", "sparse", "--compress-min-bytes", "0"]),
     # sign1 both ways with the default clip_norm (1.0; the demo's gradient norm exceeds it in
     # about a quarter of the early steps): overlap off clips exactly, overlap on pushes buckets
-    # with predicted factors and corrects them through error feedback (worker.clip). 64 KiB
+    # with predicted factors and corrects them through error feedback (worker.training.clip). 64 KiB
     # buckets: the demo's 1 MB of gradients would fit one bucket of the default 1 MiB, whose
     # factor is exact, and nothing would be predicted.
     "sign1 + EF, clip 1.0, Adam (sync), overlap off": (

@@ -49,7 +49,7 @@ def _digest(a) -> str:
 
 def _recording_client(cfg):
     """A ``PSClient`` that hashes every payload the communication thread sends, as sent."""
-    from bitps.worker.client import PSClient
+    from bitps.worker.transport.client import PSClient
 
     class Recording(PSClient):
         def __init__(self, cfg) -> None:
@@ -69,7 +69,7 @@ def _recording_client(cfg):
 
 
 def _demo(device):
-    from bitps.worker.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
+    from bitps.worker.launch.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
 
     demo = DemoConfig(seq_len=32, batch_size=4, corpus_bytes=100_000)
     corpus = load_corpus(demo.corpus_bytes)
@@ -88,7 +88,7 @@ def pushed_bytes_match(server: str, *, device: str = "cpu", codec: str = "raw",
     from bitps.native import sign1
     from bitps.proto.codecs import CodecConfig
     from bitps.worker.config import ClientConfig, OverlapConfig
-    from bitps.worker.model import PSModel
+    from bitps.worker.training.model import PSModel
 
     chunk = 64
     cfg = ClientConfig(servers=(server,), partition_bytes=8 << 10, compress_min_bytes=4096,
@@ -145,9 +145,9 @@ def sync_result(server_for_run, *, device: str = "cpu", steps: int = 20) -> bool
     and returns its ``host:port``."""
     import torch
 
-    from bitps.worker.client import PSClient
     from bitps.worker.config import ClientConfig, OverlapConfig
-    from bitps.worker.model import PSModel
+    from bitps.worker.training.model import PSModel
+    from bitps.worker.transport.client import PSClient
 
     finals = []
     for mode in ("off", "on"):
@@ -171,7 +171,7 @@ def pool_gradients_match(*, device: str = "cpu", budget: float = 0.5, steps: int
     import torch
 
     from bitps.worker.config import PoolConfig
-    from bitps.worker.pool import ActivationPool
+    from bitps.worker.memory.pool import ActivationPool
 
     small = dict(min_block=4096, max_block=2 << 20, min_tensor_bytes=1024)
     results = []
@@ -207,9 +207,9 @@ def nonfinite_refused(server: str, *, device: str = "cpu") -> bool:
     from bitps.proto import bitps_pb2 as pb
     from bitps.proto.codecs import CodecConfig
     from bitps.proto.wire import PSError
-    from bitps.worker.client import PSClient
     from bitps.worker.config import ClientConfig
-    from bitps.worker.model import PSModel
+    from bitps.worker.training.model import PSModel
+    from bitps.worker.transport.client import PSClient
 
     dev = torch.device(device)
     torch.manual_seed(0)
@@ -235,17 +235,17 @@ def nonfinite_refused(server: str, *, device: str = "cpu") -> bool:
 def clipped_sum_problems(server: str, *, device: str = "cpu", codec: str = "sign1",
                          device_codec: bool = False, mode: str = "on",
                          steps: int = 12) -> list[str]:
-    """Clipping under overlap (``worker.clip``): train a small net with clipping in force at
-    varying strength (gradient norms vary 30x between steps) against the shard at ``server``
+    """Clipping under overlap (``worker.training.clip``): train a small net with clipping in force
+    at varying strength (gradient norms vary 30x between steps) against the shard at ``server``
     (async, SGD with lr 1, so its parameters fall by exactly what it received) and return what
     breaks the invariant: received plus the worker's residuals = the exactly clipped gradients
     summed (empty = it holds). Pulls are float32, so the shard's parameters are its updates."""
     import torch
 
     from bitps.proto.codecs import CodecConfig
-    from bitps.worker.client import PSClient
     from bitps.worker.config import ClientConfig, OverlapConfig
-    from bitps.worker.model import PSModel
+    from bitps.worker.training.model import PSModel
+    from bitps.worker.transport.client import PSClient
 
     dev = torch.device(device)
     torch.manual_seed(0)
@@ -312,9 +312,9 @@ def pulled_copies_match(server_for_run, *, device: str = "cpu", steps: int = 8) 
     import torch
 
     from bitps.proto.codecs import CodecConfig
-    from bitps.worker.client import PSClient
     from bitps.worker.config import ClientConfig, OverlapConfig
-    from bitps.worker.model import PSModel
+    from bitps.worker.training.model import PSModel
+    from bitps.worker.transport.client import PSClient
 
     server, core = server_for_run()
     problems = []

@@ -141,8 +141,8 @@ def overlap_config(mode: str, cfg: dict):
 
 def _ps_run(link: Link, model, batch: int, steps: int, warmup: int, device, mode: str,
             cfg: dict, *, codec: str = "raw", loss_scale: float = 1.0) -> dict:
-    from bitps.worker.client import PSClient
-    from bitps.worker.model import PSModel
+    from bitps.worker.training.model import PSModel
+    from bitps.worker.transport.client import PSClient
 
     shard = _shard(link.prefix, link.server_ip)
     try:
@@ -161,8 +161,8 @@ def _ps_run(link: Link, model, batch: int, steps: int, warmup: int, device, mode
 def _two_workers(link: Link, width: int, depth: int, batch: int, steps: int, warmup: int,
                  device, mode: str, cfg: dict) -> dict:
     """Case 2: two workers in sync, a shard beside each; this process is worker 0."""
-    from bitps.worker.client import PSClient
-    from bitps.worker.model import PSModel
+    from bitps.worker.training.model import PSModel
+    from bitps.worker.transport.client import PSClient
 
     shards = [_shard((), link.host_ip, 0, 2), _shard(link.prefix, link.server_ip, 1, 2)]
     peer = None

@@ -14,8 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from bitps.bench.overlap import client_config, make_model, overlap_config, train_steps
-    from bitps.worker.client import PSClient
-    from bitps.worker.model import PSModel
+    from bitps.worker.training.model import PSModel
+    from bitps.worker.transport.client import PSClient
 
     s = json.loads((argv or sys.argv[1:])[0])
     torch.set_num_threads(1)

@@ -23,8 +23,8 @@ from bitps.bench.floor import FloorClient
 from bitps.bench.proc import ReadyProcess
 from bitps.bench.report import check, median, write_results
 from bitps.proto.keyplan import DEFAULT_PARTITION_BYTES, ParamSpec, make_plan
-from bitps.worker.client import PSClient
 from bitps.worker.config import ClientConfig
+from bitps.worker.transport.client import PSClient
 
 __all__ = ["run"]
 

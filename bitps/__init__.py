@@ -18,15 +18,15 @@ __version__ = "0.2.0"
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "PSClient": "bitps.worker.client",
-    "PSModel": "bitps.worker.model",
+    "PSClient": "bitps.worker.transport.client",
+    "PSModel": "bitps.worker.training.model",
     "ClientConfig": "bitps.worker.config",
     "OverlapConfig": "bitps.worker.config",
     "PoolConfig": "bitps.worker.config",
-    "ActivationPool": "bitps.worker.pool",
+    "ActivationPool": "bitps.worker.memory.pool",
     "CodecConfig": "bitps.proto.codecs",
     "PSError": "bitps.proto.wire",
-    "PSTimeoutError": "bitps.worker.channel",
+    "PSTimeoutError": "bitps.worker.transport.channel",
     "ServerConfig": "bitps.ps.config",
     "OptimizerConfig": "bitps.ps.config",
     "create_server": "bitps.ps.server",

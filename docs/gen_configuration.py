@@ -19,7 +19,7 @@ from bitps.bench.__main__ import build_parser as bench_parser
 from bitps.proto import settings
 from bitps.ps.__main__ import PROGRAM as SERVER
 from bitps.worker.__main__ import program as worker_program
-from bitps.worker.launch import build_parser as launch_parser
+from bitps.worker.launch.launcher import build_parser as launch_parser
 
 OUT = Path(__file__).resolve().with_name("configuration.md")
 

@@ -85,7 +85,7 @@ def in_range(free_blocks: list[tuple[int, int]], high_water: int) -> tuple[int, 
 
 
 class Allocator(Protocol):
-    """The interface ``worker.pool.ActivationPool`` and the memory bench use."""
+    """The interface ``worker.memory.pool.ActivationPool`` and the memory bench use."""
 
     capacity: int
     requested: int

@@ -176,11 +176,11 @@ def adam_direction(grad, exp_avg, exp_avg_sq, out, one_minus_beta1, beta2, one_m
 @_jit
 def adam_direction_correct(grad, exp_avg, exp_avg_sq, residual, alpha_m, alpha_v, alpha_g,
                            eps, inv_bias_correction1, bias_correction2_sqrt, directions):
-    """Clipping under overlap (``worker.clip``): :func:`adam_direction` ran with a predicted clip
-    factor ``p`` and the step's exact factor ``s`` is known now. Correct the moments to what
-    ``s`` gives, ``m += alpha_m * g`` (``alpha_m = (1 - beta1) * (s - p)``) and ``v += alpha_v *
-    g * g`` (``alpha_v = (1 - beta2) * (s*s - p*p)``, kept >= 0), and fold what the push missed
-    into its error-feedback ``residual``: the direction's change when ``directions`` (it was
+    """Clipping under overlap (``worker.training.clip``): :func:`adam_direction` ran with a
+    predicted clip factor ``p`` and the step's exact factor ``s`` is known now. Correct the moments
+    to what ``s`` gives, ``m += alpha_m * g`` (``alpha_m = (1 - beta1) * (s - p)``) and ``v +=
+    alpha_v * g * g`` (``alpha_v = (1 - beta2) * (s*s - p*p)``, kept >= 0), and fold what the push
+    missed into its error-feedback ``residual``: the direction's change when ``directions`` (it was
     pushed), else ``alpha_g * g`` (``alpha_g = s - p``: the gradient was pushed, warmup)."""
     for i in range(grad.shape[0]):
         g = grad[i]
@@ -273,7 +273,8 @@ def sum_squares(x):
 @_jit
 def add_scaled(acc, x, alpha):
     """``acc += x * alpha`` (float32, two roundings): what clipping under overlap adds to an
-    error-feedback residual once the step's exact clip factor is known (``worker.clip``)."""
+    error-feedback residual once the step's exact clip factor is known
+    (``worker.training.clip``)."""
     for i in range(acc.shape[0]):
         acc[i] = acc[i] + x[i] * alpha
 

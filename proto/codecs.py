@@ -350,8 +350,8 @@ class Compressor:
     restore) and a reusable output buffer. Not thread-safe; one per key and direction.
 
     A raw compressor sends ``grad * scale + residual`` as float32 and keeps a zero residual:
-    only clipping under overlap (``worker.clip``) adds to it, once the step's exact clip factor
-    is known, so that what a raw key missed arrives with its next push."""
+    only clipping under overlap (``worker.training.clip``) adds to it, once the step's exact clip
+    factor is known, so that what a raw key missed arrives with its next push."""
 
     def __init__(self, codec: Codec, n: int) -> None:
         self.codec, self.n = codec, n

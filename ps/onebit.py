@@ -3,9 +3,9 @@ directions, momenta or gradients, and the shard publishes compressed parameter u
 
 Per key, after the warmup (``freeze_step`` clocks of full Adam on bf16 pushes), ``async`` and
 ``ssp`` with worker moments (``onebit_moments`` auto/worker, the default): every worker keeps
-Adam's m and v of its own gradients (float32, never frozen; ``worker.onebit.WorkerMoments``)
-and pushes ``sign1(direction + worker residual)``, ``direction = m/bc1 / (sqrt(v)/bc2 + eps)``;
-the shard, per push::
+Adam's m and v of its own gradients (float32, never frozen;
+``worker.algorithms.onebit.WorkerMoments``) and pushes ``sign1(direction + worker residual)``,
+``direction = m/bc1 / (sqrt(v)/bc2 + eps)``; the shard, per push::
 
     delta   = -lr * (clip(decode(push)) + wd * x)
     payload = sign1(delta + server residual)

@@ -173,7 +173,7 @@ class UpdateRule:
     # -- shared scalars -----------------------------------------------------------------------
     def neg_lr(self, lr_scale: float = 1.0) -> np.float32:
         """``-lr * lr_scale`` as the float32 the kernels take; sync 1-bit Adam workers compute
-        the same scalar from the same doubles (``worker.onebit``)."""
+        the same scalar from the same doubles (``worker.algorithms.onebit``)."""
         return np.float32(-(self.cfg.lr * lr_scale))
 
     @property

@@ -1,6 +1,6 @@
-"""Clipping compressed pushes under overlap (``worker.clip``): buckets leave with a predicted clip
-factor, the step's last bucket with the exact one, and what the earlier ones missed goes into
-their error feedback, so error feedback stays in clipped units.
+"""Clipping compressed pushes under overlap (``worker.training.clip``): buckets leave with a
+predicted clip factor, the step's last bucket with the exact one, and what the earlier ones missed
+goes into their error feedback, so error feedback stays in clipped units.
 
 The invariant every test leans on: over a run, what the shard received plus the worker's last
 residuals equals the sum of the exactly clipped gradients, ``sum_t s_t g_t``.
@@ -15,8 +15,8 @@ from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import CodecConfig
 from bitps.ps import OptimizerConfig, ServerConfig, create_server
 from bitps.worker import ClientConfig, PSClient
-from bitps.worker.clip import StepClip
 from bitps.worker.config import OverlapConfig
+from bitps.worker.training.clip import StepClip
 
 torch = pytest.importorskip("torch")
 
@@ -44,7 +44,7 @@ def test_worker_moments_correction_equals_the_exact_factor():
     """1-bit Adam with worker moments: moments advanced with a predicted factor, then
     corrected, match moments advanced with the exact one; the push's residual gets the
     direction's change."""
-    from bitps.worker.onebit import WorkerMoments
+    from bitps.worker.algorithms.onebit import WorkerMoments
 
     params = pb.OneBitParams(beta1=0.9, beta2=0.99, eps=1e-8)
     rng = np.random.default_rng(0)
@@ -104,7 +104,7 @@ def test_overlap_on_with_clipping_reports_overlap_on(tmp_path):
     the 20 % rule turns overlap on (it used to stay off, 'clipping needs every gradient')."""
     import time
 
-    from bitps.worker.model import PSModel
+    from bitps.worker.training.model import PSModel
 
     torch.set_num_threads(1)
     shard = create_server(ServerConfig(mode="sync", metrics_port=-1,
@@ -132,7 +132,7 @@ def test_overlap_on_with_clipping_reports_overlap_on(tmp_path):
 def test_one_bit_adam_with_worker_moments_clips_under_overlap_and_stays_bit_identical():
     """1-bit Adam (ssp, worker moments) with clipping in force and overlap on: the moments are
     corrected to the exact factor, and the worker's copy stays the shard's, bit for bit."""
-    from bitps.worker.model import PSModel
+    from bitps.worker.training.model import PSModel
 
     torch.set_num_threads(1)
     opt = OptimizerConfig(name="onebit_adam", lr=1e-3, freeze_step=3, onebit_chunk=256)
@@ -166,7 +166,7 @@ def _clipped_sync_run(mode: str, bucket_bytes: int, jitter: int | None = None
     import random
     import time
 
-    from bitps.worker.model import PSModel
+    from bitps.worker.training.model import PSModel
 
     torch.set_num_threads(1)
     shard = create_server(ServerConfig(mode="sync", metrics_port=-1,

@@ -46,8 +46,8 @@ def test_sync_one_worker_equals_local_torch(cluster, optimizer):
     """
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from bitps.worker.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
-    from bitps.worker.model import PSModel
+    from bitps.worker.launch.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
+    from bitps.worker.training.model import PSModel
 
     torch.set_num_threads(1)
     lr = {"sgd": 0.05, "momentum": 0.02, "adam": 3e-3, "adamw": 3e-3}[optimizer]
@@ -271,7 +271,7 @@ def test_held_pull_times_out_and_status_names_who_is_late(cluster):
 
 def test_psmodel_pushes_zeros_for_parameters_without_gradients(cluster):
     torch = pytest.importorskip("torch")
-    from bitps.worker.model import PSModel
+    from bitps.worker.training.model import PSModel
 
     (shard,) = cluster(1, mode="sync", optimizer=OptimizerConfig(name="sgd", lr=0.1))
     torch.manual_seed(0)

@@ -92,7 +92,7 @@ def test_without_registration_the_codec_is_unknown():
 
 def test_device_encoders_are_looked_up_by_codec_name():
     torch = pytest.importorskip("torch")
-    from bitps.worker import codec_torch
+    from bitps.worker.training import codec_torch
 
     g = torch.randn(300)
     r1, r2 = torch.zeros(300), torch.zeros(300)

@@ -1,6 +1,6 @@
-"""worker.codec_torch against the numpy references of native/sign1.py and native/casts.py, bit for
-bit: payload bytes, residuals after several error-feedback steps, and decode_add; on CUDA too
-when there is one."""
+"""worker.training.codec_torch against the numpy references of native/sign1.py and native/casts.py,
+bit for bit: payload bytes, residuals after several error-feedback steps, and decode_add; on CUDA
+too when there is one."""
 
 from __future__ import annotations
 
@@ -10,7 +10,12 @@ import torch
 
 from bitps.native.casts import bf16_reference
 from bitps.native.sign1 import decode_reference, encode_reference
-from bitps.worker.codec_torch import bf16_decode_add, bf16_encode, sign1_decode_add, sign1_encode
+from bitps.worker.training.codec_torch import (
+    bf16_decode_add,
+    bf16_encode,
+    sign1_decode_add,
+    sign1_encode,
+)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device"))]

@@ -120,7 +120,7 @@ def test_psmodel_device_codec_path_trains_like_the_host_path(codec):
     run on CPU tensors: the same bytes reach the shard as from the host path (numba kernels), so
     the two trainings end bit-identical."""
     torch = pytest.importorskip("torch")
-    from bitps.worker.model import PSModel
+    from bitps.worker.training.model import PSModel
 
     def train(device_codec: bool):
         shard = create_server(ServerConfig(mode="sync", metrics_port=-1,
@@ -189,7 +189,7 @@ def test_psmodel_device_codec_refuses_a_nonfinite_gradient_before_its_residual()
     torch = pytest.importorskip("torch")
     from bitps.proto import bitps_pb2 as pb
     from bitps.proto.wire import PSError
-    from bitps.worker.model import PSModel
+    from bitps.worker.training.model import PSModel
 
     shard = create_server(ServerConfig(mode="async", metrics_port=-1,
                                        optimizer=OptimizerConfig(name="sgd", lr=0.05)))

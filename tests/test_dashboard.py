@@ -69,7 +69,7 @@ def worker_series() -> dict[str, set[str]]:
     _fill_labeled(metrics)
     # bitps-worker --activation-pool adds the pool's collector to the same registry.
     from bitps.worker.config import PoolConfig
-    from bitps.worker.pool import ActivationPool
+    from bitps.worker.memory.pool import ActivationPool
 
     pool = ActivationPool(PoolConfig(capacity_bytes=1 << 20), device="cpu")
     metrics.registry.register(pool.collector())

@@ -165,7 +165,7 @@ def test_no_pre_namespace_spellings(page):
     ("import bitps.ps", False),
     ("python -m bitps.ps", False),
     ("python -m bitps.bench.gpu_check", False),
-    ("`ps/store.py` and `worker/comm.py`", False),
+    ("`ps/store.py` and `worker/training/comm.py`", False),
     ("ps and worker never import each other", False),
 ])
 def test_old_spelling_pattern(text, old):

@@ -85,7 +85,7 @@ def test_matching_copies_skip_the_first_pull_and_later_codes_apply_to_them():
 def test_psmodel_ranks_built_from_one_seed_pull_nothing_at_start():
     """Two ranks of the same seeded model: rank 1's copy matches, so it pulls nothing; a rank
     built from another seed pulls and ends with rank 0's values."""
-    from bitps.worker.model import PSModel
+    from bitps.worker.training.model import PSModel
 
     def build(seed: int) -> torch.nn.Module:
         torch.manual_seed(seed)

@@ -79,3 +79,59 @@ def test_shard_runs_without_torch():
             "assert 'torch' not in sys.modules, 'torch imported'; "
             "assert 'bitps.worker' not in sys.modules, 'worker imported'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+# worker/ by concern: the transport moves bytes (no torch, no algorithm, no training code); the
+# algorithms plug into it; nothing below the launcher imports the launcher.
+WORKER_ALLOWED = {
+    "transport": set(),
+    "memory": set(),
+    "training": {"transport", "memory"},
+    "algorithms": {"transport", "training"},
+    "launch": {"transport", "training", "algorithms", "memory"},
+}
+
+
+def _worker_imports(path: Path) -> set[str]:
+    """The ``bitps.worker`` subpackages (``transport`` for ``bitps.worker.transport...``) that
+    ``path`` imports, and its third-party top-level names."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = set()
+    for node in ast.walk(tree):
+        dotted = []
+        if isinstance(node, ast.Import):
+            dotted = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            dotted = [node.module]
+            if node.module == "bitps.worker":
+                dotted = [f"bitps.worker.{a.name}" for a in node.names]
+        for name in dotted:
+            parts = name.split(".")
+            if parts[:2] == ["bitps", "worker"] and len(parts) > 2:
+                names.add(parts[2])
+            elif parts[0] != "bitps":
+                names.add(parts[0])
+    return names
+
+
+@pytest.mark.parametrize("sub", sorted(WORKER_ALLOWED))
+def test_worker_subpackages_follow_their_layering(sub):
+    modules = sorted((ROOT / "worker" / sub).rglob("*.py"))
+    assert modules, f"worker/{sub} is empty"
+    bad = []
+    for path in modules:
+        for name in _worker_imports(path):
+            if name in WORKER_ALLOWED and name != sub and name not in WORKER_ALLOWED[sub]:
+                bad.append(f"{path.relative_to(ROOT)} imports worker.{name}")
+            if sub == "transport" and name in {"torch", "transformers"}:
+                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, bad
+
+
+def test_the_transport_runs_without_torch_or_algorithms():
+    """Importing the transport alone loads no torch and no training code (the package's
+    ``__init__`` registers the algorithms' push policies, which are torch-free too)."""
+    code = ("import sys, bitps.worker.transport.client, bitps.worker.transport.channel; "
+            "assert 'torch' not in sys.modules, 'torch imported'; "
+            "assert not [m for m in sys.modules if m.startswith('bitps.worker.training')]")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

@@ -1,6 +1,6 @@
-"""Local SGD / DiLoCo (``worker.local_sgd``) against real shards (in-process, real sockets):
-with H = 1, raw pushes and an outer SGD of lr 1, one worker is plain local training with the
-inner optimizer, and two workers with inner SGD are sync SGD on the mean gradient; H > 1 moves
+"""Local SGD / DiLoCo (``worker.algorithms.local_sgd``) against real shards (in-process, real
+sockets): with H = 1, raw pushes and an outer SGD of lr 1, one worker is plain local training with
+the inner optimizer, and two workers with inner SGD are sync SGD on the mean gradient; H > 1 moves
 H-fold fewer bytes; a misfit setting is refused before anything runs; a worker that restarts
 mid-round resumes from the shards' parameters."""
 
@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 from bitps import CodecConfig  # noqa: E402
 from bitps.ps import OptimizerConfig  # noqa: E402
 from bitps.worker import ClientConfig, PSClient  # noqa: E402
-from bitps.worker.local_sgd import LocalSGD  # noqa: E402
+from bitps.worker.algorithms.local_sgd import LocalSGD  # noqa: E402
 from tests.test_cluster import servers_of  # noqa: E402
 
 OUTER_PLAIN = OptimizerConfig(name="sgd", lr=1.0)

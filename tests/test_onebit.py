@@ -218,20 +218,20 @@ def test_worker_moments_save_restore_and_layout_settings():
     try:
         with _three_steps(shard) as (client, plan, keys, outs):
             saved = {k: (t, m.copy(), v.copy()) for k, (t, m, v) in
-                     client.onebit_moments().items()}
+                     client.policy_state().items()}
         assert set(saved) == set(keys)
         assert all(t == 3 and np.any(m) and np.any(v) for t, m, v in saved.values())
         servers = (f"127.0.0.1:{shard.ports['grpc_port']}",)
         with PSClient(ClientConfig(servers=servers, partition_bytes=16384)) as other:
             with pytest.raises(RuntimeError, match="register"):
-                other.load_onebit_moments(saved)
+                other.load_policy_state(saved)
             other.register(plan, dict(zip(keys, outs)))  # a restarted rank 0
             t, m, v = saved[keys[0]]
             with pytest.raises(ValueError, match="expected float32"):
-                other.load_onebit_moments({keys[0]: (t, m[:5], v)})
-            assert other.onebit_moments() == {}  # nothing loaded from the refused call
-            other.load_onebit_moments(saved)
-            back = other.onebit_moments()
+                other.load_policy_state({keys[0]: (t, m[:5], v)})
+            assert other.policy_state() == {}  # nothing loaded from the refused call
+            other.load_policy_state(saved)
+            back = other.policy_state()
             assert all(back[k][0] == t and np.array_equal(back[k][1], m)
                        and np.array_equal(back[k][2], v) for k, (t, m, v) in saved.items())
     finally:
@@ -249,7 +249,7 @@ def test_a_nonfinite_gradient_is_refused_before_it_reaches_worker_state(moments)
     try:
         with _three_steps(shard) as (client, plan, keys, outs):
             state = [r.copy() for r in client.residuals().values()]
-            state += [a.copy() for _, m, v in client.onebit_moments().values() for a in (m, v)]
+            state += [a.copy() for _, m, v in client.policy_state().values() for a in (m, v)]
             before = [shard.core.slots[k].param.copy() for k in keys]
             grads = [np.ones(len(o), np.float32) for o in outs]
             grads[1][123] = np.nan
@@ -257,7 +257,7 @@ def test_a_nonfinite_gradient_is_refused_before_it_reaches_worker_state(moments)
                 client.push_pull(keys, grads, outs, clock=3)
             assert err.value.code == pb.NON_FINITE
             after = [*client.residuals().values()]
-            after += [a for _, m, v in client.onebit_moments().values() for a in (m, v)]
+            after += [a for _, m, v in client.policy_state().values() for a in (m, v)]
             assert len(after) == len(state) == len(keys) * (3 if moments == "auto" else 1)
             assert all(np.array_equal(a, b) for a, b in zip(after, state))
             assert client.metrics.nonfinite.value == 1
@@ -312,7 +312,7 @@ def test_a_compact_optimizer_state_is_decoded_and_checked_for_size():
     """sync with onebit_warmup_codes: OptimizerState sends m as its sign1 code and v as bf16;
     state bytes that do not fit the key are refused with what was expected."""
     from bitps.native import casts
-    from bitps.worker.onebit import OneBitMomentum
+    from bitps.worker.algorithms.onebit import OneBitMomentum
 
     n, chunk = 1000, 256
     momentum = OneBitMomentum(pb.OneBitParams(chunk=chunk, lr=0.01, beta1=0.9, beta2=0.999,

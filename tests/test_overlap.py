@@ -15,9 +15,9 @@ import pytest
 from bitps.proto.keyplan import ParamSpec, make_plan
 from bitps.ps import OptimizerConfig, ServerConfig, create_server
 from bitps.worker import ClientConfig, PSClient
-from bitps.worker.buckets import make_buckets
 from bitps.worker.config import OverlapConfig
-from bitps.worker.utilization import StepStats, decide
+from bitps.worker.training.buckets import make_buckets
+from bitps.worker.training.utilization import StepStats, decide
 
 torch = pytest.importorskip("torch")
 
@@ -77,7 +77,7 @@ def test_decide_applies_the_20_percent_rule_to_the_median():
 
 # -- the model path -----------------------------------------------------------------------------
 def _demo():
-    from bitps.worker.demo import DemoConfig, batches, build_model, load_corpus
+    from bitps.worker.launch.demo import DemoConfig, batches, build_model, load_corpus
 
     demo = DemoConfig(seq_len=32, batch_size=4, corpus_bytes=100_000)
     corpus = load_corpus(demo.corpus_bytes)
@@ -87,8 +87,8 @@ def _demo():
 def test_sync_parameters_after_20_steps_are_bit_identical_with_overlap_on_and_off(
         shard_factory):
     """Acceptance 1: two workers, a sync shard running Adam, 20 steps of the demo model."""
-    from bitps.worker.demo import loss_fn
-    from bitps.worker.model import PSModel
+    from bitps.worker.launch.demo import loss_fn
+    from bitps.worker.training.model import PSModel
 
     torch.set_num_threads(1)
     demo, corpus, build_model, batches = _demo()
@@ -165,7 +165,7 @@ class _SelfAttention(torch.nn.Module):
 
 def test_read_trace_waits_where_the_forward_reads():
     """A parent's functional call, a tied weight, and an expert the traced step never called."""
-    from bitps.worker.readers import ReadTrace
+    from bitps.worker.training.readers import ReadTrace
 
     class Net(torch.nn.Module):
         def __init__(self) -> None:
@@ -204,7 +204,7 @@ def test_parameters_a_parent_reads_by_functional_call_are_ready_before_it_reads_
     ``F.multi_head_attention_forward``, so ``out_proj``'s own pre-hook never runs. With pulls
     slowed (the communication thread pauses before each), every parameter value each forward
     reads must be the shard's value for that step: what an overlap-off run reads."""
-    from bitps.worker.model import PSModel
+    from bitps.worker.training.model import PSModel
 
     torch.set_num_threads(1)
 
@@ -273,7 +273,7 @@ def test_auto_rule_is_observable_both_ways(shard_factory, caplog):
     compute) with overlap on. Logged, exported as gauges, and on ``PSModel.decision``."""
     import time
 
-    from bitps.worker.model import PSModel
+    from bitps.worker.training.model import PSModel
 
     torch.set_num_threads(1)
 
@@ -293,7 +293,7 @@ def test_auto_rule_is_observable_both_ways(shard_factory, caplog):
         ps_model.close()
         return decision, gauges
 
-    with caplog.at_level(logging.INFO, logger="bitps.worker.model"):
+    with caplog.at_level(logging.INFO, logger="bitps.worker.training.model"):
         cheap, cheap_gauges = run(width=16, busy_s=0.05)
         dear, dear_gauges = run(width=2048, busy_s=0.0)  # 16 MiB of parameters
     assert not cheap.enabled and cheap.ratio < 0.2 and cheap_gauges == (0, cheap.ratio)
@@ -304,7 +304,7 @@ def test_auto_rule_is_observable_both_ways(shard_factory, caplog):
 
 
 def test_misuse_gets_clear_errors(shard_factory):
-    from bitps.worker.model import PSModel
+    from bitps.worker.training.model import PSModel
 
     server = shard_factory(mode="async", optimizer=OptimizerConfig(name="sgd", lr=0.01))
     torch.manual_seed(0)
@@ -329,7 +329,7 @@ def test_a_shard_error_in_the_communication_thread_reaches_the_training_thread(s
     parameters keep their values."""
     from bitps.proto import bitps_pb2 as pb
     from bitps.proto.wire import PSError
-    from bitps.worker.model import PSModel
+    from bitps.worker.training.model import PSModel
 
     server = shard_factory(mode="async", optimizer=OptimizerConfig(name="sgd", lr=0.1))
     torch.manual_seed(0)

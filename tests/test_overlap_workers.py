@@ -30,7 +30,7 @@ import random, sys, time
 import torch
 from bitps.worker import ClientConfig, PSClient
 from bitps.worker.config import OverlapConfig
-from bitps.worker.model import PSModel
+from bitps.worker.training.model import PSModel
 
 rank, world, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 runs = {"off": tuple(sys.argv[4].split(",")), "on": tuple(sys.argv[5].split(","))}

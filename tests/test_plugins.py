@@ -75,24 +75,24 @@ def test_registries_refuse_a_taken_name_and_name_the_registered_ones():
 
 
 def test_the_channel_applies_published_codes_without_knowing_any_algorithm():
-    """``worker/channel.py`` moves bytes: it imports no torch and no algorithm module, and adds
-    codes through the applier it is given (1-bit Adam's momenta are ``OneBitMomentum.add``)."""
-    tree = ast.parse((ROOT / "worker" / "channel.py").read_text())
+    """``worker/transport/channel.py`` moves bytes: it imports no torch and no algorithm module, and
+    adds codes through the applier it is given (1-bit Adam's momenta are ``OneBitMomentum.add``)."""
+    tree = ast.parse((ROOT / "worker" / "transport" / "channel.py").read_text())
     modules = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)} | {
         a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
     assert not {m for m in modules if m and (m.startswith("torch") or m.endswith(
         ("onebit", "local_sgd", "model")))}, modules
-    assert "momentum" not in (ROOT / "worker" / "channel.py").read_text()
+    assert "momentum" not in (ROOT / "worker" / "transport" / "channel.py").read_text()
 
 
 def test_the_client_holds_no_algorithm_and_the_registration_picks_the_push_policy():
     """``PSClient`` imports no algorithm module; what pushes carry is the push policy the
-    shards' registration replies call for (``worker.push_policy``)."""
+    shards' registration replies call for (``worker.transport.push_policy``)."""
     from bitps.proto import bitps_pb2 as pb
-    from bitps.worker.onebit import MomentsPush, SyncMomenta
-    from bitps.worker.push_policy import for_registration
+    from bitps.worker.algorithms.onebit import MomentsPush, SyncMomenta
+    from bitps.worker.transport.push_policy import for_registration
 
-    tree = ast.parse((ROOT / "worker" / "client.py").read_text())
+    tree = ast.parse((ROOT / "worker" / "transport" / "client.py").read_text())
     modules = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert not {m for m in modules if m and m.endswith(("onebit", "local_sgd", "model"))}
     params = pb.OneBitParams(freeze_step=4, chunk=256, worker_moments=True)

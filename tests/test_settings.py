@@ -27,8 +27,8 @@ from bitps.proto.settings import (
 )
 from bitps.ps import __main__ as server_cli
 from bitps.ps.config import OptimizerConfig, ServerConfig
-from bitps.worker import launch
 from bitps.worker.config import ClientConfig, OverlapConfig, PoolConfig, RunConfig
+from bitps.worker.launch import launcher as launch
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "configuration.md"
@@ -170,7 +170,7 @@ def test_server_defaults_are_the_dataclasses():
 
 
 def test_worker_defaults_are_the_dataclasses(worker_cli):
-    from bitps.worker.demo import DemoConfig
+    from bitps.worker.launch.demo import DemoConfig
 
     cfg, _ = worker_cli.parse_config(["--servers", "a:1,b:2"], environ={})
     assert cfg.client == ClientConfig(servers=("a:1", "b:2"))

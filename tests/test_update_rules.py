@@ -233,7 +233,7 @@ def _worker_moments(param: np.ndarray, grads: np.ndarray,
     """1-bit Adam with worker moments, nothing compressed: the worker's directions
     (``WorkerMoments``) applied by the shard (``UpdateRule.direction_delta``)."""
     from bitps.proto import bitps_pb2 as pb
-    from bitps.worker.onebit import WorkerMoments
+    from bitps.worker.algorithms.onebit import WorkerMoments
 
     cfg = OptimizerConfig(name="onebit_adam", lr=adamw.lr, beta1=adamw.beta1,
                           beta2=adamw.beta2, eps=adamw.eps, weight_decay=adamw.weight_decay)

@@ -1,20 +1,28 @@
-"""The worker side: the PS client, the torch integration, the demo job and the launcher.
+"""The worker side, by concern:
 
-Read ``worker/client.py`` (PSClient and handles), then ``worker/model.py`` (PSModel, the
-five-line integration) and ``worker/__main__.py`` (the demo trainer). ``PSModel`` imports torch
-on first use, so the client stays torch-free.
+- ``transport/``: ``PSClient`` (registration, heartbeats, push/pull over ZeroMQ) and the
+  push-policy interface; torch-free and algorithm-free.
+- ``training/``: ``PSModel`` (the five-line integration) and the overlap of backward with
+  push/pull, clipping under overlap, the torch codecs.
+- ``algorithms/``: one module per worker-side algorithm (1-bit Adam's push policies, local SGD /
+  DiLoCo); importing ``bitps.worker`` registers their push policies.
+- ``memory/``: the activation pool.
+- ``launch/``: the demo model and ``bitps-launch``; ``__main__.py`` is ``bitps-worker``.
+
+``PSModel`` imports torch on first use, so the client stays torch-free.
 """
 
-from bitps.worker.client import Handle, PSClient, PSTimeoutError
+from bitps.worker import algorithms  # noqa: F401  (registers the algorithms' push policies)
 from bitps.worker.config import ClientConfig
 from bitps.worker.metrics import WorkerMetrics
+from bitps.worker.transport.client import Handle, PSClient, PSTimeoutError
 
 __all__ = ["ClientConfig", "Handle", "PSClient", "PSModel", "PSTimeoutError", "WorkerMetrics"]
 
 
 def __getattr__(name: str):
     if name == "PSModel":
-        from bitps.worker.model import PSModel
+        from bitps.worker.training.model import PSModel
 
         return PSModel
     raise AttributeError(f"module 'worker' has no attribute {name!r}")

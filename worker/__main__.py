@@ -40,7 +40,7 @@ from bitps.worker.config import (
 )
 
 if TYPE_CHECKING:  # its module imports torch
-    from bitps.worker.demo import DemoConfig
+    from bitps.worker.launch.demo import DemoConfig
 
 __all__ = ["WorkerConfig", "build_parser", "main", "parse_config", "program"]
 
@@ -49,7 +49,7 @@ __all__ = ["WorkerConfig", "build_parser", "main", "parse_config", "program"]
 def program() -> Program:
     """bitps-worker's settings, in ``--help`` order. Built on first use: ``DemoConfig``, which
     holds the model's defaults, imports torch."""
-    from bitps.worker.demo import DemoConfig
+    from bitps.worker.launch.demo import DemoConfig
 
     _C, _K, _O, _P, _R, _D, _A = (ClientConfig, CodecConfig, OverlapConfig, PoolConfig,
                                   RunConfig, DemoConfig, AlgorithmConfig)
@@ -159,7 +159,7 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     (default ``os.environ``) and the ``--config`` file, and every resolved value by its flag's
     dest name. A bad flag exits with status 2 (argparse); a bad variable, file or combination
     raises ``ValueError`` (``SettingError`` when a single value is unreadable)."""
-    from bitps.worker.demo import DemoConfig
+    from bitps.worker.launch.demo import DemoConfig
 
     r = program().parse(argv, environ)
     push = CodecConfig(**r.kwargs(CodecConfig))
@@ -197,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from prometheus_client import start_http_server
 
-    from bitps.worker.client import PSClient
-    from bitps.worker.demo import batches, build_model, load_corpus, loss_fn
+    from bitps.worker.launch.demo import batches, build_model, load_corpus, loss_fn
+    from bitps.worker.transport.client import PSClient
 
     torch.set_num_threads(run.threads)
     client = PSClient(cfg.client)
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = TRAINERS[cfg.algorithm.name](model, client, cfg)
     pool = None
     if run.activation_pool:
-        from bitps.worker.pool import ActivationPool
+        from bitps.worker.memory.pool import ActivationPool
 
         pool = ActivationPool(cfg.pool, device=device, params=model.parameters())
         client.metrics.registry.register(pool.collector())
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _ps_model(model, client, cfg: WorkerConfig):
-    from bitps.worker.model import PSModel
+    from bitps.worker.training.model import PSModel
 
     return PSModel(model, client, overlap=cfg.overlap)
 
@@ -285,7 +285,7 @@ def _ps_model(model, client, cfg: WorkerConfig):
 def _local_sgd(model, client, cfg: WorkerConfig):
     import torch
 
-    from bitps.worker.local_sgd import LocalSGD
+    from bitps.worker.algorithms.local_sgd import LocalSGD
 
     a = cfg.algorithm
     inner = torch.optim.AdamW(model.parameters(), lr=a.inner_lr,

@@ -88,7 +88,7 @@ class ClientConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class OverlapConfig:
-    """How ``PSModel`` overlaps gradient exchange with compute (``worker.comm``)."""
+    """How ``PSModel`` overlaps gradient exchange with compute (``worker.training.comm``)."""
 
     mode: str = field(default="auto", metadata={"choices": OVERLAP_MODES})
     """``on``: push each bucket from backward hooks on the communication thread and wait for
@@ -129,7 +129,7 @@ POOL_POLICIES = ("lru", "schedule")
 
 @dataclass(kw_only=True, frozen=True)
 class PoolConfig:
-    """The activation pool (``worker.pool.ActivationPool``)."""
+    """The activation pool (``worker.memory.pool.ActivationPool``)."""
 
     capacity_bytes: int = 0
     """Arena size; 0 = ``fraction`` of the device's memory (CUDA: total memory; CPU: RAM)."""
@@ -175,7 +175,7 @@ class PoolConfig:
 class RunConfig:
     """What the ``bitps-worker`` program does around the library: how long it trains, on which
     device, and what it reports (``ClientConfig``, ``OverlapConfig`` and ``PoolConfig`` are the
-    library's settings; ``worker.demo.DemoConfig`` the model's)."""
+    library's settings; ``worker.launch.demo.DemoConfig`` the model's)."""
 
     steps: int = 150
     """Training steps (every step pushes and pulls once)."""
@@ -227,8 +227,8 @@ class AlgorithmConfig:
 
     name: str = field(default="ps", metadata={"choices": ALGORITHMS})
     """``ps``: every step pushes the gradients and pulls the parameters (``PSModel``; the
-    shards run the optimizer). ``diloco``: local SGD (``worker.local_sgd.LocalSGD``): every
-    worker runs ``inner_steps`` steps of AdamW on its own, then pushes the pseudo-gradient and
+    shards run the optimizer). ``diloco``: local SGD (``worker.algorithms.local_sgd.LocalSGD``):
+    every worker runs ``inner_steps`` steps of AdamW on its own, then pushes the pseudo-gradient and
     pulls; the shards' rule is the outer optimizer (``bitps-launch --algorithm diloco`` sets
     DiLoCo's: SGD, Nesterov momentum 0.9, lr 0.7)."""
     inner_steps: int = 8

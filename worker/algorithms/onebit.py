@@ -29,7 +29,7 @@ from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import MEAN_ABS, Codec
 from bitps.proto.schedule import LRSchedule
 from bitps.proto.wire import PSError
-from bitps.worker.push_policy import PushPolicy
+from bitps.worker.transport.push_policy import PushPolicy, register_policy
 
 __all__ = ["MomentsPush", "OneBitMomentum", "SyncMomenta", "WorkerMoments", "push_policy"]
 
@@ -162,8 +162,8 @@ class WorkerMoments:
     def correct(self, key: int, grad: np.ndarray, residual: np.ndarray, used: float,
                 exact: float, *, directions: bool) -> None:
         """The last :meth:`direction` of ``key`` used clip factor ``used``; the step's exact one
-        is ``exact`` (``worker.clip``): move m and v to what ``exact`` gives and add what the
-        push missed to its error-feedback ``residual`` (the direction's change when
+        is ``exact`` (``worker.training.clip``): move m and v to what ``exact`` gives and add what
+        the push missed to its error-feedback ``residual`` (the direction's change when
         ``directions``, else the gradient's)."""
         f32 = np.float32
         native.adam_direction_correct(
@@ -183,7 +183,8 @@ class WorkerMoments:
         self._out[key] = np.empty_like(m)
 
 
-# -- push policies (``worker.push_policy``) ------------------------------------------------------
+# -- push policies (``worker.transport.push_policy``)
+# ------------------------------------------------------
 
 class _OneBitPush(PushPolicy):
     """bf16 gradients before ``freeze_step``, sign1 from it on, with the shard's chunk."""
@@ -232,7 +233,6 @@ class MomentsPush(_OneBitPush):
     """async/ssp 1-bit Adam with worker moments: every push advances this worker's Adam
     moments; from the switch on it carries the Adam direction, not the gradient."""
 
-    has_moments = True
     survives_rejoin = True  # the moments are this worker's own state, not the shards'
 
     def __init__(self, params: pb.OneBitParams) -> None:
@@ -251,14 +251,26 @@ class MomentsPush(_OneBitPush):
         self.worker_moments.correct(key, grad, residual, used, exact,
                                     directions=clock >= self.freeze_step)
 
-    def moments(self):
+    def state(self):
+        """Every key's ``(step, m, v)`` this worker has pushed (arrays owned by the policy)."""
         return self.worker_moments.state()
 
-    def load_moments(self, moments):
-        for key, (step, m, v) in moments.items():
+    def load_state(self, plan, state):
+        for key, (step, m, v) in state.items():
+            if not 0 <= key < len(plan.keys):
+                raise ValueError(f"key {key} is not in the plan (0 .. {len(plan.keys) - 1})")
+            n = plan.keys[key].length
+            for name, a in (("m", m), ("v", v)):
+                if a.shape != (n,) or a.dtype != np.float32:
+                    raise ValueError(f"{name} of key {key} is {a.dtype}{a.shape}; expected "
+                                     f"float32[{n}]")
+            if step < 1:
+                raise ValueError(f"step of key {key} is {step}; expected >= 1")
+        for key, (step, m, v) in state.items():
             self.worker_moments.load(key, step, m, v)
 
 
+@register_policy
 def push_policy(reply: pb.RegisterReply) -> PushPolicy | None:
     """The push policy a ``onebit_adam`` shard's registration reply calls for, or ``None``."""
     if not reply.HasField("onebit"):

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from bitps.proto.keyplan import KeyPlan, ParamSpec, make_plan
-from bitps.worker.client import PSClient
+from bitps.worker.transport.client import PSClient
 
 __all__ = ["LocalSGD"]
 

@@ -117,7 +117,8 @@ class Request:
 class CodeApplier:
     """How a worker adds one code a shard published to its copy of a key: the decode, by
     default. An algorithm whose codes mean something else (sync 1-bit Adam's momenta,
-    ``worker.onebit.OneBitMomentum``) passes its own; the transport knows none of them."""
+    ``worker.algorithms.onebit.OneBitMomentum``) passes its own; the transport knows none of
+    them."""
 
     def add(self, key: int, code, out: np.ndarray, codec: Codec, version: int) -> None:
         """Add ``code``, the update that made ``key``'s ``version``, to ``out``."""

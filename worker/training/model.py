@@ -12,26 +12,26 @@ state. Each trainable parameter is flattened and cut into keys by ``proto.keypla
 pushes read ``param.grad`` in place and pulls write ``param.data`` in place (zero copies beyond
 the socket). On CUDA, gradients are staged through pinned host buffers on a separate stream and
 parameters copied back after the pull; with a sign1 or bf16 push codec they are compressed on the
-GPU first (``worker.codec_torch``, the same bytes as the CPU kernels) and only the packed bytes
-cross to the host. A parameter without a gradient in a step is pushed as zeros, as DDP reduces
+GPU first (``worker.training.codec_torch``, the same bytes as the CPU kernels) and only the packed
+bytes cross to the host. A parameter without a gradient in a step is pushed as zeros, as DDP reduces
 unused parameters.
 
 **Overlap** (``OverlapConfig``, default ``auto``). With overlap on, parameters are grouped into
-buckets (``worker.buckets``); a post-accumulate-grad hook hands each bucket to the communication
-thread (``worker.comm``) as soon as all its gradients exist, so pushes run during the rest of
-backward; the forward pre-hook of every module whose forward reads a parameter (watched in the
-first step: ``worker.readers``) waits for its bucket's answer, so pulls overlap the end of
-backward and the early layers of the next forward. Clipped compressed pushes overlap too, with
-per-bucket clip factors corrected through error feedback (``worker.clip``). On CUDA
-the thread waits on an event recorded on the compute stream, compresses or downloads on its own
-stream into pinned memory, and uploads the pulled values on that stream; the compute stream only
-waits (on an event) where a module needs its parameters. ``step()`` then only pushes what no hook
-pushed, and returns without waiting. Contracts under overlap: gradients are read when backward
-produces them (change them in a hook, not between ``backward()`` and ``step()``); accumulate
-over several backwards inside :meth:`PSModel.no_sync`; read parameters outside a forward only
-after :meth:`PSModel.synchronize`. ``auto`` runs the first steps with overlap off, measures
-communication against compute, and turns overlap on above ``min_ratio`` (logged, and exported as
-``bitps_worker_overlap_enabled`` / ``bitps_worker_comm_compute_ratio``).
+buckets (``worker.training.buckets``); a post-accumulate-grad hook hands each bucket to the
+communication thread (``worker.training.comm``) as soon as all its gradients exist, so pushes run
+during the rest of backward; the forward pre-hook of every module whose forward reads a parameter
+(watched in the first step: ``worker.training.readers``) waits for its bucket's answer, so pulls
+overlap the end of backward and the early layers of the next forward. Clipped compressed pushes
+overlap too, with per-bucket clip factors corrected through error feedback
+(``worker.training.clip``). On CUDA the thread waits on an event recorded on the compute stream,
+compresses or downloads on its own stream into pinned memory, and uploads the pulled values on that
+stream; the compute stream only waits (on an event) where a module needs its parameters. ``step()``
+then only pushes what no hook pushed, and returns without waiting. Contracts under overlap:
+gradients are read when backward produces them (change them in a hook, not between ``backward()``
+and ``step()``); accumulate over several backwards inside :meth:`PSModel.no_sync`; read parameters
+outside a forward only after :meth:`PSModel.synchronize`. ``auto`` runs the first steps with overlap
+off, measures communication against compute, and turns overlap on above ``min_ratio`` (logged, and
+exported as ``bitps_worker_overlap_enabled`` / ``bitps_worker_comm_compute_ratio``).
 """
 
 from __future__ import annotations
@@ -47,14 +47,14 @@ import numpy as np
 import torch
 
 from bitps.proto.keyplan import Key, KeyPlan, ParamSpec, make_plan
-from bitps.worker import codec_torch
-from bitps.worker.buckets import Bucket, make_buckets
-from bitps.worker.client import PSClient
-from bitps.worker.clip import StepClip
-from bitps.worker.comm import CommThread, Job, Payload
 from bitps.worker.config import OverlapConfig
-from bitps.worker.readers import ReadTrace
-from bitps.worker.utilization import Decision, StepStats, StepTimer, decide
+from bitps.worker.training import codec_torch
+from bitps.worker.training.buckets import Bucket, make_buckets
+from bitps.worker.training.clip import StepClip
+from bitps.worker.training.comm import CommThread, Job, Payload
+from bitps.worker.training.readers import ReadTrace
+from bitps.worker.training.utilization import Decision, StepStats, StepTimer, decide
+from bitps.worker.transport.client import PSClient
 
 __all__ = ["PSModel"]
 
@@ -103,8 +103,8 @@ class PSModel:
 
     # -- codecs and staging ---------------------------------------------------------------------
     def _wants_device_codec(self, asked: bool | None) -> bool:
-        """Compress where the gradients are (CUDA) with ``worker.codec_torch``: sign1 and bf16
-        pushes, outside 1-bit Adam (whose sync mode pushes momenta). ``True`` on CPU runs the
+        """Compress where the gradients are (CUDA) with ``worker.training.codec_torch``: sign1 and
+        bf16 pushes, outside 1-bit Adam (whose sync mode pushes momenta). ``True`` on CPU runs the
         same torch path on CPU tensors (it produces the bytes of the numba kernels)."""
         name = self.client.cfg.push_codec.name
         possible = name in codec_torch.ENCODERS and not self.client.freeze_step
@@ -120,7 +120,7 @@ class PSModel:
         On CUDA it must run with the comm stream current, after that stream has waited for the
         gradients; compressed keys are encoded on it (device codec) and everything else is
         downloaded to pinned memory, then the stream is synchronized. On CPU gradients are
-        read in place. With clipping the payload carries its clip factor (``worker.clip``),
+        read in place. With clipping the payload carries its clip factor (``worker.training.clip``),
         found from the gradients' sum of squares, which is also their NaN/Inf check: exact
         when the payload is ``whole`` (every gradient of the step), else predicted and
         corrected once the step's ``last`` payload is prepared."""
@@ -184,8 +184,8 @@ class PSModel:
     def _end_clipped_step(self) -> None:
         """Once the step's last payload is pushed (its error feedback encoded): the exact clip
         factor is known, and every payload of the step gets ``(exact - used) * g`` folded into
-        its error feedback (``worker.clip``): device residuals here (on the comm stream), the
-        client's for the rest."""
+        its error feedback (``worker.training.clip``): device residuals here (on the comm stream),
+        the client's for the rest."""
         exact = self._clip.end()
         pending, self._clip_pending = self._clip_pending, []
         with torch.cuda.stream(self._stream) if self.cuda else contextlib.nullcontext():
@@ -391,8 +391,8 @@ class PSModel:
         return hook
 
     def _install_waits(self) -> None:
-        """End the read trace: every module whose forward reads a parameter (``worker.readers``)
-        waits in its forward pre-hook for that parameter's bucket."""
+        """End the read trace: every module whose forward reads a parameter
+        (``worker.training.readers``) waits in its forward pre-hook for that parameter's bucket."""
         if self._trace is None:
             return
         waits, self._trace = self._trace.finish(), None
@@ -452,7 +452,7 @@ class PSModel:
             ready = torch.cuda.Event()
 
         def prepare() -> Payload:
-            # the thread prepares one step's buckets before the next step's (worker.comm)
+            # the thread prepares one step's buckets before the next step's (worker.training.comm)
             self._prepared += 1
             last = self._prepared == len(self.buckets)
             if last:

@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bitps.worker.channel import Handle, PSTimeoutError
-from bitps.worker.client import PSClient
+from bitps.worker.transport.channel import Handle, PSTimeoutError
+from bitps.worker.transport.client import PSClient
 
 __all__ = ["CommThread", "Job", "Payload"]
 
@@ -64,7 +64,8 @@ class Payload:
     scale: float | None = None
     """The clip factor of these gradients (``PSClient.push``), or ``None``: no clipping."""
     then: Callable[[], None] | None = None
-    """Runs right after the push is sent (a clipped step's corrections, ``worker.clip``)."""
+    """Runs right after the push is sent (a clipped step's corrections,
+    ``worker.training.clip``)."""
 
 
 @dataclass(eq=False)

@@ -1,10 +1,10 @@
 """``PSClient``: a worker's connection to every shard.
 
 ``push``, ``pull`` and ``push_pull`` send at once from the calling thread and return a
-:class:`~bitps.worker.channel.Handle`; ``Handle.wait()`` blocks until every shard involved has
-answered, with a deadline. Each submitting thread gets its own
-:class:`~bitps.worker.channel.Channel` (DEALER sockets; ZeroMQ sockets are not thread-safe), so
-no thread hand-off sits on the latency path.
+:class:`~bitps.worker.transport.channel.Handle`; ``Handle.wait()`` blocks until every shard involved
+has answered, with a deadline. Each submitting thread gets its own
+:class:`~bitps.worker.transport.channel.Channel` (DEALER sockets; ZeroMQ sockets are not
+thread-safe), so no thread hand-off sits on the latency path.
 Payloads go out zero-copy: arrays passed to ``push``/``push_pull`` must stay unchanged until the
 handle completes (the handle keeps them alive); pulled values are copied straight from the
 received frame into the caller's ``outs``.
@@ -33,10 +33,10 @@ from bitps.proto import bitps_pb2_grpc as pb_grpc
 from bitps.proto.codecs import RAW, Codec, Compressor
 from bitps.proto.keyplan import KeyPlan, value_digest
 from bitps.proto.wire import PROTOCOL, PSError
-from bitps.worker.channel import Channel, Handle, PSTimeoutError, Request
 from bitps.worker.config import ClientConfig
 from bitps.worker.metrics import CodecSnapshot, WorkerMetrics
-from bitps.worker.push_policy import CODEC_PUSH, PushPolicy, for_registration
+from bitps.worker.transport.channel import Channel, Handle, PSTimeoutError, Request
+from bitps.worker.transport.push_policy import CODEC_PUSH, PushPolicy, for_registration
 
 __all__ = ["Handle", "PSClient", "PSTimeoutError"]
 
@@ -66,7 +66,7 @@ class PSClient:
         self.holds_pulls = False
         """Set at registration: the shards may hold a pull until other workers push the same
         keys (sync, more than one worker), so a pull must never hold back this worker's own
-        pushes (``worker.comm``)."""
+        pushes (``worker.training.comm``)."""
         self._heartbeat_min_clock = 0
         self._ids = itertools.count(1)
         self._ctx = zmq.Context()
@@ -81,7 +81,7 @@ class PSClient:
         """What the shards publish for this worker's pulls (registered; ``ps.publish``)."""
         self._compressors: dict[tuple[int, int], Compressor] = {}
         self.policy: PushPolicy = CODEC_PUSH
-        """What pushes carry (``worker.push_policy``), set at registration: the gradients
+        """What pushes carry (``worker.transport.push_policy``), set at registration: the gradients
         through the push codec, unless the shards' rule calls for another (1-bit Adam)."""
         self.metrics.watch_codecs(self._codec_snapshot)
 
@@ -198,8 +198,8 @@ class PSClient:
 
         ``scale``: a clip factor the gradients are multiplied by before error feedback. Every
         key then keeps error feedback, raw ones too, so that :meth:`clip_correct` can fold the
-        difference to the step's exact factor into the next push (``worker.clip``). The caller
-        has checked the gradients with :meth:`sum_squares`; they are not checked again."""
+        difference to the step's exact factor into the next push (``worker.training.clip``). The
+        caller has checked the gradients with :meth:`sum_squares`; they are not checked again."""
         return self._submit(pb.PUSH, keys, grads, (), clock, encoded, scale)
 
     def pull(self, keys: Sequence[int], outs: Sequence[np.ndarray], *, clock: int) -> Handle:
@@ -229,7 +229,7 @@ class PSClient:
     def clip_correct(self, keys: Sequence[int], grads: Sequence[np.ndarray], *, clock: int,
                      used: float, exact: float) -> None:
         """``grads`` of ``keys`` were pushed for ``clock`` with clip factor ``used`` and the
-        step's exact factor is ``exact`` (``worker.clip``): add what those pushes missed,
+        step's exact factor is ``exact`` (``worker.training.clip``): add what those pushes missed,
         ``(exact - used) * grads`` in the units they carried, to the keys' error feedback (and,
         with worker moments, move Adam's moments to what ``exact`` gives), so the next push
         delivers it. Call before the keys are pushed again; ``grads`` unchanged since."""
@@ -241,8 +241,8 @@ class PSClient:
 
     def progress(self, timeout_s: float, *, wake_fd: int | None = None) -> None:
         """Receive replies to this thread's requests for up to ``timeout_s`` seconds, returning
-        early when ``wake_fd`` is readable (``worker.comm.CommThread`` waits for replies and
-        new buckets at once this way)."""
+        early when ``wake_fd`` is readable (``worker.training.comm.CommThread`` waits for replies
+        and new buckets at once this way)."""
         self._channel().progress(timeout_s, wake_fd=wake_fd)
 
     def compresses(self, key: int, clock: int) -> bool:
@@ -427,28 +427,18 @@ class PSClient:
         for key, r in residuals.items():
             np.copyto(self._push_compressor(key, clock, r.shape[0]).residual, r)
 
-    def onebit_moments(self) -> dict[int, tuple[int, np.ndarray, np.ndarray]]:
-        """async/ssp 1-bit Adam with worker moments: every key's ``(step, m, v)`` this worker
-        has pushed, the state to save beside :meth:`residuals` (arrays owned by the client);
-        empty for any other optimizer or layout."""
-        return self.policy.moments()
+    def policy_state(self) -> dict:
+        """The state the push policy keeps on this worker (async/ssp 1-bit Adam with worker
+        moments: every key's ``(step, m, v)`` pushed so far), to save beside
+        :meth:`residuals`; empty for policies that keep none."""
+        return self.policy.state()
 
-    def load_onebit_moments(self, moments: Mapping[int, tuple[int, np.ndarray, np.ndarray]]
-                            ) -> None:
-        """Restore moments saved by :meth:`onebit_moments` (same plan; after register())."""
-        if not self.policy.has_moments:
-            self.policy.load_moments(moments)  # raises: this policy keeps no moments
-        for key, (step, m, v) in moments.items():
-            if not 0 <= key < len(self.plan.keys):
-                raise ValueError(f"key {key} is not in the plan (0 .. {len(self.plan.keys) - 1})")
-            n = self.plan.keys[key].length
-            for name, a in (("m", m), ("v", v)):
-                if a.shape != (n,) or a.dtype != _F32:
-                    raise ValueError(f"{name} of key {key} is {a.dtype}{a.shape}; expected "
-                                     f"float32[{n}]")
-            if step < 1:
-                raise ValueError(f"step of key {key} is {step}; expected >= 1")
-        self.policy.load_moments(moments)
+    def load_policy_state(self, state) -> None:
+        """Restore state saved by :meth:`policy_state` (same plan; after register()); a policy
+        that keeps none, or state that does not fit the plan, is refused with nothing loaded."""
+        if self.plan is None:
+            raise RuntimeError("register() before load_policy_state()")
+        self.policy.load_state(self.plan, state)
 
     def _channel(self) -> Channel:
         channel = getattr(self._local, "channel", None)

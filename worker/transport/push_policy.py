@@ -9,25 +9,28 @@ channels use). The client holds no algorithm's code.
 
 - :class:`CodecPush` (every shard rule but ``onebit_adam``): the gradients, raw or through the
   configured push codec, with error feedback per key.
-- ``worker.onebit.SyncMomenta`` and ``worker.onebit.MomentsPush``: sync 1-bit Adam's momenta and
-  async/ssp 1-bit Adam's worker-side Adam directions (bf16 gradients during the warmup).
+- Algorithms register factories that claim a registration reply (:func:`register_policy`):
+  ``worker.algorithms.onebit.SyncMomenta`` and ``MomentsPush`` are sync 1-bit Adam's momenta
+  and async/ssp 1-bit Adam's worker-side Adam directions (bf16 gradients during the warmup).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from bitps import native
 from bitps.proto.codecs import Codec
-from bitps.worker.channel import DECODE_ADD, CodeApplier
+from bitps.worker.transport.channel import DECODE_ADD, CodeApplier
 
 if TYPE_CHECKING:
-    from bitps.worker.client import PSClient
+    from bitps.proto import bitps_pb2 as pb
+    from bitps.worker.transport.client import PSClient
 
-__all__ = ["CODEC_PUSH", "CodecPush", "PushPolicy", "for_registration"]
+__all__ = ["CODEC_PUSH", "POLICIES", "CodecPush", "PushPolicy", "for_registration",
+           "register_policy"]
 
 
 class PushPolicy:
@@ -39,8 +42,6 @@ class PushPolicy:
     """Whether pushes fold the gradients into state (moments): a NaN must be refused first."""
     codes: CodeApplier = DECODE_ADD
     """How the transport adds a published code to this worker's copy."""
-    has_moments = False
-    """Whether :meth:`moments` holds state to save (worker-side Adam moments)."""
     survives_rejoin = False
     """Whether a registration again (a rejoin) keeps this policy and its state, or takes the
     fresh one the shards' replies call for."""
@@ -67,13 +68,16 @@ class PushPolicy:
         """For metrics: 0 before a compression switch, 1 after, -1 without one."""
         return -1
 
-    def moments(self) -> dict[int, tuple[int, np.ndarray, np.ndarray]]:
-        """Adam moments this worker keeps, by key (state to save); none by default."""
+    def state(self) -> dict:
+        """State this policy keeps on the worker, to save beside the residuals (1-bit Adam's
+        worker moments); empty by default. Arrays are the policy's own."""
         return {}
 
-    def load_moments(self, moments) -> None:
-        raise RuntimeError("no worker moments here: register() with an async/ssp "
-                           "onebit_adam shard (onebit_moments auto or worker) first")
+    def load_state(self, plan, state) -> None:
+        """Restore :meth:`state` for ``plan`` (validated whole before anything changes)."""
+        raise RuntimeError(f"the {type(self).__name__} push policy keeps no worker state: "
+                           "register() with a shard whose rule calls for some (async/ssp "
+                           "onebit_adam, onebit_moments auto or worker) first")
 
 
 class CodecPush(PushPolicy):
@@ -84,9 +88,26 @@ class CodecPush(PushPolicy):
 CODEC_PUSH = CodecPush()
 
 
-def for_registration(reply) -> PushPolicy | None:
-    """The policy a shard's ``RegisterReply`` calls for (its rule's, e.g. 1-bit Adam's), or
-    ``None``: the client's codec push. The factories live with their algorithms."""
-    from bitps.worker import onebit  # the 1-bit Adam policies import this module
+PolicyFactory = Callable[["pb.RegisterReply"], "PushPolicy | None"]
+POLICIES: list[PolicyFactory] = []
+"""Factories that may claim a shard's ``RegisterReply``, in registration order; an algorithm
+module adds its own with :func:`register_policy` (``bitps.worker.algorithms`` does, on import)."""
 
-    return onebit.push_policy(reply)
+
+def register_policy(factory: PolicyFactory) -> PolicyFactory:
+    """Add ``factory`` (reply -> policy, or ``None`` when the reply is not its algorithm's);
+    usable as a decorator."""
+    if factory in POLICIES:
+        raise ValueError(f"push policy factory {factory.__qualname__!r} is already registered")
+    POLICIES.append(factory)
+    return factory
+
+
+def for_registration(reply) -> PushPolicy | None:
+    """The policy a shard's ``RegisterReply`` calls for (the first registered factory that
+    claims it, e.g. 1-bit Adam's), or ``None``: the client's codec push."""
+    for factory in POLICIES:
+        policy = factory(reply)
+        if policy is not None:
+            return policy
+    return None

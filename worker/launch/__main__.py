@@ -1,0 +1,5 @@
+import sys
+
+from bitps.worker.launch.launcher import main
+
+sys.exit(main())
