@@ -39,7 +39,7 @@ import dataclasses
 import difflib
 import os
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,8 +134,10 @@ class Setting:
     type: type
     """``bool``, ``int``, ``float`` or ``str``."""
     default: Any
-    choices: tuple[str, ...] | None = None
-    """The allowed values (strings only), or ``None`` for any value of the type."""
+    choices: Collection[str] | None = None
+    """The allowed values (strings only), or ``None`` for any value of the type. A registry's
+    live view (``RULES.keys()``) stays live: a name registered after the program was built is
+    accepted."""
     env: str | None = None
     """The environment variable read when the flag is not given; ``None``: none."""
     owner: type | None = None
@@ -237,7 +239,7 @@ def from_field(owner: type, field: str, *, help: str, name: str | None = None,
     name = name or field.replace("_", "-")
     choices = f.metadata.get(CHOICES)
     return Setting(name=name, help=help, type=kind, default=f.default,
-                   choices=tuple(choices) if choices is not None else None,
+                   choices=_choices(choices),
                    env=env_name(name) if env is _AUTO else env, owner=owner, field=field,
                    metavar=metavar)
 
@@ -247,8 +249,16 @@ def option(name: str, *, default: bool | int | float | str, help: str,
            metavar: str | None = None) -> Setting:
     """A setting of the program alone (no dataclass field), its default stated here."""
     return Setting(name=name, help=help, type=type(default), default=default,
-                   choices=tuple(choices) if choices is not None else None,
+                   choices=_choices(choices),
                    env=env_name(name) if env is _AUTO else env, metavar=metavar)
+
+
+def _choices(choices: Collection[str] | None) -> Collection[str] | None:
+    """A fixed list as a tuple; a set-like view (a registry's keys) as it is, so it stays
+    live."""
+    if choices is None or isinstance(choices, Set):
+        return choices
+    return tuple(choices)
 
 
 def read_config_file(path: str | os.PathLike, settings: Sequence[Setting]) -> dict[str, Any]:

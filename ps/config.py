@@ -11,14 +11,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from bitps.proto.codecs import chunk_problem
+from bitps.proto.registry import Registry
 from bitps.proto.schedule import LRSchedule
 from bitps.proto.wire import MAX_FRAME_BYTES
 
-__all__ = ["MODES", "ONEBIT_MOMENTS", "ONEBIT_SCALES", "OPTIMIZERS", "OptimizerConfig",
-           "ServerConfig"]
+__all__ = ["CONSISTENCY", "MODES", "ONEBIT_MOMENTS", "ONEBIT_SCALES", "OPTIMIZERS",
+           "OptimizerConfig", "RULES", "ServerConfig"]
 
-MODES = ("sync", "async", "ssp")
-OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "onebit_adam")
+RULES = Registry("update rule")
+"""Every update rule by ``OptimizerConfig.name`` (``ps.rules``, ``ps.onebit``, ``ps.outer``
+register theirs; so may any module imported before the config is made)."""
+CONSISTENCY = Registry("consistency mode")
+"""Every consistency mode by ``ServerConfig.mode`` (``ps.consistency``)."""
+OPTIMIZERS = RULES.keys()
+"""The ``--optimizer`` choices: a live view of :data:`RULES`."""
+MODES = CONSISTENCY.keys()
+"""The ``--mode`` choices: a live view of :data:`CONSISTENCY`."""
 ONEBIT_MOMENTS = ("auto", "worker", "shard")
 ONEBIT_SCALES = ("auto", "mean_abs", "rms")
 
@@ -28,7 +36,8 @@ class OptimizerConfig:
     """The update rule the shard applies to each key (same meaning as ``torch.optim``)."""
 
     name: str = field(default="adam", metadata={"choices": OPTIMIZERS})
-    """One of ``sgd``, ``momentum``, ``adam``, ``adamw``, ``onebit_adam``."""
+    """A registered update rule: ``sgd``, ``momentum``, ``adam``, ``adamw``, ``onebit_adam``,
+    ``nesterov`` (local SGD's outer rule, ``ps.outer``)."""
     lr: float = 1e-3
     """Learning rate (the peak, with a schedule)."""
     schedule: LRSchedule = field(default_factory=LRSchedule)
@@ -84,7 +93,7 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
-            raise ValueError(f"optimizer {self.name!r} is not one of {OPTIMIZERS}")
+            raise ValueError(f"optimizer {self.name!r} is not one of {tuple(OPTIMIZERS)}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         for attr in ("momentum", "beta1", "beta2"):
@@ -165,7 +174,7 @@ class ServerConfig:
         if not 0 <= self.shard_id < self.num_shards:
             raise ValueError(f"shard_id must be in [0, {self.num_shards}), got {self.shard_id}")
         if self.mode not in MODES:
-            raise ValueError(f"mode {self.mode!r} is not one of {MODES}")
+            raise ValueError(f"mode {self.mode!r} is not one of {tuple(MODES)}")
         if self.staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {self.staleness}")
         for attr in ("grpc_port", "data_port"):

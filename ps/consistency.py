@@ -24,10 +24,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 from bitps.proto import bitps_pb2 as pb
-from bitps.proto.registry import Registry
 from bitps.proto.wire import PSError
 from bitps.ps.clocks import ClockTable
-from bitps.ps.config import MODES, ServerConfig
+from bitps.ps.config import CONSISTENCY, ServerConfig
 from bitps.ps.store import Slot
 
 if TYPE_CHECKING:  # the core calls in here; no import at run time
@@ -84,8 +83,6 @@ class Consistency:
         """The live set changed (a worker left or expired): finish what waited for it."""
 
 
-CONSISTENCY = Registry("consistency mode")
-"""Every registered mode by name."""
 register = CONSISTENCY.register
 
 
@@ -180,6 +177,3 @@ class SSP(Async):
     def observe_admission(self, metrics, clock, min_clock):
         metrics.admission_gap.observe(max(clock - min_clock, 0))
 
-
-# every mode ServerConfig accepts has its object
-assert set(MODES) <= set(CONSISTENCY), (MODES, sorted(CONSISTENCY))

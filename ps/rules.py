@@ -22,9 +22,8 @@ import numpy as np
 
 from bitps import native
 from bitps.proto import bitps_pb2 as pb
-from bitps.proto.registry import Registry
 from bitps.proto.wire import PSError
-from bitps.ps.config import OptimizerConfig, ServerConfig
+from bitps.ps.config import RULES, OptimizerConfig, ServerConfig
 from bitps.ps.publish import publish_update
 
 if TYPE_CHECKING:
@@ -191,8 +190,6 @@ class UpdateRule:
         return (1 - self.cfg.beta2 ** max(state.step, 1)) ** 0.5
 
 
-RULES = Registry("update rule")
-"""Every registered rule by ``OptimizerConfig.name``."""
 register = RULES.register
 
 
@@ -241,6 +238,4 @@ class AdamW(Adam):
 def make_rule(cfg: OptimizerConfig, server: ServerConfig | None = None) -> UpdateRule:
     """The registered rule ``cfg.name`` names, for a shard configured by ``server`` (``None``:
     the arithmetic alone)."""
-    from bitps.ps import onebit  # noqa: F401  (registers onebit_adam; it imports this module)
-
     return RULES.lookup(cfg.name).create(cfg, server)

@@ -169,7 +169,7 @@ def test_misfit_settings_are_refused_before_anything_runs(shards):
 
 def test_a_worker_restarting_mid_round_resumes_from_the_shards_parameters(shards):
     servers = shards(2, mode="async", optimizer=OptimizerConfig(
-        name="momentum", lr=0.7, momentum=0.9, nesterov=True))
+        name="nesterov", lr=0.7, momentum=0.9))
     model = _model()
     local = LocalSGD(model, _client(servers), torch.optim.AdamW(model.parameters(), lr=1e-2),
                      inner_steps=3)

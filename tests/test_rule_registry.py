@@ -94,3 +94,53 @@ def test_a_state_of_the_wrong_shape_or_names_is_refused_and_nothing_changes():
         rule.load_state(slot, {"step": before["step"]})
     for name, value in rule.save_state(slot).items():
         np.testing.assert_array_equal(value, before[name])
+
+
+def test_the_outer_rule_is_torch_nesterov_sgd_and_refuses_what_does_not_fit():
+    """``nesterov`` (local SGD's outer rule) steps as ``torch.optim.SGD(nesterov=True)`` does,
+    bit for bit with the ``momentum`` rule; dampening and weight decay are refused at start."""
+    outer = make_rule(OptimizerConfig(name="nesterov", lr=0.7, momentum=0.9))
+    same = make_rule(OptimizerConfig(name="momentum", lr=0.7, momentum=0.9, nesterov=True))
+    rng = np.random.default_rng(3)
+    a = b = rng.standard_normal(N).astype(np.float32)
+    a, b = a.copy(), b.copy()
+    sa, sb = outer.new_state(N), same.new_state(N)
+    for _ in range(5):
+        g = rng.standard_normal(N).astype(np.float32)
+        outer.apply(a, g, sa)
+        same.apply(b, g, sb)
+    assert np.array_equal(a, b) and np.array_equal(sa.buf1, sb.buf1)
+    for bad, match in [({"weight_decay": 0.1}, "no weight decay; got weight_decay 0.1"),
+                       ({"dampening": 0.5}, "no dampening; got dampening 0.5")]:
+        with pytest.raises(ValueError, match=match):
+            make_rule(OptimizerConfig(name="nesterov", **bad))
+    with pytest.raises(ValueError, match="no weight decay"):
+        ShardCore(ServerConfig(mode="sync", optimizer=OptimizerConfig(
+            name="nesterov", weight_decay=0.1)), now=lambda: 0.0)
+
+
+def test_a_rule_registered_from_outside_is_selectable_by_config_and_flag():
+    """The config's choices are the registry's names: a rule registered by a user's module is
+    accepted by ``OptimizerConfig`` and ``bitps-server --optimizer`` alike, and a shard runs it."""
+    from bitps.ps import __main__ as server_cli
+    from bitps.ps.rules import SGD, register
+
+    @register
+    class HalfSGD(SGD):
+        name = "half_sgd"
+
+        def _step(self, param, grad, state, scale, lr, lr_scale):
+            super()._step(param, grad, state, np.float32(scale * 0.5), lr, lr_scale)
+
+    try:
+        cfg, _ = server_cli.parse_config(["--optimizer", "half_sgd", "--lr", "1"], environ={})
+        assert cfg.optimizer.name == "half_sgd"
+        core = _core("async", cfg.optimizer)
+        before = core.slots[0].param.copy()
+        _push(core, 0, seed=5)
+        grad = np.random.default_rng(5).standard_normal(N).astype(np.float32)
+        assert np.allclose(core.slots[0].param, before - 0.5 * grad, atol=1e-6)
+    finally:
+        del RULES["half_sgd"]
+    with pytest.raises(ValueError, match="'half_sgd' is not one of"):
+        OptimizerConfig(name="half_sgd")

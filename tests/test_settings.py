@@ -333,7 +333,7 @@ def test_server_version_from_the_command_line():
 
 def test_defaults_and_choices_come_from_the_field():
     s = from_field(ServerConfig, "mode", help="h")
-    assert (s.default, s.choices, s.env, s.flag) == ("async", ("sync", "async", "ssp"),
+    assert (s.default, tuple(s.choices), s.env, s.flag) == ("async", ("sync", "async", "ssp"),
                                                       "BITPS_MODE", "--mode")
     with pytest.raises(TypeError, match="no field 'modes'"):
         from_field(ServerConfig, "modes", help="h")

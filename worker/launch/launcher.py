@@ -132,7 +132,7 @@ class _Preset:
 ALGORITHM_PRESETS = {
     "ps": _Preset(shard=(), worker=(), lr=3e-3),
     # DiLoCo (Douillard et al. 2023): outer SGD with Nesterov momentum 0.9 at lr 0.7
-    "diloco": _Preset(shard=("--optimizer", "momentum", "--nesterov", "--momentum", "0.9"),
+    "diloco": _Preset(shard=("--optimizer", "nesterov", "--momentum", "0.9"),
                       worker=("--algorithm", "diloco", "--push-codec", "sign1",
                               "--compress-min-bytes", "0"), lr=0.7),
 }
