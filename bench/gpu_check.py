@@ -220,7 +220,7 @@ def nonfinite_refused(server: str, *, device: str = "cpu") -> bool:
         ps_model = PSModel(model, client, device_codec=True)
         model(torch.ones(4, 256, device=dev)).sum().backward()
         ps_model.step()
-        kept = {k: r.clone() for k, r in ps_model._residuals.items()}
+        kept = {k: r.clone() for k, r in ps_model._staging.residuals.items()}
         model.zero_grad()
         model(torch.full((4, 256), float("nan"), device=dev)).sum().backward()
         try:
@@ -229,7 +229,7 @@ def nonfinite_refused(server: str, *, device: str = "cpu") -> bool:
         except PSError as err:
             refused = err.code == pb.NON_FINITE
         return refused and bool(kept) and all(torch.equal(kept[k], r)
-                                              for k, r in ps_model._residuals.items())
+                                              for k, r in ps_model._staging.residuals.items())
 
 
 def clipped_sum_problems(server: str, *, device: str = "cpu", codec: str = "sign1",
@@ -281,10 +281,10 @@ def clipped_sum_problems(server: str, *, device: str = "cpu", codec: str = "sign
         ps_model.step()
     ps_model.synchronize()
     residual = {**client.residuals(),
-                **{k: r.cpu().numpy() for k, r in ps_model._residuals.items()}}
+                **{k: r.cpu().numpy() for k, r in ps_model._staging.residuals.items()}}
     got = [p0 - p.detach().double().cpu() for p0, p in zip(start, model.parameters())]
     for k in ps_model.plan.keys:
-        got[ps_model._index[k.name]].view(-1)[k.offset:k.offset + k.length] += \
+        got[ps_model._staging.index[k.name]].view(-1)[k.offset:k.offset + k.length] += \
             torch.from_numpy(residual[k.key]).double()
     names = [n for n, _ in model.named_parameters()]
     ps_model.close()
@@ -326,11 +326,11 @@ def pulled_copies_match(server_for_run, *, device: str = "cpu", steps: int = 8) 
         loss_fn(model, *batch()).backward()
         ps_model.step()
     ps_model.synchronize()
-    client.pull(ps_model.keys, ps_model._outs, clock=ps_model.clock).wait()
-    ps_model._copy_in()
+    client.pull(ps_model.keys, ps_model._staging.outs, clock=ps_model.clock).wait()
+    ps_model._staging.copy_in()
     for k in ps_model.plan.keys:
         shard = core.slots[k.key].param
-        if not np.array_equal(ps_model._outs[k.key], shard):
+        if not np.array_equal(ps_model._staging.outs[k.key], shard):
             problems.append(f"key {k.key}: worker copy differs from the shard")
         on_model = dict(model.named_parameters())[k.name].detach().reshape(-1)
         if not np.array_equal(on_model[k.offset:k.offset + k.length].cpu().numpy(), shard):

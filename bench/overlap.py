@@ -110,7 +110,8 @@ def train_steps(model, batch: int, steps: int, warmup: int, device, ps_model=Non
     if device.type == "cuda":
         torch.cuda.synchronize()
     step_s = (time.perf_counter() - t0) / steps
-    comm_thread = ps_model._comm._thread.native_id if ps_model and ps_model._comm else None
+    thread = ps_model._overlap.comm if ps_model else None
+    comm_thread = thread._thread.native_id if thread else None
     cpu = _cpu_split(cpu0, thread_cpu(), comm_thread)
     return {"step_s": step_s,
             "utilization": statistics.fmean(utilization) if utilization else 1.0,

@@ -149,7 +149,7 @@ def test_one_bit_adam_with_worker_moments_clips_under_overlap_and_stays_bit_iden
             (model(x).square().sum() * (0.1, 1.0, 3.0)[step % 3]).backward()
             ps_model.step()
         ps_model.synchronize()
-        ours = {k.key: ps_model._outs[k.key].copy() for k in ps_model.plan.keys}
+        ours = {k.key: ps_model._staging.outs[k.key].copy() for k in ps_model.plan.keys}
         ps_model.close()
         theirs = {k: s.param for k, s in shard.core.slots.items()}
     finally:

@@ -203,14 +203,14 @@ def test_psmodel_device_codec_refuses_a_nonfinite_gradient_before_its_residual()
             ps_model = PSModel(model, client, device_codec=True)
             model(torch.ones(4, 64)).sum().backward()
             ps_model.step()
-            kept = {k: r.clone() for k, r in ps_model._residuals.items()}
+            kept = {k: r.clone() for k, r in ps_model._staging.residuals.items()}
             params = [p.detach().clone() for p in model.parameters()]
             model(torch.full((4, 64), float("nan"))).sum().backward()
             with pytest.raises(PSError, match="gradient holds NaN or Inf") as err:
                 ps_model.step()
             assert err.value.code == pb.NON_FINITE and client.metrics.nonfinite.value == 1
-            assert kept.keys() == ps_model._residuals.keys()
-            assert all(torch.equal(kept[k], r) for k, r in ps_model._residuals.items())
+            assert kept.keys() == ps_model._staging.residuals.keys()
+            assert all(torch.equal(kept[k], r) for k, r in ps_model._staging.residuals.items())
             assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
             model.zero_grad()
             model(torch.ones(4, 64)).sum().backward()

@@ -293,7 +293,7 @@ def test_auto_rule_is_observable_both_ways(shard_factory, caplog):
         ps_model.close()
         return decision, gauges
 
-    with caplog.at_level(logging.INFO, logger="bitps.worker.training.model"):
+    with caplog.at_level(logging.INFO, logger="bitps.worker.training.overlap"):
         cheap, cheap_gauges = run(width=16, busy_s=0.05)
         dear, dear_gauges = run(width=2048, busy_s=0.0)  # 16 MiB of parameters
     assert not cheap.enabled and cheap.ratio < 0.2 and cheap_gauges == (0, cheap.ratio)

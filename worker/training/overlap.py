@@ -1,0 +1,264 @@
+"""Overlap: backward's hooks hand buckets to the communication thread as their gradients appear,
+and the next forward waits only where a module needs its parameters back.
+
+One :class:`Overlap` per ``PSModel``. Parameters are grouped into buckets
+(``worker.training.buckets``); a post-accumulate-grad hook per parameter counts the bucket's
+gradients and submits the bucket (:meth:`Overlap.submit`) to the
+:class:`~bitps.worker.training.comm.CommThread` once all exist; the forward pre-hook of every
+module whose forward reads a parameter (watched in the first step,
+``worker.training.readers``) waits for that parameter's bucket (:meth:`Overlap.await_bucket`).
+The first steps run without overlap and are timed (``worker.training.utilization``); ``auto``
+then turns overlap on above ``min_ratio`` of communication to compute (:meth:`Overlap.decide`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from bitps.proto.keyplan import KeyPlan
+from bitps.worker.config import OverlapConfig
+from bitps.worker.training.buckets import Bucket, make_buckets
+from bitps.worker.training.comm import CommThread, Job, Payload
+from bitps.worker.training.readers import ReadTrace
+from bitps.worker.training.staging import Staging
+from bitps.worker.training.utilization import Decision, StepStats, StepTimer, decide
+from bitps.worker.transport.client import PSClient
+
+__all__ = ["Overlap"]
+
+log = logging.getLogger(__name__)
+
+
+class Overlap:
+    """The buckets, hooks and communication thread of one ``PSModel`` (``model``'s trainable
+    ``params`` cut into ``plan``'s keys; payloads from ``staging``); ``clock()`` is the model's
+    current step."""
+
+    def __init__(self, model: torch.nn.Module, params: Sequence[tuple[str, torch.Tensor]],
+                 plan: KeyPlan, client: PSClient, staging: Staging, cfg: OverlapConfig, *,
+                 clock: Callable[[], int]) -> None:
+        self.cfg = cfg
+        self.params = params
+        self.plan = plan
+        self.client = client
+        self.staging = staging
+        self.clock = clock
+        self.buckets: list[Bucket] = make_buckets(plan, [n for n, _ in params], cfg.bucket_bytes)
+        self._bucket_of = [0] * len(params)
+        for b in self.buckets:
+            for i in b.params:
+                self._bucket_of[i] = b.index
+        self._lock = threading.Lock()
+        self._reset_bucket_state()
+        self._jobs: list[Job | None] = [None] * len(self.buckets)
+        self._ready_events: list[torch.cuda.Event | None] = [None] * len(self.buckets)
+        self.comm: CommThread | None = None
+        """The communication thread while overlap is on; ``None`` while it is off."""
+        self._comm_seen = 0.0
+        self._no_sync = False
+        self.timer = StepTimer()
+        """Times each step's compute and exposed communication (the overlap decision's
+        input, and the utilization metrics)."""
+        self.last_stats: StepStats | None = None
+        self._probe: list[StepStats] = []
+        self.decision: Decision | None = None
+        """Whether overlap is on and why; ``None`` while ``auto`` is still measuring."""
+        self._prepared = 0  # this step's buckets prepared so far (communication thread)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i))
+                       for i, (_, p) in enumerate(params)]
+        # Which module's forward reads each parameter, watched in the first step (nothing is in
+        # flight then); the pre-hooks that wait for pulls go in before anything is pushed.
+        self._trace: ReadTrace | None = ReadTrace(model, [p for _, p in params])
+        if cfg.mode != "auto":
+            self.decide(Decision(enabled=cfg.mode == "on", ratio=math.nan,
+                                 min_ratio=cfg.min_ratio, reason=f"overlap mode {cfg.mode!r}"))
+
+    # -- the decision -------------------------------------------------------------------------
+    def decide(self, decision: Decision) -> None:
+        """Take ``decision``: log and export it, and start the communication thread if on."""
+        self.decision = decision
+        log.info("rank %d: %s", self.client.cfg.rank, decision.describe())
+        m = self.client.metrics
+        with m.lock:
+            m.overlap_enabled.set(int(decision.enabled))
+            if not math.isnan(decision.ratio):
+                m.comm_compute_ratio.set(decision.ratio)
+        if decision.enabled:
+            self.comm = CommThread(self.client, inflight_bytes=self.cfg.inflight_bytes,
+                                   hold_pulls=self.client.holds_pulls,
+                                   on_inflight=self._inflight_metric)
+            self._comm_seen = 0.0
+
+    def record(self, stats: StepStats) -> None:
+        """One step's timing: kept, exported, and while ``auto`` measures, part of the probe
+        (the first step warms up and is left out)."""
+        self.last_stats = stats
+        m = self.client.metrics
+        with m.lock:
+            m.compute_utilization.set(stats.utilization)
+            m.exposed_comm.observe(stats.exposed_s)
+            m.comm_time.observe(stats.comm_s)
+            m.overlap_ratio.set(stats.overlap_ratio)
+        if self.decision is None:
+            self._probe.append(stats)
+            if len(self._probe) > self.cfg.probe_steps:
+                self.decide(decide(self._probe[1:], self.cfg.min_ratio))
+
+    def comm_seconds(self) -> float:
+        """The communication thread's busy time since the last call."""
+        busy = self.comm.busy_seconds()
+        busy, self._comm_seen = busy - self._comm_seen, busy
+        return busy
+
+    def _inflight_metric(self, nbytes: int) -> None:
+        with self.client.metrics.lock:
+            self.client.metrics.inflight_bytes.set(nbytes)
+
+    # -- hooks --------------------------------------------------------------------------------
+    def _reset_bucket_state(self) -> None:
+        self._fired = [False] * len(self.params)
+        self._grads: dict[int, torch.Tensor] = {}
+        self._left = [len(b.params) for b in self.buckets]
+
+    def _hook_for(self, i: int):
+        def hook(p: torch.Tensor) -> None:
+            if self.comm is None or self._no_sync:
+                return
+            with self._lock:
+                if self._fired[i]:
+                    raise RuntimeError(
+                        f"parameter {self.params[i][0]!r} got a second gradient in step "
+                        f"{self.clock()} after it was pushed; accumulate inside "
+                        f"PSModel.no_sync() and call step() once per step")
+                self._fired[i] = True
+                self._grads[i] = p.grad
+                b = self._bucket_of[i]
+                self._left[b] -= 1
+                ready = self._left[b] == 0
+            if ready:
+                self.submit(self.buckets[b])
+        return hook
+
+    def install_waits(self) -> None:
+        """End the read trace: every module whose forward reads a parameter
+        (``worker.training.readers``) waits in its forward pre-hook for that parameter's
+        bucket."""
+        if self._trace is None:
+            return
+        waits, self._trace = self._trace.finish(), None
+        for module, indices in waits.items():
+            buckets = sorted({self._bucket_of[i] for i in indices})
+            self._hooks.append(module.register_forward_pre_hook(self._pre_hook_for(buckets)))
+
+    def _pre_hook_for(self, buckets: list[int]):
+        def pre_hook(module, args) -> None:
+            for b in buckets:
+                self.await_bucket(b)
+        return pre_hook
+
+    def await_bucket(self, b: int) -> None:
+        """Wait for bucket ``b``'s answer (exposed time), re-raise its error, and on CUDA make
+        the compute stream wait for its upload."""
+        job = self._jobs[b]
+        if job is None:
+            return
+        if not job.done.is_set():
+            with self.timer.exposed():
+                job.wait(self.client.cfg.deadline_s)
+        elif job.error is not None:
+            job.wait(0)
+        if self.staging.cuda and self._ready_events[b] is not None:
+            torch.cuda.current_stream().wait_event(self._ready_events[b])
+            self._ready_events[b] = None
+
+    # -- buckets ------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Push every bucket no hook pushed this step (zeros for missing gradients); then the
+        next step starts with empty buckets."""
+        pending = []
+        with self._lock:
+            for i, (_, p) in enumerate(self.params):
+                if not self._fired[i]:
+                    self._fired[i] = True
+                    self._grads[i] = p.grad if p.grad is not None else torch.zeros_like(p)
+                    b = self._bucket_of[i]
+                    self._left[b] -= 1
+                    if self._left[b] == 0:
+                        pending.append(b)
+        for b in pending:
+            self.submit(self.buckets[b])
+        self._reset_bucket_state()
+
+    def submit(self, bucket: Bucket) -> None:
+        """Hand ``bucket``'s gradients for this step to the communication thread."""
+        self.install_waits()
+        prev = self._jobs[bucket.index]
+        if prev is not None and not prev.done.is_set():
+            prev.wait(self.client.cfg.deadline_s)  # its buffers are about to be reused
+        grads = {i: self._grads[i] for i in bucket.params}
+        clock = self.clock()
+        keys = [self.plan.keys[k] for k in bucket.keys]
+        staging, cuda = self.staging, self.staging.cuda
+        produced = ready = None
+        if cuda:
+            produced = torch.cuda.Event()
+            produced.record()  # on the compute stream, after backward made these gradients
+            ready = torch.cuda.Event()
+
+        def prepare() -> Payload:
+            # the thread prepares one step's buckets before the next step's
+            # (worker.training.comm)
+            self._prepared += 1
+            last = self._prepared == len(self.buckets)
+            if last:
+                self._prepared = 0
+            whole = len(self.buckets) == 1  # one bucket holds the step: its factor is exact
+            flat: list[torch.Tensor | None] = [None] * len(self.params)
+            for i, g in grads.items():
+                flat[i] = g.reshape(-1)
+            if not cuda:
+                return staging.payload(keys, flat, clock, last=last, whole=whole)
+            staging.stream.wait_event(produced)
+            for g in grads.values():
+                g.record_stream(staging.stream)  # freed grads are not reused under our reads
+            with torch.cuda.stream(staging.stream):
+                return staging.payload(keys, flat, clock, last=last, whole=whole)
+
+        def finish() -> None:
+            staging.copy_bucket_in(bucket.params, ready)
+
+        job = Job(priority=bucket.priority, clock=clock, nbytes=bucket.nbytes, prepare=prepare,
+                  finish=finish if cuda else None, label=f"bucket {bucket.index}")
+        self._jobs[bucket.index] = job
+        self._ready_events[bucket.index] = ready
+        self.comm.submit(job)
+
+    # -- the step's edges ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside do not push (gradient accumulation)."""
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
+
+    def synchronize(self) -> None:
+        """Wait until every bucket in flight has its parameters back."""
+        for b in range(len(self.buckets)):
+            self.await_bucket(b)
+        if self.staging.cuda:
+            torch.cuda.current_stream().synchronize()
+
+    def close(self) -> None:
+        """Stop the communication thread and remove every hook (after :meth:`synchronize`)."""
+        if self.comm is not None:
+            self.comm.close()
+        for h in self._hooks:
+            h.remove()

@@ -1,0 +1,206 @@
+"""Staging: where a ``PSModel``'s gradients and parameters meet the client's arrays.
+
+One :class:`Staging` per ``PSModel`` owns the host side of every parameter and the payload of
+every push:
+
+- **host buffers** (``host``): on CPU the flat parameter itself (pulls write the model in place,
+  zero copies beyond the socket); on CUDA a pinned float32 copy, uploaded on the comm stream
+  after each pull (:meth:`copy_in`, :meth:`copy_bucket_in`). ``outs`` are their per-key views,
+  the arrays the client pulls into.
+- **payloads** (:meth:`payload`): per key the gradient read in place (CPU), downloaded to pinned
+  memory (CUDA), or compressed next to it with its device error feedback (``device_codec``:
+  ``worker.training.codec_torch``, the same bytes as the host kernels).
+- **clipping under overlap** (``clip``, ``worker.training.clip``): each payload's clip factor
+  and, once the step's last payload is out, the corrections of the earlier ones
+  (:meth:`end_clipped_step`).
+
+``device_codec`` and ``clip`` are decided once the shards have answered the registration (they
+depend on the shards' rule); until then they are off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from bitps.proto.keyplan import Key, KeyPlan
+from bitps.worker.training import codec_torch
+from bitps.worker.training.clip import StepClip
+from bitps.worker.training.comm import Payload
+from bitps.worker.transport.client import PSClient
+
+__all__ = ["Staging"]
+
+
+class Staging:
+    """The host buffers, payloads and device error feedback of ``params`` (name, tensor) cut
+    into ``plan``'s keys, pushed and pulled through ``client``."""
+
+    def __init__(self, params: Sequence[tuple[str, torch.Tensor]], plan: KeyPlan,
+                 client: PSClient) -> None:
+        self.params = params
+        self.plan = plan
+        self.client = client
+        self.cuda = any(p.is_cuda for _, p in params)
+        self.index = {n: i for i, (n, _) in enumerate(params)}
+        """Each parameter's position in ``params`` by name."""
+        self.host = [self._host_buffer(p) for _, p in params]
+        self.grad_host = [self._host_buffer(p) for _, p in params] if self.cuda else None
+        self.stream = torch.cuda.Stream() if self.cuda else None
+        """The comm stream (CUDA): downloads, device compression and uploads run on it."""
+        self.outs = [self.slice(self.host, k) for k in plan.keys]
+        """Each key's view of its host buffer, by key."""
+        if self.cuda:
+            for (_, p), host in zip(params, self.host):
+                host[:] = p.detach().reshape(-1).cpu().numpy()
+        self.device_codec = False
+        """Whether compressed keys are encoded where the gradients are (set after
+        registration)."""
+        self.clip: StepClip | None = None
+        """The step's clip factors, or ``None``: no clipping (set after registration)."""
+        self.residuals: dict[int, torch.Tensor] = {}
+        """Device error feedback per key (``device_codec``)."""
+        self._staged: dict[int, torch.Tensor] = {}  # pinned host payloads per key (CUDA)
+        self._clip_pending: list = []  # this step's clipped payloads, for their corrections
+
+    # -- buffers ------------------------------------------------------------------------------
+    def slice(self, flats: Sequence, k: Key):
+        """Key ``k``'s slice of its parameter's flat array (``flats`` by parameter: gradients,
+        host buffers)."""
+        return flats[self.index[k.name]][k.offset:k.offset + k.length]
+
+    def _host_buffer(self, p: torch.Tensor) -> np.ndarray:
+        if p.is_cuda:
+            return torch.empty(p.numel(), dtype=torch.float32, pin_memory=True).numpy()
+        # CPU: the flat parameter itself, so pulls land in the model with no extra copy.
+        if not p.data.is_contiguous():
+            raise ValueError("bitps needs contiguous parameters")
+        return p.data.view(-1).numpy()
+
+    def copy_in(self) -> None:
+        """Upload every pulled value on the comm stream, which the compute stream then waits
+        for (CUDA; on CPU pulls wrote the parameters in place)."""
+        if not self.cuda:
+            return
+        with torch.no_grad(), torch.cuda.stream(self.stream):
+            for (_, p), host in zip(self.params, self.host):
+                p.data.view(-1).copy_(torch.from_numpy(host), non_blocking=True)
+        torch.cuda.current_stream().wait_stream(self.stream)
+
+    def copy_bucket_in(self, indices: Sequence[int], ready: torch.cuda.Event) -> None:
+        """Upload the pulled values of the parameters at ``indices`` on the comm stream and
+        record ``ready`` after them (CUDA; the comm thread calls it once a bucket's pull is
+        in)."""
+        with torch.no_grad(), torch.cuda.stream(self.stream):
+            for i in indices:
+                self.params[i][1].data.view(-1).copy_(torch.from_numpy(self.host[i]),
+                                                      non_blocking=True)
+            ready.record()
+
+    # -- payloads -----------------------------------------------------------------------------
+    def payload(self, keys: Sequence[Key], flat: Sequence[torch.Tensor], clock: int, *,
+                last: bool = True, whole: bool = True) -> Payload:
+        """The push of ``keys`` for ``clock`` from the flat gradients ``flat`` (by parameter).
+        On CUDA it must run with the comm stream current, after that stream has waited for the
+        gradients; compressed keys are encoded on it (device codec) and everything else is
+        downloaded to pinned memory, then the stream is synchronized. On CPU gradients are
+        read in place. With clipping the payload carries its clip factor
+        (``worker.training.clip``), found from the gradients' sum of squares, which is also
+        their NaN/Inf check: exact when the payload is ``whole`` (every gradient of the step),
+        else predicted and corrected once the step's ``last`` payload is prepared."""
+        codec = self.client.push_codec_at(clock)
+        coded = {k.key for k in keys if self.device_codec and self.client.compresses(k.key, clock)}
+        scale = None
+        if self._clip_pending and self._clip_pending[0][0] != clock:
+            # a refused step never pushed its last payload: forget its factors
+            self._clip_pending.clear()
+            self.clip.reset()
+        if self.device_codec and (coded or self.clip is not None):
+            sum_squares = self._check_device(keys, coded, flat)
+            if self.clip is not None:
+                scale = self.clip.factor(sum_squares, whole=whole)
+        encoded: dict[int, torch.Tensor] = {}
+        grads: list[np.ndarray] = []
+        for k in keys:
+            g = self.slice(flat, k)
+            if k.key in coded:
+                encoded[k.key] = self._encode(k.key, g, codec, 1.0 if scale is None else scale)
+                grads.append(self.slice(self.grad_host, k) if self.cuda else g.detach().numpy())
+                continue
+            if self.cuda:
+                host = self.slice(self.grad_host, k)
+                torch.from_numpy(host).copy_(g, non_blocking=True)
+                grads.append(host)
+            else:
+                grads.append(g.detach().numpy())
+        if self.cuda:
+            self.stream.synchronize()
+        if self.clip is not None and not self.device_codec:
+            scale = self.clip.factor(self.client.sum_squares([k.key for k in keys], grads),
+                                     whole=whole)
+        if self.clip is not None:
+            self._clip_pending.append((clock, keys, grads, flat, coded, scale))
+        return Payload(keys=[k.key for k in keys], grads=grads,
+                       outs=[self.outs[k.key] for k in keys],
+                       encoded={key: code.numpy() for key, code in encoded.items()} or None,
+                       scale=scale, then=self.end_clipped_step if self.clip is not None
+                       and last else None)
+
+    def _check_device(self, keys: Sequence[Key], coded: set[int],
+                      flat: Sequence[torch.Tensor]) -> float:
+        """The device codec folds each gradient into a residual kept next to it: refuse NaN/Inf
+        before encoding (``NON_FINITE``, counted; residuals unchanged), as ``PSClient`` does for
+        host codecs: one fused max-|g| per coded key (``torch._foreach_norm``, as
+        ``clip_grad_norm_`` uses; the max cannot overflow). With clipping, also every key's
+        L2 norm; returns their sum of squares. One device-to-host sync for all of it."""
+        checked = [self.slice(flat, k) for k in keys if k.key in coded]
+        peaks = torch._foreach_norm(checked, float("inf")) if checked else []
+        norms = (torch._foreach_norm([self.slice(flat, k) for k in keys], 2.0)
+                 if self.clip is not None else [])
+        values = torch.stack([*peaks, *norms]).double().cpu()
+        finite = torch.isfinite(values)
+        if not bool(finite.all()):
+            first = int(torch.nonzero(~finite)[0])
+            bad = [k for k in keys if k.key in coded] + list(keys)
+            raise self.client.refuse_nonfinite(bad[first].key)
+        return float(values[len(peaks):].square().sum())
+
+    def end_clipped_step(self) -> None:
+        """Once the step's last payload is pushed (its error feedback encoded): the exact clip
+        factor is known, and every payload of the step gets ``(exact - used) * g`` folded into
+        its error feedback (``worker.training.clip``): device residuals here (on the comm
+        stream), the client's for the rest."""
+        exact = self.clip.end()
+        pending, self._clip_pending = self._clip_pending, []
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+            for clock, keys, grads, flat, coded, used in pending:
+                if used == exact:
+                    continue
+                alpha = float(np.float32(exact - used))
+                for k in keys:
+                    if k.key in coded:
+                        self.residuals[k.key].add_(self.slice(flat, k) * alpha)
+                host = [(k.key, g) for k, g in zip(keys, grads) if k.key not in coded]
+                if host:
+                    self.client.clip_correct([key for key, _ in host], [g for _, g in host],
+                                             clock=clock, used=used, exact=exact)
+
+    def _encode(self, key: int, g: torch.Tensor, codec, scale: float) -> torch.Tensor:
+        """One key's compressed push of ``g * scale`` with its error feedback kept next to the
+        gradient; on CUDA the packed bytes are copied to a pinned buffer (not yet
+        synchronized)."""
+        r = self.residuals.get(key)
+        if r is None:
+            r = self.residuals[key] = torch.zeros_like(g)
+        code = codec_torch.encode(g, r, codec, scale)
+        if not self.cuda:
+            return code
+        host = self._staged.get(key)
+        if host is None:
+            host = self._staged[key] = torch.empty(code.numel(), dtype=torch.uint8,
+                                                   pin_memory=True)
+        host.copy_(code, non_blocking=True)
+        return host
