@@ -81,6 +81,7 @@ from bitps.ps.clocks import WorkerClock
 if TYPE_CHECKING:
     from bitps.ps.config import ServerConfig
     from bitps.ps.shard import ShardCore
+    from bitps.ps.store import Slot
 
 __all__ = ["Checkpoint", "CheckpointError", "Checkpointer", "Snapshot", "checkpoints", "load",
            "load_latest", "prune", "restore", "save", "snapshot", "write"]
@@ -150,6 +151,25 @@ def _spec_dict(spec: pb.KeySpec) -> dict:
             "shape": list(spec.shape.dims) if spec.HasField("shape") else None}
 
 
+def _key_state(core: ShardCore, key: int, slot: Slot, params: dict, state: dict) -> dict:
+    """Copy one key's arrays into ``params`` and ``state``; returns its manifest entry."""
+    params[str(key)] = slot.param.copy()
+    for name, arr in core.rule.save_state(slot).items():
+        state[f"{key}/rule/{name}"] = arr
+    if slot.last_delta is not None:
+        state[f"{key}/last_delta"] = slot.last_delta.copy()
+    if slot.folded:
+        state[f"{key}/acc"] = slot.acc.copy()
+    for rank, grad in slot.held.items():
+        state[f"{key}/held/{rank}"] = np.array(grad, np.float32, copy=True)
+    history = list(slot.publisher.history) if slot.publisher is not None else []
+    if history:
+        state[f"{key}/history"] = np.frombuffer(b"".join(p for _, p in history),
+                                                np.uint8).copy()
+    return {"version": slot.version, "pushed": sorted(slot.pushed), "folded": slot.folded,
+            "history": [[v, len(p)] for v, p in history]}
+
+
 def snapshot(core: ShardCore) -> Snapshot:
     """Copy ``core``'s whole state, under ``core.lock`` (a pass over every array: the data loop
     waits that long, not for the disk). Raises ``ValueError`` when no worker has registered
@@ -158,24 +178,9 @@ def snapshot(core: ShardCore) -> Snapshot:
         if not core.slots:
             raise ValueError(f"shard {core.cfg.shard_id} holds no keys yet (no worker has "
                              f"registered): nothing to checkpoint")
-        params, state, keys = {}, {}, {}
-        for key, slot in sorted(core.slots.items()):
-            params[str(key)] = slot.param.copy()
-            for name, arr in core.rule.save_state(slot).items():
-                state[f"{key}/rule/{name}"] = arr
-            if slot.last_delta is not None:
-                state[f"{key}/last_delta"] = slot.last_delta.copy()
-            if slot.folded:
-                state[f"{key}/acc"] = slot.acc.copy()
-            for rank, grad in slot.held.items():
-                state[f"{key}/held/{rank}"] = np.array(grad, np.float32, copy=True)
-            history = list(slot.publisher.history) if slot.publisher is not None else []
-            if history:
-                state[f"{key}/history"] = np.frombuffer(b"".join(p for _, p in history),
-                                                        np.uint8).copy()
-            keys[str(key)] = {"version": slot.version, "pushed": sorted(slot.pushed),
-                              "folded": slot.folded,
-                              "history": [[v, len(p)] for v, p in history]}
+        params, state = {}, {}
+        keys = {str(key): _key_state(core, key, slot, params, state)
+                for key, slot in sorted(core.slots.items())}
         for key, residual in core.codec_state().items():
             state[f"{key}/residual"] = residual
         clocks = core.clocks

@@ -387,3 +387,26 @@ def test_export_rebuilds_the_model_and_torch_loads_it_with_the_live_loss(cluster
     with torch.no_grad():
         assert loss_fn(fresh, x, y).item() == loss_fn(model, x, y).item()
     assert main(["--checkpoint-dir", str(dirs[0]), "--out", str(out)]) == 1  # shard 1 missing
+
+
+def test_export_rebuilds_tensors_from_their_keys_and_refuses_what_it_cannot(tmp_path):
+    """Without torch: one shard's keys are put back into their tensors' shapes; a plan whose
+    keys carry no shape (a worker that predates ``KeySpec.shape``) is refused by name."""
+    from bitps.ps.export import export
+
+    d = _trained()
+    save(d.core, tmp_path / "s0", keep=1)
+    tensors = export([tmp_path / "s0"], tmp_path / "m.safetensors")
+    params = [d.core.slots[k].param for k in range(len(KEYS))]
+    assert tensors["w"].shape == (24, 50) and tensors["b"].shape == (300,)
+    np.testing.assert_array_equal(tensors["w"].ravel(), np.concatenate(params[:2]))
+    np.testing.assert_array_equal(tensors["b"], params[2])
+
+    shapeless = _core(_cfg("sync", OptimizerConfig(name="adam")), world=1)
+    for slot in shapeless.slots.values():
+        slot.spec.ClearField("shape")
+    save(shapeless, tmp_path / "old", keep=1)
+    with pytest.raises(CheckpointError, match="key 0 of 'w' has no tensor shape"):
+        export([tmp_path / "old"], tmp_path / "m.safetensors")
+    with pytest.raises(CheckpointError, match="holds no checkpoint"):
+        export([tmp_path / "none"], tmp_path / "m.safetensors")
