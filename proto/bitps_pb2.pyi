@@ -87,20 +87,28 @@ UNAUTHENTICATED: ErrorCode
 TOO_LARGE: ErrorCode
 
 class KeySpec(_message.Message):
-    __slots__ = ("key", "name", "offset", "length", "dtype", "compressed_pull")
+    __slots__ = ("key", "name", "offset", "length", "dtype", "compressed_pull", "shape")
     KEY_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     COMPRESSED_PULL_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
     key: int
     name: str
     offset: int
     length: int
     dtype: DType
     compressed_pull: bool
-    def __init__(self, key: _Optional[int] = ..., name: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., compressed_pull: _Optional[bool] = ...) -> None: ...
+    shape: TensorShape
+    def __init__(self, key: _Optional[int] = ..., name: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., compressed_pull: _Optional[bool] = ..., shape: _Optional[_Union[TensorShape, _Mapping]] = ...) -> None: ...
+
+class TensorShape(_message.Message):
+    __slots__ = ("dims",)
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    dims: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("protocol", "rank", "world_size", "signature", "num_shards", "shard_id", "keys", "sends_values", "token", "pull_codec", "pull_codec_chunk", "pull_codec_flags", "value_digests")

@@ -46,7 +46,9 @@ class ParamSpec:
 
 @dataclass(frozen=True)
 class Key:
-    """A partition: elements ``[offset, offset + length)`` of the flattened tensor ``name``."""
+    """A partition: elements ``[offset, offset + length)`` of the flattened tensor ``name``,
+    whose shape is ``shape`` (registration sends it, so a shard checkpoint can be exported as
+    the original tensors)."""
 
     key: int
     name: str
@@ -54,6 +56,7 @@ class Key:
     length: int
     shard: int
     dtype: str = "float32"
+    shape: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -116,7 +119,7 @@ def make_plan(
     names = [p.name for p in params]
     if len(set(names)) != len(names):
         raise ValueError("parameter names must be unique")
-    pieces: list[tuple[str, int, int, str]] = []
+    pieces: list[tuple[str, int, int, str, tuple[int, ...]]] = []
     for p in params:
         if p.dtype not in _ITEMSIZE:
             raise ValueError(f"parameter {p.name!r} has dtype {p.dtype!r}; expected one of "
@@ -129,7 +132,7 @@ def make_plan(
         offset = 0
         for i in range(parts):
             length = base + (1 if i < extra else 0)
-            pieces.append((p.name, offset, length, p.dtype))
+            pieces.append((p.name, offset, length, p.dtype, tuple(p.shape)))
             offset += length
     order = sorted(range(len(pieces)), key=lambda i: (-pieces[i][2] * _ITEMSIZE[pieces[i][3]], i))
     heap = [(0, s) for s in range(num_shards)]
@@ -139,8 +142,9 @@ def make_plan(
         shard_of[i] = s
         heapq.heappush(heap, (load + pieces[i][2] * _ITEMSIZE[pieces[i][3]], s))
     keys = tuple(
-        Key(key=i, name=name, offset=off, length=length, shard=shard_of[i], dtype=dt)
-        for i, (name, off, length, dt) in enumerate(pieces)
+        Key(key=i, name=name, offset=off, length=length, shard=shard_of[i], dtype=dt,
+            shape=shape)
+        for i, (name, off, length, dt, shape) in enumerate(pieces)
     )
     return KeyPlan(keys=keys, num_shards=num_shards, partition_bytes=partition_bytes,
                    signature=_signature(params, num_shards, partition_bytes))

@@ -143,7 +143,8 @@ class PSClient:
             signature=plan.signature, num_shards=plan.num_shards, shard_id=shard,
             sends_values=values is not None, token=self.cfg.token,
             keys=[pb.KeySpec(key=k.key, name=k.name, offset=k.offset, length=k.length,
-                             dtype=pb.FLOAT32, compressed_pull=not pull.is_raw and large[k.key])
+                             dtype=pb.FLOAT32, compressed_pull=not pull.is_raw and large[k.key],
+                             shape=pb.TensorShape(dims=k.shape))
                   for k in keys])
         if not pull.is_raw:
             req.pull_codec, req.pull_codec_chunk, req.pull_codec_flags = pull.wire_fields()

@@ -1,0 +1,578 @@
+"""Shard checkpoints: a shard's whole state on disk, written atomically, restored bit for bit.
+
+:func:`save` writes one checkpoint of a :class:`~bitps.ps.shard.ShardCore` and keeps the newest
+``keep``; :func:`load_latest` finds the newest valid one and :func:`restore` puts it into a fresh
+core, which then continues exactly as the original would have. :class:`Checkpointer` is what a
+server drives (periodic saves, a final save on SIGTERM). ``bitps-export`` (``ps.export``) turns the
+shards' checkpoints into one state dict of the model. No torch, no pickle.
+
+On-disk layout, one directory per shard::
+
+    DIR/
+      ckpt-<updates:012d>-<unix ns:019d>/  one checkpoint (updates = ShardCore.updates_applied)
+        params.safetensors    float32 parameters: tensor "<key>" per key, shape (length,)
+        state.safetensors     everything else, tensors "<key>/<what>" (below)
+        manifest.json         written last: format, shard config, key plan, clocks, per-key
+                              scalars, sha256 and size of both files, its own sha256
+      .tmp-...                a checkpoint being written or deleted: never read; the next save
+                              removes it
+
+``state.safetensors``, per key:
+
+    ``<key>/rule/<name>``   the update rule's ``save_state`` arrays (step, moments; 1-bit Adam's
+                            switch flag, frozen bias correction and m code)
+    ``<key>/residual``      the shard's error feedback of the codes it publishes
+                            (``ShardCore.codec_state``; keys with compressed pulls, 1-bit Adam)
+    ``<key>/history``       the published payloads still kept, concatenated (uint8; their
+                            versions and sizes are in the manifest)
+    ``<key>/last_delta``    lookahead pulls: the key's last update
+    ``<key>/acc``           sync: the sum of this step's pushes folded so far (when any)
+    ``<key>/held/<rank>``   sync: a push kept aside until a lower rank's arrives
+
+``manifest.json``::
+
+    {"format": "bitps-shard-checkpoint", "version": 1, "created_unix": 1718000000.1,
+     "bitps_version": "...", "config": {"shard_id", "num_shards", "mode", "lookahead",
+     "optimizer": {...}, "staleness", "split_lr", "staleness_damping"},
+     "plan": {"signature", "pull_codec": [id, chunk, flags] | null, "keys": [{"key", "name",
+              "offset", "length", "compressed_pull", "shape": [dims] | null}]},
+     "core": {"updates_applied", "initialized", "membership_changed"},
+     "clocks": {"world_size", "workers": [{"rank", "clock", "registered", "left", "dropped"}]},
+     "keys": {"<key>": {"version", "pushed": [ranks], "folded", "history": [[version, bytes]]}},
+     "files": {"params.safetensors": {"sha256", "bytes"}, "state.safetensors": {...}},
+     "manifest_sha256": "<sha256 of this object without this field, sorted, compact>"}
+
+Guarantees: a checkpoint directory exists under its final name only once every file in it is
+written and fsynced (written under a ``.tmp-`` name, renamed, the directory fsynced), so a crash
+mid-write never leaves something that counts as a checkpoint. A file whose size or sha256
+differs from the manifest, a missing or damaged manifest, is refused with :class:`CheckpointError`
+(naming the file and what was wrong); :func:`load_latest` logs it and takes the previous one.
+
+Not saved, by design: held pulls (they name connections that die with the process; the workers'
+waits time out and they pull again), admission records and Prometheus metrics (diagnostics),
+scratch and spare buffers, and when each worker was last seen (the old process's monotonic time:
+restored workers count as seen at the restore and have ``heartbeat_timeout_s`` to speak).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import safetensors.numpy
+
+from bitps import __version__
+from bitps.proto import bitps_pb2 as pb
+from bitps.proto.wire import PROTOCOL, PSError
+from bitps.ps.clocks import WorkerClock
+
+if TYPE_CHECKING:
+    from bitps.ps.config import ServerConfig
+    from bitps.ps.shard import ShardCore
+    from bitps.ps.store import Slot
+
+__all__ = ["Checkpoint", "CheckpointError", "Checkpointer", "Snapshot", "checkpoints", "load",
+           "load_latest", "prune", "restore", "save", "snapshot", "write"]
+
+log = logging.getLogger("bitps.checkpoint")
+
+FORMAT, FORMAT_VERSION = "bitps-shard-checkpoint", 1
+MANIFEST, PARAMS, STATE = "manifest.json", "params.safetensors", "state.safetensors"
+_NAME = re.compile(r"^ckpt-(\d{12})-(\d{19})$")
+_TMP = ".tmp-"
+_MUST_MATCH = ("shard_id", "num_shards", "mode", "lookahead", "optimizer")
+"""Config a checkpoint is only valid under: which keys, the state's layout and its arithmetic.
+``staleness``, ``split_lr`` and ``staleness_damping`` are recorded but may change at a restart
+(the continuation is then bit for bit only where they are equal)."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: ``path`` names the file or directory, ``problem`` what
+    was wrong (with the value found and what was expected)."""
+
+    def __init__(self, path: str | os.PathLike, problem: str) -> None:
+        self.path, self.problem = Path(path), problem
+        super().__init__(f"checkpoint {self.path}: {problem}")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One verified checkpoint read back: its directory, manifest and arrays (see the module
+    docstring for the names)."""
+
+    path: Path
+    manifest: dict
+    params: dict[str, np.ndarray]
+    state: dict[str, np.ndarray]
+
+    @property
+    def updates(self) -> int:
+        return int(self.manifest["core"]["updates_applied"])
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A shard's state copied out under its lock, ready to be written without it."""
+
+    manifest: dict
+    params: dict[str, np.ndarray]
+    state: dict[str, np.ndarray]
+
+    @property
+    def updates(self) -> int:
+        return int(self.manifest["core"]["updates_applied"])
+
+
+# -- taking the state ---------------------------------------------------------------------------
+def _config(cfg: ServerConfig) -> dict:
+    # through JSON so that a saved config and the live one compare as the same types
+    return json.loads(json.dumps({
+        "shard_id": cfg.shard_id, "num_shards": cfg.num_shards, "mode": cfg.mode,
+        "lookahead": cfg.lookahead, "optimizer": dataclasses.asdict(cfg.optimizer),
+        "staleness": cfg.staleness, "split_lr": cfg.split_lr,
+        "staleness_damping": cfg.staleness_damping}))
+
+
+def _spec_dict(spec: pb.KeySpec) -> dict:
+    return {"key": spec.key, "name": spec.name, "offset": spec.offset, "length": spec.length,
+            "compressed_pull": spec.compressed_pull,
+            "shape": list(spec.shape.dims) if spec.HasField("shape") else None}
+
+
+def _key_state(core: ShardCore, key: int, slot: Slot, params: dict, state: dict) -> dict:
+    """Copy one key's arrays into ``params`` and ``state``; returns its manifest entry."""
+    params[str(key)] = slot.param.copy()
+    for name, arr in core.rule.save_state(slot).items():
+        state[f"{key}/rule/{name}"] = arr
+    if slot.last_delta is not None:
+        state[f"{key}/last_delta"] = slot.last_delta.copy()
+    if slot.folded:
+        state[f"{key}/acc"] = slot.acc.copy()
+    for rank, grad in slot.held.items():
+        state[f"{key}/held/{rank}"] = np.array(grad, np.float32, copy=True)
+    history = list(slot.publisher.history) if slot.publisher is not None else []
+    if history:
+        state[f"{key}/history"] = np.frombuffer(b"".join(p for _, p in history),
+                                                np.uint8).copy()
+    return {"version": slot.version, "pushed": sorted(slot.pushed), "folded": slot.folded,
+            "history": [[v, len(p)] for v, p in history]}
+
+
+def snapshot(core: ShardCore) -> Snapshot:
+    """Copy ``core``'s whole state, under ``core.lock`` (a pass over every array: the data loop
+    waits that long, not for the disk). Raises ``ValueError`` when no worker has registered
+    yet: a shard without keys has nothing to restore."""
+    with core.lock:
+        if not core.slots:
+            raise ValueError(f"shard {core.cfg.shard_id} holds no keys yet (no worker has "
+                             f"registered): nothing to checkpoint")
+        params, state = {}, {}
+        keys = {str(key): _key_state(core, key, slot, params, state)
+                for key, slot in sorted(core.slots.items())}
+        for key, residual in core.codec_state().items():
+            state[f"{key}/residual"] = residual
+        clocks = core.clocks
+        codec = core.pull_codec
+        manifest = {
+            "format": FORMAT, "version": FORMAT_VERSION, "created_unix": time.time(),
+            "bitps_version": __version__, "config": _config(core.cfg),
+            "plan": {"signature": core.signature,
+                     "pull_codec": None if codec is None else list(codec.wire_fields()),
+                     "keys": [_spec_dict(s.spec) for _, s in sorted(core.slots.items())]},
+            "core": {"updates_applied": core.updates_applied,
+                     "initialized": core.initialized.is_set(),
+                     # a Leave not yet applied by a tick (ShardCore.leave)
+                     "membership_changed": core._membership_changed},
+            "clocks": {"world_size": clocks.world_size, "workers": [
+                {"rank": w.rank, "clock": w.clock, "registered": w.registered, "left": w.left,
+                 "dropped": w.dropped} for _, w in sorted(clocks.workers.items())]},
+            "keys": keys,
+        }
+    return Snapshot(manifest, params, state)
+
+
+# -- writing ------------------------------------------------------------------------------------
+def _digest(obj: dict) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+                          ).hexdigest()
+
+
+def _file_sha256(path: Path) -> tuple[str, int]:
+    h, size = hashlib.sha256(), 0
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+            size += len(chunk)
+    return h.hexdigest(), size
+
+
+def _fsync(path: Path) -> None:
+    """fsync a file or a directory (a rename is durable once its directory is)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write(snap: Snapshot, directory: str | os.PathLike, *, keep: int) -> Path:
+    """Write ``snap`` as a new checkpoint in ``directory`` (created if needed), atomically, then
+    keep the newest ``keep`` checkpoints (:func:`prune`). Returns the checkpoint's directory.
+    One writer per directory: leftovers of an interrupted write are removed first."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1 checkpoints, got {keep}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for leftover in directory.glob(f"{_TMP}*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    stamp = time.time_ns()
+    while (directory / (name := f"ckpt-{snap.updates:012d}-{stamp:019d}")).exists():
+        stamp += 1  # two checkpoints within one nanosecond's resolution
+    tmp = directory / f"{_TMP}{name}"
+    tmp.mkdir()
+    files = {}
+    for fname, arrays in ((PARAMS, snap.params), (STATE, snap.state)):
+        safetensors.numpy.save_file(arrays, str(tmp / fname))
+        _fsync(tmp / fname)
+        digest, size = _file_sha256(tmp / fname)
+        files[fname] = {"sha256": digest, "bytes": size}
+    manifest = {**snap.manifest, "files": files}
+    manifest["manifest_sha256"] = _digest(manifest)
+    with (tmp / MANIFEST).open("w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync(tmp)
+    final = directory / name
+    os.rename(tmp, final)
+    _fsync(directory)
+    prune(directory, keep)
+    return final
+
+
+def save(core: ShardCore, directory: str | os.PathLike, *, keep: int) -> Path:
+    """Checkpoint ``core`` into ``directory`` (:func:`snapshot` under its lock, then
+    :func:`write` without it) and keep the newest ``keep``. Returns the new checkpoint's path.
+
+        >>> path = save(core, "ckpt/shard0", keep=3)            # doctest: +SKIP
+    """
+    return write(snapshot(core), directory, keep=keep)
+
+
+def checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """The checkpoint directories in ``directory``, newest first (by updates applied, then by
+    time written); nothing being written or deleted is listed."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [(int(m[1]), int(m[2]), p) for p in directory.iterdir()
+             if p.is_dir() and (m := _NAME.match(p.name))]
+    return [p for *_, p in sorted(found, reverse=True)]
+
+
+def prune(directory: str | os.PathLike, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` checkpoints; returns those deleted. Each is renamed
+    out of the checkpoint names first, so a crash mid-delete leaves no half checkpoint."""
+    gone = checkpoints(directory)[keep:]
+    for path in gone:
+        doomed = path.with_name(f"{_TMP}del-{path.name}")
+        os.rename(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    return gone
+
+
+# -- reading ------------------------------------------------------------------------------------
+def _read_manifest(path: Path) -> dict:
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise CheckpointError(mpath, "no manifest: an incomplete or damaged checkpoint")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(mpath, f"manifest is not readable JSON ({err})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
+            or manifest.get("version") != FORMAT_VERSION:
+        found = (manifest.get("format"), manifest.get("version")) \
+            if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(mpath, f"format {found}; expected ({FORMAT!r}, {FORMAT_VERSION})")
+    recorded = manifest.pop("manifest_sha256", None)
+    if recorded != (digest := _digest(manifest)):
+        raise CheckpointError(mpath, f"manifest sha256 {digest}; it records {recorded} "
+                              f"(edited or corrupt)")
+    return manifest
+
+
+def load(path: str | os.PathLike) -> Checkpoint:
+    """Read and verify the checkpoint in ``path``: the manifest's own sha256, then each file's
+    size and sha256 against the manifest. Raises :class:`CheckpointError` naming the file and
+    what was wrong (missing, truncated, corrupt, not safetensors)."""
+    path = Path(path)
+    manifest = _read_manifest(path)
+    arrays = {}
+    for fname in (PARAMS, STATE):
+        fpath, entry = path / fname, manifest.get("files", {}).get(fname)
+        if entry is None:
+            raise CheckpointError(path / MANIFEST, f"records no {fname}")
+        if not fpath.is_file():
+            raise CheckpointError(fpath, "missing")
+        digest, size = _file_sha256(fpath)
+        if size != entry["bytes"]:
+            raise CheckpointError(fpath, f"{size} bytes; the manifest records "
+                                  f"{entry['bytes']} (truncated)")
+        if digest != entry["sha256"]:
+            raise CheckpointError(fpath, f"sha256 {digest}; the manifest records "
+                                  f"{entry['sha256']} (corrupt)")
+        try:
+            arrays[fname] = safetensors.numpy.load_file(str(fpath))
+        except Exception as err:  # safetensors raises its own SafetensorError
+            raise CheckpointError(fpath, f"not a safetensors file ({err})") from None
+    return Checkpoint(path, manifest, arrays[PARAMS], arrays[STATE])
+
+
+def load_latest(directory: str | os.PathLike) -> Checkpoint | None:
+    """The newest valid checkpoint in ``directory``; ``None`` when it holds none at all. An
+    invalid one is logged and skipped for the one before; when every one is invalid, raises
+    :class:`CheckpointError` listing why (starting afresh would silently lose the training)."""
+    problems = []
+    for path in checkpoints(directory):
+        try:
+            return load(path)
+        except CheckpointError as err:
+            log.warning("skipping %s", err)
+            problems.append(str(err))
+    if problems:
+        raise CheckpointError(directory, f"no valid checkpoint among {len(problems)}: "
+                              + "; ".join(problems))
+    return None
+
+
+# -- restoring ----------------------------------------------------------------------------------
+def _check_config(core: ShardCore, ckpt: Checkpoint) -> None:
+    saved, live = ckpt.manifest["config"], _config(core.cfg)
+    for name in _MUST_MATCH:
+        if saved.get(name) != live[name]:
+            raise CheckpointError(ckpt.path, f"was saved with {name} {saved.get(name)!r}; this "
+                                  f"shard runs {name} {live[name]!r}")
+
+
+def _plan_slots(core: ShardCore, ckpt: Checkpoint) -> None:
+    """Give ``core`` the checkpoint's keys: a fresh core replays the registration that made
+    them (the same validation, slots, publishers and pull codec); a registered one must hold
+    the same plan."""
+    plan, path = ckpt.manifest["plan"], ckpt.path
+    specs = [pb.KeySpec(key=d["key"], name=d["name"], offset=d["offset"], length=d["length"],
+                        dtype=pb.FLOAT32, compressed_pull=d["compressed_pull"],
+                        shape=None if d["shape"] is None else pb.TensorShape(dims=d["shape"]))
+             for d in plan["keys"]]
+    if core.slots:
+        # shapes aside: a worker that predates KeySpec.shape registers none
+        held = {k: _spec_dict(s.spec) | {"shape": None} for k, s in core.slots.items()}
+        want = {s.key: _spec_dict(s) | {"shape": None} for s in specs}
+        if core.signature != plan["signature"] or held != want:
+            raise CheckpointError(path, f"key plan {plan['signature']!r} of {len(specs)} keys; "
+                                  f"this shard holds {core.signature!r} of {len(core.slots)}")
+        return
+    cfg = core.cfg
+    req = pb.RegisterRequest(protocol=PROTOCOL, rank=0,
+                             world_size=max(ckpt.manifest["clocks"]["world_size"], 1),
+                             signature=plan["signature"], num_shards=cfg.num_shards,
+                             shard_id=cfg.shard_id, keys=specs, token=cfg.token)
+    if plan["pull_codec"] is not None:
+        req.pull_codec, req.pull_codec_chunk, req.pull_codec_flags = plan["pull_codec"]
+    try:
+        core.register(req, {})
+    except PSError as err:
+        raise CheckpointError(path, f"the shard refuses its key plan: {err.message}") from None
+
+
+def _array(ckpt: Checkpoint, arrays: dict, name: str, shape: tuple, dtype) -> np.ndarray:
+    arr = arrays.get(name)
+    if arr is None or arr.shape != shape or arr.dtype != dtype:
+        found = None if arr is None else f"{arr.dtype}{list(arr.shape)}"
+        raise CheckpointError(ckpt.path, f"array {name!r} is {found}; expected "
+                              f"{np.dtype(dtype)}{list(shape)}")
+    return arr
+
+
+def _restore_key(core: ShardCore, ckpt: Checkpoint, key: int) -> None:
+    slot, st = core.slots[key], ckpt.state
+    info, n, f32 = ckpt.manifest["keys"][str(key)], core.slots[key].length, np.float32
+    slot.set_values(_array(ckpt, ckpt.params, str(key), (n,), f32).tobytes())
+    slot.version = info["version"]
+    prefix = f"{key}/rule/"
+    try:
+        core.rule.load_state(slot, {k[len(prefix):]: v for k, v in st.items()
+                                    if k.startswith(prefix)})
+    except PSError as err:
+        raise CheckpointError(ckpt.path, err.message) from None
+    if slot.last_delta is not None:
+        np.copyto(slot.last_delta, _array(ckpt, st, f"{key}/last_delta", (n,), f32))
+    slot.folded, slot.pushed = info["folded"], set(info["pushed"])
+    if slot.folded:
+        slot.acc = _array(ckpt, st, f"{key}/acc", (n,), f32).copy()
+    held = f"{key}/held/"
+    slot.held = {int(k[len(held):]): _array(ckpt, st, k, (n,), f32).copy() for k in st
+                 if k.startswith(held)}
+    if slot.publisher is not None:
+        sizes = [size for _, size in info["history"]]
+        payloads = _array(ckpt, st, f"{key}/history", (sum(sizes),), np.uint8).tobytes() \
+            if sizes else b""
+        slot.publisher.forget()
+        # republishing the kept payloads in order rebuilds the same history: they fit its
+        # limits when saved, and so does every prefix
+        start = 0
+        for (version, _), size in zip(info["history"], sizes):
+            slot.publisher.publish(version, memoryview(payloads[start:start + size]))
+            start += size
+
+
+def restore(core: ShardCore, ckpt: Checkpoint) -> None:
+    """Put ``ckpt`` into ``core``, which then continues bit for bit as the checkpointed shard
+    would have: parameters, versions, rule state, published codes and residuals, the current
+    sync step's pushes, clocks. ``core`` should be fresh (no worker registered: the
+    checkpoint's registration is replayed) or hold the same key plan.
+
+    Raises :class:`CheckpointError` for a checkpoint of another shard id, shard count, mode,
+    lookahead, optimizer config or key plan (``core`` unchanged), or whose arrays do not fit
+    (then ``core`` is partly restored: discard it)."""
+    _check_config(core, ckpt)
+    m = ckpt.manifest
+    if set(m["keys"]) != {str(d["key"]) for d in m["plan"]["keys"]}:
+        raise CheckpointError(ckpt.path, f"per-key state for {len(m['keys'])} keys; its plan "
+                              f"has {len(m['plan']['keys'])}")
+    with core.lock:
+        _plan_slots(core, ckpt)
+        for key in sorted(core.slots):
+            _restore_key(core, ckpt, key)
+        residuals = {k: _array(ckpt, ckpt.state, f"{k}/residual", (s.length,), np.float32)
+                     for k, s in core.slots.items() if s.publisher is not None}
+        core.load_codec_state(residuals)
+        core.updates_applied = m["core"]["updates_applied"]
+        # a Leave the old process had not yet applied: the next tick applies it here
+        core._membership_changed = m["core"]["membership_changed"]
+        if m["core"]["initialized"]:
+            core.initialized.set()
+        t = core.now()
+        core.clocks.workers = {w["rank"]: WorkerClock(
+            rank=w["rank"], clock=w["clock"], last_seen=t, registered=w["registered"],
+            left=w["left"], dropped=w["dropped"]) for w in m["clocks"]["workers"]}
+        core.clocks.world_size = m["clocks"]["world_size"]
+
+
+# -- what a server drives -----------------------------------------------------------------------
+class Checkpointer:
+    """Periodic checkpoints of one shard into ``directory``, the newest ``keep`` kept: a save is
+    due once ``every_updates`` key updates were applied since the last one, or ``every_s``
+    seconds passed with at least one update (0 turns a trigger off).
+
+    How a server uses it (``ps.server``, not wired yet)::
+
+        ckpt = Checkpointer(core, directory, keep=3, every_updates=10_000, every_s=300)
+        ckpt.restore_latest()      # at start, before the data loop and gRPC serve
+        ...                        # data loop thread: after each core.handle() / core.tick()
+        ckpt.maybe_save()          # cheap when not due
+        ...                        # SIGTERM: stop gRPC and the data loop (no more updates), then
+        ckpt.save_now()            # the final checkpoint, synchronously
+        ckpt.close()
+
+    Locking: a save copies the state under ``core.lock`` (the RLock the data loop holds in
+    ``handle``/``tick`` and gRPC threads in ``register``/``leave``), so any thread may call
+    these, holding the lock or not; the disk write happens without it. With ``background``
+    the write runs on a thread of its own, one at a time (a save falling due meanwhile waits
+    for the next ``maybe_save``), so the data loop only waits for the copy. A failed background
+    write is logged and kept in :attr:`error`; the next save tries again. One Checkpointer per
+    directory."""
+
+    def __init__(self, core: ShardCore, directory: str | os.PathLike, *, keep: int = 3,
+                 every_updates: int = 0, every_s: float = 0.0, background: bool = True,
+                 now: Callable[[], float] = time.monotonic) -> None:
+        if keep < 1 or every_updates < 0 or every_s < 0:
+            raise ValueError(f"keep must be >= 1 and every_updates, every_s >= 0; got keep "
+                             f"{keep}, every_updates {every_updates}, every_s {every_s}")
+        self.core, self.directory, self.keep = core, Path(directory), keep
+        self.every_updates, self.every_s, self.background = every_updates, every_s, background
+        self.now = now
+        self.last_path: Path | None = None
+        self.error: BaseException | None = None
+        self._saved_updates = core.updates_applied
+        self._saved_at = now()
+        self._writer: threading.Thread | None = None
+
+    def restore_latest(self) -> Checkpoint | None:
+        """Restore the newest valid checkpoint into the (fresh) core; ``None`` when the
+        directory holds none. Raises :class:`CheckpointError` as :func:`load_latest` and
+        :func:`restore` do."""
+        ckpt = load_latest(self.directory)
+        if ckpt is not None:
+            restore(self.core, ckpt)
+            self._saved_updates, self._saved_at, self.last_path = ckpt.updates, self.now(), \
+                ckpt.path
+            log.info("restored %s (%d updates applied)", ckpt.path, ckpt.updates)
+        return ckpt
+
+    def due(self) -> bool:
+        """Whether :meth:`maybe_save` would save now."""
+        # an int read without the lock: at worst one call late
+        done = self.core.updates_applied - self._saved_updates
+        if done <= 0 or not self.core.slots:
+            return False
+        return (self.every_updates > 0 and done >= self.every_updates) or \
+            (self.every_s > 0 and self.now() - self._saved_at >= self.every_s)
+
+    def maybe_save(self) -> Path | None:
+        """Save when :meth:`due` and no background write is running; returns the new
+        checkpoint's path when written here (``None`` when not due or written in the
+        background)."""
+        if not self.due() or (self._writer is not None and self._writer.is_alive()):
+            return None
+        snap = self._snapshot()
+        if not self.background:
+            return self._write(snap)
+        self._writer = threading.Thread(target=self._write_logged, args=(snap,),
+                                        name="bitps-checkpoint", daemon=True)
+        self._writer.start()
+        return None
+
+    def save_now(self) -> Path:
+        """Save at once and wait for it (after any background write); raises what the write
+        raises."""
+        self.close()
+        return self._write(self._snapshot())
+
+    def close(self) -> None:
+        """Wait for a background write to finish."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+
+    def _snapshot(self) -> Snapshot:
+        snap = snapshot(self.core)
+        self._saved_updates, self._saved_at = snap.updates, self.now()
+        return snap
+
+    def _write(self, snap: Snapshot) -> Path:
+        self.last_path = write(snap, self.directory, keep=self.keep)
+        self.error = None
+        log.info("checkpoint %s (%d updates applied)", self.last_path, snap.updates)
+        return self.last_path
+
+    def _write_logged(self, snap: Snapshot) -> None:
+        try:
+            self._write(snap)
+        except Exception as err:  # a full disk must not kill the shard; the next save retries
+            self.error = err
+            # due again at the next maybe_save
+            self._saved_updates, self._saved_at = -1, float("-inf")
+            log.error("checkpoint into %s failed: %s", self.directory, err)
