@@ -9,13 +9,17 @@ nothing more (a Register with a wrong token and 256 MiB of values raised the sha
 365 MiB while the token was checked in the message). The messages' ``token`` fields are still
 sent and checked too.
 
-No call waits: a Register that arrives before rank 0's initial values is registered and answered
-``NOT_INITIALIZED`` (``UNAVAILABLE``), and ``PSClient.register`` calls again with backoff. Waiting
-in the handler took one of the 16 gRPC threads per early rank, and 16 of them starved rank 0's
+Few calls wait: a Register that arrives before rank 0's initial values is registered, waits for
+them up to :data:`REGISTER_WAIT_S` while fewer than :data:`REGISTER_WAITERS` others do (so that
+a small cluster starts the moment rank 0's values land), and is otherwise answered
+``NOT_INITIALIZED`` (``UNAVAILABLE``); ``PSClient.register`` calls again with backoff. Waiting
+without a bound took one of the 16 gRPC threads per early rank, and 16 of them starved rank 0's
 Register, every Heartbeat and Status.
 """
 
 from __future__ import annotations
+
+import threading
 
 import grpc
 
@@ -25,7 +29,13 @@ from bitps.proto.wire import PSError, error_name
 from bitps.ps.checks import token_ok
 from bitps.ps.shard import ShardCore
 
-__all__ = ["ControlServicer", "ERROR_METADATA_KEY", "TOKEN_METADATA_KEY", "TokenInterceptor"]
+__all__ = ["ControlServicer", "ERROR_METADATA_KEY", "REGISTER_WAITERS", "REGISTER_WAIT_S",
+           "TOKEN_METADATA_KEY", "TokenInterceptor"]
+
+REGISTER_WAITERS = 4
+"""Registrations that may wait in a gRPC thread at once for rank 0's values (of 16 threads)."""
+REGISTER_WAIT_S = 2.0
+"""Longest one of them waits before it is answered ``NOT_INITIALIZED`` and calls again."""
 
 ERROR_METADATA_KEY = "bitps-error-code"
 TOKEN_METADATA_KEY = "bitps-token"
@@ -84,6 +94,7 @@ class ControlServicer(pb_grpc.ControlServicer):
         self.core = core
         self.data_port = data_port
         self.metrics_port = metrics_port
+        self._waiters = threading.BoundedSemaphore(REGISTER_WAITERS)
 
     def _check_token(self, token: str, context) -> None:
         if not token_ok(self.core.cfg.token, token):
@@ -100,7 +111,7 @@ class ControlServicer(pb_grpc.ControlServicer):
             reply = self.core.register(req, values)
         except PSError as err:
             _abort(context, err)
-        if not self.core.initialized.is_set():
+        if not self._wait_initialized(context):
             _abort(context, PSError(pb.NOT_INITIALIZED, f"rank {req.rank} is registered; rank "
                                     f"0's initial values have not landed yet (call again)"))
         reply.data_port, reply.metrics_port = self.data_port, max(self.metrics_port, 0)
@@ -109,6 +120,18 @@ class ControlServicer(pb_grpc.ControlServicer):
             reply.current_keys.extend(keys)
             reply.current_versions.extend(versions)
         return reply
+
+    def _wait_initialized(self, context) -> bool:
+        """Whether rank 0's values have landed, waiting a little while few others wait."""
+        initialized = self.core.initialized
+        if initialized.is_set() or not self._waiters.acquire(blocking=False):
+            return initialized.is_set()
+        try:
+            left = context.time_remaining()
+            return initialized.wait(min(REGISTER_WAIT_S, left if left is not None else
+                                        REGISTER_WAIT_S))
+        finally:
+            self._waiters.release()
 
     def Heartbeat(self, request, context):
         self._check_token(request.token, context)
