@@ -96,8 +96,8 @@ PROGRAM = Program("bitps-server", "Run one bitps PS shard.", (
     from_field(_S, "max_message_keys", help="most keys one data message may name"),
     from_field(_S, "max_workers", help="largest world size a registration may name"),
     from_field(_S, "dedup_window",
-               help="async/ssp: request ids of each worker's last pushes remembered, so a "
-                    "replayed push is answered, not applied again (0 = off)"),
+               help="ids of each worker's last applied pushes remembered, so a replayed "
+                    "push is answered, not applied again (0 = off)"),
     option("log-level", default="INFO", help="log level of stderr (DEBUG, INFO, WARNING, ERROR)"),
 ))
 """bitps-server's settings, in ``--help`` order."""

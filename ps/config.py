@@ -192,9 +192,10 @@ class ServerConfig:
     max_workers: int = 4096
     """Largest world size a registration may name (the shard keeps a clock per rank)."""
     dedup_window: int = 1024
-    """Async/SSP: the request ids of each worker's last pushes the shard remembers. A push
-    that repeats one of them (same worker, incarnation and request id: a replay or a resend)
-    is answered with the first reply and not applied again; 0 turns the check off."""
+    """The ids of each worker's last applied pushes the shard remembers (every mode). A push
+    that repeats one of them (same worker, incarnation and request id: a replay or a resend,
+    from any connection) is answered, a push with an ack and a push_pull with the parameters,
+    and not applied again; 0 turns the check off."""
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
