@@ -53,6 +53,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROTOCOL: _ClassVar[ErrorCode]
     UNAUTHENTICATED: _ClassVar[ErrorCode]
     TOO_LARGE: _ClassVar[ErrorCode]
+    LIMIT: _ClassVar[ErrorCode]
 PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
 PROTOCOL_VERSION_CURRENT: ProtocolVersion
 OP_UNSPECIFIED: Op
@@ -85,6 +86,7 @@ NON_FINITE: ErrorCode
 PROTOCOL: ErrorCode
 UNAUTHENTICATED: ErrorCode
 TOO_LARGE: ErrorCode
+LIMIT: ErrorCode
 
 class KeySpec(_message.Message):
     __slots__ = ("key", "name", "offset", "length", "dtype", "compressed_pull", "shape")
@@ -315,7 +317,7 @@ class LeaveReply(_message.Message):
     def __init__(self) -> None: ...
 
 class DataHeader(_message.Message):
-    __slots__ = ("op", "protocol", "worker", "request_id", "clock", "keys", "versions", "dtype", "codec", "error", "message", "deadline_s", "token", "min_clock", "codec_chunk", "codec_flags", "frame_codecs", "pad")
+    __slots__ = ("op", "protocol", "worker", "request_id", "clock", "keys", "versions", "dtype", "codec", "error", "message", "deadline_s", "token", "min_clock", "codec_chunk", "codec_flags", "frame_codecs", "pad", "incarnation")
     OP_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
@@ -334,6 +336,7 @@ class DataHeader(_message.Message):
     CODEC_FLAGS_FIELD_NUMBER: _ClassVar[int]
     FRAME_CODECS_FIELD_NUMBER: _ClassVar[int]
     PAD_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     op: Op
     protocol: int
     worker: int
@@ -352,4 +355,5 @@ class DataHeader(_message.Message):
     codec_flags: int
     frame_codecs: _containers.RepeatedScalarFieldContainer[Codec]
     pad: bytes
-    def __init__(self, op: _Optional[_Union[Op, str]] = ..., protocol: _Optional[int] = ..., worker: _Optional[int] = ..., request_id: _Optional[int] = ..., clock: _Optional[int] = ..., keys: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., error: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., deadline_s: _Optional[float] = ..., token: _Optional[str] = ..., min_clock: _Optional[int] = ..., codec_chunk: _Optional[int] = ..., codec_flags: _Optional[int] = ..., frame_codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., pad: _Optional[bytes] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, op: _Optional[_Union[Op, str]] = ..., protocol: _Optional[int] = ..., worker: _Optional[int] = ..., request_id: _Optional[int] = ..., clock: _Optional[int] = ..., keys: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., error: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., deadline_s: _Optional[float] = ..., token: _Optional[str] = ..., min_clock: _Optional[int] = ..., codec_chunk: _Optional[int] = ..., codec_flags: _Optional[int] = ..., frame_codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., pad: _Optional[bytes] = ..., incarnation: _Optional[int] = ...) -> None: ...

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from bitps.proto.schedule import LRSchedule
 from bitps.proto.settings import Program, from_field, option
 from bitps.ps.config import OptimizerConfig, ServerConfig
-from bitps.ps.server import create_server
+from bitps.ps.server import ShardFailure, create_server
 
 __all__ = ["PROGRAM", "build_parser", "main", "parse_config"]
 
@@ -85,6 +85,19 @@ PROGRAM = Program("bitps-server", "Run one bitps PS shard.", (
                                      "update ahead per other live worker"),
     from_field(_S, "staleness_damping",
                help="async/ssp: also scale the learning rate by 1 / (1 + version gap)"),
+    from_field(_S, "max_clock_lead",
+               help="largest clock step of one request (beyond: BAD_CLOCK, nothing changed)"),
+    from_field(_S, "max_held_pulls", help="pulls of one worker held at once (beyond: LIMIT)"),
+    from_field(_S, "max_pull_deadline_s", name="max-pull-deadline",
+               help="longest a held pull waits, whatever the request asks for"),
+    from_field(_S, "max_plan_bytes",
+               help="largest key plan a registration may give this shard (float32 bytes)"),
+    from_field(_S, "max_plan_keys", help="most keys a registration may give this shard"),
+    from_field(_S, "max_message_keys", help="most keys one data message may name"),
+    from_field(_S, "max_workers", help="largest world size a registration may name"),
+    from_field(_S, "dedup_window",
+               help="ids of each worker's last applied pushes remembered, so a replayed "
+                    "push is answered, not applied again (0 = off)"),
     option("log-level", default="INFO", help="log level of stderr (DEBUG, INFO, WARNING, ERROR)"),
 ))
 """bitps-server's settings, in ``--help`` order."""
@@ -126,7 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({**shard.ready_event(), "mode": cfg.mode}), flush=True)
     logging.info("shard %d/%d serving %s (mode %s, optimizer %s)", cfg.shard_id, cfg.num_shards,
                  shard.ports, cfg.mode, cfg.optimizer.name)
-    shard.serve()
+    try:
+        shard.serve()
+    except ShardFailure as failure:
+        logging.critical("shard %d exits: %s", cfg.shard_id, failure)
+        return 1
     return 0
 
 

@@ -8,6 +8,9 @@ and what was expected; the shard turns that into one ``ERROR`` reply.
 
 from __future__ import annotations
 
+import hmac
+import math
+
 import numpy as np
 
 from bitps import native
@@ -17,15 +20,24 @@ from bitps.proto.wire import PROTOCOL, PSError
 from bitps.ps.config import ServerConfig
 from bitps.ps.store import Slot
 
-__all__ = ["OPS", "decode_push", "request_slots"]
+__all__ = ["MAX_CLOCK", "OPS", "check_clock", "decode_push", "request_slots", "token_ok"]
 
 OPS = {pb.PUSH: "push", pb.PULL: "pull", pb.PUSH_PULL: "push_pull"}
+MAX_CLOCK = (1 << 63) - 1
+"""Largest clock a request may name: its ``+ 1`` (a push_pull's pull) still fits a reply's
+uint64 field."""
+
+
+def token_ok(expected: str, received: str) -> bool:
+    """Whether ``received`` is the shard's token (always, when the shard has none); compared in
+    constant time, so the answer's timing tells nothing of how much of a guess was right."""
+    return not expected or hmac.compare_digest(expected.encode(), received.encode())
 
 
 def request_slots(cfg: ServerConfig, header: pb.DataHeader, payload: list,
                   slots: dict[int, Slot], *, registered: bool, initialized: bool) -> list[Slot]:
     """The slots a request names, once its header is acceptable."""
-    if cfg.token and header.token != cfg.token:
+    if not token_ok(cfg.token, header.token):
         raise PSError(pb.UNAUTHENTICATED, f"worker {header.worker}: token missing or wrong")
     if header.protocol != PROTOCOL:
         raise PSError(pb.PROTOCOL, f"header protocol {header.protocol}; expected {PROTOCOL}")
@@ -39,9 +51,15 @@ def request_slots(cfg: ServerConfig, header: pb.DataHeader, payload: list,
                       f"shard {cfg.shard_id}")
     if not initialized:
         raise PSError(pb.NOT_INITIALIZED, "rank 0's initial values have not landed yet")
+    if not math.isfinite(header.deadline_s) or header.deadline_s < 0:
+        raise PSError(pb.BAD_HEADER, f"deadline_s {header.deadline_s}; expected a finite "
+                      f"number of seconds >= 0 (0 = the shard's pull_deadline_s)")
     keys = header.keys
     if not keys:
         raise PSError(pb.BAD_HEADER, "request names no keys")
+    if len(keys) > cfg.max_message_keys:
+        raise PSError(pb.LIMIT, f"request names {len(keys)} keys; this shard takes at most "
+                      f"max_message_keys {cfg.max_message_keys} per message")
     try:
         named = [slots[k] for k in keys]
     except KeyError as err:
@@ -52,6 +70,19 @@ def request_slots(cfg: ServerConfig, header: pb.DataHeader, payload: list,
     if header.op == pb.PULL and payload:
         raise PSError(pb.FRAME_COUNT, f"PULL carries {len(payload)} payload frames; expected 0")
     return named
+
+
+def check_clock(cfg: ServerConfig, header: pb.DataHeader, own: int) -> int:
+    """The clock a request is for (a push_pull's pull: ``clock + 1``), once it is possible: at
+    most ``max_clock_lead`` ahead of ``own``, the worker's clock as the shard has it, and
+    within :data:`MAX_CLOCK`. Else ``BAD_CLOCK``, before anything changes."""
+    clock = header.clock + 1 if header.op == pb.PUSH_PULL else header.clock
+    if header.clock > MAX_CLOCK or clock > own + cfg.max_clock_lead:
+        raise PSError(pb.BAD_CLOCK, f"worker {header.worker} {OPS[header.op]} at clock "
+                      f"{header.clock}; the shard has this worker at clock {own} and takes "
+                      f"clocks up to {min(own + cfg.max_clock_lead, MAX_CLOCK)} "
+                      f"(max_clock_lead {cfg.max_clock_lead})")
+    return clock
 
 
 def decode_push(cfg: ServerConfig, header: pb.DataHeader, payload: list,

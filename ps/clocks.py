@@ -40,11 +40,15 @@ class ClockTable:
         self.now = now
         self.workers: dict[int, WorkerClock] = {}
         self.world_size = 0
+        self.generation = 0
+        """Counts the changes of any clock or of the live set: what a consistency mode
+        decides on has stayed the same while it has (``ps.held``)."""
 
     # -- membership ---------------------------------------------------------------------------
     def register(self, rank: int, world_size: int, start_clock: int = 0) -> None:
         """A worker joins (or rejoins); absent ranks of its world become expected."""
         t = self.now()
+        self.generation += 1
         if world_size > self.world_size:
             for r in range(self.world_size, world_size):
                 self.workers.setdefault(r, WorkerClock(rank=r, clock=start_clock, last_seen=t))
@@ -56,6 +60,7 @@ class ClockTable:
     def leave(self, rank: int) -> None:
         if rank in self.workers:
             self.workers[rank].left = True
+            self.generation += 1
 
     def is_registered(self, rank: int) -> bool:
         w = self.workers.get(rank)
@@ -68,8 +73,10 @@ class ClockTable:
         w.last_seen = self.now()
         if w.dropped and not w.left:
             w.dropped = False  # a dropped worker that speaks again is back
+            self.generation += 1
         if clock is not None and clock > w.clock:
             w.clock = clock
+            self.generation += 1
 
     def expire(self) -> list[int]:
         """Drop workers silent for longer than the timeout; returns the ranks newly dropped."""
@@ -78,6 +85,7 @@ class ClockTable:
             if not w.dropped and not w.left and t - w.last_seen > self.timeout_s:
                 w.dropped = True
                 gone.append(w.rank)
+                self.generation += 1
         return gone
 
     # -- queries ------------------------------------------------------------------------------

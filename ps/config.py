@@ -168,6 +168,35 @@ class ServerConfig:
     staleness_damping: bool = False
     """Async/SSP: scale the learning rate by 1 / (1 + version gap) as well."""
 
+    # -- limits: what one request may make a shard hold (typed LIMIT / BAD_CLOCK errors) ------
+    max_clock_lead: int = 1024
+    """Largest step a worker's clock may take in one request: a request for clock ``c`` (a
+    pull's, a push_pull's ``c + 1``, a push's) from a worker the shard has at clock ``w`` is
+    refused with ``BAD_CLOCK`` and changes nothing when ``c > w + max_clock_lead``. Workers
+    count one clock per step, so a larger lead is a bug or an attack that would otherwise set
+    the worker's clock for good (and with it the SSP bound of every other worker)."""
+    max_held_pulls: int = 4096
+    """Pulls of one worker this shard holds at once (sync steps, SSP waits); one more is
+    refused with ``LIMIT``. A worker holds at most one step's pull messages per shard (with
+    overlap: one per bucket message), far fewer than this for models under 1 GiB a shard."""
+    max_pull_deadline_s: float = 600.0
+    """Longest a held pull waits, whatever deadline the request asks for."""
+    max_plan_bytes: int = 8 << 30
+    """Largest key plan a registration may give this shard, in float32 parameter bytes (the
+    optimizer state adds up to twice as much again: Adam's m and v); larger is ``LIMIT``."""
+    max_plan_keys: int = 1 << 16
+    """Most keys a registration's plan may give this shard; more is ``LIMIT``."""
+    max_message_keys: int = 1 << 16
+    """Most keys one data message may name (a worker's ``message_bytes``, 256 KiB, holds at
+    most 65536 float32 keys of one element); more is ``LIMIT``."""
+    max_workers: int = 4096
+    """Largest world size a registration may name (the shard keeps a clock per rank)."""
+    dedup_window: int = 1024
+    """The ids of each worker's last applied pushes the shard remembers (every mode). A push
+    that repeats one of them (same worker, incarnation and request id: a replay or a resend,
+    from any connection) is answered, a push with an ack and a push_pull with the parameters,
+    and not applied again; 0 turns the check off."""
+
     def __post_init__(self) -> None:
         if self.num_shards < 1:
             raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
@@ -190,6 +219,14 @@ class ServerConfig:
         if not 1024 <= self.max_frame_bytes <= 1 << 30:
             raise ValueError(f"max_frame_bytes must be in [1 KiB, 1 GiB], got "
                              f"{self.max_frame_bytes}")
+        for attr in ("max_clock_lead", "max_held_pulls", "max_plan_bytes", "max_plan_keys",
+                     "max_message_keys", "max_workers"):
+            if getattr(self, attr) < 1:
+                raise ValueError(f"{attr} must be >= 1, got {getattr(self, attr)}")
+        if not self.max_pull_deadline_s > 0:
+            raise ValueError(f"max_pull_deadline_s must be > 0, got {self.max_pull_deadline_s}")
+        if self.dedup_window < 0:
+            raise ValueError(f"dedup_window must be >= 0, got {self.dedup_window}")
         if self.mode == "sync" and self.optimizer.onebit_moments != "auto":
             raise ValueError(f"onebit_moments {self.optimizer.onebit_moments!r} applies to "
                              f"async/ssp; sync 1-bit Adam keeps DeepSpeed's layout (use auto)")

@@ -41,13 +41,19 @@ class Consistency:
     """One consistency mode. Subclass, set :attr:`name`, and :func:`register` it."""
 
     name: ClassVar[str]
+    ordered: ClassVar[bool] = False
+    """Admission is ordered by clock: whenever a pull for step ``c`` is admitted, so is every
+    pull for a step below ``c`` (whatever its keys), so held pulls are looked at lowest clock
+    first and no further than the first still waiting (``ps.held``)."""
 
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
 
     # -- pulls ---------------------------------------------------------------------------------
     def admits(self, clocks: ClockTable, clock: int, slots: list[Slot]) -> bool:
-        """May a pull for step ``clock`` of ``slots`` be answered now?"""
+        """May a pull for step ``clock`` of ``slots`` be answered now? Decided on the clock
+        table and the slots' versions only: held pulls are looked at again when one of those
+        may have changed (a clock, the live set, a push)."""
         raise NotImplementedError
 
     def waiting_for(self, clocks: ClockTable, worker: int, clock: int,
@@ -130,6 +136,7 @@ class Sync(Consistency):
 @register
 class Async(Consistency):
     name = "async"
+    ordered = True
 
     def admits(self, clocks, clock, slots):
         return True

@@ -2,25 +2,51 @@
 
 Failures are gRPC status codes whose details read ``"<ERROR_CODE>: <message>"`` and whose trailing
 metadata carries ``bitps-error-code``, so clients re-raise the same typed ``PSError``.
+
+The token travels in the ``bitps-token`` metadata of every call, and :class:`TokenInterceptor`
+checks it before the call's request is read, so a wrong token costs the shard its metadata and
+nothing more (a Register with a wrong token and 256 MiB of values raised the shard's RSS by
+365 MiB while the token was checked in the message). The messages' ``token`` fields are still
+sent and checked too.
+
+Few calls wait: a Register that arrives before rank 0's initial values is registered, waits for
+them up to :data:`REGISTER_WAIT_S` while fewer than :data:`REGISTER_WAITERS` others do (so that
+a small cluster starts the moment rank 0's values land), and is otherwise answered
+``NOT_INITIALIZED`` (``UNAVAILABLE``); ``PSClient.register`` calls again with backoff. Waiting
+without a bound took one of the 16 gRPC threads per early rank, and 16 of them starved rank 0's
+Register, every Heartbeat and Status.
 """
 
 from __future__ import annotations
+
+import threading
 
 import grpc
 
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto import bitps_pb2_grpc as pb_grpc
 from bitps.proto.wire import PSError, error_name
+from bitps.ps.checks import token_ok
 from bitps.ps.shard import ShardCore
 
-__all__ = ["ControlServicer", "ERROR_METADATA_KEY"]
+__all__ = ["ControlServicer", "ERROR_METADATA_KEY", "REGISTER_WAITERS", "REGISTER_WAIT_S",
+           "TOKEN_METADATA_KEY", "TokenInterceptor"]
+
+REGISTER_WAITERS = 4
+"""Registrations that may wait in a gRPC thread at once for rank 0's values (of 16 threads)."""
+REGISTER_WAIT_S = 2.0
+"""Longest one of them waits before it is answered ``NOT_INITIALIZED`` and calls again."""
 
 ERROR_METADATA_KEY = "bitps-error-code"
+TOKEN_METADATA_KEY = "bitps-token"
+_SERVICE = "/bitps.Control/"
 _STATUS = {
     pb.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
     pb.NOT_REGISTERED: grpc.StatusCode.NOT_FOUND,
+    pb.NOT_INITIALIZED: grpc.StatusCode.UNAVAILABLE,
     pb.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
     pb.PROTOCOL: grpc.StatusCode.FAILED_PRECONDITION,
+    pb.LIMIT: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 
@@ -30,42 +56,82 @@ def _abort(context: grpc.ServicerContext, err: PSError):
                   f"{error_name(err.code)}: {err.message}")
 
 
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Refuses a ``bitps.Control`` call whose ``bitps-token`` metadata is not ``token``
+    (``UNAUTHENTICATED``) before its request is read: the refusal's handler never reads nor
+    deserializes it. Other services (gRPC health) need no token."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith(_SERVICE):
+            return handler
+        got = dict(handler_call_details.invocation_metadata or ()).get(TOKEN_METADATA_KEY, "")
+        if token_ok(self.token, got if isinstance(got, str) else ""):
+            return handler
+        return _refusal(handler, handler_call_details.method)
+
+
+def _refusal(handler, method: str):
+    """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED at once."""
+    def refuse(request_or_iterator, context):
+        _abort(context, PSError(pb.UNAUTHENTICATED, f"{method}: token missing or wrong "
+                                f"(metadata {TOKEN_METADATA_KEY})"))
+
+    make = {(False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler}
+    return make[handler.request_streaming, handler.response_streaming](refuse)
+
+
 class ControlServicer(pb_grpc.ControlServicer):
     """Serves ``core``; ``endpoints`` fills the ports a RegisterReply advertises."""
 
-    def __init__(self, core: ShardCore, *, data_port: int, metrics_port: int,
-                 init_timeout_s: float = 120.0) -> None:
+    def __init__(self, core: ShardCore, *, data_port: int, metrics_port: int) -> None:
         self.core = core
         self.data_port = data_port
         self.metrics_port = metrics_port
-        self.init_timeout_s = init_timeout_s
+        self._waiters = threading.BoundedSemaphore(REGISTER_WAITERS)
 
     def _check_token(self, token: str, context) -> None:
-        if self.core.cfg.token and token != self.core.cfg.token:
+        if not token_ok(self.core.cfg.token, token):
             _abort(context, PSError(pb.UNAUTHENTICATED, "token missing or wrong"))
 
     def Register(self, request_iterator, context):
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("body") != "request":
             _abort(context, PSError(pb.BAD_HEADER, "Register must start with a RegisterRequest"))
-        req, values = first.request, {}
-        for msg in request_iterator:
-            if msg.WhichOneof("body") != "values":
-                _abort(context, PSError(pb.BAD_HEADER, "only KeyValues may follow the request"))
-            values[msg.values.key] = msg.values.data
+        req = first.request
         try:
+            self.core.check_registration(req)  # before a single value is read
+            values = _read_values(req, request_iterator)
             reply = self.core.register(req, values)
         except PSError as err:
             _abort(context, err)
-        if not self.core.initialized.wait(self.init_timeout_s):
-            _abort(context, PSError(pb.DEADLINE, f"rank {req.rank} waited "
-                                    f"{self.init_timeout_s:.0f} s for rank 0's initial values"))
+        if not self._wait_initialized(context):
+            _abort(context, PSError(pb.NOT_INITIALIZED, f"rank {req.rank} is registered; rank "
+                                    f"0's initial values have not landed yet (call again)"))
         reply.data_port, reply.metrics_port = self.data_port, max(self.metrics_port, 0)
         if req.value_digests:
             keys, versions = self.core.current_copies(req)
             reply.current_keys.extend(keys)
             reply.current_versions.extend(versions)
         return reply
+
+    def _wait_initialized(self, context) -> bool:
+        """Whether rank 0's values have landed, waiting a little while few others wait."""
+        initialized = self.core.initialized
+        if initialized.is_set() or not self._waiters.acquire(blocking=False):
+            return initialized.is_set()
+        try:
+            left = context.time_remaining()
+            return initialized.wait(min(REGISTER_WAIT_S, left if left is not None else
+                                        REGISTER_WAIT_S))
+        finally:
+            self._waiters.release()
 
     def Heartbeat(self, request, context):
         self._check_token(request.token, context)
@@ -110,3 +176,23 @@ class ControlServicer(pb_grpc.ControlServicer):
         self._check_token(request.token, context)
         self.core.leave(request.rank)
         return pb.LeaveReply()
+
+
+def _read_values(req: pb.RegisterRequest, messages) -> dict[int, bytes]:
+    """The KeyValues that follow a registration, each checked as it arrives (a key of the plan,
+    once, of its length), so that what is kept never exceeds the plan the shard accepted."""
+    lengths = {spec.key: spec.length * 4 for spec in req.keys}
+    values: dict[int, bytes] = {}
+    for msg in messages:
+        if msg.WhichOneof("body") != "values" or not req.sends_values:
+            raise PSError(pb.BAD_HEADER, "only KeyValues may follow the request, and only when "
+                          "it sends values")
+        key, data = msg.values.key, msg.values.data
+        if key not in lengths or key in values:
+            raise PSError(pb.UNKNOWN_KEY, f"initial value of key {key}: not in rank "
+                          f"{req.rank}'s plan for this shard, or sent twice")
+        if len(data) != lengths[key]:
+            raise PSError(pb.BAD_LENGTH, f"initial value of key {key} is {len(data)} bytes; "
+                          f"expected {lengths[key]}")
+        values[key] = data
+    return values

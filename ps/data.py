@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -20,6 +21,7 @@ from bitps.ps.shard import Reply, ShardCore
 __all__ = ["DataLoop"]
 
 _TICK_S = 0.02
+_HEADER_ROOM = 1 << 20  # frame 0 may name max_message_keys keys and their versions
 # Plain ints: pyzmq's enum flags cost microseconds per operation on this path.
 _EVENTS, _POLLIN, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.SNDMORE)
 _RCVMORE = int(zmq.RCVMORE)
@@ -29,15 +31,20 @@ class DataLoop:
     """Binds a ROUTER on ``host:port`` (0 = any free port) and serves ``core`` until stopped."""
 
     def __init__(self, core: ShardCore, *, host: str, port: int,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None,
+                 on_failure: Callable[[str, BaseException], None] | None = None) -> None:
         self.core = core
+        self.on_failure = on_failure
+        """Called with the thread's name and the error when :meth:`run` raises (a bug: bad
+        requests get ERROR replies); ``None`` re-raises."""
         self.context = context or zmq.Context.instance()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVTIMEO, int(_TICK_S * 1000))
-        # A frame far beyond the limit drops the connection instead of being buffered whole;
-        # frames up to twice the limit still arrive and get a typed TOO_LARGE reply.
-        self.socket.setsockopt(zmq.MAXMSGSIZE, 2 * core.cfg.max_frame_bytes)
+        # A frame beyond the limit (and its header's room) drops the connection as it arrives
+        # instead of being buffered whole: libzmq delivers a multipart message only once every
+        # frame is in, so the token in frame 0 cannot be read before the rest is received.
+        self.socket.setsockopt(zmq.MAXMSGSIZE, core.cfg.max_frame_bytes + _HEADER_ROOM)
         addr = f"tcp://{host}"
         if port:
             self.socket.bind(f"{addr}:{port}")
@@ -48,8 +55,16 @@ class DataLoop:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self.run, name="bitps-data", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="bitps-data", daemon=True)
         self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.run()
+        except BaseException as exc:
+            if self.on_failure is None:
+                raise
+            self.on_failure(threading.current_thread().name, exc)
 
     def stop(self) -> None:
         self._stop.set()

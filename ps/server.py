@@ -4,6 +4,11 @@ Built as create -> serve: :func:`create_server` binds every endpoint (port 0 = a
 starts serving in background threads; :meth:`ServerShard.serve` blocks until :meth:`stop` (or a
 signal, in ``ps.__main__``).
 
+A shard is never a zombie: when one of its threads fails (a bug; bad requests get typed
+errors), it logs a last line naming the thread and the error, turns its gRPC health
+``NOT_SERVING`` and records :attr:`ServerShard.failure`; :meth:`~ServerShard.serve` then stops
+and raises it, and ``bitps-server`` exits with status 1.
+
     >>> shard = create_server(ServerConfig(mode="sync"))   # doctest: +SKIP
     >>> shard.ports                                         # doctest: +SKIP
     {'grpc_port': 40123, 'data_port': 40124, 'metrics_port': 40125}
@@ -11,6 +16,7 @@ signal, in ``ps.__main__``).
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent import futures
 
@@ -20,14 +26,23 @@ from prometheus_client import start_http_server
 
 from bitps.proto import bitps_pb2_grpc as pb_grpc
 from bitps.ps.config import ServerConfig
-from bitps.ps.control import ControlServicer
+from bitps.ps.control import ControlServicer, TokenInterceptor
 from bitps.ps.data import DataLoop
 from bitps.ps.metrics import ShardMetrics
 from bitps.ps.shard import ShardCore
 
-__all__ = ["ServerShard", "create_server"]
+__all__ = ["ServerShard", "ShardFailure", "create_server"]
 
+log = logging.getLogger(__name__)
 _GRPC_MAX_MESSAGE = 64 << 20
+
+
+class ShardFailure(RuntimeError):
+    """One of a shard's threads failed: ``thread`` names it, ``error`` is what it raised."""
+
+    def __init__(self, thread: str, error: BaseException) -> None:
+        self.thread, self.error = thread, error
+        super().__init__(f"thread {thread} failed: {type(error).__name__}: {error}")
 
 
 class ServerShard:
@@ -37,7 +52,10 @@ class ServerShard:
         self.cfg = cfg
         self.metrics = ShardMetrics()
         self.core = ShardCore(cfg, metrics=self.metrics)
-        self.data = DataLoop(self.core, host=cfg.host, port=cfg.data_port)
+        self.failure: ShardFailure | None = None
+        """Set when a thread of the shard failed; health is then NOT_SERVING."""
+        self.data = DataLoop(self.core, host=cfg.host, port=cfg.data_port,
+                             on_failure=self._fail)
         self._http = None
         metrics_port = -1
         if cfg.metrics_port >= 0:
@@ -48,7 +66,8 @@ class ServerShard:
             futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="bitps-grpc"),
             options=[("grpc.max_receive_message_length", _GRPC_MAX_MESSAGE),
                      ("grpc.max_send_message_length", _GRPC_MAX_MESSAGE),
-                     ("grpc.so_reuseport", 0)])
+                     ("grpc.so_reuseport", 0)],
+            interceptors=[TokenInterceptor(cfg.token)] if cfg.token else None)
         pb_grpc.add_ControlServicer_to_server(
             ControlServicer(self.core, data_port=self.data.port, metrics_port=metrics_port),
             self.grpc)
@@ -69,6 +88,17 @@ class ServerShard:
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         return self
 
+    def _fail(self, thread: str, error: BaseException) -> None:
+        """A thread died of ``error``: say so last, stop reporting healthy, ask serve() to
+        stop."""
+        self.failure = ShardFailure(thread, error)
+        log.error("shard %d: thread %s raised", self.cfg.shard_id, thread, exc_info=error)
+        for service in ("", "bitps.Control"):
+            self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.critical("shard %d: %s; health NOT_SERVING, shutting down", self.cfg.shard_id,
+                     self.failure)
+        self._stop_requested.set()
+
     def ready_event(self) -> dict:
         """The JSON object printed on stdout once serving (launchers and tests read it)."""
         return {"event": "ready", "shard_id": self.cfg.shard_id, **self.ports}
@@ -78,10 +108,13 @@ class ServerShard:
         self._stop_requested.set()
 
     def serve(self) -> None:
-        """Block until :meth:`request_stop` or :meth:`stop`, then stop."""
+        """Block until :meth:`request_stop` or :meth:`stop`, then stop; raises
+        :class:`ShardFailure` when a thread of the shard failed."""
         while not (self._stop_requested.wait(0.5) or self._stopped.is_set()):
             pass
         self.stop()
+        if self.failure is not None:
+            raise self.failure
 
     def stop(self, grace_s: float = 1.0) -> None:
         if self._stopped.is_set():

@@ -29,13 +29,13 @@ from bitps.ps import checks, publish
 from bitps.ps.clocks import ClockTable
 from bitps.ps.config import ServerConfig
 from bitps.ps.consistency import make_consistency
+from bitps.ps.held import HeldPulls
 from bitps.ps.metrics import ClockSnapshot, ShardMetrics
 from bitps.ps.publish import Publisher
 from bitps.ps.rules import make_rule
 from bitps.ps.store import Slot
 
 __all__ = ["Admission", "Reply", "ShardCore"]
-
 
 
 @dataclass
@@ -49,16 +49,6 @@ class Reply:
     header: pb.DataHeader
     payload: list
     buffers: list
-
-
-@dataclass
-class _HeldPull:
-    ident: bytes
-    header: pb.DataHeader
-    clock: int
-    slots: list
-    since: float
-    deadline: float
 
 
 class Admission(NamedTuple):
@@ -87,9 +77,11 @@ class ShardCore:
         self.slots: dict[int, Slot] = {}
         self.signature = ""
         self.initialized = threading.Event()
-        self.held: list[_HeldPull] = []
+        self.held = HeldPulls(limit=cfg.max_held_pulls)
         self.admissions: deque[Admission] = deque(maxlen=100_000)
         self.updates_applied = 0
+        self._changes = 0  # pushes taken and membership changes: versions may have moved
+        self._applied_ids: dict[int, tuple[deque, set]] = {}  # worker -> its last pushes
         self._membership_changed = False
         self.pull_codec: Codec | None = self.rule.published_codec()
         """What this shard publishes for compressed pulls (``ps.publish``): the rule's own
@@ -97,11 +89,12 @@ class ShardCore:
         only."""
 
     # -- registration (gRPC) ------------------------------------------------------------------
-    def register(self, req: pb.RegisterRequest, values: dict[int, bytes]) -> pb.RegisterReply:
-        """Admit a worker; the first registration fixes the signature and key set. Raises
-        :class:`PSError` (nothing changed) when the request disagrees with the shard."""
+    def check_registration(self, req: pb.RegisterRequest) -> None:
+        """Everything about a registration that its values are not needed for: token,
+        protocol, shard, world, the shard's limits, signature. Raises :class:`PSError`; the
+        control service calls it before it reads a single value."""
         cfg = self.cfg
-        if cfg.token and req.token != cfg.token:
+        if not checks.token_ok(cfg.token, req.token):
             raise PSError(pb.UNAUTHENTICATED, f"rank {req.rank}: token missing or wrong")
         if req.protocol != PROTOCOL:
             raise PSError(pb.PROTOCOL, f"worker speaks protocol {req.protocol}, shard {PROTOCOL}")
@@ -112,6 +105,7 @@ class ShardCore:
             raise PSError(pb.BAD_HEADER, f"rank {req.rank} outside world size {req.world_size}")
         if not req.signature:
             raise PSError(pb.BAD_HEADER, f"rank {req.rank} sent no model signature")
+        self._check_limits(req)
         with self.lock:
             if self.signature and req.signature != self.signature:
                 raise PSError(pb.BAD_HEADER, f"rank {req.rank} registered model signature "
@@ -120,6 +114,26 @@ class ShardCore:
                 raise PSError(pb.BAD_HEADER, f"rank {req.rank} registered world size "
                               f"{req.world_size}; this shard's workers have "
                               f"{self.clocks.world_size}")
+
+    def _check_limits(self, req: pb.RegisterRequest) -> None:
+        cfg = self.cfg
+        if req.world_size > cfg.max_workers:
+            raise PSError(pb.LIMIT, f"rank {req.rank} registered world size {req.world_size}; "
+                          f"this shard takes at most max_workers {cfg.max_workers}")
+        if len(req.keys) > cfg.max_plan_keys:
+            raise PSError(pb.LIMIT, f"rank {req.rank}'s plan gives this shard {len(req.keys)} "
+                          f"keys; it takes at most max_plan_keys {cfg.max_plan_keys}")
+        nbytes = sum(spec.length for spec in req.keys) * 4
+        if nbytes > cfg.max_plan_bytes:
+            raise PSError(pb.LIMIT, f"rank {req.rank}'s plan gives this shard {nbytes} bytes "
+                          f"of parameters; it takes at most max_plan_bytes {cfg.max_plan_bytes}")
+
+    def register(self, req: pb.RegisterRequest, values: dict[int, bytes]) -> pb.RegisterReply:
+        """Admit a worker; the first registration fixes the signature and key set. Raises
+        :class:`PSError` (nothing changed) when the request disagrees with the shard."""
+        cfg = self.cfg
+        with self.lock:  # the same lock over the checks and the changes
+            self.check_registration(req)
             # Check everything before keeping anything: a refused first registration leaves
             # the shard as empty as it was.
             pull = self.pull_codec or self._pull_codec(req)
@@ -271,15 +285,16 @@ class ShardCore:
             return [self._error(ident, header, err)]
 
     def _dispatch(self, ident: bytes, header: pb.DataHeader, payload: list, t0: float):
-        slots, grads, codec = self._validate(header, payload)
+        slots, grads, codec, pull_clock = self._validate(header, payload)
         op, worker = header.op, header.worker
         self.metrics.requests.labels(checks.OPS[op]).inc()
-        pull_clock = header.clock + 1 if op == pb.PUSH_PULL else header.clock
         self.clocks.seen(worker, pull_clock)
         min_clock = self.clocks.min_clock()
         replies = []
-        if op != pb.PULL:
+        if grads is not None:  # none for a pull, or for a push this shard has applied already
             self._push(header, payload, grads, codec, slots, min_clock)
+            self._remember(header)
+            self._changes += 1
             self.metrics.push_latency.observe(self.now() - t0)
         # This request moved a clock or a version: pulls held earlier may go now.
         replies += self._release_held(min_clock)
@@ -290,16 +305,40 @@ class ShardCore:
         return replies
 
     def _validate(self, header: pb.DataHeader, payload: list):
-        """The request's slots, decoded gradients (none for a pull) and codec; raises
-        :class:`PSError` before anything changes (``ps.checks``)."""
-        slots = checks.request_slots(self.cfg, header, payload, self.slots,
+        """The request's slots, decoded gradients (``None`` for a pull and for a replayed push),
+        codec and the clock it is for; raises :class:`PSError` before anything changes
+        (``ps.checks``)."""
+        cfg = self.cfg
+        slots = checks.request_slots(cfg, header, payload, self.slots,
                                      registered=self.clocks.is_registered(header.worker),
                                      initialized=self.initialized.is_set())
-        if header.op == pb.PULL:
-            return slots, [], None
-        grads, codec = checks.decode_push(self.cfg, header, payload, slots)
+        clock = checks.check_clock(cfg, header, self.clocks.workers[header.worker].clock)
+        replay = header.op != pb.PULL and self._is_replay(header)
+        if header.op != pb.PUSH and self.held.full(header.worker):
+            raise PSError(pb.LIMIT, f"worker {header.worker} has {self.held.count(header.worker)}"
+                          f" pulls held on shard {cfg.shard_id}; it may have at most "
+                          f"max_held_pulls {cfg.max_held_pulls}")
+        if header.op == pb.PULL or replay:
+            return slots, None, None, clock
+        grads, codec = checks.decode_push(cfg, header, payload, slots)
         self.consistency.check_push(header, slots)
-        return slots, grads, codec
+        return slots, grads, codec, clock
+
+    def _is_replay(self, header: pb.DataHeader) -> bool:
+        """Whether this push (worker, incarnation, request id) has been applied already."""
+        seen = self._applied_ids.get(header.worker)
+        return bool(header.incarnation) and seen is not None and (
+            header.incarnation, header.request_id) in seen[1]
+
+    def _remember(self, header: pb.DataHeader) -> None:
+        """Keep an applied push's id, the last ``dedup_window`` of each worker."""
+        if not header.incarnation or not self.cfg.dedup_window:
+            return
+        order, ids = self._applied_ids.setdefault(header.worker, (deque(), set()))
+        order.append(pid := (header.incarnation, header.request_id))
+        ids.add(pid)
+        if len(order) > self.cfg.dedup_window:
+            ids.discard(order.popleft())
 
     def _push(self, header: pb.DataHeader, payload: list, grads: list[np.ndarray],
               codec: Codec, slots: list[Slot], min_clock: int):
@@ -339,8 +378,9 @@ class ShardCore:
     def _pull(self, ident, header, clock, slots, t0, min_clock) -> list[Reply]:
         if self._admits(clock, slots):
             return [self._answer(ident, header, clock, slots, t0, min_clock)]
-        deadline = header.deadline_s or self.cfg.pull_deadline_s
-        self.held.append(_HeldPull(ident, header, clock, slots, t0, t0 + deadline))
+        deadline = min(header.deadline_s or self.cfg.pull_deadline_s,
+                       self.cfg.max_pull_deadline_s)
+        self.held.hold(ident, header, clock, slots, t0, t0 + deadline)
         return []
 
     def _answer(self, ident, header, clock, slots, since, min_clock) -> Reply:
@@ -393,6 +433,7 @@ class ShardCore:
             changed = bool(self.clocks.expire()) or self._membership_changed
             self._membership_changed = False
             if changed:
+                self._changes += 1
                 self.consistency.membership_changed(self, self.clocks.live())
             return self._release_held(self.clocks.min_clock())
 
@@ -411,21 +452,21 @@ class ShardCore:
                              onebit_keys=keys, onebit_residual_norm=norm)
 
     def _release_held(self, min_clock: int) -> list[Reply]:
-        """Answer held pulls that are admitted now, fail those past their deadline."""
-        if not self.held:
-            return []
-        now, replies, still = self.now(), [], []
-        for h in self.held:
-            if self._admits(h.clock, h.slots):
-                self.metrics.pull_wait.observe(now - h.since)
-                replies.append(self._answer(h.ident, h.header, h.clock, h.slots, h.since,
-                                            min_clock))
-            elif now >= h.deadline:
-                replies.append(self._error(h.ident, h.header, PSError(pb.DEADLINE,
-                               self._waiting_for(h.header.worker, h.clock, h.slots))))
-            else:
-                still.append(h)
-        self.held = still
+        """Answer held pulls that are admitted now, fail those past their deadline (looked at
+        only when a clock, the live set or a version may have moved: ``ps.held``)."""
+        now = self.now()
+        admitted, expired = self.held.release(
+            lambda h: self._admits(h.clock, h.slots), state=(self.clocks.generation,
+                                                             self._changes),
+            now=now, ordered=self.consistency.ordered)
+        replies = []
+        for h in admitted:
+            self.metrics.pull_wait.observe(now - h.since)
+            replies.append(self._answer(h.ident, h.header, h.clock, h.slots, h.since,
+                                        min_clock))
+        for h in expired:
+            replies.append(self._error(h.ident, h.header, PSError(
+                pb.DEADLINE, self._waiting_for(h.header.worker, h.clock, h.slots))))
         return replies
 
     def _waiting_for(self, worker: int, clock: int, slots: list[Slot]) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -43,6 +44,8 @@ __all__ = ["Handle", "PSClient", "PSTimeoutError"]
 log = logging.getLogger(__name__)
 _F32 = np.dtype("<f4")
 _ERROR_METADATA_KEY = "bitps-error-code"
+_TOKEN_METADATA_KEY = "bitps-token"  # checked by the shard before it reads a request
+_REGISTER_RETRY_S = (0.02, 0.5)  # first and longest pause between Register calls
 _U64 = (1 << 64) - 1
 
 
@@ -69,6 +72,9 @@ class PSClient:
         pushes (``worker.training.comm``)."""
         self._heartbeat_min_clock = 0
         self._ids = itertools.count(1)
+        self.incarnation = secrets.randbits(63) | 1
+        """Names this client's life on the wire: with the request id, it makes every push
+        unique, so a shard applies a replayed push once (``ServerConfig.dedup_window``)."""
         self._ctx = zmq.Context()
         self._endpoints: list[str] = []
         self._local = threading.local()
@@ -84,6 +90,11 @@ class PSClient:
         """What pushes carry (``worker.transport.push_policy``), set at registration: the gradients
         through the push codec, unless the shards' rule calls for another (1-bit Adam)."""
         self.metrics.watch_codecs(self._codec_snapshot)
+
+    @property
+    def _metadata(self) -> tuple | None:
+        """The token as call metadata: shards check it before they read a request."""
+        return ((_TOKEN_METADATA_KEY, self.cfg.token),) if self.cfg.token else None
 
     @property
     def freeze_step(self) -> int:
@@ -109,9 +120,7 @@ class PSClient:
         self.plan = plan
         endpoints, current = [], {}
         for shard, stub in enumerate(self._stubs):
-            reply = self._call(stub.Register, iter(self._register_stream(plan, shard, values,
-                                                                         copies)),
-                               shard, timeout=self.cfg.register_timeout_s)
+            reply = self._register_with(stub, shard, plan, values, copies)
             current.update(zip(reply.current_keys, reply.current_versions))
             if reply.shard_id != shard:
                 raise PSError(pb.BAD_HEADER, f"server {self.cfg.servers[shard]} is shard "
@@ -133,6 +142,27 @@ class PSClient:
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="bitps-heartbeat",
                                            daemon=True)
         self._heartbeat.start()
+
+    def _register_with(self, stub, shard: int, plan: KeyPlan, values, copies):
+        """Register with one shard, calling again with backoff while it answers
+        ``NOT_INITIALIZED`` (rank 0's values have not landed: a shard never holds a call for
+        them), until ``register_timeout_s``."""
+        timeout = self.cfg.register_timeout_s
+        end, pause = time.monotonic() + timeout, _REGISTER_RETRY_S[0]
+        while True:
+            try:
+                return self._call(stub.Register, iter(self._register_stream(plan, shard, values,
+                                                                            copies)),
+                                  shard, timeout=max(end - time.monotonic(), 0.1))
+            except PSError as err:
+                if err.code != pb.NOT_INITIALIZED:
+                    raise
+                if time.monotonic() + pause > end:
+                    raise PSTimeoutError(f"rank {self.cfg.rank}: shard {shard} still waits for "
+                                         f"rank 0's initial values after {timeout:.0f} s",
+                                         shard=shard) from None
+            time.sleep(pause)
+            pause = min(2 * pause, _REGISTER_RETRY_S[1])
 
     def _register_stream(self, plan: KeyPlan, shard: int, values, copies=None):
         keys = plan.for_shard(shard)
@@ -159,7 +189,7 @@ class PSClient:
 
     def _call(self, method, request, shard: int, timeout: float):
         try:
-            return method(request, timeout=timeout)
+            return method(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             raise self._rpc_error(err, shard) from None
 
@@ -184,7 +214,7 @@ class PSClient:
                 try:
                     reply = stub.Heartbeat(pb.HeartbeatRequest(
                         rank=self.cfg.rank, clock=self.clock, token=self.cfg.token),
-                        timeout=max(self.cfg.heartbeat_s, 1.0))
+                        timeout=max(self.cfg.heartbeat_s, 1.0), metadata=self._metadata)
                     self._heartbeat_min_clock = reply.min_clock
                 except grpc.RpcError as err:
                     log.warning("heartbeat to shard %d failed: %s", shard, err.code().name)
@@ -289,7 +319,7 @@ class PSClient:
             header = pb.DataHeader(op=op, protocol=PROTOCOL, worker=self.cfg.rank,
                                    request_id=next(self._ids), clock=clock, keys=ks,
                                    dtype=pb.FLOAT32, deadline_s=self.cfg.deadline_s,
-                                   token=self.cfg.token)
+                                   token=self.cfg.token, incarnation=self.incarnation)
             # The versions of this worker's copies: what a gradient was computed from, and
             # where the codes a shard publishes start (none before the first reply).
             if all(k in self.versions for k in ks):
@@ -336,7 +366,8 @@ class PSClient:
         of another version than this worker's copy is refused (``BAD_CLOCK``)."""
         for shard in sorted({self.plan.keys[k].shard for k in keys}):
             stream = self._stubs[shard].OptimizerState(pb.OptimizerStateRequest(
-                rank=self.cfg.rank, token=self.cfg.token), timeout=self.cfg.deadline_s)
+                rank=self.cfg.rank, token=self.cfg.token), timeout=self.cfg.deadline_s,
+                metadata=self._metadata)
             try:
                 for state in stream:
                     if state.version != self.versions.get(state.key):
@@ -499,7 +530,7 @@ class PSClient:
             for shard, stub in enumerate(self._stubs):
                 try:
                     stub.Leave(pb.LeaveRequest(rank=self.cfg.rank, token=self.cfg.token),
-                               timeout=5)
+                               timeout=5, metadata=self._metadata)
                 except grpc.RpcError as err:
                     log.warning("leave shard %d failed: %s", shard, err.code().name)
         self._closing.set()
