@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -62,6 +64,7 @@ def test_codec_bench_runs_every_implementation(tmp_path):
     assert all(r["ms"] > 0 for r in doc["rows"])
 
 
+@pytest.mark.timeout(900)  # 25 runs of 4 processes each: about 150 s alone, more when shared
 def test_convergence_bench_smoke(tmp_path):
     """A few steps of every run: the curves, the PNG and the byte counts come out."""
     doc = _bench(tmp_path, "convergence", "--steps", "12", "--seeds", "0", "--lr", "3e-3",
