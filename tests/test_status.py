@@ -139,7 +139,8 @@ def test_token_is_sent_and_a_wrong_one_is_a_failed_shard(cluster, capsys):
     assert "UNAUTHENTICATED" in json.loads(capsys.readouterr().out)["shards"][0]["error"]
 
 
-def test_bad_flags_exit_2(capsys):
+def test_bad_flags_exit_2(capsys, monkeypatch):
+    monkeypatch.delenv("BITPS_SERVERS", raising=False)
     assert status.main([]) == 2
     assert "--servers" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:

@@ -52,11 +52,13 @@ PROGRAM = Program("bitps-status", "Ask every shard who waits for whom (the hang 
     option("servers", default="", metavar="HOST:PORT,...",
            help="comma-separated gRPC host:port of every shard, in shard-id order"),
     option("token", default="", help="shared secret of the shards (empty = none)"),
-    option("watch", default=0.0, metavar="SECONDS",
+    # No environment twins below: BITPS_JSON is the worker's own (RunConfig.json), and the
+    # servers and token are the only settings a worker's environment should hand over.
+    option("watch", default=0.0, metavar="SECONDS", env=None,
            help="ask again every SECONDS until Ctrl-C (0 = once)"),
-    option("json", default=False, help="print the merged document as JSON (one line per "
-                                       "round) instead of tables"),
-    option("timeout", default=5.0, metavar="SECONDS",
+    option("json", default=False, env=None,
+           help="print the merged document as JSON (one line per round) instead of tables"),
+    option("timeout", default=5.0, metavar="SECONDS", env=None,
            help="how long each shard may take to answer before it is reported as not "
                 "answering"),
 ), epilog="Exit status: 0 when every shard answered, 1 when one did not, 2 for a bad flag.")
@@ -227,9 +229,9 @@ def _shards_table(doc: dict) -> Table:
 
 
 def _workers_table(doc: dict) -> Table:
-    t = Table(title="workers")
-    for col in ("rank", "state", "clock", "ahead of min", "behind fastest", "last heard",
-                "held pulls", "waits for"):
+    t = Table(title="workers", caption="lead: clocks ahead of the slowest live worker; lag: "
+                                       "behind the fastest")
+    for col in ("rank", "state", "clock", "lead", "lag", "last heard", "held", "waits for"):
         t.add_column(col)
     waited = {s["rank"] for s in doc["stalled"]}
     for w in doc["workers"]:
