@@ -1,7 +1,8 @@
 """Writes ``docs/configuration.md`` from the programs' own definitions (``make docs``).
 
-``bitps-server`` and ``bitps-worker`` are rendered from their settings tables
-(``bitps.ps.__main__.PROGRAM``, ``bitps.worker.__main__.program()``), ``bitps-launch`` and
+``bitps-server``, ``bitps-worker`` and ``bitps-status`` are rendered from their settings tables
+(``bitps.ps.__main__.PROGRAM``, ``bitps.worker.__main__.program()``,
+``bitps.worker.launch.status.PROGRAM``), ``bitps-launch`` and
 ``bitps-bench`` from their argparse parsers, so every flag, environment variable, config-file
 key and default in the page is the one the code uses. ``tests/test_settings.py`` checks that
 the committed page equals what this renders.
@@ -20,6 +21,7 @@ from bitps.proto import settings
 from bitps.ps.__main__ import PROGRAM as SERVER
 from bitps.worker.__main__ import program as worker_program
 from bitps.worker.launch.launcher import build_parser as launch_parser
+from bitps.worker.launch.status import PROGRAM as STATUS
 
 OUT = Path(__file__).resolve().with_name("configuration.md")
 
@@ -111,8 +113,10 @@ line:
 
 Under `bitps-launch`, `--server-arg=--config=FILE` gives every shard a file, and
 `--config FILE` after `--` every worker. `bitps-launch` and `bitps-bench` themselves read flags
-only.
-""", server.markdown(), worker.markdown(), settings.parser_markdown(launch_parser(), description=(
+only; `bitps-status` (the hang doctor, [status.md](status.md)) reads its few settings as the
+shard and the worker do, and shares the worker's `BITPS_SERVERS` and `BITPS_TOKEN`.
+""", server.markdown(), worker.markdown(), STATUS.markdown(),
+        settings.parser_markdown(launch_parser(), description=(
         "A local cluster: shards first, then workers, with progress and teardown. Everything "
         "after `--` goes to every `bitps-worker`; `--mode`, `--staleness` and `--optimizer` go "
         "to every shard only when given, so that the shards' own settings (environment, config "

@@ -265,23 +265,51 @@ class StatusRequest(_message.Message):
     def __init__(self, token: _Optional[str] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("rank", "clock", "live", "seconds_since_seen", "pending_pulls", "waiting_for")
+    __slots__ = ("rank", "clock", "live", "seconds_since_seen", "pending_pulls", "waiting_for", "registered", "left", "dropped", "clock_lead", "clock_lag", "held")
     RANK_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     LIVE_FIELD_NUMBER: _ClassVar[int]
     SECONDS_SINCE_SEEN_FIELD_NUMBER: _ClassVar[int]
     PENDING_PULLS_FIELD_NUMBER: _ClassVar[int]
     WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    LEFT_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_LEAD_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_LAG_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     rank: int
     clock: int
     live: bool
     seconds_since_seen: float
     pending_pulls: int
     waiting_for: str
-    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., live: _Optional[bool] = ..., seconds_since_seen: _Optional[float] = ..., pending_pulls: _Optional[int] = ..., waiting_for: _Optional[str] = ...) -> None: ...
+    registered: bool
+    left: bool
+    dropped: bool
+    clock_lead: int
+    clock_lag: int
+    held: _containers.RepeatedCompositeFieldContainer[HeldPullStatus]
+    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., live: _Optional[bool] = ..., seconds_since_seen: _Optional[float] = ..., pending_pulls: _Optional[int] = ..., waiting_for: _Optional[str] = ..., registered: _Optional[bool] = ..., left: _Optional[bool] = ..., dropped: _Optional[bool] = ..., clock_lead: _Optional[int] = ..., clock_lag: _Optional[int] = ..., held: _Optional[_Iterable[_Union[HeldPullStatus, _Mapping]]] = ...) -> None: ...
+
+class HeldPullStatus(_message.Message):
+    __slots__ = ("clock", "waited_s", "deadline_in_s", "num_keys", "waiting_for", "reason")
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    WAITED_S_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_IN_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_KEYS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    clock: int
+    waited_s: float
+    deadline_in_s: float
+    num_keys: int
+    waiting_for: _containers.RepeatedScalarFieldContainer[int]
+    reason: str
+    def __init__(self, clock: _Optional[int] = ..., waited_s: _Optional[float] = ..., deadline_in_s: _Optional[float] = ..., num_keys: _Optional[int] = ..., waiting_for: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("shard_id", "mode", "staleness", "min_clock", "workers", "num_keys", "num_elements", "updates_applied", "initialized", "signature")
+    __slots__ = ("shard_id", "mode", "staleness", "min_clock", "workers", "num_keys", "num_elements", "updates_applied", "initialized", "signature", "max_clock", "world_size", "heartbeat_timeout_s", "held_pulls", "held_shown")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
@@ -292,6 +320,11 @@ class StatusReply(_message.Message):
     UPDATES_APPLIED_FIELD_NUMBER: _ClassVar[int]
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    HELD_PULLS_FIELD_NUMBER: _ClassVar[int]
+    HELD_SHOWN_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     mode: str
     staleness: int
@@ -302,7 +335,12 @@ class StatusReply(_message.Message):
     updates_applied: int
     initialized: bool
     signature: str
-    def __init__(self, shard_id: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., min_clock: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., num_keys: _Optional[int] = ..., num_elements: _Optional[int] = ..., updates_applied: _Optional[int] = ..., initialized: _Optional[bool] = ..., signature: _Optional[str] = ...) -> None: ...
+    max_clock: int
+    world_size: int
+    heartbeat_timeout_s: float
+    held_pulls: int
+    held_shown: int
+    def __init__(self, shard_id: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., min_clock: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., num_keys: _Optional[int] = ..., num_elements: _Optional[int] = ..., updates_applied: _Optional[int] = ..., initialized: _Optional[bool] = ..., signature: _Optional[str] = ..., max_clock: _Optional[int] = ..., world_size: _Optional[int] = ..., heartbeat_timeout_s: _Optional[float] = ..., held_pulls: _Optional[int] = ..., held_shown: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("rank", "token")

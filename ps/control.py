@@ -27,15 +27,22 @@ from bitps.proto import bitps_pb2 as pb
 from bitps.proto import bitps_pb2_grpc as pb_grpc
 from bitps.proto.wire import PSError, error_name
 from bitps.ps.checks import token_ok
+from bitps.ps.clocks import ClockTable
+from bitps.ps.consistency import SSP, Consistency, Sync
+from bitps.ps.held import HeldPull
 from bitps.ps.shard import ShardCore
 
-__all__ = ["ControlServicer", "ERROR_METADATA_KEY", "REGISTER_WAITERS", "REGISTER_WAIT_S",
-           "TOKEN_METADATA_KEY", "TokenInterceptor"]
+__all__ = ["ControlServicer", "ERROR_METADATA_KEY", "HELD_SHOWN", "REGISTER_WAITERS",
+           "REGISTER_WAIT_S", "TOKEN_METADATA_KEY", "TokenInterceptor", "waited_for"]
 
 REGISTER_WAITERS = 4
 """Registrations that may wait in a gRPC thread at once for rank 0's values (of 16 threads)."""
 REGISTER_WAIT_S = 2.0
 """Longest one of them waits before it is answered ``NOT_INITIALIZED`` and calls again."""
+HELD_SHOWN = 8
+"""Held pulls a Status reply details per worker (``WorkerStatus.held``); ``pending_pulls``
+counts them all. A worker holds about one step's pull messages per shard, and the doctor needs
+the lowest clock's; a flood of up to ``max_held_pulls`` must not make Status slow."""
 
 ERROR_METADATA_KEY = "bitps-error-code"
 TOKEN_METADATA_KEY = "bitps-token"
@@ -144,25 +151,41 @@ class ControlServicer(pb_grpc.ControlServicer):
             return pb.HeartbeatReply(min_clock=core.clocks.min_clock(), live=core.clocks.live())
 
     def Status(self, request, context):
+        """Clocks, liveness and held pulls of every worker the shard knows, and for each held
+        pull whom it waits for (``bitps-status``). Read in one pass under the core's lock: the
+        clock table, and at most :data:`HELD_SHOWN` held pulls per worker (lowest clock
+        first), never the parameters; a held pull's slots are looked at only until the first
+        one still waiting (sync)."""
         self._check_token(request.token, context)
         core = self.core
-        reasons = core.held_reasons()
         with core.lock:
-            now, live = core.now(), set(core.clocks.live())
-            held: dict[int, int] = {}
-            for h in core.held:
-                held[h.header.worker] = held.get(h.header.worker, 0) + 1
-            workers = [pb.WorkerStatus(rank=w.rank, clock=w.clock, live=w.rank in live,
-                                       seconds_since_seen=now - w.last_seen,
-                                       pending_pulls=held.get(w.rank, 0),
-                                       waiting_for=reasons.get(w.rank, ""))
-                       for w in sorted(core.clocks.workers.values(), key=lambda w: w.rank)]
+            clocks, now = core.clocks, core.now()
+            live = set(clocks.live())
+            min_clock = clocks.min_clock()
+            max_clock = max((clocks.workers[r].clock for r in live), default=0)
+            held: dict[int, list[pb.HeldPullStatus]] = {}
+            reasons: dict[int, str] = {}
+            for h in core.held:  # lowest clock first: the one that blocks comes first
+                shown = held.setdefault(h.header.worker, [])
+                if len(shown) < HELD_SHOWN:
+                    shown.append(_held_status(core, h, now))
+                    reasons.setdefault(h.header.worker, shown[-1].reason)
+            workers = [pb.WorkerStatus(
+                rank=w.rank, clock=w.clock, live=w.rank in live,
+                seconds_since_seen=now - w.last_seen, pending_pulls=core.held.count(w.rank),
+                waiting_for=reasons.get(w.rank, ""), registered=w.registered, left=w.left,
+                dropped=w.dropped, clock_lead=w.clock - min_clock,
+                clock_lag=max_clock - w.clock if w.rank in live else 0,
+                held=held.get(w.rank, ()))
+                for w in sorted(clocks.workers.values(), key=lambda w: w.rank)]
             return pb.StatusReply(
                 shard_id=core.cfg.shard_id, mode=core.cfg.mode, staleness=core.cfg.staleness,
-                min_clock=core.clocks.min_clock(), workers=workers, num_keys=len(core.slots),
+                min_clock=min_clock, workers=workers, num_keys=len(core.slots),
                 num_elements=sum(s.length for s in core.slots.values()),
                 updates_applied=core.updates_applied, initialized=core.initialized.is_set(),
-                signature=core.signature)
+                signature=core.signature, max_clock=max_clock, world_size=clocks.world_size,
+                heartbeat_timeout_s=core.cfg.heartbeat_timeout_s, held_pulls=len(core.held),
+                held_shown=HELD_SHOWN)
 
     def OptimizerState(self, request, context):
         self._check_token(request.token, context)
@@ -196,3 +219,27 @@ def _read_values(req: pb.RegisterRequest, messages) -> dict[int, bytes]:
                           f"expected {lengths[key]}")
         values[key] = data
     return values
+
+
+def waited_for(mode: Consistency, clocks: ClockTable, held: HeldPull) -> list[int]:
+    """The ranks ``mode`` needs before it answers ``held``: sync, the live workers whose push
+    of the step is missing from the first of its keys still behind; ssp, the live workers
+    below ``clock - staleness`` (``SSP.laggards``); any other mode, none named. The ranks
+    behind :meth:`Consistency.waiting_for`'s words, which ``bitps-status`` names; called under
+    the core's lock."""
+    # Consistency has no rank-valued form of waiting_for yet, so this mirrors Sync's and SSP's
+    # (ps/consistency.py is not this module's to change; a method there should replace this).
+    if isinstance(mode, SSP):
+        return mode.laggards(clocks, held.clock)
+    if isinstance(mode, Sync):
+        behind = next((s for s in held.slots if s.version < held.clock), None)
+        return sorted(set(clocks.live()) - behind.pushed) if behind is not None else []
+    return []
+
+
+def _held_status(core: ShardCore, held: HeldPull, now: float) -> pb.HeldPullStatus:
+    return pb.HeldPullStatus(
+        clock=held.clock, waited_s=now - held.since, deadline_in_s=held.deadline - now,
+        num_keys=len(held.slots), waiting_for=waited_for(core.consistency, core.clocks, held),
+        reason=core.consistency.waiting_for(core.clocks, held.header.worker, held.clock,
+                                            held.slots))
