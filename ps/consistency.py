@@ -61,6 +61,11 @@ class Consistency:
         """What a held pull waits for, in words (``DEADLINE`` errors, Status)."""
         raise NotImplementedError
 
+    def waited_ranks(self, clocks: ClockTable, clock: int, slots: list[Slot]) -> list[int]:
+        """The live ranks a held pull for ``clock`` of ``slots`` waits for (``bitps-status``
+        names them); none by default."""
+        return []
+
     def holds_pulls(self, world_size: int) -> bool:
         """Whether a worker's pull may be held in this mode: ``RegisterReply.holds_pulls``
         (SSP says no because it holds only behind a slower peer, which the worker cannot
@@ -104,12 +109,16 @@ class Sync(Consistency):
     def admits(self, clocks, clock, slots):
         return all(s.version >= clock for s in slots)
 
+    def waited_ranks(self, clocks, clock, slots):
+        # the live workers whose push of the step is missing from the first key still behind
+        behind = next((s for s in slots if s.version < clock), None)
+        return sorted(set(clocks.live()) - behind.pushed) if behind is not None else []
+
     def waiting_for(self, clocks, worker, clock, slots):
         keys = [s.spec.key for s in slots][:8]
-        behind = [s for s in slots if s.version < clock]
-        missing = sorted(set(clocks.live()) - behind[0].pushed) if behind else []
         return (f"worker {worker} pull for clock {clock} keys {keys}: sync step "
-                f"{clock - 1} still lacks pushes from workers {missing}")
+                f"{clock - 1} still lacks pushes from workers "
+                f"{self.waited_ranks(clocks, clock, slots)}")
 
     def holds_pulls(self, world_size):
         return world_size > 1
@@ -172,6 +181,9 @@ class SSP(Async):
     def laggards(self, clocks: ClockTable, clock: int) -> list[int]:
         """Live ranks whose clock is below what a pull for step ``clock`` needs."""
         return clocks.below(clock - self.cfg.staleness)
+
+    def waited_ranks(self, clocks, clock, slots):
+        return self.laggards(clocks, clock)
 
     def waiting_for(self, clocks, worker, clock, slots):
         keys = [s.spec.key for s in slots][:8]

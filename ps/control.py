@@ -27,13 +27,11 @@ from bitps.proto import bitps_pb2 as pb
 from bitps.proto import bitps_pb2_grpc as pb_grpc
 from bitps.proto.wire import PSError, error_name
 from bitps.ps.checks import token_ok
-from bitps.ps.clocks import ClockTable
-from bitps.ps.consistency import SSP, Consistency, Sync
 from bitps.ps.held import HeldPull
 from bitps.ps.shard import ShardCore
 
 __all__ = ["ControlServicer", "ERROR_METADATA_KEY", "HELD_SHOWN", "REGISTER_WAITERS",
-           "REGISTER_WAIT_S", "TOKEN_METADATA_KEY", "TokenInterceptor", "waited_for"]
+           "REGISTER_WAIT_S", "TOKEN_METADATA_KEY", "TokenInterceptor"]
 
 REGISTER_WAITERS = 4
 """Registrations that may wait in a gRPC thread at once for rank 0's values (of 16 threads)."""
@@ -221,25 +219,10 @@ def _read_values(req: pb.RegisterRequest, messages) -> dict[int, bytes]:
     return values
 
 
-def waited_for(mode: Consistency, clocks: ClockTable, held: HeldPull) -> list[int]:
-    """The ranks ``mode`` needs before it answers ``held``: sync, the live workers whose push
-    of the step is missing from the first of its keys still behind; ssp, the live workers
-    below ``clock - staleness`` (``SSP.laggards``); any other mode, none named. The ranks
-    behind :meth:`Consistency.waiting_for`'s words, which ``bitps-status`` names; called under
-    the core's lock."""
-    # Consistency has no rank-valued form of waiting_for yet, so this mirrors Sync's and SSP's
-    # (ps/consistency.py is not this module's to change; a method there should replace this).
-    if isinstance(mode, SSP):
-        return mode.laggards(clocks, held.clock)
-    if isinstance(mode, Sync):
-        behind = next((s for s in held.slots if s.version < held.clock), None)
-        return sorted(set(clocks.live()) - behind.pushed) if behind is not None else []
-    return []
-
-
 def _held_status(core: ShardCore, held: HeldPull, now: float) -> pb.HeldPullStatus:
     return pb.HeldPullStatus(
         clock=held.clock, waited_s=now - held.since, deadline_in_s=held.deadline - now,
-        num_keys=len(held.slots), waiting_for=waited_for(core.consistency, core.clocks, held),
+        num_keys=len(held.slots),
+        waiting_for=core.consistency.waited_ranks(core.clocks, held.clock, held.slots),
         reason=core.consistency.waiting_for(core.clocks, held.header.worker, held.clock,
                                             held.slots))
