@@ -39,6 +39,9 @@ On-disk layout, one directory per shard::
      "core": {"updates_applied", "initialized", "membership_changed"},
      "clocks": {"world_size", "workers": [{"rank", "clock", "registered", "left", "dropped"}]},
      "keys": {"<key>": {"version", "pushed": [ranks], "folded", "history": [[version, bytes]]}},
+     "dedup": {"<rank>": [[incarnation, request_id], ...]},   the exactly-once window
+              (ShardCore.dedup_state), oldest first: a push applied before the checkpoint
+              and replayed after a restore is answered and not applied again
      "files": {"params.safetensors": {"sha256", "bytes"}, "state.safetensors": {...}},
      "manifest_sha256": "<sha256 of this object without this field, sorted, compact>"}
 
@@ -199,6 +202,10 @@ def snapshot(core: ShardCore) -> Snapshot:
                 {"rank": w.rank, "clock": w.clock, "registered": w.registered, "left": w.left,
                  "dropped": w.dropped} for _, w in sorted(clocks.workers.items())]},
             "keys": keys,
+            # the exactly-once window: a push applied before this checkpoint and replayed
+            # after a restart is answered, not applied again
+            "dedup": {str(w): [list(pid) for pid in ids]
+                      for w, ids in sorted(core.dedup_state().items())},
         }
     return Snapshot(manifest, params, state)
 
@@ -441,8 +448,8 @@ def _restore_key(core: ShardCore, ckpt: Checkpoint, key: int) -> None:
 def restore(core: ShardCore, ckpt: Checkpoint) -> None:
     """Put ``ckpt`` into ``core``, which then continues bit for bit as the checkpointed shard
     would have: parameters, versions, rule state, published codes and residuals, the current
-    sync step's pushes, clocks. ``core`` should be fresh (no worker registered: the
-    checkpoint's registration is replayed) or hold the same key plan.
+    sync step's pushes, clocks, the exactly-once window. ``core`` should be fresh (no worker
+    registered: the checkpoint's registration is replayed) or hold the same key plan.
 
     Raises :class:`CheckpointError` for a checkpoint of another shard id, shard count, mode,
     lookahead, optimizer config or key plan (``core`` unchanged), or whose arrays do not fit
@@ -469,6 +476,9 @@ def restore(core: ShardCore, ckpt: Checkpoint) -> None:
             rank=w["rank"], clock=w["clock"], last_seen=t, registered=w["registered"],
             left=w["left"], dropped=w["dropped"]) for w in m["clocks"]["workers"]}
         core.clocks.world_size = m["clocks"]["world_size"]
+        # absent from checkpoints written before the window was saved: an empty window
+        core.load_dedup_state({int(w): [tuple(pid) for pid in ids]
+                               for w, ids in m.get("dedup", {}).items()})
 
 
 # -- what a server drives -----------------------------------------------------------------------
@@ -477,7 +487,7 @@ class Checkpointer:
     due once ``every_updates`` key updates were applied since the last one, or ``every_s``
     seconds passed with at least one update (0 turns a trigger off).
 
-    How a server uses it (``ps.server``, not wired yet)::
+    How a server uses it (``ps.server`` does so with ``--checkpoint-dir``)::
 
         ckpt = Checkpointer(core, directory, keep=3, every_updates=10_000, every_s=300)
         ckpt.restore_latest()      # at start, before the data loop and gRPC serve
