@@ -500,8 +500,8 @@ class Checkpointer:
     Locking: a save copies the state under ``core.lock`` (the RLock the data loop holds in
     ``handle``/``tick`` and gRPC threads in ``register``/``leave``), so any thread may call
     these, holding the lock or not; the disk write happens without it. With ``background``
-    the write runs on a thread of its own, one at a time (a save falling due meanwhile waits
-    for the next ``maybe_save``), so the data loop only waits for the copy. A failed background
+    the write runs on a thread of its own, one at a time (a save falling due meanwhile first
+    waits for it), so the data loop usually waits only for the copy. A failed background
     write is logged and kept in :attr:`error`; the next save tries again. One Checkpointer per
     directory."""
 
@@ -542,11 +542,16 @@ class Checkpointer:
             (self.every_s > 0 and self.now() - self._saved_at >= self.every_s)
 
     def maybe_save(self) -> Path | None:
-        """Save when :meth:`due` and no background write is running; returns the new
-        checkpoint's path when written here (``None`` when not due or written in the
-        background)."""
-        if not self.due() or (self._writer is not None and self._writer.is_alive()):
+        """Save when :meth:`due`; returns the new checkpoint's path when written here
+        (``None`` when not due or written in the background). A save due while the previous
+        background write still runs waits for it first, so snapshots are taken exactly when
+        due: a kill loses fewer than ``every_updates`` updates once the newest write is
+        done, fewer than twice that while one is being written."""
+        if not self.due():
             return None
+        # backpressure, not a skipped save: a skipped one would let the loss grow unbounded
+        # on a disk slower than the interval
+        self.close()
         snap = self._snapshot()
         if not self.background:
             return self._write(snap)
