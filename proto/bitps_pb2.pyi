@@ -54,6 +54,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UNAUTHENTICATED: _ClassVar[ErrorCode]
     TOO_LARGE: _ClassVar[ErrorCode]
     LIMIT: _ClassVar[ErrorCode]
+    SHUTTING_DOWN: _ClassVar[ErrorCode]
 PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
 PROTOCOL_VERSION_CURRENT: ProtocolVersion
 OP_UNSPECIFIED: Op
@@ -87,6 +88,7 @@ PROTOCOL: ErrorCode
 UNAUTHENTICATED: ErrorCode
 TOO_LARGE: ErrorCode
 LIMIT: ErrorCode
+SHUTTING_DOWN: ErrorCode
 
 class KeySpec(_message.Message):
     __slots__ = ("key", "name", "offset", "length", "dtype", "compressed_pull", "shape")

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 
 from bitps.proto.schedule import LRSchedule
 from bitps.proto.settings import Program, from_field, option
+from bitps.ps.checkpoint import CheckpointError
 from bitps.ps.config import OptimizerConfig, ServerConfig
 from bitps.ps.server import ShardFailure, create_server
 
@@ -98,6 +99,16 @@ PROGRAM = Program("bitps-server", "Run one bitps PS shard.", (
     from_field(_S, "dedup_window",
                help="ids of each worker's last applied pushes remembered, so a replayed "
                     "push is answered, not applied again (0 = off)"),
+    from_field(_S, "checkpoint_dir",
+               help="this shard's checkpoint directory: restored from at start, written to "
+                    "periodically and on SIGTERM (empty = no checkpoints)"),
+    from_field(_S, "checkpoint_every_updates",
+               help="write a checkpoint every N key updates (0 = not by count)"),
+    from_field(_S, "checkpoint_every_s",
+               help="write a checkpoint every T seconds with updates (0 = not by time)"),
+    from_field(_S, "checkpoint_keep", help="checkpoints kept, newest first"),
+    from_field(_S, "exit_when_done",
+               help="exit 0 once every rank of the world has registered and left (Jobs)"),
     option("log-level", default="INFO", help="log level of stderr (DEBUG, INFO, WARNING, ERROR)"),
 ))
 """bitps-server's settings, in ``--help`` order."""
@@ -130,7 +141,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s shard %(process)d %(levelname)s %(message)s")
-    shard = create_server(cfg)
+    try:
+        shard = create_server(cfg)
+    except (CheckpointError, OSError) as err:
+        # a checkpoint that does not fit, a directory or port that cannot be used: say which
+        logging.critical("shard %d cannot start: %s", cfg.shard_id, err)
+        return 1
     for sig in (signal.SIGTERM, signal.SIGINT):
         # Only set a flag here: stopping gRPC and joining threads inside a signal handler can
         # deadlock; serve() does the shutdown on the main thread.

@@ -39,6 +39,9 @@ On-disk layout, one directory per shard::
      "core": {"updates_applied", "initialized", "membership_changed"},
      "clocks": {"world_size", "workers": [{"rank", "clock", "registered", "left", "dropped"}]},
      "keys": {"<key>": {"version", "pushed": [ranks], "folded", "history": [[version, bytes]]}},
+     "dedup": {"<rank>": [[incarnation, request_id], ...]},   the exactly-once window
+              (ShardCore.dedup_state), oldest first: a push applied before the checkpoint
+              and replayed after a restore is answered and not applied again
      "files": {"params.safetensors": {"sha256", "bytes"}, "state.safetensors": {...}},
      "manifest_sha256": "<sha256 of this object without this field, sorted, compact>"}
 
@@ -199,6 +202,10 @@ def snapshot(core: ShardCore) -> Snapshot:
                 {"rank": w.rank, "clock": w.clock, "registered": w.registered, "left": w.left,
                  "dropped": w.dropped} for _, w in sorted(clocks.workers.items())]},
             "keys": keys,
+            # the exactly-once window: a push applied before this checkpoint and replayed
+            # after a restart is answered, not applied again
+            "dedup": {str(w): [list(pid) for pid in ids]
+                      for w, ids in sorted(core.dedup_state().items())},
         }
     return Snapshot(manifest, params, state)
 
@@ -441,8 +448,8 @@ def _restore_key(core: ShardCore, ckpt: Checkpoint, key: int) -> None:
 def restore(core: ShardCore, ckpt: Checkpoint) -> None:
     """Put ``ckpt`` into ``core``, which then continues bit for bit as the checkpointed shard
     would have: parameters, versions, rule state, published codes and residuals, the current
-    sync step's pushes, clocks. ``core`` should be fresh (no worker registered: the
-    checkpoint's registration is replayed) or hold the same key plan.
+    sync step's pushes, clocks, the exactly-once window. ``core`` should be fresh (no worker
+    registered: the checkpoint's registration is replayed) or hold the same key plan.
 
     Raises :class:`CheckpointError` for a checkpoint of another shard id, shard count, mode,
     lookahead, optimizer config or key plan (``core`` unchanged), or whose arrays do not fit
@@ -469,6 +476,9 @@ def restore(core: ShardCore, ckpt: Checkpoint) -> None:
             rank=w["rank"], clock=w["clock"], last_seen=t, registered=w["registered"],
             left=w["left"], dropped=w["dropped"]) for w in m["clocks"]["workers"]}
         core.clocks.world_size = m["clocks"]["world_size"]
+        # absent from checkpoints written before the window was saved: an empty window
+        core.load_dedup_state({int(w): [tuple(pid) for pid in ids]
+                               for w, ids in m.get("dedup", {}).items()})
 
 
 # -- what a server drives -----------------------------------------------------------------------
@@ -477,7 +487,7 @@ class Checkpointer:
     due once ``every_updates`` key updates were applied since the last one, or ``every_s``
     seconds passed with at least one update (0 turns a trigger off).
 
-    How a server uses it (``ps.server``, not wired yet)::
+    How a server uses it (``ps.server`` does so with ``--checkpoint-dir``)::
 
         ckpt = Checkpointer(core, directory, keep=3, every_updates=10_000, every_s=300)
         ckpt.restore_latest()      # at start, before the data loop and gRPC serve
@@ -490,8 +500,8 @@ class Checkpointer:
     Locking: a save copies the state under ``core.lock`` (the RLock the data loop holds in
     ``handle``/``tick`` and gRPC threads in ``register``/``leave``), so any thread may call
     these, holding the lock or not; the disk write happens without it. With ``background``
-    the write runs on a thread of its own, one at a time (a save falling due meanwhile waits
-    for the next ``maybe_save``), so the data loop only waits for the copy. A failed background
+    the write runs on a thread of its own, one at a time (a save falling due meanwhile first
+    waits for it), so the data loop usually waits only for the copy. A failed background
     write is logged and kept in :attr:`error`; the next save tries again. One Checkpointer per
     directory."""
 
@@ -532,11 +542,16 @@ class Checkpointer:
             (self.every_s > 0 and self.now() - self._saved_at >= self.every_s)
 
     def maybe_save(self) -> Path | None:
-        """Save when :meth:`due` and no background write is running; returns the new
-        checkpoint's path when written here (``None`` when not due or written in the
-        background)."""
-        if not self.due() or (self._writer is not None and self._writer.is_alive()):
+        """Save when :meth:`due`; returns the new checkpoint's path when written here
+        (``None`` when not due or written in the background). A save due while the previous
+        background write still runs waits for it first, so snapshots are taken exactly when
+        due: a kill loses fewer than ``every_updates`` updates once the newest write is
+        done, fewer than twice that while one is being written."""
+        if not self.due():
             return None
+        # backpressure, not a skipped save: a skipped one would let the loss grow unbounded
+        # on a disk slower than the interval
+        self.close()
         snap = self._snapshot()
         if not self.background:
             return self._write(snap)

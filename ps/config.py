@@ -8,7 +8,7 @@ into ``bitps-server``'s flags, environment variables and config-file keys throug
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from bitps.proto.codecs import chunk_problem
 from bitps.proto.registry import Registry
@@ -195,7 +195,28 @@ class ServerConfig:
     """The ids of each worker's last applied pushes the shard remembers (every mode). A push
     that repeats one of them (same worker, incarnation and request id: a replay or a resend,
     from any connection) is answered, a push with an ack and a push_pull with the parameters,
-    and not applied again; 0 turns the check off."""
+    and not applied again; 0 turns the check off. The window is part of a checkpoint, so a
+    push applied before it is still refused after a restart."""
+
+    # -- checkpoints and lifetime (ps.checkpoint, docs/checkpoints.md) ----------------------
+    checkpoint_dir: str = ""
+    """This shard's checkpoint directory; empty turns checkpoints off. A shard started with
+    one restores the newest valid checkpoint in it before it serves (a damaged newest one is
+    logged and skipped; refused when none is valid or it is another shard's) and writes a
+    final one on SIGTERM."""
+    checkpoint_every_updates: int = 0
+    """With ``checkpoint_dir``: write a checkpoint every this many key updates applied (0 =
+    not by count). A kill loses at most this many updates (and those of a write still under
+    way)."""
+    checkpoint_every_s: float = 0.0
+    """With ``checkpoint_dir``: write a checkpoint every this many seconds in which at least
+    one update was applied (0 = not by time)."""
+    checkpoint_keep: int = 3
+    """With ``checkpoint_dir``: checkpoints kept on disk, newest first (>= 1)."""
+    exit_when_done: bool = False
+    """Exit with status 0 once every rank of the registered world has registered and left
+    (``Leave``), after the final checkpoint: for Kubernetes Jobs. Never before a worker has
+    registered; a worker dropped for silence has not left."""
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -227,6 +248,24 @@ class ServerConfig:
             raise ValueError(f"max_pull_deadline_s must be > 0, got {self.max_pull_deadline_s}")
         if self.dedup_window < 0:
             raise ValueError(f"dedup_window must be >= 0, got {self.dedup_window}")
+        self._check_checkpoints()
         if self.mode == "sync" and self.optimizer.onebit_moments != "auto":
             raise ValueError(f"onebit_moments {self.optimizer.onebit_moments!r} applies to "
                              f"async/ssp; sync 1-bit Adam keeps DeepSpeed's layout (use auto)")
+
+    def _check_checkpoints(self) -> None:
+        if not self.checkpoint_every_updates >= 0 or not self.checkpoint_every_s >= 0:
+            raise ValueError(f"checkpoint_every_updates and checkpoint_every_s must be >= 0 "
+                             f"(0 = off), got {self.checkpoint_every_updates} and "
+                             f"{self.checkpoint_every_s}")
+        if self.checkpoint_keep < 1:
+            raise ValueError(f"checkpoint_keep must be >= 1, got {self.checkpoint_keep}")
+        if not self.checkpoint_dir:
+            defaults = {f.name: f.default for f in fields(self)}
+            given = [f"{name} {getattr(self, name)}" for name in (
+                "checkpoint_every_updates", "checkpoint_every_s", "checkpoint_keep")
+                if getattr(self, name) != defaults[name]]
+            if given:
+                raise ValueError(f"{', '.join(given)} given without checkpoint_dir; expected a "
+                                 f"checkpoint_dir to write into (or leave them at their "
+                                 f"defaults)")

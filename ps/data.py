@@ -21,6 +21,7 @@ from bitps.ps.shard import Reply, ShardCore
 __all__ = ["DataLoop"]
 
 _TICK_S = 0.02
+_FAREWELL_MS = 500  # how long SHUTTING_DOWN replies may take to leave at stop
 _HEADER_ROOM = 1 << 20  # frame 0 may name max_message_keys keys and their versions
 # Plain ints: pyzmq's enum flags cost microseconds per operation on this path.
 _EVENTS, _POLLIN, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.SNDMORE)
@@ -32,8 +33,13 @@ class DataLoop:
 
     def __init__(self, core: ShardCore, *, host: str, port: int,
                  context: zmq.Context | None = None,
-                 on_failure: Callable[[str, BaseException], None] | None = None) -> None:
+                 on_failure: Callable[[str, BaseException], None] | None = None,
+                 after_request: Callable[[], object] | None = None) -> None:
         self.core = core
+        self.after_request = after_request or (lambda: None)
+        """Called on the loop's thread after each request and each tick (the server's
+        ``Checkpointer.maybe_save``): no request is in flight then, and parameters are written
+        by this thread alone. Must be cheap when there is nothing to do."""
         self.on_failure = on_failure
         """Called with the thread's name and the error when :meth:`run` raises (a bug: bad
         requests get ERROR replies); ``None`` re-raises."""
@@ -67,20 +73,25 @@ class DataLoop:
             self.on_failure(threading.current_thread().name, exc)
 
     def stop(self) -> None:
+        """Stop serving: the loop answers the pulls it holds with ``SHUTTING_DOWN`` and ends;
+        no request is handled after this returns."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        self.socket.close(linger=0)
+        # a little linger: the SHUTTING_DOWN replies may still be on their way out
+        self.socket.close(linger=_FAREWELL_MS)
 
     def run(self) -> None:
-        sock, core = self.socket, self.core
+        sock, core, after = self.socket, self.core, self.after_request
         last_tick = time.monotonic()
         while not self._stop.is_set():
             try:
                 # Blocking receive with RCVTIMEO = one tick: no poll set to build per message.
                 self._serve(self._receive())
+                after()
                 while sock.get(_EVENTS) & _POLLIN:  # drain without raising zmq.Again
                     self._serve(self._receive())
+                    after()
             except zmq.Again:
                 pass
             now = time.monotonic()
@@ -88,6 +99,23 @@ class DataLoop:
                 last_tick = now
                 for reply in core.tick():
                     self._send(reply)
+                after()
+        self._farewell()
+
+    def _farewell(self) -> None:
+        """Answer every held pull with ``SHUTTING_DOWN`` and wait (briefly) until ZeroMQ has
+        taken the replies: the process may exit right after :meth:`stop`."""
+        sock, trackers = self.socket, []
+        for reply in self.core.shut_down():
+            sock.send(reply.ident, _SNDMORE)
+            trackers.append(sock.send(encode_header(reply.header, None), copy=False,
+                                      track=True))
+        end = time.monotonic() + _FAREWELL_MS / 1000
+        for tracker in trackers:
+            try:
+                tracker.wait(max(end - time.monotonic(), 0.0))
+            except zmq.NotDone:
+                break  # a peer that does not read: its reply is dropped with the socket
 
     def _receive(self) -> list:
         """One message: routing id and header as bytes (small: a copy is cheapest), payload

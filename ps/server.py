@@ -9,6 +9,11 @@ errors), it logs a last line naming the thread and the error, turns its gRPC hea
 ``NOT_SERVING`` and records :attr:`ServerShard.failure`; :meth:`~ServerShard.serve` then stops
 and raises it, and ``bitps-server`` exits with status 1.
 
+With ``checkpoint_dir`` the shard restores its newest valid checkpoint before it binds anything,
+saves from the data loop every ``checkpoint_every_updates`` / ``checkpoint_every_s``, and writes
+a final checkpoint in :meth:`ServerShard.stop` (SIGTERM), after answering its held pulls with
+``SHUTTING_DOWN`` (docs/checkpoints.md).
+
     >>> shard = create_server(ServerConfig(mode="sync"))   # doctest: +SKIP
     >>> shard.ports                                         # doctest: +SKIP
     {'grpc_port': 40123, 'data_port': 40124, 'metrics_port': 40125}
@@ -18,13 +23,16 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
 from bitps.proto import bitps_pb2_grpc as pb_grpc
+from bitps.ps.checkpoint import Checkpoint, Checkpointer
 from bitps.ps.config import ServerConfig
 from bitps.ps.control import ControlServicer, TokenInterceptor
 from bitps.ps.data import DataLoop
@@ -35,6 +43,7 @@ __all__ = ["ServerShard", "ShardFailure", "create_server"]
 
 log = logging.getLogger(__name__)
 _GRPC_MAX_MESSAGE = 64 << 20
+_POLL_S = 0.2  # how often serve() looks at exit_when_done
 
 
 class ShardFailure(RuntimeError):
@@ -54,8 +63,23 @@ class ServerShard:
         self.core = ShardCore(cfg, metrics=self.metrics)
         self.failure: ShardFailure | None = None
         """Set when a thread of the shard failed; health is then NOT_SERVING."""
+        self.checkpointer: Checkpointer | None = None
+        """With ``checkpoint_dir``: what saves this shard (``ps.checkpoint``)."""
+        self.restored: Checkpoint | None = None
+        """The checkpoint restored at start, if any."""
+        if cfg.checkpoint_dir:
+            # before any endpoint is bound: nothing may see the shard before its state is back;
+            # a directory that cannot be made fails here, not at the first save
+            Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+            self.checkpointer = Checkpointer(
+                self.core, cfg.checkpoint_dir, keep=cfg.checkpoint_keep,
+                every_updates=cfg.checkpoint_every_updates, every_s=cfg.checkpoint_every_s)
+            self.restored = self.checkpointer.restore_latest()
+            self._log_restored()
         self.data = DataLoop(self.core, host=cfg.host, port=cfg.data_port,
-                             on_failure=self._fail)
+                             on_failure=self._fail,
+                             after_request=None if self.checkpointer is None
+                             else self.checkpointer.maybe_save)
         self._http = None
         metrics_port = -1
         if cfg.metrics_port >= 0:
@@ -99,6 +123,26 @@ class ServerShard:
                      self.failure)
         self._stop_requested.set()
 
+    def _log_restored(self) -> None:
+        core, ckpt = self.core, self.restored
+        if ckpt is None:
+            log.info("shard %d: no checkpoint in %s; starting fresh", self.cfg.shard_id,
+                     self.cfg.checkpoint_dir)
+            return
+        clocks = {r: w.clock for r, w in sorted(core.clocks.workers.items())}
+        log.info("shard %d restored %s: %d updates applied, %d keys, world size %d, clocks %s, "
+                 "%d push ids in the exactly-once window", self.cfg.shard_id, ckpt.path,
+                 ckpt.updates, len(core.slots), core.clocks.world_size, clocks,
+                 sum(map(len, core.dedup_state().values())))
+
+    def workers_done(self) -> bool:
+        """Whether every rank of the registered world has registered and then left (never
+        before a first registration): ``exit_when_done``'s condition."""
+        with self.core.lock:
+            c = self.core.clocks
+            return bool(c.world_size) and len(c.workers) >= c.world_size and all(
+                w.registered and w.left for w in c.workers.values())
+
     def ready_event(self) -> dict:
         """The JSON object printed on stdout once serving (launchers and tests read it)."""
         return {"event": "ready", "shard_id": self.cfg.shard_id, **self.ports}
@@ -108,24 +152,59 @@ class ServerShard:
         self._stop_requested.set()
 
     def serve(self) -> None:
-        """Block until :meth:`request_stop` or :meth:`stop`, then stop; raises
-        :class:`ShardFailure` when a thread of the shard failed."""
-        while not (self._stop_requested.wait(0.5) or self._stopped.is_set()):
-            pass
+        """Block until :meth:`request_stop` or :meth:`stop` (or, with ``exit_when_done``, until
+        :meth:`workers_done`), then stop; raises :class:`ShardFailure` when a thread of the
+        shard failed."""
+        while not (self._stop_requested.wait(_POLL_S) or self._stopped.is_set()):
+            if self.cfg.exit_when_done and self.workers_done():
+                log.info("shard %d: every worker has left; exiting (exit_when_done)",
+                         self.cfg.shard_id)
+                break
         self.stop()
         if self.failure is not None:
             raise self.failure
 
     def stop(self, grace_s: float = 1.0) -> None:
+        """Stop serving, in an order that loses nothing: gRPC first (no registration or leave
+        after the final checkpoint), then the data loop (held pulls get ``SHUTTING_DOWN``
+        replies, then no more updates), then the final checkpoint with ``checkpoint_dir``."""
         if self._stopped.is_set():
             return
         self.health.enter_graceful_shutdown()
         self.grpc.stop(grace_s).wait()
         self.data.stop()
+        self._final_checkpoint()
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
         self._stopped.set()
+
+
+    def _final_checkpoint(self) -> None:
+        ckpt = self.checkpointer
+        if ckpt is None:
+            return
+        if self.failure is not None:
+            # a thread died mid-request: its state may be half changed; keep the last good one
+            ckpt.close()
+            log.error("shard %d: no final checkpoint after a failure; the newest is %s",
+                      self.cfg.shard_id, ckpt.last_path)
+            return
+        if not self.core.slots:
+            ckpt.close()
+            log.info("shard %d: no worker ever registered; no final checkpoint",
+                     self.cfg.shard_id)
+            return
+        t0 = time.monotonic()
+        try:
+            path = ckpt.save_now()
+        except OSError as err:  # a full disk: the shard exits with status 1, loudly
+            self.failure = ShardFailure("final checkpoint", err)
+            log.critical("shard %d: final checkpoint into %s failed: %s", self.cfg.shard_id,
+                         ckpt.directory, err)
+            return
+        log.info("shard %d: final checkpoint %s (%d updates applied) in %.3f s",
+                 self.cfg.shard_id, path, self.core.updates_applied, time.monotonic() - t0)
 
 
 def create_server(cfg: ServerConfig) -> ServerShard:

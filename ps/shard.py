@@ -12,6 +12,7 @@ so a buffer cannot change between building a reply and handing it to ZeroMQ.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -340,6 +341,25 @@ class ShardCore:
         if len(order) > self.cfg.dedup_window:
             ids.discard(order.popleft())
 
+    def dedup_state(self) -> dict[int, list[tuple[int, int]]]:
+        """The exactly-once window (``dedup_window``): per worker, the ``(incarnation, request
+        id)`` of its last applied pushes, oldest first, as a checkpoint saves it. Nothing else
+        is needed to answer a replay: a push gets an ack, a push_pull the current parameters."""
+        with self.lock:
+            return {w: list(order) for w, (order, _) in self._applied_ids.items()}
+
+    def load_dedup_state(self, window: dict[int, list[tuple[int, int]]]) -> None:
+        """Replace the exactly-once window with :meth:`dedup_state`'s ``window``; a worker's
+        oldest ids beyond this shard's ``dedup_window`` are dropped (all of them at 0)."""
+        keep = self.cfg.dedup_window
+        with self.lock:
+            self._applied_ids = {}
+            for worker, ids in window.items():
+                order = deque((int(inc), int(rid)) for inc, rid in ids[max(len(ids) - keep, 0):]) \
+                    if keep else deque()
+                if order:
+                    self._applied_ids[int(worker)] = (order, set(order))
+
     def _push(self, header: pb.DataHeader, payload: list, grads: list[np.ndarray],
               codec: Codec, slots: list[Slot], min_clock: int):
         m = self.metrics
@@ -436,6 +456,19 @@ class ShardCore:
                 self._changes += 1
                 self.consistency.membership_changed(self, self.clocks.live())
             return self._release_held(self.clocks.min_clock())
+
+    def shut_down(self) -> list[Reply]:
+        """The shard is stopping: every held pull, removed, as a ``SHUTTING_DOWN`` error reply,
+        so its worker learns it now instead of at its deadline. For the data loop's thread,
+        after its last request."""
+        with self.lock:
+            # admitted by nothing, and every deadline passed: release hands back all of them
+            _, held = self.held.release(lambda h: False, state=object(), now=math.inf,
+                                        ordered=False)
+            return [self._error(h.ident, h.header, PSError(
+                pb.SHUTTING_DOWN, f"shard {self.cfg.shard_id} is shutting down; the pull for "
+                f"clock {h.clock} of worker {h.header.worker} was not answered (pull again "
+                f"once the shard is back)")) for h in held]
 
     def clock_snapshot(self) -> ClockSnapshot:
         """Clocks for the metrics endpoint (read at scrape time)."""

@@ -7,6 +7,7 @@ live model's loss."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -88,8 +89,9 @@ class Driver:
     def push(self, worker: int, clock: int) -> None:
         grads = [np.random.default_rng([worker, clock, i]).standard_normal(n).astype(np.float32)
                  for i, (*_, n) in enumerate(KEYS)]
+        # an incarnation, so that every push lands in the exactly-once window too
         self._send(pb.DataHeader(op=pb.PUSH, worker=worker, clock=clock, keys=range(len(KEYS)),
-                                 dtype=pb.FLOAT32,
+                                 dtype=pb.FLOAT32, incarnation=1000 + worker,
                                  versions=self.versions.get(worker, [])),
                    [g.tobytes() for g in grads])
 
@@ -112,7 +114,8 @@ def _state(core: ShardCore) -> dict:
     out = {"updates": core.updates_applied, "signature": core.signature,
            "clocks": {r: (w.clock, w.registered, w.left, w.dropped)
                       for r, w in core.clocks.workers.items()},
-           "codec": {k: v.tobytes() for k, v in core.codec_state().items()}}
+           "codec": {k: v.tobytes() for k, v in core.codec_state().items()},
+           "dedup": core.dedup_state()}
     for k, s in core.slots.items():
         out[k] = {"param": s.param.tobytes(), "version": s.version,
                   "rule": {n: a.tobytes() for n, a in core.rule.save_state(s).items()},
@@ -160,6 +163,7 @@ def test_a_restored_shard_continues_bit_for_bit(tmp_path, mode, optimizer, compr
     b = Driver(ShardCore(cfg, now=lambda: 0.0), world=3)
     restore(b.core, load(path))
     b.versions = {w: list(v) for w, v in a.versions.items()}
+    b.rid = a.rid  # the workers go on numbering their requests: none is a replay
     assert _state(b.core) == saved
     a.log.clear()
     a.steps(range(4, 8), pushed=(0, 2))
@@ -202,6 +206,61 @@ def test_a_leave_not_yet_applied_is_applied_after_the_restore(tmp_path):
     b.tick()
     assert all(s.version == 3 for s in b.slots.values())
     assert _state(a.core) == _state(b)
+
+def _push(core: ShardCore, request_id: int, *, incarnation: int = 77) -> pb.DataHeader:
+    header = pb.DataHeader(op=pb.PUSH, protocol=PROTOCOL, worker=0, clock=0,
+                           keys=range(len(KEYS)), dtype=pb.FLOAT32, incarnation=incarnation,
+                           request_id=request_id)
+    grads = [np.full(n, 0.25, np.float32).tobytes() for *_, n in KEYS]
+    (reply,) = core.handle(b"w0", [header.SerializeToString(), *grads])
+    return reply.header
+
+
+def test_a_push_applied_before_the_checkpoint_is_not_applied_again_after_the_restore(tmp_path):
+    """The exactly-once window is in the checkpoint, restored as it was: a push applied before
+    the checkpoint and replayed after the restore is acknowledged and changes nothing; a new
+    request id is applied; a shard restarted with a smaller ``dedup_window`` keeps the newest
+    ids."""
+    cfg = _cfg("async", OptimizerConfig(name="sgd", lr=0.5), lookahead=False)
+    a = _core(cfg, world=1)
+    for rid in (5, 6, 7):
+        assert _push(a, rid).op == pb.REPLY
+    window = {0: [(77, 5), (77, 6), (77, 7)]}
+    assert a.dedup_state() == window
+    path = save(a, tmp_path, keep=1)
+    assert load(path).manifest["dedup"] == {"0": [[77, 5], [77, 6], [77, 7]]}
+
+    b = ShardCore(cfg, now=lambda: 0.0)
+    restore(b, load(path))
+    assert b.dedup_state() == window
+    before = _state(b)
+    replay = _push(b, 6)
+    assert replay.op == pb.REPLY and replay.request_id == 6
+    assert _state(b) == before and b.updates_applied == 3 * len(KEYS)
+    assert _push(b, 6, incarnation=78).op == pb.REPLY  # another incarnation: another push
+    assert b.updates_applied == 4 * len(KEYS)
+
+    small = ShardCore(dataclasses.replace(cfg, dedup_window=2), now=lambda: 0.0)
+    restore(small, load(path))
+    assert small.dedup_state() == {0: [(77, 6), (77, 7)]}
+    off = ShardCore(dataclasses.replace(cfg, dedup_window=0), now=lambda: 0.0)
+    restore(off, load(path))
+    assert off.dedup_state() == {}
+
+
+def test_a_checkpoint_without_a_window_restores_an_empty_one(tmp_path):
+    """A manifest written before the window was saved (no ``dedup`` entry) still restores."""
+    a = _trained()
+    path = save(a.core, tmp_path, keep=1)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest.pop("dedup")
+    manifest.pop("manifest_sha256")
+    manifest["manifest_sha256"] = ckpt_mod._digest(manifest)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    b = ShardCore(a.core.cfg, now=lambda: 0.0)
+    restore(b, load(path))
+    assert b.dedup_state() == {} and b.updates_applied == a.core.updates_applied
+
 
 # -- on disk ------------------------------------------------------------------------------------
 def _trained(steps: int = 2, **cfg_kw) -> Driver:
