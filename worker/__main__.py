@@ -12,6 +12,11 @@ With ``--json`` it prints one JSON object per line on stdout (``start``, which n
 it will run, ``step`` every ``--log-every`` steps, ``done`` whose ``final_loss`` is the mean of
 the last 10 steps and which counts the bytes pushed on the wire and pulled), which
 ``bitps-launch`` reads.
+
+SIGTERM ends the run where it is (mid-step too): the worker sends Leave to every shard, so its
+peers stop waiting for it at once rather than at the shards' heartbeat timeout, prints a
+``terminated`` event and exits 0. It does not wait for what is in flight (a sync pull may be
+held for a peer that is gone); a second SIGTERM kills it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import functools
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections import deque
@@ -43,6 +49,16 @@ if TYPE_CHECKING:  # its module imports torch
     from bitps.worker.launch.demo import DemoConfig
 
 __all__ = ["WorkerConfig", "build_parser", "main", "parse_config", "program"]
+
+
+class _Terminated(BaseException):
+    """Raised in the main thread by the SIGTERM handler: leave the shards and exit 0 (a
+    BaseException, as KeyboardInterrupt: no ``except Exception`` on the way swallows it)."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM kills at once
+    raise _Terminated
 
 
 @functools.cache
@@ -83,6 +99,12 @@ def program() -> Program:
         from_field(_R, "metrics_host", help="address the Prometheus endpoint binds to"),
         from_field(_C, "token", help="shared secret of the shards (empty = none)"),
         from_field(_C, "deadline_s", name="deadline", help="seconds any push/pull may wait"),
+        from_field(_C, "reconnect_timeout_s", name="reconnect-timeout",
+                   help="seconds to get a lost (restarted) shard back before giving up"),
+        from_field(_C, "reconnect_backoff_s", name="reconnect-backoff",
+                   help="first pause between re-registration attempts with a lost shard"),
+        from_field(_C, "reconnect_backoff_max_s", name="reconnect-backoff-max",
+                   help="longest pause between re-registration attempts with a lost shard"),
         from_field(_R, "step_delay_s", name="step-delay",
                    help="extra seconds of sleep per step (simulates a straggler)"),
         from_field(_K, "name", name="push-codec",
@@ -192,16 +214,35 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s worker %(process)d %(levelname)s %(message)s")
+    run, rank = cfg.run, cfg.client.rank
+
+    import torch
+
+    from bitps.worker.transport.client import PSClient
+
+    torch.set_num_threads(run.threads)
+    client = PSClient(cfg.client)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return _train(cfg, client)
+    except _Terminated:
+        # Leave first: the peers' sync steps and SSP bounds stop counting this rank now. Nothing
+        # in flight is waited for; the threads left are daemons.
+        client.close()
+        _emit(run, event="terminated", rank=rank)
+        logging.info("rank %d: SIGTERM: left every shard", rank)
+        return 0
+
+
+def _train(cfg: WorkerConfig, client) -> int:
+    """The training loop of :func:`main` (``_Terminated`` passes through)."""
     run, demo, rank, world_size = cfg.run, cfg.demo, cfg.client.rank, cfg.client.world_size
 
     import torch
     from prometheus_client import start_http_server
 
     from bitps.worker.launch.demo import batches, build_model, load_corpus, loss_fn
-    from bitps.worker.transport.client import PSClient
 
-    torch.set_num_threads(run.threads)
-    client = PSClient(cfg.client)
     metrics_port = -1
     if run.metrics_port >= 0:
         httpd, _ = start_http_server(run.metrics_port, addr=run.metrics_host,
@@ -258,10 +299,15 @@ def main(argv: list[str] | None = None) -> int:
             if step % run.log_every == 0 or step == run.steps - 1:
                 _emit(run, event="step", rank=rank, step=step, loss=last,
                       samples_per_s=demo.batch_size / dt, clock=trainer.clock)
-    finally:
+    except BaseException as err:
         if profiler is not None:
             profiler.stop()
-        trainer.close()
+        if not isinstance(err, _Terminated):  # SIGTERM: main() leaves without waiting
+            trainer.close()
+        raise
+    if profiler is not None:
+        profiler.stop()
+    trainer.close()
     wall = time.perf_counter() - t_start
     wire = m.push_wire_bytes.value
     decision = getattr(trainer, "decision", None)  # PSModel's overlap decision

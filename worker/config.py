@@ -37,6 +37,17 @@ class ClientConfig:
     """Longest Register may wait (other ranks wait there for rank 0's initial values)."""
     heartbeat_s: float = 1.0
     """Interval between heartbeats to every shard."""
+    reconnect_timeout_s: float = 60.0
+    """Longest a worker tries to get a lost shard back (a push/pull timed out, or the shard
+    answers ``NOT_REGISTERED``: it restarted): re-register and redo the step's exchange with it
+    (``PSClient.complete``). Past this, ``ShardLostError`` names the shard and how long it
+    tried."""
+    reconnect_backoff_s: float = 0.05
+    """First pause between attempts to re-register with a lost shard (and gRPC's first
+    reconnect backoff); each next pause doubles, up to ``reconnect_backoff_max_s``."""
+    reconnect_backoff_max_s: float = 2.0
+    """Longest pause between attempts to re-register with a lost shard (and gRPC's longest
+    reconnect backoff), so a shard back after a restart is found within this long."""
     partition_bytes: int = DEFAULT_PARTITION_BYTES
     """Largest key: tensors are cut into partitions of at most this many bytes."""
     message_bytes: int = 256 << 10
@@ -75,9 +86,13 @@ class ClientConfig:
                 raise ValueError(f"server {s!r} is not host:port")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
-        for attr in ("deadline_s", "register_timeout_s", "heartbeat_s"):
+        for attr in ("deadline_s", "register_timeout_s", "heartbeat_s", "reconnect_timeout_s",
+                     "reconnect_backoff_s"):
             if not getattr(self, attr) > 0:
                 raise ValueError(f"{attr} must be > 0, got {getattr(self, attr)}")
+        if not self.reconnect_backoff_max_s >= self.reconnect_backoff_s:
+            raise ValueError(f"reconnect_backoff_max_s must be >= reconnect_backoff_s "
+                             f"({self.reconnect_backoff_s}), got {self.reconnect_backoff_max_s}")
         if self.compress_min_bytes < 0 or self.clip_norm < 0:
             raise ValueError(f"compress_min_bytes and clip_norm must be >= 0, got "
                              f"{self.compress_min_bytes} and {self.clip_norm}")

@@ -76,6 +76,13 @@ class WorkerMetrics:
         self.comm_compute_ratio = m.gauge(
             "bitps_worker_comm_compute_ratio",
             "Communication time / compute time as measured to decide on overlap")
+        self.recoveries = m.counter(
+            "bitps_worker_shard_recoveries_total",
+            "Times this worker re-registered with a lost shard (it timed out, or restarted)")
+        self.lost_steps = m.counter(
+            "bitps_worker_lost_steps_total",
+            "Steps of a shard's updates lost because it came back from an older checkpoint "
+            "than this worker's clock, summed over recoveries (the worker adopts its clock)")
         self.registry.register(m)
 
     def watch_codecs(self, snapshot: Callable[[], CodecSnapshot]) -> None:

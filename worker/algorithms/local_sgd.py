@@ -30,8 +30,9 @@ DiLoCo); its state stays on this worker and is saved with :meth:`LocalSGD.state_
 H = 1, raw pushes and an outer SGD of lr 1, a round is exactly one step of the inner
 optimizer on the mean of the workers' updates.
 
-Nothing here reaches into the client: it uses ``PSClient.register``, ``pull`` and
-``push_pull`` as any caller may.
+Nothing here reaches into the client: it uses ``PSClient.register``, ``pull``, ``push_pull``
+and ``complete`` (which recovers a lost shard and redoes its part of an exchange) as any caller
+may.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class LocalSGD:
                            for f in range(fragments)]
         self._offsets = [(f + 1) * inner_steps // fragments for f in range(fragments)]
         self._inflight: dict[int, tuple[object, int]] = {}  # fragment -> (handle, land step)
-        copies = dict(zip(self.keys, self._outs))
+        copies = self._copies = dict(zip(self.keys, self._outs))
         client.register(self.plan, copies if client.cfg.rank == 0 else None, copies=copies)
         if client.freeze_step:  # known once the shards answered: their rule has phases
             raise ValueError("local SGD pushes pseudo-gradients: run the shards with an outer "
@@ -161,14 +162,14 @@ class LocalSGD:
             land = (self.inner_step + self.overlap_steps - 1) % self.inner_steps + 1
             self._inflight[f] = (handle, land)
         else:
-            handle.wait()
+            self.client.complete(handle, self._copies)  # a lost shard: recovered, redone
             self._copy_in(self._tensors[f])
 
     def _land(self, f: int) -> None:
         """The exchange of fragment ``f`` completes: its parameters become the new global ones
         plus the progress made since they were sent."""
         handle, _ = self._inflight.pop(f)
-        handle.wait()
+        self.client.complete(handle, self._copies)
         with torch.no_grad():
             for i in self._tensors[f]:
                 p = self.params[i][1].data.view(-1)

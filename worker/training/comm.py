@@ -15,7 +15,9 @@ the job in the forward pre-hook of the module that owns the bucket. The thread:
    the sockets), so neither a reply nor a new bucket waits for the other;
 4. returns a job's credit when its push is answered, and once its parameters have arrived runs
    ``job.finish()`` (on CUDA: upload them on the comm stream) and marks the job done; a failure
-   is kept on the job and raised by ``Job.wait`` on the waiting thread.
+   is kept on the job and raised by ``Job.wait`` on the waiting thread. Given ``copies``, a
+   push or pull that failed because its shard was lost is recovered first, on this thread
+   (``PSClient.complete``: re-register, redo), and only a shard that stays lost fails the job.
 
 Why the credit is held by the push alone: a sync shard answers a bucket's pull only when every
 worker has pushed that bucket. Were the pull's answer to hold the credit, worker A could wait
@@ -109,8 +111,11 @@ class CommThread:
     """Sends queued jobs by priority under a credit window and completes them."""
 
     def __init__(self, client: PSClient, *, inflight_bytes: int, hold_pulls: bool = False,
-                 on_inflight: Callable[[int], None] | None = None) -> None:
+                 on_inflight: Callable[[int], None] | None = None,
+                 copies: Mapping[int, np.ndarray] | None = None) -> None:
         self.client = client
+        self.copies = copies
+        """The worker's copies by key (``PSClient.complete``); ``None``: no recovery."""
         self.inflight_bytes = inflight_bytes
         self.hold_pulls = hold_pulls
         """The shards may hold pulls (``PSClient.holds_pulls``): push and pull apart."""
@@ -231,7 +236,7 @@ class CommThread:
             inflight.remove(job)
             used -= job.nbytes
             try:
-                job.credit.wait(0.0)  # raises the shard's error, if any
+                self._settle(job, "credit")  # raises the shard's error, if any
             except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
                 self._fail(job, err)  # its pull, if any, ends unread at its deadline
                 continue
@@ -241,7 +246,7 @@ class CommThread:
         for job in [j for j in waiting if j.handle.done()]:
             waiting.remove(job)
             try:
-                job.handle.wait(0.0)
+                self._settle(job, "handle")
                 if job.finish is not None:
                     job.finish()
             except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
@@ -250,6 +255,21 @@ class CommThread:
             job.finished = time.perf_counter()
             job.done.set()
         return used
+
+    def _settle(self, job: Job, which: str) -> None:
+        """Raise the failure of ``job``'s completed ``credit`` or ``handle``, after recovering
+        a lost shard and redoing its part when this thread has ``copies`` (blocking: the other
+        jobs wait, and their replies are received meanwhile)."""
+        handle = getattr(job, which)
+        if self.copies is None:
+            handle.wait(0.0)
+            return
+        done = self.client.complete(handle, self.copies)
+        if done is not handle:
+            if job.handle is handle:  # a push_pull: its credit and its parameters
+                job.handle = done
+            if job.credit is handle:
+                job.credit = done
 
     @staticmethod
     def _fail(job: Job, err: BaseException) -> None:

@@ -76,7 +76,7 @@ class PSModel:
         # the host copies hold the model's values now: rank 0 sends them, and every rank's
         # digests let the shards say which copies are current (one seed, one model)
         outs = self._staging.outs
-        copies = dict(zip(self.keys, outs))
+        copies = self._copies = dict(zip(self.keys, outs))
         client.register(self.plan, copies if client.cfg.rank == 0 else None, copies=copies)
         self.clock = client.start_clock
         self._staging.device_codec = self._wants_device_codec(device_codec)
@@ -92,7 +92,8 @@ class PSModel:
                               or bool(client.freeze_step)):
             self._staging.clip = StepClip(clip_norm)
         self._overlap = Overlap(model, self.params, self.plan, client, self._staging,
-                                overlap or OverlapConfig(), clock=lambda: self.clock)
+                                overlap or OverlapConfig(), clock=lambda: self.clock,
+                                copies=copies)
 
     def _wants_device_codec(self, asked: bool | None) -> bool:
         """Compress where the gradients are (CUDA) with ``worker.training.codec_torch``: sign1
@@ -134,7 +135,13 @@ class PSModel:
     def step(self) -> None:
         """Push this step's gradients, pull the parameters the shards computed, zero the grads.
         With overlap on, only what backward's hooks did not push goes now, and the pulls are
-        waited for where the next forward needs them."""
+        waited for where the next forward needs them.
+
+        A shard lost during the exchange (it timed out or restarted) is re-registered with and
+        its part of the exchange redone (``PSClient.complete``; on the communication thread
+        under overlap); a shard that came back from an older checkpoint hands out its
+        parameters and its clock, and the steps it lost are counted. Past
+        ``reconnect_timeout_s``, ``ShardLostError`` names the shard."""
         ov = self._overlap
         ov.install_waits()
         if ov.comm is not None:
@@ -169,7 +176,8 @@ class PSModel:
                                            scale=payload.scale)
             if payload.then is not None:
                 payload.then()
-            handle.wait()
+            # a lost shard is recovered here, and its part of the exchange redone
+            self.client.complete(handle, self._copies)
             staging.copy_in()
         return time.perf_counter() - t0
 

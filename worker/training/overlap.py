@@ -17,8 +17,9 @@ import contextlib
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from bitps.proto.keyplan import KeyPlan
@@ -42,8 +43,12 @@ class Overlap:
 
     def __init__(self, model: torch.nn.Module, params: Sequence[tuple[str, torch.Tensor]],
                  plan: KeyPlan, client: PSClient, staging: Staging, cfg: OverlapConfig, *,
-                 clock: Callable[[], int]) -> None:
+                 clock: Callable[[], int],
+                 copies: Mapping[int, np.ndarray] | None = None) -> None:
         self.cfg = cfg
+        self.copies = copies
+        """The worker's copies by key, for recovering a lost shard (``PSClient.complete``);
+        ``None``: a lost shard fails the bucket."""
         self.params = params
         self.plan = plan
         self.client = client
@@ -92,7 +97,7 @@ class Overlap:
         if decision.enabled:
             self.comm = CommThread(self.client, inflight_bytes=self.cfg.inflight_bytes,
                                    hold_pulls=self.client.holds_pulls,
-                                   on_inflight=self._inflight_metric)
+                                   on_inflight=self._inflight_metric, copies=self.copies)
             self._comm_seen = 0.0
 
     def record(self, stats: StepStats) -> None:
@@ -170,7 +175,7 @@ class Overlap:
             return
         if not job.done.is_set():
             with self.timer.exposed():
-                job.wait(self.client.cfg.deadline_s)
+                job.wait(self.client.exchange_bound_s)  # a lost shard's recovery included
         elif job.error is not None:
             job.wait(0)
         if self.staging.cuda and self._ready_events[b] is not None:
@@ -200,7 +205,7 @@ class Overlap:
         self.install_waits()
         prev = self._jobs[bucket.index]
         if prev is not None and not prev.done.is_set():
-            prev.wait(self.client.cfg.deadline_s)  # its buffers are about to be reused
+            prev.wait(self.client.exchange_bound_s)  # its buffers are about to be reused
         grads = {i: self._grads[i] for i in bucket.params}
         clock = self.clock()
         keys = [self.plan.keys[k] for k in bucket.keys]

@@ -25,7 +25,7 @@ from bitps.proto.codecs import Codec
 from bitps.proto.wire import PSError, encode_header, parse_header
 from bitps.worker.metrics import WorkerMetrics
 
-__all__ = ["Channel", "Handle", "PSTimeoutError"]
+__all__ = ["Channel", "Handle", "PSTimeoutError", "ShardLostError"]
 
 log = logging.getLogger(__name__)
 _F32 = np.dtype("<f4")
@@ -44,14 +44,34 @@ class PSTimeoutError(PSError, TimeoutError):
         super().__init__(pb.DEADLINE, message, shard=shard)
 
 
+class ShardLostError(PSTimeoutError):
+    """A shard stayed lost: re-registering with it and redoing the exchange did not succeed
+    within ``ClientConfig.reconnect_timeout_s``. ``address`` is the shard's gRPC ``host:port``,
+    ``waited_s`` how long the worker tried, ``last`` the last failure seen."""
+
+    def __init__(self, shard: int, address: str, waited_s: float, last: BaseException | None,
+                 *, rank: int) -> None:
+        self.address, self.waited_s, self.last = address, waited_s, last
+        super().__init__(f"worker {rank}: shard {shard} ({address}) lost; tried to re-register "
+                         f"and redo the exchange for {waited_s:.1f} s (reconnect_timeout_s); "
+                         f"last failure: {last}", shard=shard)
+
+
 class Handle:
-    """Completion of one push / pull / push_pull across shards; :meth:`wait` blocks on it."""
+    """Completion of one push / pull / push_pull across shards; :meth:`wait` blocks on it.
+
+    It keeps its :attr:`requests` (and so their payloads) until it is dropped, so that
+    ``PSClient.complete`` can send a lost shard's part again, byte for byte."""
 
     def __init__(self, channel: Channel | None, parts: int, what: tuple, deadline_s: float,
                  keep: tuple = ()) -> None:
         self._channel = channel
         self._left = parts
         self._error: PSError | None = None
+        self.requests: list[Request] = []
+        """The data messages of this handle (set by the client once built)."""
+        self._open: dict[int, int] = {}  # shard -> parts not yet answered
+        self._failed: dict[int, PSError] = {}  # shard -> its first error
         # A plain flag, not an Event: every waiter drives the channel itself (blocking on its
         # socket or its lock), so nobody sleeps on the handle and nothing needs waking.
         self._complete = parts == 0
@@ -67,6 +87,24 @@ class Handle:
         more = "..." if len(keys) > 8 else ""
         return f"worker {rank} {pb.Op.Name(op)} clock {clock} keys {list(keys[:8])}{more}"
 
+    @property
+    def clock(self) -> int:
+        """The worker's clock this exchange is for (before any per-shard shift)."""
+        return self._what[2]
+
+    def track(self, shard: int) -> None:
+        """Count one part going to ``shard`` (the client, while building the requests)."""
+        self._open[shard] = self._open.get(shard, 0) + 1
+
+    def failed_shards(self) -> dict[int, PSError | None]:
+        """The shards whose part failed (their first error) or has not been answered yet
+        (``None``): what a redo must send again."""
+        out: dict[int, PSError | None] = dict(self._failed)
+        for shard, n in self._open.items():
+            if n > 0:
+                out.setdefault(shard, None)
+        return out
+
     def done(self) -> bool:
         """True once every shard has answered (receives pending replies without blocking)."""
         if not self._complete and self._channel is not None:
@@ -81,16 +119,23 @@ class Handle:
         while not self._complete:
             left = end - time.monotonic()
             if left <= 0:
-                raise PSTimeoutError(f"{self.what}: no answer after {limit:.1f} s")
+                open_ = sorted(s for s, n in self._open.items() if n > 0)
+                raise PSTimeoutError(f"{self.what}: no answer after {limit:.1f} s"
+                                     + (f" from shards {open_}" if open_ else ""),
+                                     shard=open_[0] if open_ else None)
             self._channel.progress(min(left, _SLICE_S))
         self._keep = ()
         if self._error is not None:
             raise self._error
 
-    def _part_done(self, error: PSError | None = None) -> None:
+    def _part_done(self, error: PSError | None = None, shard: int | None = None) -> None:
         # Only called by the thread holding the channel lock: no lock of its own needed.
         if error is not None and self._error is None:
             self._error = error
+        if shard is not None:
+            self._open[shard] = self._open.get(shard, 0) - 1
+            if error is not None:
+                self._failed.setdefault(shard, error)
         self._left -= 1
         if self._left == 0:
             self._complete = True
@@ -112,6 +157,8 @@ class Request:
     nbytes: int
     copy: bool = False
     """Send payload frames by copy: they live in buffers reused by the next encode."""
+    clock: int = 0
+    """The worker's clock (``header.clock`` is this plus the shard's clock shift)."""
 
 
 class CodeApplier:
@@ -158,6 +205,9 @@ class Channel:
         wire = sum(part.nbytes for req in requests for part in req.payload)
         with self.lock:
             for req in requests:
+                old = self.inflight.get(req.request_id)
+                if old is not None:  # sent again (PSClient.complete): one answer expected
+                    self.pending[old.shard] -= 1
                 self.inflight[req.request_id] = req
                 self.pending[req.shard] += 1
                 sock, payload = self.dealers[req.shard], req.payload
@@ -243,7 +293,7 @@ class Channel:
             # A pull the shard held past its deadline is the same failure as a late answer.
             err = (PSTimeoutError(header.message, shard=shard) if header.error == pb.DEADLINE
                    else PSError(header.error, header.message, shard=shard))
-            return req.handle._part_done(err)
+            return req.handle._part_done(err, shard)
         error, nbytes, codecs = None, 0, header.frame_codecs
         published = None
         for i, (key, out) in enumerate(zip(req.keys, req.outs)):
@@ -274,7 +324,7 @@ class Channel:
             error = PSError(pb.UNKNOWN_KEY, f"reply names keys {list(header.keys)[:8]}; asked "
                             f"for {req.keys[:8]}", shard=shard)
         if error is not None:
-            return req.handle._part_done(error)
+            return req.handle._part_done(error, shard)
         for key, version in zip(req.keys, header.versions):
             self.versions[key] = version
         self.min_clock = header.min_clock
@@ -287,7 +337,7 @@ class Channel:
                 m.pull_bytes.inc(nbytes)
                 m.pull_latency.observe(elapsed)
             m.min_clock.set(header.min_clock)
-        req.handle._part_done()
+        req.handle._part_done(None, shard)
 
     def _apply_updates(self, frame: memoryview, out: np.ndarray, key: int, version: int,
                        codec: Codec, shard: int) -> PSError | None:
@@ -319,7 +369,29 @@ class Channel:
             self.pending[r.shard] -= 1
             r.handle._part_done(PSTimeoutError(
                 f"{r.handle.what}: shard {r.shard} ({self.servers[r.shard]}) did not answer "
-                f"within {r.handle.deadline_s:.1f} s", shard=r.shard))
+                f"within {r.handle.deadline_s:.1f} s", shard=r.shard), r.shard)
+
+    def reset(self, shard: int, endpoint: str, context: zmq.Context) -> None:
+        """Replace the socket to ``shard`` by a fresh one connected to ``endpoint``: messages
+        still queued for a lost shard are dropped with the old socket (a restarted shard must
+        not receive them after the worker has re-registered), and the requests in flight to it
+        fail (``DEADLINE``: their waiters redo them)."""
+        with self.lock:
+            for r in [r for r in self.inflight.values() if r.shard == shard]:
+                del self.inflight[r.request_id]
+                r.handle._part_done(PSTimeoutError(
+                    f"{r.handle.what}: shard {shard} ({self.servers[shard]}) was lost; the "
+                    f"request was dropped with its connection", shard=shard), shard)
+            self.pending[shard] = 0
+            old = self.dealers[shard]
+            self.poller.unregister(old)
+            old.close(linger=0)
+            d = context.socket(zmq.DEALER)
+            d.setsockopt(zmq.LINGER, 0)
+            d.setsockopt(zmq.RCVTIMEO, int(_SLICE_S * 1000))
+            d.connect(endpoint)
+            self.dealers[shard] = d
+            self.poller.register(d, zmq.POLLIN)
 
     def close(self) -> None:
         with self.lock:

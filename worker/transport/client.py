@@ -17,6 +17,7 @@ received frame into the caller's ``outs``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import secrets
@@ -36,10 +37,16 @@ from bitps.proto.keyplan import KeyPlan, value_digest
 from bitps.proto.wire import PROTOCOL, PSError
 from bitps.worker.config import ClientConfig
 from bitps.worker.metrics import CodecSnapshot, WorkerMetrics
-from bitps.worker.transport.channel import Channel, Handle, PSTimeoutError, Request
+from bitps.worker.transport.channel import (
+    Channel,
+    Handle,
+    PSTimeoutError,
+    Request,
+    ShardLostError,
+)
 from bitps.worker.transport.push_policy import CODEC_PUSH, PushPolicy, for_registration
 
-__all__ = ["Handle", "PSClient", "PSTimeoutError"]
+__all__ = ["Handle", "PSClient", "PSTimeoutError", "RECOVERABLE", "ShardLostError"]
 
 log = logging.getLogger(__name__)
 _F32 = np.dtype("<f4")
@@ -47,6 +54,11 @@ _ERROR_METADATA_KEY = "bitps-error-code"
 _TOKEN_METADATA_KEY = "bitps-token"  # checked by the shard before it reads a request
 _REGISTER_RETRY_S = (0.02, 0.5)  # first and longest pause between Register calls
 _U64 = (1 << 64) - 1
+RECOVERABLE = frozenset({pb.DEADLINE, pb.NOT_REGISTERED, pb.NOT_INITIALIZED, pb.BAD_CLOCK})
+"""Failures of one shard that :meth:`PSClient.complete` recovers from: no answer in time (the
+shard died, or the connection dropped), a shard that does not know this worker or is not
+initialized (it restarted), and a clock it does not take (it restarted from an older
+checkpoint). Anything else is the caller's or the shard's bug and is raised as it is."""
 
 
 class PSClient:
@@ -56,8 +68,14 @@ class PSClient:
         self.cfg = cfg
         self.metrics = metrics or WorkerMetrics()
         self.num_shards = len(cfg.servers)
+        # gRPC's own reconnect backoff (1 s growing to 120 s by default) would hide a shard
+        # that is back: bound it by the worker's reconnect backoff.
+        backoff = (int(cfg.reconnect_backoff_s * 1000), int(cfg.reconnect_backoff_max_s * 1000))
         opts = [("grpc.max_send_message_length", 64 << 20),
-                ("grpc.max_receive_message_length", 64 << 20)]
+                ("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.initial_reconnect_backoff_ms", max(backoff[0], 1)),
+                ("grpc.min_reconnect_backoff_ms", max(backoff[0], 1)),
+                ("grpc.max_reconnect_backoff_ms", max(backoff[1], 1))]
         self._grpc = [grpc.insecure_channel(s, options=opts) for s in cfg.servers]
         self._stubs = [pb_grpc.ControlStub(c) for c in self._grpc]
         self.plan: KeyPlan | None = None
@@ -71,6 +89,10 @@ class PSClient:
         keys (sync, more than one worker), so a pull must never hold back this worker's own
         pushes (``worker.training.comm``)."""
         self._heartbeat_min_clock = 0
+        self.shift = [0] * self.num_shards
+        """Per shard: what its clock is ahead of this worker's (negative: behind). Requests to
+        shard ``s`` for step ``c`` carry clock ``c + shift[s]``; nonzero once a shard came back
+        from a checkpoint older than this worker's clock (:meth:`recover`)."""
         self._ids = itertools.count(1)
         self.incarnation = secrets.randbits(63) | 1
         """Names this client's life on the wire: with the request id, it makes every push
@@ -317,7 +339,8 @@ class PSClient:
         for shard, compressed, idx in groups:
             ks = [keys[i] for i in idx]
             header = pb.DataHeader(op=op, protocol=PROTOCOL, worker=self.cfg.rank,
-                                   request_id=next(self._ids), clock=clock, keys=ks,
+                                   request_id=next(self._ids), clock=clock + self.shift[shard],
+                                   keys=ks,
                                    dtype=pb.FLOAT32, deadline_s=self.cfg.deadline_s,
                                    token=self.cfg.token, incarnation=self.incarnation)
             # The versions of this worker's copies: what a gradient was computed from, and
@@ -335,7 +358,10 @@ class PSClient:
                     payload = [grads[i] for i in idx]
             requests.append(Request(shard, header.request_id, ks, header, payload,
                                     [outs[i] for i in idx] if outs else (), handle, deadline,
-                                    op, nbytes, copy=compressed or own or scale is not None))
+                                    op, nbytes, copy=compressed or own or scale is not None,
+                                    clock=clock))
+            handle.track(shard)
+        handle.requests = requests
         channel.send(requests)
         return handle
 
@@ -520,6 +546,154 @@ class PSClient:
                 size += n
             groups.append((shard, compressed, batch))
         return groups
+
+    # -- recovery -----------------------------------------------------------------------------
+    @property
+    def exchange_bound_s(self) -> float:
+        """Longest :meth:`complete` may take: the first attempt's deadline, then up to
+        ``reconnect_timeout_s`` of recovery, whose last redo may wait one more deadline."""
+        return 2 * self.cfg.deadline_s + self.cfg.reconnect_timeout_s
+
+    def complete(self, handle: Handle, copies: Mapping[int, np.ndarray]) -> Handle:
+        """Wait for ``handle``; when shards were lost (:data:`RECOVERABLE` failures, or no
+        answer), :meth:`recover` each and redo their part of the exchange, until it succeeds
+        or ``reconnect_timeout_s`` has passed (then :class:`ShardLostError`). Returns the
+        handle that completed (``handle``, or the redo's).
+
+        ``copies`` (every key of the plan) are the values this worker holds: their digests
+        tell a shard that is back which copies are still current, and rank 0 sends them as
+        initial values to a shard that came back empty (a shard restored from a checkpoint is
+        initialized and keeps its own). A redo sends the same bytes: the same request ids to a
+        shard that kept this worker's clock (its exactly-once window answers a push it had
+        applied with the original answer), new ids and the shard's clock to one that came
+        back behind (:meth:`recover`)."""
+        try:
+            handle.wait()
+            return handle
+        except PSError as err:
+            last: PSError = err
+        since = time.monotonic()
+        end = since + self.cfg.reconnect_timeout_s
+        while True:
+            failed = handle.failed_shards()
+            if not failed or any(e is not None and e.code not in RECOVERABLE
+                                 for e in failed.values()):
+                raise last
+            log.warning("rank %d: %s; recovering shards %s", self.cfg.rank, last,
+                        sorted(failed))
+            for shard in sorted(failed):
+                self.recover(shard, copies, clock=handle.clock, since=since, end=end)
+            handle = self._redo(handle, failed)
+            try:
+                handle.wait()
+                return handle
+            except PSError as err:
+                last = err
+            if time.monotonic() >= end:
+                shard = last.shard if last.shard is not None else min(failed)
+                raise ShardLostError(shard, self.cfg.servers[shard], time.monotonic() - since,
+                                     last, rank=self.cfg.rank) from last
+
+    def recover(self, shard: int, copies: Mapping[int, np.ndarray], *, clock: int,
+                since: float | None = None, end: float | None = None) -> int:
+        """Get ``shard`` back after it was lost while this worker was at step ``clock``:
+        drop what its old connection still queues, re-register (the plan, digests of
+        ``copies``, and rank 0's ``copies`` as values) with backoff until ``end`` (default:
+        ``reconnect_timeout_s`` from now), then adopt what the shard says. Returns the steps
+        of this shard's updates that were lost (it came back from an older checkpoint).
+
+        Adopting: the shard's keys whose values differ from ``copies`` lose their versions (the
+        next exchange pulls them whole). A shard that has this worker at a clock below
+        ``clock`` (plus the shard's shift) lost that many steps; from now on this worker's
+        requests to it carry the shard's clock (:attr:`shift`), and the loss is counted
+        (``bitps_worker_lost_steps_total``) and logged. Raises :class:`ShardLostError` past
+        ``end``, and other failures (another plan, a wrong token) as they are."""
+        if self.plan is None:
+            raise RuntimeError("register() before recover()")
+        since = time.monotonic() if since is None else since
+        end = since + self.cfg.reconnect_timeout_s if end is None else end
+        # Requests still queued on the old connection would reach a restarted shard after this
+        # worker re-registered, as pushes of the wrong step: drop them with the socket.
+        self._reset_data(shard)
+        keys = self.plan.for_shard(shard)
+        values = {k.key: copies[k.key] for k in keys} if self.cfg.rank == 0 else None
+        pause, last = self.cfg.reconnect_backoff_s, None
+        while True:
+            try:
+                stream = iter(self._register_stream(self.plan, shard, values, copies))
+                left = min(end - time.monotonic(), self.cfg.deadline_s)
+                reply = self._call(self._stubs[shard].Register, stream, shard,
+                                   timeout=max(left, 0.1))
+                return self._rejoin(shard, reply, clock)
+            except PSError as err:
+                if err.code not in RECOVERABLE:
+                    raise
+                last = err
+            if time.monotonic() + pause > end:
+                raise ShardLostError(shard, self.cfg.servers[shard], time.monotonic() - since,
+                                     last, rank=self.cfg.rank)
+            time.sleep(pause)
+            pause = min(2 * pause, self.cfg.reconnect_backoff_max_s)
+
+    def _rejoin(self, shard: int, reply: pb.RegisterReply, clock: int) -> int:
+        """Take a re-registration's answer (:meth:`recover`); returns the steps lost."""
+        if reply.shard_id != shard:
+            raise PSError(pb.BAD_HEADER, f"server {self.cfg.servers[shard]} is now shard "
+                          f"{reply.shard_id}; expected shard {shard}", shard=shard)
+        host = self.cfg.servers[shard].rsplit(":", 1)[0]
+        endpoint = f"tcp://{host}:{reply.data_port}"
+        if endpoint != self._endpoints[shard]:  # restarted on another data port
+            self._endpoints[shard] = endpoint
+            self._reset_data(shard)
+        for k in self.plan.for_shard(shard):
+            self.versions.pop(k.key, None)
+        self.versions.update(zip(reply.current_keys, reply.current_versions))
+        expected = clock + self.shift[shard]
+        lost = max(expected - reply.start_clock, 0)
+        if lost:
+            self.shift[shard] = reply.start_clock - clock
+            log.warning("rank %d: shard %d (%s) came back at clock %d, %d steps behind this "
+                        "worker's %d: those updates of its keys are lost; its keys are pulled "
+                        "again and its clock adopted", self.cfg.rank, shard,
+                        self.cfg.servers[shard], reply.start_clock, lost, expected)
+        else:
+            log.info("rank %d: shard %d (%s) is back at clock %d", self.cfg.rank, shard,
+                     self.cfg.servers[shard], reply.start_clock)
+        with self.metrics.lock:
+            self.metrics.recoveries.inc()
+            self.metrics.lost_steps.inc(lost)
+        return lost
+
+    def _reset_data(self, shard: int) -> None:
+        """A fresh data connection to ``shard`` in every channel (``Channel.reset``)."""
+        with self._channels_lock:
+            channels = list(self._channels)
+        for channel in channels:
+            channel.reset(shard, self._endpoints[shard], self._ctx)
+
+    def _redo(self, handle: Handle, failed: Mapping[int, PSError | None]) -> Handle:
+        """Send ``handle``'s parts for the ``failed`` shards again, from this thread."""
+        channel = self._channel()
+        old = [r for r in handle.requests if r.shard in failed]
+        redo = Handle(channel, len(old), handle._what, self.cfg.deadline_s)
+        deadline = time.monotonic() + self.cfg.deadline_s
+        for r in old:
+            header = pb.DataHeader()
+            header.CopyFrom(r.header)
+            clock = r.clock + self.shift[r.shard]
+            if header.clock != clock:
+                # The shard came back behind: this is a push of another step there, and the
+                # shard's exactly-once window does not know it.
+                header.clock, header.request_id = clock, next(self._ids)
+            del header.versions[:]
+            if all(k in self.versions for k in r.keys):
+                header.versions.extend(self.versions[k] for k in r.keys)
+            redo.requests.append(dataclasses.replace(r, request_id=header.request_id,
+                                                     header=header, handle=redo,
+                                                     deadline=deadline))
+            redo.track(r.shard)
+        channel.send(redo.requests)
+        return redo
 
     # -- lifetime -----------------------------------------------------------------------------
     def close(self, leave: bool = True) -> None:

@@ -1,0 +1,242 @@
+"""Workers survive a shard restart (``PSClient.complete``: re-register, redo the exchange) and
+leave cleanly on SIGTERM.
+
+Two in-process shards on loopback; one is checkpointed (``ps.checkpoint.save``), stopped, and a
+new shard is built on the same ports, restored from the checkpoint *before* it serves
+(``ServerShard(cfg)``, ``restore``, ``start()``: the server's ``--checkpoint-dir`` will do this),
+a while after the worker's request to the old one was lost. Each test fails without the
+recovery: the worker's step raises ``PSTimeoutError`` instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from bitps.proto import bitps_pb2 as pb
+from bitps.proto import bitps_pb2_grpc as pb_grpc
+from bitps.ps import OptimizerConfig, ServerConfig, create_server
+from bitps.ps.checkpoint import load_latest, restore, save
+from bitps.ps.server import ServerShard
+from bitps.worker import ClientConfig, PSClient
+from bitps.worker.config import OverlapConfig
+from bitps.worker.transport.client import ShardLostError
+
+torch = pytest.importorskip("torch")
+from bitps.worker.training.model import PSModel  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DEADLINE_S = 0.5  # a lost request is noticed this fast
+DOWN_S = 1.2  # the shard is down this long: longer than the deadline, so a request is lost
+
+
+def _shards(mode: str):
+    return [create_server(ServerConfig(shard_id=i, num_shards=2, mode=mode, metrics_port=-1,
+                                       heartbeat_timeout_s=30,
+                                       optimizer=OptimizerConfig(name="momentum", lr=0.05,
+                                                                 momentum=0.9)))
+            for i in range(2)]
+
+
+def _servers(shards) -> tuple[str, ...]:
+    return tuple(f"127.0.0.1:{s.ports['grpc_port']}" for s in shards)
+
+
+def _checkpoint(shard: ServerShard, directory: Path) -> None:
+    with shard.core.lock:
+        save(shard.core, directory, keep=3)
+
+
+def _restart_later(shards: list, i: int, directory: Path, delay_s: float) -> threading.Thread:
+    """Stop shard ``i`` now; after ``delay_s`` build a new one on the same ports, restore the
+    newest checkpoint of ``directory`` before it serves, start it, and put it in ``shards``."""
+    old = shards[i]
+    old.stop(0)
+    cfg = dataclasses.replace(old.cfg, grpc_port=old.ports["grpc_port"],
+                              data_port=old.ports["data_port"])
+
+    def run() -> None:
+        time.sleep(delay_s)
+        new = ServerShard(cfg)
+        restore(new.core, load_latest(directory))
+        shards[i] = new.start()
+
+    t = threading.Thread(target=run, name="restart-shard")
+    t.start()
+    return t
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def _batch(step: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+
+
+def _client(shards, **kw) -> PSClient:
+    cfg = dict(deadline_s=DEADLINE_S, reconnect_timeout_s=10.0, reconnect_backoff_s=0.05,
+               reconnect_backoff_max_s=0.2, heartbeat_s=0.2, partition_bytes=1024)
+    return PSClient(ClientConfig(servers=_servers(shards), **(cfg | kw)))
+
+
+def _train(shards, steps: int, *, overlap: str = "off", after_step=None, **client_kw):
+    """Train the tiny model ``steps`` steps through ``shards``; ``after_step(step, ps_model)``
+    runs after each. Returns the final parameters and the client's metrics."""
+    model = _model()
+    ps_model = PSModel(model, _client(shards, **client_kw),
+                       overlap=OverlapConfig(mode=overlap, bucket_bytes=256))
+    try:
+        for step in range(steps):
+            x, y = _batch(step)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            ps_model.step()
+            if after_step is not None:
+                after_step(step, ps_model)
+        ps_model.synchronize()
+        return [p.detach().clone() for p in model.parameters()], ps_model.client.metrics
+    finally:
+        ps_model.close()
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_sync_restart_from_checkpoint_every_step_equals_uninterrupted(tmp_path, overlap):
+    """Shard 1 is checkpointed after every step and restarted while step 4's exchange is lost:
+    the worker re-registers, redoes the exchange with the same request ids, and the final
+    parameters equal an uninterrupted run's bit for bit (nothing lost, nothing applied twice,
+    rank 0's values did not overwrite the restored ones)."""
+    steps, kill_after = 8, 3
+    shards = _shards("sync")
+    restarts = []
+
+    def after_step(step, ps_model):
+        _checkpoint(shards[1], tmp_path)
+        if step == kill_after:
+            restarts.append(_restart_later(shards, 1, tmp_path, DOWN_S))
+
+    try:
+        got, metrics = _train(shards, steps, overlap=overlap, after_step=after_step)
+    finally:
+        for t in restarts:
+            t.join()
+        for s in shards:
+            s.stop(0)
+    assert metrics.recoveries.value >= 1 and metrics.lost_steps.value == 0
+    reference = _shards("sync")
+    try:
+        want, _ = _train(reference, steps, overlap=overlap)
+    finally:
+        for s in reference:
+            s.stop(0)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b), float((a - b).abs().max())
+
+
+def test_async_restart_behind_adopts_shard_clock_and_counts_lost_steps(tmp_path):
+    """Shard 1 comes back from the checkpoint of step 2 while the worker is at clock 6: the
+    worker adopts the shard's clock for that shard (its requests carry clock - 3), pulls its
+    parameters fresh, counts 3 lost steps, and trains on."""
+    shards = _shards("async")
+    seen = {}
+    restarts = []
+
+    def after_step(step, ps_model):
+        if step == 2:
+            _checkpoint(shards[1], tmp_path)
+        if step == 5:
+            restarts.append(_restart_later(shards, 1, tmp_path, DOWN_S))
+        if step == 6:  # the step that lost shard 1 and recovered it
+            client = ps_model.client
+            keys = [k.key for k in client.plan.for_shard(1)]
+            with shards[1].core.lock:
+                seen["shard"] = {k: shards[1].core.slots[k].param.copy() for k in keys}
+                seen["clock"] = shards[1].core.clocks.workers[0].clock
+            seen["worker"] = {k: ps_model._copies[k].copy() for k in keys}
+            seen["shift"], seen["worker_clock"] = list(client.shift), ps_model.clock
+
+    try:
+        _, metrics = _train(shards, 9, after_step=after_step)
+    finally:
+        for t in restarts:
+            t.join()
+        for s in shards:
+            s.stop(0)
+    assert metrics.lost_steps.value == 3 and metrics.recoveries.value >= 1
+    assert seen["shift"] == [0, -3]
+    assert seen["clock"] == seen["worker_clock"] - 3  # the shard's clock, adopted
+    for k, v in seen["shard"].items():
+        np.testing.assert_array_equal(seen["worker"][k], v)  # pulled fresh from shard 1
+
+
+def test_shard_lost_past_reconnect_bound_raises_typed_error():
+    """A shard that never comes back: ShardLostError names it and how long the worker tried,
+    within the bound."""
+    shards = _shards("sync")
+    model = _model()
+    ps_model = PSModel(model, _client(shards, reconnect_timeout_s=1.0))
+    try:
+        address = _servers(shards)[1]
+        shards[1].stop(0)
+        x, y = _batch(0)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        t0 = time.monotonic()
+        with pytest.raises(ShardLostError) as info:
+            ps_model.step()
+        elapsed = time.monotonic() - t0
+    finally:
+        ps_model.client.close(leave=False)
+        for s in shards:
+            s.stop(0)
+    err = info.value
+    assert err.shard == 1 and err.address == address and address in str(err)
+    assert 0.8 <= err.waited_s <= 1.5 and f"{err.waited_s:.1f} s" in str(err)
+    assert elapsed < DEADLINE_S + 1.0 + 1.5
+    assert err.code == pb.DEADLINE
+
+
+def _status(address: str) -> pb.StatusReply:
+    with grpc.insecure_channel(address) as ch:
+        return pb_grpc.ControlStub(ch).Status(pb.StatusRequest(), timeout=5)
+
+
+def test_sigterm_worker_leaves_every_shard_and_exits_zero():
+    """A real bitps-worker gets SIGTERM mid-training: it exits 0 within seconds and every
+    shard's Status shows its rank gone (left) at once, long before the 30 s heartbeat
+    timeout."""
+    shards = _shards("sync")
+    servers = ",".join(_servers(shards))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bitps.worker", "--servers", servers, "--steps", "100000",
+         "--json", "--metrics-port", "-1", "--seq-len", "16", "--batch-size", "2",
+         "--corpus-bytes", "20000", "--log-every", "1"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        for line in proc.stdout:  # until it trains
+            if json.loads(line)["event"] == "step":
+                break
+        assert all(w.live for s in _servers(shards) for w in _status(s).workers)
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        assert proc.wait(10) == 0
+        assert time.monotonic() - t0 < 5
+        assert json.loads(proc.stdout.readline())["event"] == "terminated"
+        for address in _servers(shards):
+            (worker,) = _status(address).workers
+            assert worker.rank == 0 and not worker.live, worker
+    finally:
+        proc.kill()
+        proc.wait()
+        for s in shards:
+            s.stop(0)
