@@ -231,7 +231,8 @@ def test_sigterm_worker_leaves_every_shard_and_exits_zero():
         t0 = time.monotonic()
         assert proc.wait(10) == 0
         assert time.monotonic() - t0 < 5
-        assert json.loads(proc.stdout.readline())["event"] == "terminated"
+        # steps printed before the signal may still be in the pipe: the last event counts
+        assert [json.loads(line)["event"] for line in proc.stdout][-1] == "terminated"
         for address in _servers(shards):
             (worker,) = _status(address).workers
             assert worker.rank == 0 and not worker.live, worker
