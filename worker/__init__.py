@@ -15,9 +15,10 @@
 from bitps.worker import algorithms  # noqa: F401  (registers the algorithms' push policies)
 from bitps.worker.config import ClientConfig
 from bitps.worker.metrics import WorkerMetrics
-from bitps.worker.transport.client import Handle, PSClient, PSTimeoutError
+from bitps.worker.transport.client import Handle, PSClient, PSTimeoutError, ShardLostError
 
-__all__ = ["ClientConfig", "Handle", "PSClient", "PSModel", "PSTimeoutError", "WorkerMetrics"]
+__all__ = ["ClientConfig", "Handle", "PSClient", "PSModel", "PSTimeoutError", "ShardLostError",
+           "WorkerMetrics"]
 
 
 def __getattr__(name: str):

@@ -120,8 +120,10 @@ class Handle:
             left = end - time.monotonic()
             if left <= 0:
                 open_ = sorted(s for s, n in self._open.items() if n > 0)
+                # a typed error another shard already sent says more than the silence: keep it
+                also = f"; before that: {self._error}" if self._error is not None else ""
                 raise PSTimeoutError(f"{self.what}: no answer after {limit:.1f} s"
-                                     + (f" from shards {open_}" if open_ else ""),
+                                     + (f" from shards {open_}" if open_ else "") + also,
                                      shard=open_[0] if open_ else None)
             self._channel.progress(min(left, _SLICE_S))
         self._keep = ()
