@@ -107,6 +107,8 @@ PROGRAM = Program("bitps-server", "Run one bitps PS shard.", (
     from_field(_S, "checkpoint_every_s",
                help="write a checkpoint every T seconds with updates (0 = not by time)"),
     from_field(_S, "checkpoint_keep", help="checkpoints kept, newest first"),
+    from_field(_S, "checkpoint_durable",
+               help="a due checkpoint is on disk before its request's replies leave"),
     from_field(_S, "exit_when_done",
                help="exit 0 once every rank of the world has registered and left (Jobs)"),
     option("log-level", default="INFO", help="log level of stderr (DEBUG, INFO, WARNING, ERROR)"),

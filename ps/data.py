@@ -37,9 +37,11 @@ class DataLoop:
                  after_request: Callable[[], object] | None = None) -> None:
         self.core = core
         self.after_request = after_request or (lambda: None)
-        """Called on the loop's thread after each request and each tick (the server's
-        ``Checkpointer.maybe_save``): no request is in flight then, and parameters are written
-        by this thread alone. Must be cheap when there is nothing to do."""
+        """Called on the loop's thread after each request and each tick is handled and BEFORE
+        its replies are sent (the server's ``Checkpointer.maybe_save``): no request is in
+        flight then, parameters are written by this thread alone, and a durable checkpoint
+        is on disk before any worker sees the updates it holds acknowledged. Must be cheap
+        when there is nothing to do."""
         self.on_failure = on_failure
         """Called with the thread's name and the error when :meth:`run` raises (a bug: bad
         requests get ERROR replies); ``None`` re-raises."""
@@ -87,19 +89,18 @@ class DataLoop:
         while not self._stop.is_set():
             try:
                 # Blocking receive with RCVTIMEO = one tick: no poll set to build per message.
-                self._serve(self._receive())
-                after()
+                self._serve(self._receive(), after)
                 while sock.get(_EVENTS) & _POLLIN:  # drain without raising zmq.Again
-                    self._serve(self._receive())
-                    after()
+                    self._serve(self._receive(), after)
             except zmq.Again:
                 pass
             now = time.monotonic()
             if now - last_tick >= _TICK_S:
                 last_tick = now
-                for reply in core.tick():
-                    self._send(reply)
+                replies = core.tick()  # a membership change may finish a sync step
                 after()
+                for reply in replies:
+                    self._send(reply)
         self._farewell()
 
     def _farewell(self) -> None:
@@ -128,10 +129,12 @@ class DataLoop:
             parts.append(sock.recv(copy=False).buffer)
         return parts
 
-    def _serve(self, parts: list) -> None:
+    def _serve(self, parts: list, after: Callable[[], object]) -> None:
         if len(parts) < 2:
             return  # a ROUTER always prefixes the routing id; an empty message has no header
-        for reply in self.core.handle(parts[0], parts[1:]):
+        replies = self.core.handle(parts[0], parts[1:])
+        after()  # a due checkpoint first: its updates are acknowledged only once saved
+        for reply in replies:
             self._send(reply)
 
     def _send(self, reply: Reply) -> None:

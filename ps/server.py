@@ -73,7 +73,8 @@ class ServerShard:
             Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)
             self.checkpointer = Checkpointer(
                 self.core, cfg.checkpoint_dir, keep=cfg.checkpoint_keep,
-                every_updates=cfg.checkpoint_every_updates, every_s=cfg.checkpoint_every_s)
+                every_updates=cfg.checkpoint_every_updates, every_s=cfg.checkpoint_every_s,
+                background=not cfg.checkpoint_durable)
             self.restored = self.checkpointer.restore_latest()
             self._log_restored()
         self.data = DataLoop(self.core, host=cfg.host, port=cfg.data_port,

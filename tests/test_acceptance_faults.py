@@ -9,8 +9,8 @@ stops and continues them, by pid).
    and the exported file loads strictly into the demo model. The shard is killed once the
    workers are frozen and its newest checkpoint is on disk (the kill lands mid-exchange; the
    frozen workers let the test read the restarted shard before they push again). Killed while
-   a sync step's checkpoint is being written, a whole step is lost: an ``xfail`` naming the
-   change it needs, outside this test's reach.
+   a sync step's checkpoint is being written, no step is lost either: the step's replies wait
+   until its checkpoint is on disk (``checkpoint_durable``), so the workers redo it.
 2. A worker killed with ``kill -9`` in ssp: the other passes the staleness bound once the shards
    drop the dead rank (within the heartbeat timeout), a replacement under the same rank joins
    at the live clock and both finish; every push applied once. A worker stopped with SIGSTOP
@@ -282,14 +282,8 @@ def test_a_shard_killed_mid_run_restarts_from_its_checkpoint_and_training_comple
     _exported_model_loads_and_is_trained(got)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "a sync step's replies leave the shard (DataLoop._serve) before Checkpointer.maybe_save "
-    "(after_request) snapshots the step, and the snapshot is written on a background thread: "
-    "a kill -9 during that write restores the step before, whose replies the workers had, so "
-    "one whole step (an interval) is lost and the run differs from an uninterrupted one. Needs "
-    "ps/data.py to run after_request before sending a request's replies and ps/server.py to "
-    "make due saves durable before them (Checkpointer(background=False), or replies held "
-    "until the background write ends)"))
+# Found by this test: a step's replies left before its checkpoint was on disk; now a due
+# checkpoint is durable first (ServerConfig.checkpoint_durable).
 def test_a_sync_shard_killed_while_writing_a_step_checkpoint_loses_no_step(
         cluster, tmp_path, keys_per_shard):
     every = keys_per_shard
