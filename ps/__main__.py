@@ -16,6 +16,7 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 
+from bitps.proto.keys import KeyFileError
 from bitps.proto.schedule import LRSchedule
 from bitps.proto.settings import Program, from_field, option
 from bitps.ps.checkpoint import CheckpointError
@@ -111,6 +112,18 @@ PROGRAM = Program("bitps-server", "Run one bitps PS shard.", (
                help="a due checkpoint is on disk before its request's replies leave"),
     from_field(_S, "exit_when_done",
                help="exit 0 once every rank of the world has registered and left (Jobs)"),
+    from_field(_S, "curve_secret_key", metavar="FILE",
+               help="the shard's CURVE .key_secret file (bitps-keygen): encrypt the data plane "
+                    "and let in only curve-allowed-keys (empty = plain ZeroMQ)"),
+    from_field(_S, "curve_allowed_keys", metavar="DIR",
+               help="directory of the public keys (*.key) of the workers allowed on the data "
+                    "plane"),
+    from_field(_S, "tls_cert_file", metavar="FILE",
+               help="TLS certificate chain (PEM) of the gRPC port (empty = plaintext gRPC)"),
+    from_field(_S, "tls_key_file", metavar="FILE", help="private key (PEM) of tls-cert-file"),
+    from_field(_S, "tls_client_ca_file", metavar="FILE",
+               help="CA (PEM) that gRPC clients' certificates must be signed by (mutual TLS; "
+                    "empty = no client certificate needed)"),
     option("log-level", default="INFO", help="log level of stderr (DEBUG, INFO, WARNING, ERROR)"),
 ))
 """bitps-server's settings, in ``--help`` order."""
@@ -145,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s shard %(process)d %(levelname)s %(message)s")
     try:
         shard = create_server(cfg)
+    except KeyFileError as err:
+        logging.critical("shard %d cannot start: %s", cfg.shard_id, err)
+        return 2
     except (CheckpointError, OSError) as err:
         # a checkpoint that does not fit, a directory or port that cannot be used: say which
         logging.critical("shard %d cannot start: %s", cfg.shard_id, err)

@@ -225,6 +225,25 @@ class ServerConfig:
     (``Leave``), after the final checkpoint: for Kubernetes Jobs. Never before a worker has
     registered; a worker dropped for silence has not left."""
 
+    # -- encryption and client keys (docs/security.md) ---------------------------------------
+    curve_secret_key: str = ""
+    """The shard's CURVE key pair, a ``.key_secret`` file (``bitps-keygen``); non-empty turns
+    CURVE on for the data plane: every connection is encrypted and authenticated, and only
+    clients whose public key is in ``curve_allowed_keys`` may connect (ZAP). Empty: plain
+    ZeroMQ, as before. Needs ``curve_allowed_keys``."""
+    curve_allowed_keys: str = ""
+    """With ``curve_secret_key``: a directory of the public keys (``*.key``) of the workers
+    allowed on the data plane, read at start."""
+    tls_cert_file: str = ""
+    """The shard's TLS certificate chain (PEM); with ``tls_key_file`` the gRPC control plane
+    (and the health service on it) takes TLS only. Empty: plaintext gRPC."""
+    tls_key_file: str = ""
+    """The private key (PEM) of ``tls_cert_file``."""
+    tls_client_ca_file: str = ""
+    """With TLS: CA certificates (PEM) that client certificates must be signed by; non-empty
+    requires every gRPC client to present one (mutual TLS). Empty: any client that trusts the
+    shard's certificate may connect (the token still applies)."""
+
     def __post_init__(self) -> None:
         if self.num_shards < 1:
             raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
@@ -256,9 +275,26 @@ class ServerConfig:
         if self.dedup_window < 0:
             raise ValueError(f"dedup_window must be >= 0, got {self.dedup_window}")
         self._check_checkpoints()
+        self._check_security()
         if self.mode == "sync" and self.optimizer.onebit_moments != "auto":
             raise ValueError(f"onebit_moments {self.optimizer.onebit_moments!r} applies to "
                              f"async/ssp; sync 1-bit Adam keeps DeepSpeed's layout (use auto)")
+
+    def _check_security(self) -> None:
+        """Settings that only work together: given alone they would leave a plane open (or
+        unreachable) while the operator believes it is protected. The files are read by
+        ``ServerShard`` at start (``bitps.proto.keys``)."""
+        if bool(self.curve_secret_key) != bool(self.curve_allowed_keys):
+            raise ValueError(f"curve_secret_key {self.curve_secret_key!r} and "
+                             f"curve_allowed_keys {self.curve_allowed_keys!r}: expected both "
+                             f"(CURVE on) or neither")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError(f"tls_cert_file {self.tls_cert_file!r} and tls_key_file "
+                             f"{self.tls_key_file!r}: expected both (TLS on) or neither")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError(f"tls_client_ca_file {self.tls_client_ca_file!r} given without "
+                             f"tls_cert_file and tls_key_file; expected TLS on to check client "
+                             f"certificates")
 
     def _check_checkpoints(self) -> None:
         if not self.checkpoint_every_updates >= 0 or not self.checkpoint_every_s >= 0:

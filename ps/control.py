@@ -15,6 +15,16 @@ a small cluster starts the moment rank 0's values land), and is otherwise answer
 ``NOT_INITIALIZED`` (``UNAVAILABLE``); ``PSClient.register`` calls again with backoff. Waiting
 without a bound took one of the 16 gRPC threads per early rank, and 16 of them starved rank 0's
 Register, every Heartbeat and Status.
+
+With CURVE on the data plane (``ServerConfig.curve_secret_key``), Register also says what the
+data plane will do with this worker, so that a key configured on one side only, or a key the
+shard does not allow, is a typed ``UNAUTHENTICATED`` error at registration and not a silent
+data plane (ZeroMQ drops a refused handshake without a word to the application): the worker
+names its CURVE public key in the ``bitps-curve-key`` metadata, and the shard refuses a
+Register without one or with one it would not let in, and names its own public key in the
+reply's ``bitps-curve-server-key`` trailing metadata for the worker to compare with its
+``curve_server_key``. This is a diagnosis, not the protection: the data plane's ZAP handler
+checks the key that the CURVE handshake proves (``ps.data.ZapHandler``).
 """
 
 from __future__ import annotations
@@ -27,11 +37,13 @@ from bitps.proto import bitps_pb2 as pb
 from bitps.proto import bitps_pb2_grpc as pb_grpc
 from bitps.proto.wire import PSError, error_name
 from bitps.ps.checks import token_ok
+from bitps.ps.data import CurveServer
 from bitps.ps.held import HeldPull
 from bitps.ps.shard import ShardCore
 
 __all__ = ["ControlServicer", "ERROR_METADATA_KEY", "HELD_SHOWN", "REGISTER_WAITERS",
-           "REGISTER_WAIT_S", "TOKEN_METADATA_KEY", "TokenInterceptor"]
+           "CURVE_KEY_METADATA_KEY", "CURVE_SERVER_KEY_METADATA_KEY", "REGISTER_WAIT_S",
+           "TOKEN_METADATA_KEY", "TokenInterceptor"]
 
 REGISTER_WAITERS = 4
 """Registrations that may wait in a gRPC thread at once for rank 0's values (of 16 threads)."""
@@ -44,6 +56,10 @@ the lowest clock's; a flood of up to ``max_held_pulls`` must not make Status slo
 
 ERROR_METADATA_KEY = "bitps-error-code"
 TOKEN_METADATA_KEY = "bitps-token"
+CURVE_KEY_METADATA_KEY = "bitps-curve-key"
+"""Register metadata: the worker's CURVE public key (Z85), when it has one."""
+CURVE_SERVER_KEY_METADATA_KEY = "bitps-curve-server-key"
+"""RegisterReply trailing metadata: the shard's CURVE public key (Z85), with CURVE on."""
 _SERVICE = "/bitps.Control/"
 _STATUS = {
     pb.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
@@ -95,10 +111,12 @@ def _refusal(handler, method: str):
 class ControlServicer(pb_grpc.ControlServicer):
     """Serves ``core``; ``endpoints`` fills the ports a RegisterReply advertises."""
 
-    def __init__(self, core: ShardCore, *, data_port: int, metrics_port: int) -> None:
+    def __init__(self, core: ShardCore, *, data_port: int, metrics_port: int,
+                 curve: CurveServer | None = None) -> None:
         self.core = core
         self.data_port = data_port
         self.metrics_port = metrics_port
+        self.curve = curve
         self._waiters = threading.BoundedSemaphore(REGISTER_WAITERS)
 
     def _check_token(self, token: str, context) -> None:
@@ -110,6 +128,7 @@ class ControlServicer(pb_grpc.ControlServicer):
         if first is None or first.WhichOneof("body") != "request":
             _abort(context, PSError(pb.BAD_HEADER, "Register must start with a RegisterRequest"))
         req = first.request
+        self._check_curve(req.rank, context)
         try:
             self.core.check_registration(req)  # before a single value is read
             values = _read_values(req, request_iterator)
@@ -125,6 +144,23 @@ class ControlServicer(pb_grpc.ControlServicer):
             reply.current_keys.extend(keys)
             reply.current_versions.extend(versions)
         return reply
+
+    def _check_curve(self, rank: int, context) -> None:
+        """With CURVE on: refuse a worker whose data plane would be refused (no key, or one
+        not allowed), and name this shard's public key in the reply's trailing metadata."""
+        curve = self.curve
+        if curve is None:
+            return
+        shard = self.core.cfg.shard_id
+        got = dict(context.invocation_metadata() or ()).get(CURVE_KEY_METADATA_KEY, "")
+        if not got:
+            _abort(context, PSError(pb.UNAUTHENTICATED, f"rank {rank}: shard {shard}'s data "
+                                    f"plane is CURVE; expected the worker to have "
+                                    f"curve_server_key and curve_client_key"))
+        if got.encode() not in curve.allowed:
+            _abort(context, PSError(pb.UNAUTHENTICATED, f"rank {rank}: CURVE public key "
+                                    f"{got} is not in shard {shard}'s curve_allowed_keys"))
+        context.set_trailing_metadata(((CURVE_SERVER_KEY_METADATA_KEY, curve.public.decode()),))
 
     def _wait_initialized(self, context) -> bool:
         """Whether rank 0's values have landed, waiting a little while few others wait."""

@@ -5,20 +5,32 @@ replies send parameter buffers zero-copy with a ``MessageTracker``, so the store
 buffer ZeroMQ is still sending (``ps.store``). A worker sends one message per group of keys, so
 the shard applies key i while the bytes of key i+1 are still arriving (libzmq's I/O thread
 receives in the background): receive and update are pipelined.
+
+With :class:`CurveServer` keys the ROUTER is a CURVE server (every connection encrypted and
+authenticated) in a ZeroMQ context of its own, whose ZAP handler (:class:`ZapHandler`, a
+thread) lets in only the allowed client public keys (docs/security.md).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
+from zmq.utils import z85
 
 from bitps.proto.wire import encode_header
 from bitps.ps.shard import Reply, ShardCore
 
-__all__ = ["DataLoop"]
+__all__ = ["CurveServer", "DataLoop", "ZAP_DOMAIN", "ZapHandler"]
+
+log = logging.getLogger(__name__)
+ZAP_DOMAIN = "bitps"
+"""The ZAP domain of a shard's ROUTER (what its :class:`ZapHandler` is asked about)."""
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP specification (RFC 27)
 
 _TICK_S = 0.02
 _FAREWELL_MS = 500  # how long SHUTTING_DOWN replies may take to leave at stop
@@ -28,13 +40,82 @@ _EVENTS, _POLLIN, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.SNDMORE)
 _RCVMORE = int(zmq.RCVMORE)
 
 
+@dataclass(frozen=True)
+class CurveServer:
+    """A shard's CURVE keys, Z85: its own pair and the public keys of the clients it lets in
+    (``bitps.proto.keys`` reads them from files)."""
+
+    public: bytes
+    secret: bytes
+    allowed: frozenset[bytes]
+
+
+class ZapHandler:
+    """ZeroMQ's authentication hook (ZAP, RFC 27) for one context: answers every CURVE
+    handshake of the context's sockets with 200 when the client's public key is in
+    ``allowed``, else 400 (the client's connection is closed before any message of it is
+    read). Bound before the ROUTER is, on the constructing thread; served by a thread of its
+    own, which calls ``on_failure`` (or re-raises) if it fails: a silent death would leave
+    every new connection waiting for an answer.
+
+    ``refused`` counts refusals by client key; each key is logged on its first refusal and
+    every 100th (a refused client reconnects every 100 ms)."""
+
+    def __init__(self, context: zmq.Context, allowed: frozenset[bytes], *,
+                 on_failure: Callable[[str, BaseException], None] | None = None) -> None:
+        self.allowed = frozenset(z85.decode(k) for k in allowed)
+        self.on_failure = on_failure
+        self.refused: dict[bytes, int] = {}
+        self.socket = context.socket(zmq.REP)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(_ZAP_ENDPOINT)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bitps-zap", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self.socket.close(linger=0)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self.socket.poll(int(_TICK_S * 5000)):
+                    self.socket.send_multipart(self.answer(self.socket.recv_multipart()))
+        except BaseException as exc:
+            if self.on_failure is None:
+                raise
+            self.on_failure(threading.current_thread().name, exc)
+
+    def answer(self, request: list[bytes]) -> list[bytes]:
+        """The reply to one ZAP request ``[version, id, domain, address, identity, mechanism,
+        *credentials]``: 200 for an allowed CURVE key, 400 otherwise."""
+        version, request_id, domain, address, _, mechanism, *credentials = request
+        key = credentials[0] if mechanism == b"CURVE" and credentials else b""
+        if domain == ZAP_DOMAIN.encode() and key in self.allowed:
+            return [version, request_id, b"200", b"OK", z85.encode(key), b""]
+        n = self.refused[key] = self.refused.get(key, 0) + 1
+        if n % 100 == 1:
+            log.warning("data plane: refused %s client %s from %s (%d times): key not in "
+                        "curve_allowed_keys", mechanism.decode(errors="replace"),
+                        z85.encode(key).decode() if len(key) == 32 else "-",
+                        address.decode(errors="replace"), n)
+        return [version, request_id, b"400", b"client key not allowed", b"", b""]
+
+
 class DataLoop:
-    """Binds a ROUTER on ``host:port`` (0 = any free port) and serves ``core`` until stopped."""
+    """Binds a ROUTER on ``host:port`` (0 = any free port) and serves ``core`` until stopped;
+    with ``curve``, a CURVE server whose clients :class:`ZapHandler` checks."""
 
     def __init__(self, core: ShardCore, *, host: str, port: int,
                  context: zmq.Context | None = None,
                  on_failure: Callable[[str, BaseException], None] | None = None,
-                 after_request: Callable[[], object] | None = None) -> None:
+                 after_request: Callable[[], object] | None = None,
+                 curve: CurveServer | None = None) -> None:
         self.core = core
         self.after_request = after_request or (lambda: None)
         """Called on the loop's thread after each request and each tick is handled and BEFORE
@@ -45,8 +126,20 @@ class DataLoop:
         self.on_failure = on_failure
         """Called with the thread's name and the error when :meth:`run` raises (a bug: bad
         requests get ERROR replies); ``None`` re-raises."""
-        self.context = context or zmq.Context.instance()
+        # A ZAP handler answers for every socket of its context, and a context has one: a
+        # CURVE shard gets a context of its own (others may share the process's).
+        self._own_context = curve is not None and context is None
+        self.context = context or (zmq.Context() if curve else zmq.Context.instance())
+        self.zap: ZapHandler | None = None
+        """With ``curve``: the thread that checks client keys."""
         self.socket = self.context.socket(zmq.ROUTER)
+        if curve is not None:
+            # before bind: no connection may arrive before the keys and the ZAP handler
+            self.zap = ZapHandler(self.context, curve.allowed, on_failure=on_failure)
+            self.socket.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
+            self.socket.setsockopt(zmq.CURVE_SERVER, 1)
+            self.socket.setsockopt(zmq.CURVE_PUBLICKEY, curve.public)
+            self.socket.setsockopt(zmq.CURVE_SECRETKEY, curve.secret)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVTIMEO, int(_TICK_S * 1000))
         # A frame beyond the limit (and its header's room) drops the connection as it arrives
@@ -63,6 +156,8 @@ class DataLoop:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        if self.zap is not None:
+            self.zap.start()
         self._thread = threading.Thread(target=self._run, name="bitps-data", daemon=True)
         self._thread.start()
 
@@ -82,6 +177,10 @@ class DataLoop:
             self._thread.join(timeout=5)
         # a little linger: the SHUTTING_DOWN replies may still be on their way out
         self.socket.close(linger=_FAREWELL_MS)
+        if self.zap is not None:
+            self.zap.stop()
+        if self._own_context:
+            self.context.term()
 
     def run(self) -> None:
         sock, core, after = self.socket, self.core, self.after_request

@@ -14,6 +14,10 @@ saves from the data loop every ``checkpoint_every_updates`` / ``checkpoint_every
 a final checkpoint in :meth:`ServerShard.stop` (SIGTERM), after answering its held pulls with
 ``SHUTTING_DOWN`` (docs/checkpoints.md).
 
+With ``curve_secret_key`` the data plane is CURVE (``ps.data``), with ``tls_cert_file`` the gRPC
+port takes TLS only (docs/security.md); their files are read before anything is bound or
+restored, and a bad one is a ``KeyFileError`` naming it.
+
     >>> shard = create_server(ServerConfig(mode="sync"))   # doctest: +SKIP
     >>> shard.ports                                         # doctest: +SKIP
     {'grpc_port': 40123, 'data_port': 40124, 'metrics_port': 40125}
@@ -32,10 +36,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
 from bitps.proto import bitps_pb2_grpc as pb_grpc
+from bitps.proto.keys import load_allowed_keys, load_key_pair, read_pem
 from bitps.ps.checkpoint import Checkpoint, Checkpointer
 from bitps.ps.config import ServerConfig
 from bitps.ps.control import ControlServicer, TokenInterceptor
-from bitps.ps.data import DataLoop
+from bitps.ps.data import CurveServer, DataLoop
 from bitps.ps.metrics import ShardMetrics
 from bitps.ps.shard import ShardCore
 
@@ -59,6 +64,10 @@ class ServerShard:
 
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
+        # the key files first: a bad one refuses the start before any state is touched
+        self.curve = _curve_keys(cfg)
+        """The data plane's CURVE keys, or ``None``: plain ZeroMQ."""
+        tls = _tls_credentials(cfg)
         self.metrics = ShardMetrics()
         self.core = ShardCore(cfg, metrics=self.metrics)
         self.failure: ShardFailure | None = None
@@ -80,7 +89,7 @@ class ServerShard:
         self.data = DataLoop(self.core, host=cfg.host, port=cfg.data_port,
                              on_failure=self._fail,
                              after_request=None if self.checkpointer is None
-                             else self.checkpointer.maybe_save)
+                             else self.checkpointer.maybe_save, curve=self.curve)
         self._http = None
         metrics_port = -1
         if cfg.metrics_port >= 0:
@@ -94,11 +103,14 @@ class ServerShard:
                      ("grpc.so_reuseport", 0)],
             interceptors=[TokenInterceptor(cfg.token)] if cfg.token else None)
         pb_grpc.add_ControlServicer_to_server(
-            ControlServicer(self.core, data_port=self.data.port, metrics_port=metrics_port),
+            ControlServicer(self.core, data_port=self.data.port, metrics_port=metrics_port,
+                            curve=self.curve),
             self.grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        grpc_port = self.grpc.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+        address = f"{cfg.host}:{cfg.grpc_port}"
+        grpc_port = (self.grpc.add_insecure_port(address) if tls is None
+                     else self.grpc.add_secure_port(address, tls))
         if not grpc_port:
             raise OSError(f"cannot bind gRPC on {cfg.host}:{cfg.grpc_port}")
         self.ports = {"grpc_port": grpc_port, "data_port": self.data.port,
@@ -206,6 +218,24 @@ class ServerShard:
             return
         log.info("shard %d: final checkpoint %s (%d updates applied) in %.3f s",
                  self.cfg.shard_id, path, self.core.updates_applied, time.monotonic() - t0)
+
+
+def _curve_keys(cfg: ServerConfig) -> CurveServer | None:
+    if not cfg.curve_secret_key:
+        return None
+    public, secret = load_key_pair(cfg.curve_secret_key)
+    return CurveServer(public=public, secret=secret,
+                       allowed=load_allowed_keys(cfg.curve_allowed_keys))
+
+
+def _tls_credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
+    if not cfg.tls_cert_file:
+        return None
+    chain = read_pem(cfg.tls_cert_file, "a certificate chain")
+    key = read_pem(cfg.tls_key_file, "a private key")
+    ca = read_pem(cfg.tls_client_ca_file, "CA certificates") if cfg.tls_client_ca_file else None
+    return grpc.ssl_server_credentials([(key, chain)], root_certificates=ca,
+                                       require_client_auth=ca is not None)
 
 
 def create_server(cfg: ServerConfig) -> ServerShard:

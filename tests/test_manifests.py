@@ -282,9 +282,16 @@ def _dotenv() -> dict[str, str]:
     return env
 
 
-def load_compose() -> dict:
+COMPOSE_TOKEN = "compose-token"
+"""The BITPS_TOKEN the compose checks run with: compose.yaml requires one."""
+
+
+def load_compose(env: dict[str, str] | None = None) -> dict:
+    """compose.yaml interpolated with ``env`` (default: the .env file and a token, which the
+    file requires)."""
     raw = yaml.safe_load((DOCKER / "compose.yaml").read_text())
-    return compose_walk(raw, _dotenv(), "compose.yaml")
+    env = {**_dotenv(), "BITPS_TOKEN": COMPOSE_TOKEN} if env is None else env
+    return compose_walk(raw, env, "compose.yaml")
 
 
 def compose_images(compose: dict) -> dict[str, str]:
@@ -876,3 +883,31 @@ def test_compose_and_k8s_run_the_same_cluster(cprocs, kprocs):
     for kind in ("shard", "worker"):
         c, k = settings(cprocs, kind), settings(kprocs, kind)
         assert len(c) == 1 and c == k, (kind, c, k)
+
+
+# --- the token is not optional --------------------------------------------------------------------
+
+def test_the_token_is_required_in_compose_and_kubernetes(k8s, cprocs, kprocs):
+    """Shards bind 0.0.0.0 in their containers and pods, so a cluster started without a token
+    would take any peer on the network: compose refuses to start without BITPS_TOKEN, and
+    every bitps container in Kubernetes takes it from a Secret that is not optional (the pod
+    does not start without it)."""
+    with pytest.raises(ManifestError, match="BITPS_TOKEN"):
+        load_compose(_dotenv())  # a fresh host: no token given
+    for p in cprocs:
+        assert p.env.get("BITPS_TOKEN") == COMPOSE_TOKEN, p.where
+    refs = []
+    for doc in k8s[0]:
+        if not _template(doc):
+            continue
+        for c in _template(doc)["spec"].get("containers", []):
+            env = {v["name"]: v for v in c.get("env", [])}
+            if c.get("image", "").split(":")[0].split("/")[-1] in ("bitps-server",
+                                                                    "bitps-worker"):
+                ref = env["BITPS_TOKEN"]["valueFrom"]["secretKeyRef"]
+                assert ref["name"] == "bitps-token" and ref["key"] == "token", ref
+                assert not ref.get("optional", False), (doc["metadata"]["name"], ref)
+                refs.append(doc["metadata"]["name"])
+    assert len(refs) >= 2, refs  # the shards' StatefulSet and the workers' Job
+    for p in kprocs:
+        assert p.env.get("BITPS_TOKEN") == "secret-value", p.where  # required, so present

@@ -48,7 +48,12 @@ from bitps.worker.config import (
 if TYPE_CHECKING:  # its module imports torch
     from bitps.worker.launch.demo import DemoConfig
 
-__all__ = ["WorkerConfig", "build_parser", "main", "parse_config", "program"]
+__all__ = ["SLOW_WAIT_STATUS_S", "WorkerConfig", "build_parser", "log_slow_waits", "main",
+           "parse_config", "program"]
+
+SLOW_WAIT_STATUS_S = 2.0
+"""How long the slow-wait diagnosis may ask a shard for its Status (the wait it runs in has
+half its limit left)."""
 
 
 class _Terminated(BaseException):
@@ -98,6 +103,17 @@ def program() -> Program:
         from_field(_R, "metrics_port", help="Prometheus port; 0 = any free port, -1 = off"),
         from_field(_R, "metrics_host", help="address the Prometheus endpoint binds to"),
         from_field(_C, "token", help="shared secret of the shards (empty = none)"),
+        from_field(_C, "curve_server_key", metavar="FILE",
+                   help="the shards' CURVE public key file (server.key from bitps-keygen): "
+                        "encrypt the data plane (empty = plain ZeroMQ)"),
+        from_field(_C, "curve_client_key", metavar="FILE",
+                   help="this worker's CURVE .key_secret file, allowed by the shards"),
+        from_field(_C, "tls_ca_file", metavar="FILE",
+                   help="CA (PEM) of the shards' TLS certificates: gRPC over TLS (empty = "
+                        "plaintext gRPC)"),
+        from_field(_C, "tls_cert_file", metavar="FILE",
+                   help="this worker's TLS certificate (PEM), for shards that require one"),
+        from_field(_C, "tls_key_file", metavar="FILE", help="private key (PEM) of tls-cert-file"),
         from_field(_C, "deadline_s", name="deadline", help="seconds any push/pull may wait"),
         from_field(_C, "reconnect_timeout_s", name="reconnect-timeout",
                    help="seconds to get a lost (restarted) shard back before giving up"),
@@ -218,10 +234,16 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from bitps.proto.keys import KeyFileError
     from bitps.worker.transport.client import PSClient
 
     torch.set_num_threads(run.threads)
-    client = PSClient(cfg.client)
+    try:
+        client = PSClient(cfg.client)
+    except KeyFileError as err:
+        logging.critical("rank %d cannot start: %s", rank, err)
+        return 2
+    log_slow_waits(client)
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return _train(cfg, client)
@@ -232,6 +254,23 @@ def main(argv: list[str] | None = None) -> int:
         _emit(run, event="terminated", rank=rank)
         logging.info("rank %d: SIGTERM: left every shard", rank)
         return 0
+
+
+def log_slow_waits(client) -> None:
+    """Install ``client.on_slow_wait``: a wait past half its limit logs, per shard still
+    silent, one warning naming the shard and whom it waits for (``describe_wait`` of the
+    shard's Status, asked within :data:`SLOW_WAIT_STATUS_S`)."""
+    from bitps.worker.launch.status import describe_wait
+
+    rank = client.cfg.rank
+
+    def slow(shard: int, waited_s: float) -> None:
+        line = describe_wait(lambda: client.status(shard, timeout_s=SLOW_WAIT_STATUS_S), rank)
+        logging.getLogger("bitps.worker").warning(
+            "rank %d: no answer from shard %d (%s) after %.1f s: %s", rank, shard,
+            client.cfg.servers[shard], waited_s, line)
+
+    client.on_slow_wait = slow
 
 
 def _train(cfg: WorkerConfig, client) -> int:

@@ -76,6 +76,22 @@ class ClientConfig:
     codec_seed: int = 0
     """Seed of the sparse codec's sampling and stochastic rounding (mixed with rank, key and
     step, so runs repeat exactly)."""
+    curve_server_key: str = ""
+    """The shards' CURVE public key, a ``.key`` file (``bitps-keygen``); with
+    ``curve_client_key`` the data plane is encrypted and the shards authenticate this worker
+    (docs/security.md). Must match the shards' ``curve_secret_key``; empty: plain ZeroMQ."""
+    curve_client_key: str = ""
+    """This worker's CURVE key pair, a ``.key_secret`` file whose public key is in the shards'
+    ``curve_allowed_keys``."""
+    tls_ca_file: str = ""
+    """CA certificates (PEM) the shards' TLS certificates must be signed by; non-empty turns
+    TLS on for the gRPC control plane (the host in ``servers`` must be in the certificate).
+    Empty: plaintext gRPC."""
+    tls_cert_file: str = ""
+    """With TLS: this worker's certificate chain (PEM), for shards that require client
+    certificates (``tls_client_ca_file``); needs ``tls_key_file``."""
+    tls_key_file: str = ""
+    """The private key (PEM) of ``tls_cert_file``."""
 
     def __post_init__(self) -> None:
         if not self.servers:
@@ -99,6 +115,20 @@ class ClientConfig:
         if self.partition_bytes < 1024 or self.message_bytes < 1024:
             raise ValueError(f"partition_bytes and message_bytes must be >= 1024, got "
                              f"{self.partition_bytes} and {self.message_bytes}")
+        self._check_security()
+
+    def _check_security(self) -> None:
+        """Settings that only work together (the files are read by ``PSClient``)."""
+        if bool(self.curve_server_key) != bool(self.curve_client_key):
+            raise ValueError(f"curve_server_key {self.curve_server_key!r} and "
+                             f"curve_client_key {self.curve_client_key!r}: expected both "
+                             f"(CURVE on) or neither")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError(f"tls_cert_file {self.tls_cert_file!r} and tls_key_file "
+                             f"{self.tls_key_file!r}: expected both or neither")
+        if self.tls_cert_file and not self.tls_ca_file:
+            raise ValueError(f"tls_cert_file {self.tls_cert_file!r} given without tls_ca_file; "
+                             f"expected TLS on (tls_ca_file) to present a client certificate")
 
 
 @dataclass(kw_only=True, frozen=True)

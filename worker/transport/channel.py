@@ -7,6 +7,8 @@ thread sits on the latency path. Replies are received by whichever thread waits 
 the channel; the channel's lock makes that safe (a socket may move between threads across a full
 memory barrier) and lets any thread wait on any handle. Ordering: one channel is one FIFO
 connection per shard, so a worker's requests from one thread reach each shard in order.
+
+With :class:`CurveClient` keys every DEALER is a CURVE client of its shard (docs/security.md).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +27,7 @@ from bitps.proto.codecs import Codec
 from bitps.proto.wire import PSError, encode_header, parse_header
 from bitps.worker.metrics import WorkerMetrics
 
-__all__ = ["Channel", "Handle", "PSTimeoutError", "ShardLostError"]
+__all__ = ["Channel", "CurveClient", "Handle", "PSTimeoutError", "ShardLostError"]
 
 log = logging.getLogger(__name__)
 _F32 = np.dtype("<f4")
@@ -57,15 +59,28 @@ class ShardLostError(PSTimeoutError):
                          f"last failure: {last}", shard=shard)
 
 
+@dataclass(frozen=True)
+class CurveClient:
+    """A worker's CURVE keys, Z85: the shards' public key and this worker's own pair."""
+
+    server: bytes
+    public: bytes
+    secret: bytes
+
+
 class Handle:
     """Completion of one push / pull / push_pull across shards; :meth:`wait` blocks on it.
 
     It keeps its :attr:`requests` (and so their payloads) until it is dropped, so that
-    ``PSClient.complete`` can send a lost shard's part again, byte for byte."""
+    ``PSClient.complete`` can send a lost shard's part again, byte for byte. ``on_slow``
+    (``PSClient.on_slow_wait``) is told about each shard still silent at half a wait's
+    limit."""
 
     def __init__(self, channel: Channel | None, parts: int, what: tuple, deadline_s: float,
-                 keep: tuple = ()) -> None:
+                 keep: tuple = (),
+                 on_slow: Callable[[int, float], object] | None = None) -> None:
         self._channel = channel
+        self._on_slow = on_slow
         self._left = parts
         self._error: PSError | None = None
         self.requests: list[Request] = []
@@ -115,8 +130,13 @@ class Handle:
         """Block until complete; raise the first shard's :class:`PSError`, or
         :class:`PSTimeoutError` after ``timeout`` seconds (default: the client's deadline)."""
         limit = self.deadline_s if timeout is None else timeout
-        end = time.monotonic() + limit
+        start = time.monotonic()
+        end, slow_at = start + limit, start + limit / 2
         while not self._complete:
+            now = time.monotonic()
+            if self._on_slow is not None and now >= slow_at:
+                slow_at = float("inf")  # once per wait
+                self._tell_slow(now - start)
             left = end - time.monotonic()
             if left <= 0:
                 open_ = sorted(s for s, n in self._open.items() if n > 0)
@@ -129,6 +149,15 @@ class Handle:
         self._keep = ()
         if self._error is not None:
             raise self._error
+
+    def _tell_slow(self, waited_s: float) -> None:
+        """Call ``on_slow`` for each shard still owing an answer; a diagnosis that fails is
+        logged and must not fail the wait."""
+        for shard in sorted(s for s, n in self._open.items() if n > 0):
+            try:
+                self._on_slow(shard, waited_s)
+            except Exception:
+                log.exception("%s: on_slow_wait(%d, %.1f) failed", self.what, shard, waited_s)
 
     def _part_done(self, error: PSError | None = None, shard: int | None = None) -> None:
         # Only called by the thread holding the channel lock: no lock of its own needed.
@@ -182,8 +211,9 @@ class Channel:
 
     def __init__(self, context: zmq.Context, endpoints: list[str], *, servers: Sequence[str],
                  metrics: WorkerMetrics, versions: dict[int, int],
-                 codes: CodeApplier | None = None) -> None:
+                 codes: CodeApplier | None = None, curve: CurveClient | None = None) -> None:
         self.lock = threading.Lock()
+        self.curve = curve
         self.codes = codes or DECODE_ADD
         self.servers = servers
         self.metrics = metrics
@@ -196,12 +226,20 @@ class Channel:
         self.poller = zmq.Poller()
         self._wake_fd: int | None = None  # registered in the poller by progress(wake_fd=...)
         for ep in endpoints:
-            d = context.socket(zmq.DEALER)
-            d.setsockopt(zmq.LINGER, 0)
-            d.setsockopt(zmq.RCVTIMEO, int(_SLICE_S * 1000))
-            d.connect(ep)
+            d = self._dealer(context, ep)
             self.dealers.append(d)
             self.poller.register(d, zmq.POLLIN)
+
+    def _dealer(self, context: zmq.Context, endpoint: str) -> zmq.Socket:
+        d = context.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.setsockopt(zmq.RCVTIMEO, int(_SLICE_S * 1000))
+        if self.curve is not None:  # before connect: the handshake uses them
+            d.setsockopt(zmq.CURVE_SERVERKEY, self.curve.server)
+            d.setsockopt(zmq.CURVE_PUBLICKEY, self.curve.public)
+            d.setsockopt(zmq.CURVE_SECRETKEY, self.curve.secret)
+        d.connect(endpoint)
+        return d
 
     def send(self, requests: list[Request]) -> None:
         wire = sum(part.nbytes for req in requests for part in req.payload)
@@ -388,10 +426,7 @@ class Channel:
             old = self.dealers[shard]
             self.poller.unregister(old)
             old.close(linger=0)
-            d = context.socket(zmq.DEALER)
-            d.setsockopt(zmq.LINGER, 0)
-            d.setsockopt(zmq.RCVTIMEO, int(_SLICE_S * 1000))
-            d.connect(endpoint)
+            d = self._dealer(context, endpoint)
             self.dealers[shard] = d
             self.poller.register(d, zmq.POLLIN)
 

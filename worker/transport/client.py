@@ -13,6 +13,13 @@ received frame into the caller's ``outs``.
     client.register(plan, values)                       # rank 0 sends initial values
     client.push_pull(keys, grads, outs, clock=0).wait()
     client.close()
+
+With ``curve_server_key`` and ``curve_client_key`` every DEALER is a CURVE client (encrypted,
+and authenticated by the shards' ZAP handler), with ``tls_ca_file`` the gRPC channels take TLS
+(docs/security.md). The files are read in the constructor; a bad one is a ``KeyFileError``
+naming it. Registration checks that both sides agree on CURVE (``ps.control``), so a key
+configured on one side only is an ``UNAUTHENTICATED`` error there, not a data plane that never
+answers.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 import numpy as np
@@ -34,11 +41,13 @@ from bitps.proto import bitps_pb2 as pb
 from bitps.proto import bitps_pb2_grpc as pb_grpc
 from bitps.proto.codecs import RAW, Codec, Compressor
 from bitps.proto.keyplan import KeyPlan, value_digest
+from bitps.proto.keys import load_key_pair, load_public_key, read_pem
 from bitps.proto.wire import PROTOCOL, PSError
 from bitps.worker.config import ClientConfig
 from bitps.worker.metrics import CodecSnapshot, WorkerMetrics
 from bitps.worker.transport.channel import (
     Channel,
+    CurveClient,
     Handle,
     PSTimeoutError,
     Request,
@@ -52,6 +61,8 @@ log = logging.getLogger(__name__)
 _F32 = np.dtype("<f4")
 _ERROR_METADATA_KEY = "bitps-error-code"
 _TOKEN_METADATA_KEY = "bitps-token"  # checked by the shard before it reads a request
+_CURVE_KEY_METADATA_KEY = "bitps-curve-key"  # ps.control: what the data plane will refuse
+_CURVE_SERVER_KEY_METADATA_KEY = "bitps-curve-server-key"
 _REGISTER_RETRY_S = (0.02, 0.5)  # first and longest pause between Register calls
 _U64 = (1 << 64) - 1
 RECOVERABLE = frozenset({pb.DEADLINE, pb.NOT_REGISTERED, pb.NOT_INITIALIZED, pb.BAD_CLOCK})
@@ -68,6 +79,14 @@ class PSClient:
         self.cfg = cfg
         self.metrics = metrics or WorkerMetrics()
         self.num_shards = len(cfg.servers)
+        self.curve = _curve_keys(cfg)
+        """This worker's CURVE keys for the data plane, or ``None``: plain ZeroMQ."""
+        self.on_slow_wait: Callable[[int, float], object] | None = None
+        """Called by ``Handle.wait`` as ``on_slow_wait(shard, waited_s)`` once per shard still
+        owing an answer when half the wait's limit has passed (``bitps-worker`` logs
+        ``describe_wait`` of the shard's Status). It runs on the waiting thread, so it must
+        return quickly; what it raises is logged, never raised. Read when a handle is
+        created."""
         # gRPC's own reconnect backoff (1 s growing to 120 s by default) would hide a shard
         # that is back: bound it by the worker's reconnect backoff.
         backoff = (int(cfg.reconnect_backoff_s * 1000), int(cfg.reconnect_backoff_max_s * 1000))
@@ -76,7 +95,9 @@ class PSClient:
                 ("grpc.initial_reconnect_backoff_ms", max(backoff[0], 1)),
                 ("grpc.min_reconnect_backoff_ms", max(backoff[0], 1)),
                 ("grpc.max_reconnect_backoff_ms", max(backoff[1], 1))]
-        self._grpc = [grpc.insecure_channel(s, options=opts) for s in cfg.servers]
+        tls = _tls_credentials(cfg)
+        self._grpc = [grpc.insecure_channel(s, options=opts) if tls is None
+                      else grpc.secure_channel(s, tls, options=opts) for s in cfg.servers]
         self._stubs = [pb_grpc.ControlStub(c) for c in self._grpc]
         self.plan: KeyPlan | None = None
         self._large: list[bool] = []
@@ -115,8 +136,18 @@ class PSClient:
 
     @property
     def _metadata(self) -> tuple | None:
-        """The token as call metadata: shards check it before they read a request."""
-        return ((_TOKEN_METADATA_KEY, self.cfg.token),) if self.cfg.token else None
+        """The token as call metadata: shards check it before they read a request; and this
+        worker's CURVE public key, which a CURVE shard checks at Register."""
+        md = ((_TOKEN_METADATA_KEY, self.cfg.token),) if self.cfg.token else ()
+        if self.curve is not None:
+            md += ((_CURVE_KEY_METADATA_KEY, self.curve.public.decode()),)
+        return md or None
+
+    @property
+    def stubs(self) -> tuple[pb_grpc.ControlStub, ...]:
+        """The gRPC ``Control`` stubs, by shard (read-only: for diagnosis, e.g.
+        ``describe_wait``; calls must carry the token metadata)."""
+        return tuple(self._stubs)
 
     @property
     def freeze_step(self) -> int:
@@ -173,9 +204,9 @@ class PSClient:
         end, pause = time.monotonic() + timeout, _REGISTER_RETRY_S[0]
         while True:
             try:
-                return self._call(stub.Register, iter(self._register_stream(plan, shard, values,
-                                                                            copies)),
-                                  shard, timeout=max(end - time.monotonic(), 0.1))
+                return self._register_call(
+                    shard, iter(self._register_stream(plan, shard, values, copies)),
+                    timeout=max(end - time.monotonic(), 0.1))
             except PSError as err:
                 if err.code != pb.NOT_INITIALIZED:
                     raise
@@ -209,6 +240,27 @@ class PSClient:
                 data = np.ascontiguousarray(values[k.key], dtype=_F32).tobytes()
                 yield pb.RegisterMessage(values=pb.KeyValues(key=k.key, data=data))
 
+    def _register_call(self, shard: int, stream, timeout: float) -> pb.RegisterReply:
+        """One Register call, and the check that the shard's data plane and this worker agree
+        on CURVE (the shard refuses a worker without a key or with one it does not allow)."""
+        try:
+            reply, call = self._stubs[shard].Register.with_call(stream, timeout=timeout,
+                                                                metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise self._rpc_error(err, shard) from None
+        said = dict(call.trailing_metadata() or ()).get(_CURVE_SERVER_KEY_METADATA_KEY, "")
+        if self.curve is not None and not said:
+            raise PSError(pb.UNAUTHENTICATED, f"shard {shard} ({self.cfg.servers[shard]}) "
+                          f"serves plain ZeroMQ; this worker has curve_server_key "
+                          f"{self.cfg.curve_server_key} (expected both sides with CURVE keys, "
+                          f"or neither)", shard=shard)
+        if self.curve is not None and said.encode() != self.curve.server:
+            raise PSError(pb.UNAUTHENTICATED, f"shard {shard} ({self.cfg.servers[shard]})'s "
+                          f"CURVE public key is {said}; curve_server_key "
+                          f"{self.cfg.curve_server_key} holds "
+                          f"{self.curve.server.decode()}", shard=shard)
+        return reply
+
     def _call(self, method, request, shard: int, timeout: float):
         try:
             return method(request, timeout=timeout, metadata=self._metadata)
@@ -225,10 +277,10 @@ class PSClient:
                        else pb.NOT_REGISTERED,
                        f"{self.cfg.servers[shard]}: {err.code().name}: {detail}", shard=shard)
 
-    def status(self, shard: int) -> pb.StatusReply:
-        """The shard's view of clocks, live workers and held pulls."""
+    def status(self, shard: int, *, timeout_s: float = 10.0) -> pb.StatusReply:
+        """The shard's view of clocks, live workers and held pulls, within ``timeout_s``."""
         return self._call(self._stubs[shard].Status, pb.StatusRequest(token=self.cfg.token),
-                          shard, timeout=10)
+                          shard, timeout=timeout_s)
 
     def _heartbeat_loop(self) -> None:
         while not self._closing.wait(self.cfg.heartbeat_s):
@@ -333,7 +385,7 @@ class PSClient:
         groups = self._group(keys, grads, outs, compress=bool(grads) and not codec.is_raw)
         channel = self._channel()
         handle = Handle(channel, len(groups), (self.cfg.rank, op, clock, keys),
-                        self.cfg.deadline_s, keep=(grads,))
+                        self.cfg.deadline_s, keep=(grads,), on_slow=self.on_slow_wait)
         deadline = time.monotonic() + self.cfg.deadline_s
         requests = []
         for shard, compressed, idx in groups:
@@ -503,7 +555,7 @@ class PSClient:
         if channel is None:
             channel = Channel(self._ctx, self._endpoints, servers=self.cfg.servers,
                               metrics=self.metrics, versions=self.versions,
-                              codes=self.policy.codes)
+                              codes=self.policy.codes, curve=self.curve)
             self._local.channel = channel
             with self._channels_lock:
                 self._channels.append(channel)
@@ -622,8 +674,7 @@ class PSClient:
             try:
                 stream = iter(self._register_stream(self.plan, shard, values, copies))
                 left = min(end - time.monotonic(), self.cfg.deadline_s)
-                reply = self._call(self._stubs[shard].Register, stream, shard,
-                                   timeout=max(left, 0.1))
+                reply = self._register_call(shard, stream, timeout=max(left, 0.1))
                 return self._rejoin(shard, reply, clock)
             except PSError as err:
                 if err.code not in RECOVERABLE:
@@ -675,7 +726,8 @@ class PSClient:
         """Send ``handle``'s parts for the ``failed`` shards again, from this thread."""
         channel = self._channel()
         old = [r for r in handle.requests if r.shard in failed]
-        redo = Handle(channel, len(old), handle._what, self.cfg.deadline_s)
+        redo = Handle(channel, len(old), handle._what, self.cfg.deadline_s,
+                      on_slow=self.on_slow_wait)
         deadline = time.monotonic() + self.cfg.deadline_s
         for r in old:
             header = pb.DataHeader()
@@ -723,3 +775,21 @@ class PSClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _curve_keys(cfg: ClientConfig) -> CurveClient | None:
+    if not cfg.curve_server_key:
+        return None
+    public, secret = load_key_pair(cfg.curve_client_key)
+    return CurveClient(server=load_public_key(cfg.curve_server_key), public=public,
+                       secret=secret)
+
+
+def _tls_credentials(cfg: ClientConfig) -> grpc.ChannelCredentials | None:
+    if not cfg.tls_ca_file:
+        return None
+    ca = read_pem(cfg.tls_ca_file, "CA certificates")
+    key = read_pem(cfg.tls_key_file, "a private key") if cfg.tls_key_file else None
+    chain = read_pem(cfg.tls_cert_file, "a certificate chain") if cfg.tls_cert_file else None
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                        certificate_chain=chain)
