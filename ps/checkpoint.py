@@ -111,21 +111,6 @@ class CheckpointError(ValueError):
 
 
 @dataclass(frozen=True)
-class Checkpoint:
-    """One verified checkpoint read back: its directory, manifest and arrays (see the module
-    docstring for the names)."""
-
-    path: Path
-    manifest: dict
-    params: dict[str, np.ndarray]
-    state: dict[str, np.ndarray]
-
-    @property
-    def updates(self) -> int:
-        return int(self.manifest["core"]["updates_applied"])
-
-
-@dataclass(frozen=True)
 class Snapshot:
     """A shard's state copied out under its lock, ready to be written without it."""
 
@@ -136,6 +121,14 @@ class Snapshot:
     @property
     def updates(self) -> int:
         return int(self.manifest["core"]["updates_applied"])
+
+
+@dataclass(frozen=True)
+class Checkpoint(Snapshot):
+    """One verified checkpoint read back: a snapshot and the directory it was read from (see
+    the module docstring for the names)."""
+
+    path: Path
 
 
 # -- taking the state ---------------------------------------------------------------------------
@@ -345,7 +338,7 @@ def load(path: str | os.PathLike) -> Checkpoint:
             arrays[fname] = safetensors.numpy.load_file(str(fpath))
         except Exception as err:  # safetensors raises its own SafetensorError
             raise CheckpointError(fpath, f"not a safetensors file ({err})") from None
-    return Checkpoint(path, manifest, arrays[PARAMS], arrays[STATE])
+    return Checkpoint(manifest=manifest, params=arrays[PARAMS], state=arrays[STATE], path=path)
 
 
 def load_latest(directory: str | os.PathLike) -> Checkpoint | None:

@@ -54,6 +54,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto import bitps_pb2_grpc as pb_grpc
+from bitps.proto.wire import PROTOCOL
 
 __all__ = ["ControlProxy", "DataProxy", "Message", "Proc", "Rule", "ServerProcess",
            "ShardProxy", "pulls", "pushes", "start_server", "start_worker", "wait_clock"]
@@ -444,3 +445,36 @@ def worker_main(cfg: dict) -> None:
 
 if __name__ == "__main__":
     worker_main(json.loads(sys.argv[1]))
+
+
+class RawPeer:
+    """A hand-written data-plane peer: one DEALER, frames in, header + frames out."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVTIMEO, 5000)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+        self.ids = iter(range(1, 1 << 30))
+
+    def send(self, payload=(), **fields) -> int:
+        fields = {"protocol": PROTOCOL, "dtype": pb.FLOAT32, "request_id": next(self.ids),
+                  **fields}
+        header = pb.DataHeader(**fields)
+        self.sock.send_multipart([header.SerializeToString(), *payload])
+        return header.request_id
+
+    def recv(self, timeout_s: float = 5.0) -> tuple[pb.DataHeader, list[bytes]]:
+        if not self.sock.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"no reply within {timeout_s} s")
+        first, *rest = self.sock.recv_multipart()
+        header = pb.DataHeader()
+        header.ParseFromString(first)
+        return header, rest
+
+    def ask(self, payload=(), **fields) -> tuple[pb.DataHeader, list[bytes]]:
+        self.send(payload, **fields)
+        return self.recv()
+
+    def close(self) -> None:
+        self.sock.close()

@@ -24,47 +24,18 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-import zmq
 
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto import bitps_pb2_grpc as pb_grpc
 from bitps.proto.keyplan import ParamSpec, make_plan
-from bitps.proto.wire import PROTOCOL
 from bitps.ps import ServerConfig, create_server
 from bitps.ps.__main__ import parse_config
 from bitps.ps.checkpoint import checkpoints, load_latest
 from bitps.worker import ClientConfig, PSClient
+from tests.faults import RawPeer as Raw
 
 ROOT = Path(__file__).resolve().parents[1]
 N = 64  # one key of 64 float32: one push is one update
-
-
-class Raw:
-    """A hand-written data-plane peer: one DEALER, a header and frames out, the reply in."""
-
-    def __init__(self, port: int) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(f"tcp://127.0.0.1:{port}")
-
-    def send(self, payload=(), **fields) -> None:
-        header = pb.DataHeader(protocol=PROTOCOL, dtype=pb.FLOAT32, **fields)
-        self.sock.send_multipart([header.SerializeToString(), *payload])
-
-    def recv(self, timeout_s: float = 10.0) -> tuple[pb.DataHeader, list[bytes]]:
-        if not self.sock.poll(int(timeout_s * 1000)):
-            raise TimeoutError(f"no reply within {timeout_s} s")
-        first, *rest = self.sock.recv_multipart()
-        header = pb.DataHeader()
-        header.ParseFromString(first)
-        return header, rest
-
-    def ask(self, payload=(), **fields) -> tuple[pb.DataHeader, list[bytes]]:
-        self.send(payload, **fields)
-        return self.recv()
-
-    def close(self) -> None:
-        self.sock.close(0)
 
 
 class Shard:

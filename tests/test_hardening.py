@@ -20,7 +20,6 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bitps.proto import bitps_pb2 as pb
@@ -29,6 +28,7 @@ from bitps.proto.keyplan import ParamSpec, make_plan
 from bitps.proto.wire import PROTOCOL, PSError
 from bitps.ps import OptimizerConfig
 from bitps.worker import ClientConfig, PSClient
+from tests.faults import RawPeer as Raw
 
 ROOT = Path(__file__).resolve().parents[1]
 SGD = OptimizerConfig(name="sgd", lr=0.5)
@@ -55,39 +55,6 @@ def _joined(shard, plan, rank: int = 0, world: int = 1, start=None, **cfg) -> PS
     client.register(plan, {k.key: start[k.offset:k.offset + k.length] for k in plan.keys}
                     if rank == 0 else None)
     return client
-
-
-class Raw:
-    """A hand-written data-plane peer: one DEALER, frames in, header + frames out."""
-
-    def __init__(self, port: int) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.RCVTIMEO, 5000)
-        self.sock.connect(f"tcp://127.0.0.1:{port}")
-        self.ids = iter(range(1, 1 << 30))
-
-    def send(self, payload=(), **fields) -> int:
-        fields = {"protocol": PROTOCOL, "dtype": pb.FLOAT32, "request_id": next(self.ids),
-                  **fields}
-        header = pb.DataHeader(**fields)
-        self.sock.send_multipart([header.SerializeToString(), *payload])
-        return header.request_id
-
-    def recv(self, timeout_ms: int = 5000) -> tuple[pb.DataHeader, list[bytes]]:
-        if not self.sock.poll(timeout_ms):
-            raise TimeoutError("no reply")
-        first, *rest = self.sock.recv_multipart()
-        header = pb.DataHeader()
-        header.ParseFromString(first)
-        return header, rest
-
-    def ask(self, payload=(), **fields) -> tuple[pb.DataHeader, list[bytes]]:
-        self.send(payload, **fields)
-        return self.recv()
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def _health(port: int) -> int:
