@@ -97,6 +97,7 @@ PROGRAM = Program("bitps-server", "Run one bitps PS shard.", (
     from_field(_S, "max_plan_keys", help="most keys a registration may give this shard"),
     from_field(_S, "max_message_keys", help="most keys one data message may name"),
     from_field(_S, "max_workers", help="largest world size a registration may name"),
+    from_field(_S, "max_connections", help="most data-plane connections served at once"),
     from_field(_S, "dedup_window",
                help="ids of each worker's last applied pushes remembered, so a replayed "
                     "push is answered, not applied again (0 = off)"),

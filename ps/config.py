@@ -191,6 +191,10 @@ class ServerConfig:
     most 65536 float32 keys of one element); more is ``LIMIT``."""
     max_workers: int = 4096
     """Largest world size a registration may name (the shard keeps a clock per rank)."""
+    max_connections: int = 1024
+    """Most data-plane connections the shard serves at once (a worker opens one per thread
+    that sends, usually two); a message on a new one past it is answered ``LIMIT``. A
+    connection counts until it has been silent for ``heartbeat_timeout_s``."""
     dedup_window: int = 1024
     """The ids of each worker's last applied pushes the shard remembers (every mode). A push
     that repeats one of them (same worker, incarnation and request id: a replay or a resend,
@@ -267,7 +271,7 @@ class ServerConfig:
             raise ValueError(f"max_frame_bytes must be in [1 KiB, 1 GiB], got "
                              f"{self.max_frame_bytes}")
         for attr in ("max_clock_lead", "max_held_pulls", "max_plan_bytes", "max_plan_keys",
-                     "max_message_keys", "max_workers"):
+                     "max_message_keys", "max_workers", "max_connections"):
             if getattr(self, attr) < 1:
                 raise ValueError(f"{attr} must be >= 1, got {getattr(self, attr)}")
         if not self.max_pull_deadline_s > 0:

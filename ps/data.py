@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils import z85
 
-from bitps.proto.wire import encode_header
+from bitps.proto import bitps_pb2 as pb
+from bitps.proto.wire import PROTOCOL, encode_header
 from bitps.ps.shard import Reply, ShardCore
 
 __all__ = ["CurveServer", "DataLoop", "ZAP_DOMAIN", "ZapHandler"]
@@ -146,6 +147,8 @@ class DataLoop:
         # instead of being buffered whole: libzmq delivers a multipart message only once every
         # frame is in, so the token in frame 0 cannot be read before the rest is received.
         self.socket.setsockopt(zmq.MAXMSGSIZE, core.cfg.max_frame_bytes + _HEADER_ROOM)
+        self.connections = Connections(core.cfg.max_connections,
+                                       idle_s=core.cfg.heartbeat_timeout_s)
         addr = f"tcp://{host}"
         if port:
             self.socket.bind(f"{addr}:{port}")
@@ -231,6 +234,9 @@ class DataLoop:
     def _serve(self, parts: list, after: Callable[[], object]) -> None:
         if len(parts) < 2:
             return  # a ROUTER always prefixes the routing id; an empty message has no header
+        if not self.connections.admit(parts[0]):
+            self._send(self.connections.refusal(parts[0]))
+            return
         replies = self.core.handle(parts[0], parts[1:])
         after()  # a due checkpoint first: its updates are acknowledged only once saved
         for reply in replies:
@@ -250,3 +256,41 @@ class DataLoop:
             else:
                 # This thread is the only writer of parameter buffers: track before any update.
                 buf.track(sock.send(part, flags, copy=False, track=True))
+
+
+class Connections:
+    """The data-plane connections a shard serves, at most ``limit`` at once
+    (``ServerConfig.max_connections``).
+
+    A connection is its ROUTER routing id. It counts from its first message until it has
+    been silent for ``idle_s`` (the heartbeat timeout): libzmq's connect and disconnect
+    notifications (``ZMQ_ROUTER_NOTIFY``) are draft API, absent from pyzmq's libzmq, so a
+    closed connection is known only by its silence. A message on a new connection while
+    ``limit`` others are active is answered ``LIMIT`` (:meth:`refusal`) and not remembered;
+    once enough of the others fall silent it is served."""
+
+    def __init__(self, limit: int, *, idle_s: float,
+                 now: Callable[[], float] = time.monotonic) -> None:
+        self.limit = limit
+        self.idle_s = idle_s
+        self.now = now
+        self.last_seen: dict[bytes, float] = {}
+
+    def admit(self, ident: bytes) -> bool:
+        """Whether a message on ``ident``'s connection is served (counting it if new)."""
+        now = self.now()
+        if ident not in self.last_seen and len(self.last_seen) >= self.limit:
+            # only at the limit: forget the silent ones (a scan per refused message at most)
+            self.last_seen = {i: t for i, t in self.last_seen.items()
+                              if now - t < self.idle_s}
+            if len(self.last_seen) >= self.limit:
+                return False
+        self.last_seen[ident] = now
+        return True
+
+    def refusal(self, ident: bytes) -> Reply:
+        message = (f"{len(self.last_seen)} data-plane connections are active, the limit "
+                   f"(max_connections {self.limit}); one is forgotten after "
+                   f"{self.idle_s:g} s of silence")
+        return Reply(ident, pb.DataHeader(op=pb.ERROR, protocol=PROTOCOL, error=pb.LIMIT,
+                                          message=message), [], [])

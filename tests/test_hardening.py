@@ -380,3 +380,28 @@ def test_a_replayed_push_is_applied_once(cluster, mode):
                                                  **{**push, "request_id": 2})
     assert reply.op == pb.REPLY and shard.core.updates_applied == 2
     client.close()
+
+
+def test_data_plane_connections_past_the_limit_get_limit_until_others_fall_silent(cluster):
+    """``max_connections``: a third connection while two are active is answered ``LIMIT``
+    naming the count and the limit, and changes nothing; once the others have been silent for
+    the heartbeat timeout it is served."""
+    (shard,) = cluster(1, mode="async", optimizer=SGD, max_connections=2,
+                       heartbeat_timeout_s=1.0)
+    plan, keys = _plan(64)
+    client = _joined(shard, plan)  # its connections are the first (PSClient's own channel)
+    peers = [Raw(shard.ports["data_port"]) for _ in range(3)]
+    try:
+        replies = [p.ask(op=pb.PULL, worker=0, clock=0, keys=keys)[0] for p in peers]
+        errors = [r.error for r in replies]
+        assert errors.count(pb.LIMIT) >= 1, errors
+        refused = next(r for r in replies if r.error == pb.LIMIT)
+        assert "max_connections 2" in refused.message, refused.message
+        assert shard.core.updates_applied == 0
+        time.sleep(1.3)  # everyone silent past the heartbeat timeout
+        late, _ = peers[-1].ask(op=pb.PULL, worker=0, clock=0, keys=keys)
+        assert late.op == pb.REPLY, late
+    finally:
+        for p in peers:
+            p.close()
+        client.close()
