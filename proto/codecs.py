@@ -143,36 +143,37 @@ class RawKind(CodecKind):
         return casts.raw_encode(grad, residual, out.view(np.float32), scale=scale)
 
 
+class _HalfKind(CodecKind):
+    """A 16-bit float cast, 2n bytes; the subclasses name the cast's kernels."""
+
+    cast_decode_add = cast_encode = None  # staticmethods: numba kernels of native/casts.py
+
+    def max_bytes(self, codec, n):
+        return 2 * n
+
+    def decode_add(self, codec, payload, n, acc):
+        self.cast_decode_add(payload, n, acc)
+
+    def encode(self, codec, grad, residual, out, scratch, seed, scale):
+        return self.cast_encode(grad, residual, out.view(np.uint16), scale=scale)
+
+
 @register
-class Bf16Kind(CodecKind):
+class Bf16Kind(_HalfKind):
     """bfloat16, 2n bytes, round to nearest even (``native/casts.py``)."""
 
     name, id = "bf16", pb.CODEC_BF16
-
-    def max_bytes(self, codec, n):
-        return 2 * n
-
-    def decode_add(self, codec, payload, n, acc):
-        casts.bf16_decode_add(payload, n, acc)
-
-    def encode(self, codec, grad, residual, out, scratch, seed, scale):
-        return casts.bf16_encode(grad, residual, out.view(np.uint16), scale=scale)
+    cast_decode_add, cast_encode = staticmethod(casts.bf16_decode_add), \
+        staticmethod(casts.bf16_encode)
 
 
 @register
-class Fp16Kind(CodecKind):
+class Fp16Kind(_HalfKind):
     """IEEE binary16, 2n bytes (``native/casts.py``)."""
 
     name, id = "fp16", pb.CODEC_FP16
-
-    def max_bytes(self, codec, n):
-        return 2 * n
-
-    def decode_add(self, codec, payload, n, acc):
-        casts.fp16_decode_add(payload, n, acc)
-
-    def encode(self, codec, grad, residual, out, scratch, seed, scale):
-        return casts.fp16_encode(grad, residual, out.view(np.uint16), scale=scale)
+    cast_decode_add, cast_encode = staticmethod(casts.fp16_decode_add), \
+        staticmethod(casts.fp16_encode)
 
 
 @register
