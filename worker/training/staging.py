@@ -42,7 +42,6 @@ class Staging:
     def __init__(self, params: Sequence[tuple[str, torch.Tensor]], plan: KeyPlan,
                  client: PSClient) -> None:
         self.params = params
-        self.plan = plan
         self.client = client
         self.cuda = any(p.is_cuda for _, p in params)
         self.index = {n: i for i, (n, _) in enumerate(params)}
