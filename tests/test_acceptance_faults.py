@@ -27,6 +27,7 @@ tiny (``--seq-len 16 --batch-size 2``) and the runs are 20 steps.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -264,7 +265,11 @@ def test_a_shard_killed_mid_run_restarts_from_its_checkpoint_and_training_comple
     # was on disk; worker 0's push of the step after was lost with the shard and redone.
     assert lost_for_good == 0
     log = workers[0].log.read_text()
-    assert "recovering shards [1]" in log and "steps behind" not in log
+    # Shard 1 was recovered with nothing lost. Shard 0 may be recovered too: worker 0 was
+    # frozen past its pull's deadline there, and a redo to a shard that kept its clock is
+    # answered from the exactly-once window.
+    assert re.search(r"recovering shards \[(\d+, )*1\]", log), log
+    assert "steps behind" not in log, log
     for s in statuses:
         assert {w.rank: w.clock for w in s.workers} == {0: STEPS, 1: STEPS}
     for s in shards:

@@ -88,7 +88,8 @@ WORKER_ALLOWED = {
     "memory": set(),
     "training": {"transport", "memory"},
     "algorithms": {"transport", "training"},
-    "launch": {"transport", "training", "algorithms", "memory"},
+    "pipeline": {"transport", "training", "algorithms", "memory"},
+    "launch": {"transport", "training", "algorithms", "memory", "pipeline"},
 }
 
 
