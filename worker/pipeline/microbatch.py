@@ -39,10 +39,14 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from bitps.worker.pipeline.errors import PlanError
 from bitps.worker.pipeline.schedules import Schedule, get_schedule
 from bitps.worker.pipeline.simulate import StageTimes, simulate
+
+if TYPE_CHECKING:
+    from bitps.worker.pipeline.config import ParallelConfig
 
 __all__ = ["MicroBatchTuner"]
 
@@ -80,6 +84,13 @@ class MicroBatchTuner:
         self._require_candidate(start)
         self.current = start
         self._measured: dict[int, list[StageTimes]] = {}
+
+    @classmethod
+    def from_config(cls, cfg: ParallelConfig, **kwargs: Any) -> MicroBatchTuner:
+        """The tuner for ``cfg``: its replica batch, schedule, P, first size and [min, max]."""
+        return cls(samples_per_step=cfg.replica_batch, schedule=cfg.schedule,
+                   p=cfg.pipeline_parallel_size, start=cfg.micro_batch_size,
+                   minimum=cfg.micro_batch_min, maximum=cfg.micro_batch_max, **kwargs)
 
     @property
     def measured(self) -> tuple[int, ...]:
