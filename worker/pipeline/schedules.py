@@ -47,13 +47,11 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from bitps.worker.pipeline.actions import Action, Op
 from bitps.worker.pipeline.errors import PlanError, UnknownScheduleError
-
-if TYPE_CHECKING:
-    from bitps.worker.pipeline.simulate import StageTimes
+from bitps.worker.pipeline.simulate import StageTimes, check, simulate
 
 __all__ = ["SCHEDULES", "GPipe", "OneFOneB", "PipeDream2BW", "Schedule", "ZeroBubbleH1",
            "get_schedule", "register_schedule"]
@@ -86,8 +84,6 @@ class Schedule:
         exists, keeps the contracts of ``actions`` (``simulate.check``) and completes in the
         simulator (the deadlock guard) with at most 2 live weight versions per stage."""
         self._refuse(p, m)
-        from bitps.worker.pipeline.simulate import StageTimes, check, simulate  # imports us
-
         # Three steps for a flush-free schedule, so its version hand-over is checked too.
         plan = self._build(p, m, steps=1 if self.flushes else 3)
         check(plan, schedule=self.name, m=m)

@@ -66,6 +66,8 @@ class StageTimes:
 class SimResult:
     """What :func:`simulate` found. Per-stage tuples are indexed by stage.
 
+    ``makespan`` is the end of the last action or the last push's arrival at the shards,
+    whichever is later; ``busy[s]`` the compute time (F, B, W, BW) of stage ``s``;
     ``timeline[s][i]`` is the (start, end) of action ``i`` of stage ``s``; ``peak_inflight[s]``
     the most micro-batches whose ``F`` has run and whose last backward (``W`` or ``BW``) has not;
     ``max_live_versions[s]`` the most weight versions the stage holds at once (the last pulled
@@ -188,7 +190,7 @@ def closed_form_bubble(schedule: Schedule | str, p: int, m: int, times: StageTim
     communication and no pull/push time, or None where it has none (``2bw``: steady state 0,
     measure it with :meth:`SimResult.steady_bubble`)."""
     if isinstance(schedule, str):
-        from bitps.worker.pipeline.schedules import get_schedule  # schedules imports us lazily
+        from bitps.worker.pipeline.schedules import get_schedule  # schedules imports this module
 
         schedule = get_schedule(schedule)
     return schedule.closed_form_bubble(p, m, times)
