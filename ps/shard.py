@@ -199,7 +199,9 @@ class ShardCore:
                 slot.pushers.add(rank)
             elif rank in slot.pushers or unknown:
                 slot.pushers.discard(rank)
-                self._mark_changed(rank)
+                # once registered, the rank no longer looks like one a key waits for: look
+                # at every key again
+                self._mark_changed(None)
 
     def _check_partial(self) -> None:
         """Whether some registered worker does not push some key (:attr:`partial`)."""

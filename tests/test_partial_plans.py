@@ -173,6 +173,25 @@ def test_sync_step_of_a_key_equals_a_whole_plan_shard_of_its_pushers():
         assert np.array_equal(partial.slots[k].param, whole.slots[k].param), k
 
 
+def test_a_rank_whose_plan_is_not_known_yet_is_waited_for():
+    """Ranks of the world that have not registered may push any key: stage 0's step waits
+    for stage 1's ranks until their plans (without stage 0's keys) are in."""
+    core, _ = _core("sync", ranks=(0, 2))
+    _push(core, 0, 0, [0, 1])
+    _push(core, 2, 0, [0, 1])
+    core.tick()
+    assert core.slots[0].version == 0
+    assert core.consistency.waited_ranks(core.clocks, 1, [core.slots[0]]) == [1, 3]
+    core.register(_reg(1), _values(STAGE_KEYS[1]))
+    core.tick()
+    assert core.slots[0].version == 0  # rank 3 still unknown
+    core.register(_reg(3), {})
+    core.tick()
+    assert [core.slots[k].version for k in (0, 1)] == [1, 1]
+    assert np.array_equal(core.slots[0].param,
+                          INIT[0] - LR * (_grad(0, 0) + _grad(2, 0)) / np.float32(2))
+
+
 def test_a_key_outside_the_workers_plan_is_not_pushed():
     core, _ = _core("sync")
     (reply,) = _send(core, pb.PUSH, 0, 0, [2], [_grad(0, 2)])
@@ -384,3 +403,166 @@ def test_onebit_adam_sync_averages_each_key_over_its_pushers():
         assert a.onebit.compressing and a.version == b.version == 4
         assert np.array_equal(a.param, b.param), k
         assert np.array_equal(a.state.buf1, b.state.buf1), k
+
+
+# -- real processes: 2 stages x 2 replicas through 2 shards ---------------------------------------
+
+_STAGE_WORKER = r"""
+import sys
+import numpy as np
+import torch
+from bitps.proto.keyplan import ParamSpec, make_plan
+from bitps.worker import ClientConfig, PSClient, PSModel
+from bitps.worker.config import OverlapConfig
+
+rank, servers, out, steps = int(sys.argv[1]), tuple(sys.argv[2].split(",")), sys.argv[3], 3
+stage, replica = rank % 2, rank // 2
+full = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Linear(64, 8))
+names = [n for n, _ in full.named_parameters()]
+plan = make_plan([ParamSpec(n, tuple(p.shape)) for n, p in full.named_parameters()],
+                 num_shards=len(servers), partition_bytes=1024)
+# the stage keeps the model's parameter names ("1.weight"), replica 1 starts from other values
+module = torch.nn.Module()
+module.add_module(str(stage), full[stage])
+with torch.no_grad():
+    for i, (n, p) in enumerate(module.named_parameters()):
+        p.copy_(((torch.arange(p.numel()) % 9 - 4) * 0.25 + i + 10 * replica).reshape(p.shape))
+cfg = ClientConfig(servers=servers, rank=rank, world_size=4, initializes=replica == 0,
+                   partition_bytes=1024, deadline_s=30, register_timeout_s=60)
+client = PSClient(cfg)
+model = PSModel(module, client, plan=plan,
+                overlap=OverlapConfig(mode="on" if stage else "off"))
+assert not model.plan.partial or len(model.plan.keys) < len(plan.keys)
+params = dict(module.named_parameters())
+for step in range(steps):
+    # a loss whose gradient is exactly g(rank, step) (multiples of 1/4)
+    loss = 0
+    for n, p in params.items():
+        g = torch.tensor(np.random.default_rng([rank, names.index(n), step])
+                         .integers(-8, 9, p.numel()) * 0.25, dtype=torch.float32)
+        loss = loss + (p * g.reshape(p.shape)).sum()
+    loss.backward()
+    model.step()
+model.synchronize()
+np.savez(out, **{n: p.detach().numpy() for n, p in params.items()},
+         keys=np.array([k.key for k in model.plan.keys]))
+model.close()
+"""
+
+
+def test_two_stages_two_replicas_sync_through_two_shards(cluster, tmp_path):
+    """Each stage process registers only its stage's keys; replica 0 of each stage sends the
+    initial values (replica 1's own values are overwritten by the first pull). Every key's
+    sync step is the average of its two pushers' gradients, on the shards and in every
+    worker's parameters."""
+    import os
+    import subprocess
+    import sys
+
+    lr = 0.25
+    shards = cluster(2, mode="sync", metrics_port=-1, heartbeat_timeout_s=30,
+                     optimizer=OptimizerConfig(name="sgd", lr=lr))
+    servers = ",".join(f"127.0.0.1:{s.ports['grpc_port']}" for s in shards)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    procs = [subprocess.Popen([sys.executable, "-c", _STAGE_WORKER, str(r), servers,
+                               str(tmp_path / f"rank{r}.npz")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(4)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0] * 4, outs
+    torch = pytest.importorskip("torch")
+    full = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Linear(64, 8))
+    names = [n for n, _ in full.named_parameters()]
+    results = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(4)]
+    slots = {k: s.core.slots[k] for s in shards for k in s.core.slots}
+    plan = make_plan([ParamSpec(n, tuple(p.shape)) for n, p in full.named_parameters()],
+                     num_shards=2, partition_bytes=1024)
+    assert sorted(slots) == [k.key for k in plan.keys]
+    for stage in (0, 1):
+        mine = plan.subset(n for n in names if n.startswith(f"{stage}."))
+        ranks = (stage, stage + 2)
+        for r in ranks:
+            assert results[r]["keys"].tolist() == [k.key for k in mine.keys]
+        for k in mine.keys:
+            assert slots[k.key].pushers == set(ranks) and slots[k.key].version == 3
+        for i, (n, p) in enumerate((n, p) for n, p in full.named_parameters()
+                                   if n.startswith(f"{stage}.")):
+            expect = ((np.arange(p.numel()) % 9 - 4) * 0.25 + i).astype(np.float32)
+            for step in range(3):
+                g = [np.random.default_rng([r, names.index(n), step]).integers(
+                    -8, 9, p.numel()) * 0.25 for r in ranks]
+                expect -= np.float32(lr) * ((g[0] + g[1]) / 2).astype(np.float32)
+            shard_value = np.concatenate([slots[k.key].param for k in mine.keys
+                                          if k.name == n])
+            assert np.array_equal(shard_value, expect), n
+            for r in ranks:
+                assert np.array_equal(results[r][n].reshape(-1), expect), (r, n)
+
+
+def test_stages_with_compressed_pushes_and_pulls_async(cluster):
+    """async, sign1 pushes and sign1 pulls: four stage workers (threads, real sockets) each
+    push and pull their own stage's keys; after a last pull every worker's copies equal the
+    shards' parameters bit for bit, and each key was updated by its two pushers only."""
+    from bitps.proto.codecs import CodecConfig
+    from bitps.worker import ClientConfig, PSClient
+
+    shards = cluster(2, mode="async", metrics_port=-1, split_lr=True,
+                     optimizer=OptimizerConfig(name="sgd", lr=0.01))
+    servers = tuple(f"127.0.0.1:{s.ports['grpc_port']}" for s in shards)
+    model = [ParamSpec("a.w", (64, 64)), ParamSpec("a.b", (64,)), ParamSpec("b.w", (32, 64)),
+             ParamSpec("b.b", (32,))]
+    plan = make_plan(model, num_shards=2, partition_bytes=4096)
+    parts = [plan.subset(names) for names in (("a.w", "a.b"), ("b.w", "b.b"))]
+    init = {k.key: np.linspace(-1, 1, k.length, dtype=np.float32) + k.key for k in plan.keys}
+    steps, results = 4, {}
+
+    def work(rank: int) -> None:
+        part = parts[rank % 2]
+        cfg = ClientConfig(servers=servers, rank=rank, world_size=4, initializes=rank < 2,
+                           partition_bytes=4096, compress_min_bytes=1024, deadline_s=30,
+                           push_codec=CodecConfig(name="sign1", chunk=256),
+                           pull_codec=CodecConfig(name="sign1", chunk=256))
+        keys = [k.key for k in part.keys]
+        mine = {k: init[k].copy() for k in keys}
+        try:
+            with PSClient(cfg) as client:
+                client.register(part, mine if rank < 2 else None, copies=mine)
+                rng = np.random.default_rng(rank)
+                for step in range(steps):
+                    grads = [rng.standard_normal(len(mine[k])).astype(np.float32)
+                             for k in keys]
+                    client.push_pull(keys, grads, [mine[k] for k in keys], clock=step).wait()
+                results[rank] = mine
+        except BaseException as err:  # noqa: BLE001 - reported below
+            results[rank] = err
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    for rank in range(4):
+        assert not isinstance(results.get(rank), BaseException), results.get(rank)
+    slots = {k: s.core.slots[k] for s in shards for k in s.core.slots}
+    for rank in range(4):
+        part = parts[rank % 2]
+        mine = results[rank]
+        for k in part.keys:
+            slot = slots[k.key]
+            assert slot.pushers == {rank % 2, rank % 2 + 2}
+            assert slot.version == 2 * steps
+            assert (slot.publisher is not None) == k.name.endswith(".w")  # biases: < 1 KiB
+        # one more pull brings this worker's copies to the shards' parameters exactly
+        cfg = ClientConfig(servers=servers, rank=rank, world_size=4, initializes=False,
+                           partition_bytes=4096, compress_min_bytes=1024, deadline_s=30,
+                           pull_codec=CodecConfig(name="sign1", chunk=256))
+        keys = [k.key for k in part.keys]
+        with PSClient(cfg) as client:
+            client.register(part, None, copies=mine)
+            client.pull(keys, [mine[k] for k in keys], clock=steps).wait()
+        for k in keys:
+            assert np.array_equal(mine[k], slots[k].param), (rank, k)
