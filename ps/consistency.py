@@ -168,7 +168,7 @@ class Sync(Consistency):
 
     def push(self, core, header, slots, grads, live, min_clock):
         for slot, grad in zip(slots, grads):
-            pushers = key_pushers(core.clocks, (slot,), live)
+            pushers = core.key_pushers(slot, live)
             slot.accumulate(header.worker, grad, pushers)
             core.try_aggregate(slot, pushers)
 
@@ -176,7 +176,7 @@ class Sync(Consistency):
         clocks = core.clocks
         for slot in core.slots.values():
             if slot.pushed and depends_on(clocks, slot, ranks):
-                core.try_aggregate(slot, key_pushers(clocks, (slot,), live))
+                core.try_aggregate(slot, core.key_pushers(slot, live))
 
 
 @register
@@ -200,8 +200,7 @@ class Async(Consistency):
         for i, (slot, grad) in enumerate(zip(slots, grads)):
             # a clock's pushes of a key share one step's learning rate (ServerConfig.split_lr):
             # split over the key's live pushers
-            split = 1.0 / max(len(key_pushers(core.clocks, (slot,), live)), 1) \
-                if cfg.split_lr else 1.0
+            split = 1.0 / max(len(core.key_pushers(slot, live)), 1) if cfg.split_lr else 1.0
             vgap = slot.version - header.versions[i] if header.versions else 0
             lr_scale = cfg.optimizer.schedule.factor(header.clock) * split
             if cfg.staleness_damping:

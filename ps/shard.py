@@ -203,6 +203,11 @@ class ShardCore:
                 # at every key again
                 self._mark_changed(None)
 
+    def key_pushers(self, slot: Slot, live: list[int]) -> list[int]:
+        """``slot``'s live pushers (``ps.consistency.key_pushers``); ``live``, the live ranks,
+        when no plan is partial (every live rank pushes every key)."""
+        return key_pushers(self.clocks, (slot,), live) if self.partial else live
+
     def _check_partial(self) -> None:
         """Whether some registered worker does not push some key (:attr:`partial`)."""
         registered = {r for r, w in self.clocks.workers.items() if w.registered}
@@ -518,9 +523,9 @@ class ShardCore:
         if publishes:
             frames, frame_codecs = publish.reply_frames(header, slots)
         elif self.consistency.looks_ahead:
-            frames = []
+            frames, live = [], self.clocks.live()
             for s in slots:
-                ahead = len(key_pushers(self.clocks, (s,))) - 1
+                ahead = len(self.key_pushers(s, live)) - 1
                 frames.append(s.lookahead(ahead) if ahead > 0 and s.last_delta is not None
                               else s.reply_frame())
         else:
