@@ -640,3 +640,30 @@ def test_a_shard_back_empty_gets_each_stages_keys_from_its_initializer():
     finally:
         for s in shards:
             s.stop(0)
+
+
+def test_psmodel_binds_a_stage_by_name_and_refuses_what_the_plan_lacks():
+    """Checked before any connection: a parameter the whole plan does not have, or of another
+    shape, is a typed error naming it."""
+    torch = pytest.importorskip("torch")
+    from bitps.worker import ClientConfig, PSClient, PSModel
+
+    full = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    plan = make_plan([ParamSpec(n, tuple(p.shape)) for n, p in full.named_parameters()],
+                     num_shards=1)
+    with PSClient(ClientConfig(servers=("127.0.0.1:9",))) as client:
+        other = torch.nn.Module()
+        other.add_module("2", torch.nn.Linear(8, 2))  # "2.weight": not in the plan
+        with pytest.raises(UnknownParametersError, match=r"\['2.bias', '2.weight'\]"):
+            PSModel(other, client, plan=plan)
+        wrong = torch.nn.Module()
+        wrong.add_module("1", torch.nn.Linear(8, 3))
+        with pytest.raises(PlanMismatchError, match=r"'1.weight' is float32\[3, 8\]"):
+            PSModel(wrong, client, plan=plan)
+    # who sends initial values follows ClientConfig.initializes, not the rank
+    with PSClient(ClientConfig(servers=("127.0.0.1:9",), initializes=False)) as client:
+        with pytest.raises(ValueError, match="rank 0 must not pass initial values"):
+            client.register(plan, {k.key: np.zeros(k.length, np.float32) for k in plan.keys})
+    with PSClient(ClientConfig(servers=("127.0.0.1:9",), rank=2, world_size=4,
+                               initializes=True)) as client:
+        assert client.initializes
