@@ -667,3 +667,28 @@ def test_psmodel_binds_a_stage_by_name_and_refuses_what_the_plan_lacks():
     with PSClient(ClientConfig(servers=("127.0.0.1:9",), rank=2, world_size=4,
                                initializes=True)) as client:
         assert client.initializes
+
+
+def test_async_lookahead_counts_the_keys_other_pushers():
+    core, _ = _core("async", lookahead=True, split_lr=False)
+    _push(core, 0, 0, [0])
+    delta = core.slots[0].last_delta.copy()
+    assert np.array_equal(delta, -LR * _grad(0, 0))
+    (reply,) = _send(core, pb.PULL, 2, 1, [0])
+    # one other pusher of key 0 (rank 2's peer), not three other workers
+    got = np.frombuffer(reply.payload[0], np.float32)
+    assert np.array_equal(got, core.slots[0].param + delta)
+
+
+def test_a_replayed_stage_push_is_applied_once():
+    core, _ = _core("sync")
+    for r in (0, 2):
+        header = pb.DataHeader(op=pb.PUSH, worker=r, clock=0, keys=[0], protocol=PROTOCOL,
+                               dtype=pb.FLOAT32, request_id=7, incarnation=99 + r)
+        frames = [header.SerializeToString(), _grad(r, 0).tobytes()]
+        for _ in range(2):  # the second is a replay: answered, not applied
+            (reply,) = core.handle(b"w", frames)
+            assert reply.header.op == pb.REPLY, reply.header.message
+    assert core.slots[0].version == 1 and core.updates_applied == 1
+    assert np.array_equal(core.slots[0].param,
+                          INIT[0] - LR * (_grad(0, 0) + _grad(2, 0)) / np.float32(2))
