@@ -124,7 +124,8 @@ def summarize(rank_docs: list[dict], p: int) -> list[dict]:
                 {**rec, "rank": doc["rank"]})
     rows = []
     for (case, m), rounds in steps.items():
-        b_max, b_mean, walls, inflight = [], [], [], [0.0] * p
+        b_max, b_mean, walls = [], [], []
+        inflight, held = [0.0] * p, [0.0] * p
         times = {k: [] for k in ("t_f_s", "t_b_s", "t_w_s")}
         for recs in rounds.values():
             if len(recs) != p:
@@ -136,12 +137,13 @@ def summarize(rank_docs: list[dict], p: int) -> list[dict]:
             walls.append(wall)
             for r in recs:
                 inflight[r["rank"]] = max(inflight[r["rank"]], r["peak_inflight"])
+                held[r["rank"]] = max(held[r["rank"]], r["peak_held"])
                 for k in times:
                     times[k].append(r[k])
         rows.append({"case": case, "m": m, "bubble_max": statistics.median(b_max),
                      "bubble_mean": statistics.median(b_mean),
                      "step_ms": statistics.median(walls) * 1e3, "peak_inflight": inflight,
-                     "steps": len(walls),
+                     "peak_held": held, "steps": len(walls),
                      **{k[:-2] + "_ms": statistics.fmean(v) * 1e3 for k, v in times.items()}})
     return rows
 

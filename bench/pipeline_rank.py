@@ -112,7 +112,8 @@ def _record(case, round_no: int, t0: float, t1: float) -> dict:
     return {"case": case.name, "m": case.m, "round": round_no, "start": t0, "end": t1,
             "busy_s": RECORDER.busy_s(t0),
             **{f"t_{k.lower()}_s": RECORDER.mean_s(k, t0) for k in ("F", "B", "W")},
-            "peak_inflight": RECORDER.peak_inflight(t0, weights=case.weights)}
+            "peak_inflight": RECORDER.peak_inflight(t0, weights=case.weights),
+            "peak_held": RECORDER.peak_inflight(t0, until="W", weights=case.weights)}
 
 
 def main(argv: list[str] | None = None) -> int:

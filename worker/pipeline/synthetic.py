@@ -89,16 +89,20 @@ class BusyRecorder:
         spans = [iv.end - iv.start for iv in self.intervals(since) if iv.kind == kind]
         return sum(spans) / len(spans) if spans else 0.0
 
-    def peak_inflight(self, since: float = float("-inf"), *,
+    def peak_inflight(self, since: float = float("-inf"), *, until: str = "B",
                       weights: dict[int, float] | None = None) -> float:
-        """The most micro-batches whose forward had ended and whose input-backward (``B``) had
-        not, at any moment since ``since``: the activations a stage holds. ``weights`` gives
-        each stage label's share of one micro-batch's activations (a rank that runs two
-        half-size chunks counts each at 0.5); every stage counts 1 by default."""
+        """The most micro-batches whose forward had ended and whose ``until`` interval had
+        not, at any moment since ``since``: with ``until="B"`` (the input-backward) the
+        activations a stage holds for its backward, with ``until="W"`` also those a deferred
+        weight-backward still needs (a full backward records both). ``weights`` gives each
+        stage label's share of one micro-batch's activations (a rank that runs two half-size
+        chunks counts each at 0.5); every stage counts 1 by default."""
+        if until not in ("B", "W"):
+            raise ValueError(f"peak_inflight until={until!r}: expected 'B' or 'W'")
         weights = weights or {}
         events = sorted(
             (iv.end, 1 if iv.kind == "F" else -1, iv.stage)
-            for iv in self.intervals(since) if iv.kind in ("F", "B"))
+            for iv in self.intervals(since) if iv.kind in ("F", until))
         level = peak = 0.0
         for _, sign, stage in events:
             level += sign * weights.get(stage, 1.0)
