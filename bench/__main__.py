@@ -122,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--t-ms", type=float, nargs=3, default=[20.0, 20.0, 20.0],
                     metavar=("F", "B", "W"), help="sleep of each stage's F, B and W (ms)")
     pl.add_argument("--rounds", type=int, default=3, help="timed steps per case, alternated")
+    pl.add_argument("--flush-free-steps", type=int, default=6,
+                    help="steps of the flush-free plan per timed run (steady state: 1..N-2)")
+    pl.add_argument("--cases", nargs="+", default=[],
+                    help="only these cases (ours: gpipe 1f1b zb-h1 2bw; torch: torch-gpipe "
+                         "torch-1f1b torch-zb1p torch-zbv)")
     pl.add_argument("--quick", action="store_true", help="the smallest m only, one timed step "
                     "(smoke test)")
     al = sub.add_parser("all", help="every scenario (e2e: the LM, the MoE and the straggler), "
@@ -216,8 +221,9 @@ def run_scenario(args) -> dict:
 
         ms, rounds = ((min(args.ms),), 1) if args.quick else (tuple(args.ms), args.rounds)
         t_f, t_b, t_w = (t / 1e3 for t in args.t_ms)
-        result = run(p=args.p, ms=ms, t_f=t_f, t_b=t_b, t_w=t_w, rounds=rounds, out=args.out,
-                     quick=args.quick)
+        result = run(p=args.p, ms=ms, t_f=t_f, t_b=t_b, t_w=t_w, rounds=rounds,
+                     cases=tuple(args.cases), flush_free_steps=args.flush_free_steps,
+                     out=args.out, quick=args.quick)
     else:
         from bitps.bench.codec import run
 

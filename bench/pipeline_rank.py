@@ -1,14 +1,16 @@
 """One rank of ``bitps-bench pipeline`` (a): ``python -m bitps.bench.pipeline_rank '<json>'``
 with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). It joins a gloo group,
-builds every case's stages on :class:`~bitps.worker.pipeline.synthetic.SleepStage`, runs the
-cases in rounds (a barrier before each step, every case once per round, the first round a
-warm-up), and prints one JSON line: per case and round, this rank's step start and end
+builds every case's stages on :class:`~bitps.worker.pipeline.synthetic.SleepStage` (torch's
+``PipelineStage`` + schedule, or our ``StageRuntime`` + action list), runs the cases in
+rounds (a barrier before each step, every case once per round, the first round a warm-up),
+and prints one JSON line: per case and round, this rank's step start and end
 (``time.perf_counter``, one clock for every process of the machine), busy seconds, mean F/B/W
-durations and peak in-flight micro-batches, read from the stage recorder.
+durations and peak in-flight micro-batches, read from the stage recorder (and, for a
+flush-free plan, the intervals themselves).
 
 Settings (the JSON): ``p``, ``ms`` (micro-batch counts), ``t_f``/``t_b``/``t_w`` (seconds),
 ``rows``/``width`` (one micro-batch's shape), ``rounds`` (timed), ``warmup``, ``cases`` (names
-from :data:`CASES`), ``timeout_s``.
+from :data:`CASES`), ``flush_free_steps``, ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -20,11 +22,15 @@ import os
 import sys
 import time
 
-__all__ = ["CASES", "main"]
+__all__ = ["CASES", "OUR_CASES", "TORCH_CASES", "main"]
 
-CASES = ("torch-gpipe", "torch-1f1b", "torch-zb1p", "torch-zbv")
+TORCH_CASES = ("torch-gpipe", "torch-1f1b", "torch-zb1p", "torch-zbv")
 """torch.distributed.pipelining's schedules: GPipe, 1F1B, ``ScheduleInterleavedZeroBubble``
 with one stage per rank (ZB1P) and ``ScheduleZBVZeroBubble`` (two half-size stages per rank)."""
+OUR_CASES = ("gpipe", "1f1b", "zb-h1", "2bw")
+"""Our schedules (``pipeline.schedules``) run by our ``StageRuntime``; a flush-free one runs
+``flush_free_steps`` steps as one plan per timed step."""
+CASES = TORCH_CASES + OUR_CASES
 
 
 def _loss(out, target):
@@ -65,7 +71,7 @@ class _TorchCase:
         elif name == "torch-zbv":
             self.schedule = pp.ScheduleZBVZeroBubble(stages, m, loss_fn=_loss)
         else:
-            raise ValueError(f"case {name!r}: expected one of {CASES}")
+            raise ValueError(f"case {name!r}: expected one of {TORCH_CASES}")
         gen = torch.Generator().manual_seed(m)
         full = (s["rows"] * m, s["width"])
         # stage 0's input requires grad, so its B (the input gradient) runs and costs t_b
@@ -74,6 +80,7 @@ class _TorchCase:
         self.first = 0 in chunks
         self.last = num_stages - 1 in chunks
         self.modules = [st.submod for st in stages]
+        self.keep_intervals = False
 
     def step(self) -> None:
         args = (self.x,) if self.first else ()
@@ -82,6 +89,43 @@ class _TorchCase:
         for mod in self.modules:
             mod.zero_grad(set_to_none=True)
         self.x.grad = None
+
+
+class _OurCase:
+    """One of our schedules at one m: this rank's action list of the plan, its
+    ``StageRuntime`` over a SleepStage and the micro-batches of the plan's steps."""
+
+    def __init__(self, name: str, m: int, s: dict, rank: int) -> None:
+        import torch
+
+        from bitps.worker.pipeline.runtime import StageContext, StageRuntime
+        from bitps.worker.pipeline.schedules import get_schedule
+        from bitps.worker.pipeline.synthetic import SleepStage
+
+        p = s["p"]
+        schedule = get_schedule(name)
+        steps = 1 if schedule.flushes else s["flush_free_steps"]
+        self.name, self.m, self.rank, self.steps = name, m, rank, steps
+        self.actions = schedule.generate(p, m, steps=steps)[rank]
+        self.weights = {rank: 1.0}
+        self.keep_intervals = not schedule.flushes
+        ctx = StageContext(stage=rank, num_stages=p, prev_rank=rank - 1 if rank else None,
+                           next_rank=rank + 1 if rank < p - 1 else None,
+                           timeout_s=s["timeout_s"])
+        last = rank == p - 1
+        self.module = SleepStage(s["t_f"], s["t_b"], s["t_w"], stage=rank)
+        self.runtime = StageRuntime(ctx, self.module, loss_fn=_loss if last else None)
+        gen = torch.Generator().manual_seed(m)
+        shape = (s["rows"], s["width"])
+        xs = [torch.randn(shape, generator=gen) for _ in range(steps * m)]
+        ts = [torch.randn(shape, generator=gen) for _ in range(steps * m)]
+        self.inputs = xs if rank == 0 else None
+        self.targets = ts if last else None
+        self.report = None
+
+    def step(self) -> None:
+        self.report = self.runtime.run_step(self.actions, self.inputs, self.targets)
+        self.module.zero_grad(set_to_none=True)
 
 
 def _comm_one_way_s(rank: int, shape: tuple[int, int], repeats: int = 20) -> float:
@@ -109,7 +153,14 @@ def _comm_one_way_s(rank: int, shape: tuple[int, int], repeats: int = 20) -> flo
 def _record(case, round_no: int, t0: float, t1: float) -> dict:
     from bitps.worker.pipeline.synthetic import RECORDER
 
-    return {"case": case.name, "m": case.m, "round": round_no, "start": t0, "end": t1,
+    extra = {}
+    if case.keep_intervals:  # a flush-free plan's steady state is cut from them
+        extra["intervals"] = [(iv.kind, iv.start, iv.end) for iv in RECORDER.intervals(t0)]
+    report = getattr(case, "report", None)
+    if report is not None:
+        extra.update(runtime_bubble=report.bubble, runtime_wall_s=report.wall_s,
+                     runtime_peak_inflight=report.peak_inflight)
+    return {"case": case.name, "m": case.m, "round": round_no, "start": t0, "end": t1, **extra,
             "busy_s": RECORDER.busy_s(t0),
             **{f"t_{k.lower()}_s": RECORDER.mean_s(k, t0) for k in ("F", "B", "W")},
             "peak_inflight": RECORDER.peak_inflight(t0, weights=case.weights),
@@ -136,9 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         cases, refused = [], {}
         for name in s["cases"]:
             for m in s["ms"]:
+                make = _TorchCase if name in TORCH_CASES else _OurCase
                 try:
-                    cases.append(_TorchCase(name, m, s, rank))
-                except ValueError as err:  # torch refuses this (schedule, m): report it
+                    cases.append(make(name, m, s, rank))
+                except ValueError as err:  # the schedule refuses this m: report it
                     refused[f"{name} m={m}"] = str(err)
         records = []
         for round_no in range(s["warmup"] + s["rounds"]):

@@ -1,7 +1,8 @@
 """``bitps-bench pipeline`` and its sleep-based stages: the stages split B from W as a
 zero-bubble schedule needs, and a tiny run of part (a) through the real path (gloo ranks,
-torch.distributed.pipelining and ours) writes the agreed shape with sane figures. No acceptance
-threshold is asserted: a loaded test machine proves nothing about bubbles."""
+torch.distributed.pipelining and our runtime, beside our simulator) writes the agreed shape
+with sane figures. No acceptance threshold is asserted: a loaded test machine proves nothing
+about bubbles."""
 
 from __future__ import annotations
 
@@ -61,13 +62,25 @@ def test_pipeline_bench_smoke(tmp_path):
     torch_rows = [r for r in doc["rows"] if r["impl"] == "torch.distributed.pipelining"]
     assert {r["case"] for r in torch_rows} == {"torch-gpipe", "torch-1f1b", "torch-zb1p",
                                                "torch-zbv"}
+    ours = {r["schedule"]: r for r in doc["rows"] if r["impl"] == "bitps"}
+    assert set(ours) == {"gpipe", "1f1b", "zb-h1", "2bw"}
+    for r in ours.values():  # the simulator ran on the measured times of the same plan
+        assert 0.0 <= r["sim_bubble_max"] < 1.0 and r["sim_step_ms"] > 0
+        assert r["diff_max"] == pytest.approx(r["bubble_max"] - r["sim_bubble_max"])
+        assert f"{r['schedule']}_m2_measured_vs_simulated" in doc["checks"]
+    assert ours["gpipe"]["closed_form"] == pytest.approx(1 / 3)  # (p-1)/(m+p-1)
+    assert ours["gpipe"]["sim_peak_inflight"] == [2, 2]
+    flush_free = ours["2bw"]
+    assert 0.0 <= flush_free["steady_bubble"] < flush_free["bubble_max"]
+    assert 0.0 <= flush_free["sim_steady_bubble"] < flush_free["sim_bubble_max"]
+    assert "quiet_window" in doc["checks"]
     for row in doc["rows"]:
         assert row["m"] == 2 and row["steps"] == 1
         assert 0.0 <= row["bubble_mean"] <= row["bubble_max"] < 1.0
         assert len(row["peak_inflight"]) == 2 and max(row["peak_inflight"]) >= 1
         assert row["step_ms"] > 0 and row["t_f_ms"] >= 5 * (0.5 if "zbv" in row["case"] else 1)
     gpipe = next(r for r in torch_rows if r["case"] == "torch-gpipe")
-    assert gpipe["closed_form"] == pytest.approx(1 / 3)  # (p-1)/(m+p-1)
+    assert gpipe["closed_form"] == pytest.approx(1 / 3)
     for c in doc["checks"].values():
         assert set(c) == {"value", "goal", "ok"} and isinstance(c["ok"], bool)
     md = (tmp_path / "pipeline.md").read_text()
