@@ -169,7 +169,7 @@ class _Head(nn.Module):
     def __init__(self, d: int) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(d)
-        self.up, self.out = nn.Linear(d, 8 * d), nn.Linear(8 * d, _VOCAB)
+        self.up, self.out = nn.Linear(d, 7 * d), nn.Linear(7 * d, _VOCAB)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(F.gelu(self.up(self.norm(x))))
