@@ -1,0 +1,237 @@
+"""Point-to-point transfers between neighbouring stages: activations forward, their gradients
+backward, through ``torch.distributed`` (gloo on CPU, NCCL on CUDA) as posted pairs.
+
+    link = StageLink(peers, device=device, timeout_s=30)
+    link.expect(Direction.FROM_PREV, [0, 1, 2, 3])  # post the first receive now
+    link.send(Direction.TO_NEXT, mb, output)         # isend: returns at once
+    x = link.recv(Direction.FROM_PREV, mb)           # waits, at most timeout_s
+    link.finish()                                    # wait for every send still in flight
+
+**Shapes travel in a header.** Every transfer is two messages: a fixed header (int64: dtype
+code, ndim, the sizes) and then the tensor. The micro-batch size may change between steps
+(dynamic micro-batching) and a stage past the first cannot know it in advance, so the receiver
+learns each shape from its header instead of from a dry run per micro-batch size; the header
+costs one 80-byte message per transfer.
+
+**Posted receives.** Each direction is a chain: the header of the next expected micro-batch is
+always posted (``irecv``); when it arrives, the tensor's receive is posted into a buffer of the
+announced shape and dtype, and so is the header after it. The chain keeps messages in the order
+the sender sends them, which NCCL needs (it matches by order, not by tag); on gloo every message
+is also tagged with its micro-batch. Sends are ``isend``; their ``Work`` and the tensors they read
+are kept until :meth:`StageLink.finish` (or until the queue of sends in flight is long), so no
+two blocking sends ever face each other.
+
+**Deadlines.** Every wait is bounded by ``timeout_s`` (gloo ``Work.wait(timeout)``; NCCL's
+watchdog enforces the process group's ``timeout``, which the launcher sets to the same value).
+A transfer that fails or times out raises :class:`StageFailedError` naming the peer stage, its
+replica and global rank, and what was awaited. Measured on torch 2.13 gloo: a peer that dies
+(``kill -9``) fails the waits on it within milliseconds ("Connection closed by peer"); a peer
+that is stopped (``SIGSTOP``) or hangs fails them after the timeout ("Timed out waiting").
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Direction", "Peer", "StageFailedError", "StageLink"]
+
+_HEADER_LEN = 10  # dtype code, ndim, up to 8 sizes
+_MAX_DIMS = _HEADER_LEN - 2
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+           torch.int32, torch.uint8, torch.bool)
+_SENDS_IN_FLIGHT = 64  # waited oldest first beyond this: bounds the tensors kept alive
+
+
+class StageFailedError(RuntimeError):
+    """A transfer with another stage failed or found no answer before its deadline.
+
+    ``stage``, ``replica`` and ``rank`` name the peer; ``what`` says what was awaited (for
+    example ``"RECV_F of micro-batch 3"``); ``reason`` is the transport's message or
+    ``"no answer within 30 s"``."""
+
+    def __init__(self, *, stage: int, replica: int, rank: int, what: str, reason: str) -> None:
+        self.stage, self.replica, self.rank, self.what, self.reason = (stage, replica, rank,
+                                                                       what, reason)
+        super().__init__(f"{what} from/to stage {stage} (replica {replica}, rank {rank}) "
+                         f"failed: {reason}")
+
+
+class Direction(enum.Enum):
+    """Which neighbour a transfer goes to or comes from, and what it carries."""
+
+    TO_NEXT = "SEND_F"      # activations to stage s + 1
+    FROM_PREV = "RECV_F"    # activations from stage s - 1
+    TO_PREV = "SEND_B"      # input gradients to stage s - 1
+    FROM_NEXT = "RECV_B"    # output gradients from stage s + 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Peer:
+    """A neighbouring stage: its index, replica and global rank (in ``group``'s numbering when
+    ``group`` is given, as ``torch.distributed`` p2p calls take group ranks there)."""
+
+    stage: int
+    replica: int
+    rank: int
+
+
+def _reason(exc: BaseException, timeout_s: float) -> str:
+    text = str(exc)
+    if "Timed out" in text or "timeout" in text.lower():
+        return f"no answer within {timeout_s:g} s ({text.splitlines()[0][:200]})"
+    if "closed by peer" in text or "Connection reset" in text:
+        return f"peer closed the connection ({text.splitlines()[0][:200]})"
+    return text.splitlines()[0][:300] if text else type(exc).__name__
+
+
+class _Inbox:
+    """The receive chain from one peer: micro-batches expected in order, the posted header of
+    the next one, and the posted tensor receives whose headers have arrived."""
+
+    def __init__(self, link: StageLink, direction: Direction, peer: Peer) -> None:
+        self.link, self.direction, self.peer = link, direction, peer
+        self.expected: deque[int] = deque()
+        self.header: tuple[int, torch.Tensor, dist.Work] | None = None
+        self.posted: dict[int, tuple[torch.Tensor, dist.Work]] = {}
+
+    def expect(self, mbs: Iterable[int]) -> None:
+        self.expected.extend(mbs)
+        self.advance()
+
+    def advance(self, *, block_for: int | None = None) -> None:
+        """Post what can be posted: the tensor receive behind an arrived header and the next
+        header. ``block_for``: wait (bounded) for that micro-batch's header first."""
+        while True:
+            if self.header is None:
+                if not self.expected:
+                    return
+                mb = self.expected.popleft()
+                buf = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.link.device)
+                self.header = (mb, buf, self.link._irecv(buf, self.peer, tag=2 * mb))
+            mb, buf, work = self.header
+            if block_for != mb and not work.is_completed():
+                return
+            # waiting on a completed Work is instant, and raises if it failed
+            self.link._wait(work, self.peer, f"{self.direction.value} of micro-batch {mb}")
+            h = buf.tolist()
+            shape = tuple(h[2:2 + h[1]])
+            data = torch.empty(shape, dtype=_DTYPES[h[0]], device=self.link.device)
+            self.posted[mb] = (data, self.link._irecv(data, self.peer, tag=2 * mb + 1))
+            self.link.bytes_received += buf.nbytes + data.nbytes
+            self.header = None
+
+
+class StageLink:
+    """The transfers of one stage with its two neighbours (``peers[direction]``; a first or
+    last stage has no peer on one side). One per stage process; not thread-safe."""
+
+    def __init__(self, peers: dict[Direction, Peer], *, device: torch.device,
+                 timeout_s: float, group: dist.ProcessGroup | None = None) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.peers = peers
+        self.device = torch.device(device)
+        self.timeout_s = timeout_s
+        self.group = group
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._inboxes = {d: _Inbox(self, d, p) for d, p in peers.items()
+                         if d in (Direction.FROM_PREV, Direction.FROM_NEXT)}
+        self._sends: deque[tuple[dist.Work, Peer, str, tuple[torch.Tensor, ...]]] = deque()
+
+    # -- receiving ----------------------------------------------------------------------------
+    def expect(self, direction: Direction, mbs: Iterable[int]) -> None:
+        """Micro-batches ``mbs`` will arrive from ``direction``, in this order: post the first
+        receive now."""
+        self._inbox(direction).expect(mbs)
+
+    def poll(self) -> None:
+        """Post the tensor receives whose headers have arrived (cheap; call between actions)."""
+        for inbox in self._inboxes.values():
+            inbox.advance()
+
+    def recv(self, direction: Direction, mb: int) -> torch.Tensor:
+        """Wait for micro-batch ``mb``'s tensor from ``direction`` (announced by
+        :meth:`expect`); raises :class:`StageFailedError` past the deadline."""
+        inbox = self._inbox(direction)
+        inbox.advance()
+        if mb not in inbox.posted:
+            waiting = None if inbox.header is None else inbox.header[0]
+            if waiting != mb:
+                raise ValueError(f"{direction.value} of micro-batch {mb} was not expected "
+                                 f"next (next expected: {waiting})")
+            inbox.advance(block_for=mb)
+        data, work = inbox.posted.pop(mb)
+        self._wait(work, inbox.peer, f"{direction.value} of micro-batch {mb}")
+        inbox.advance()
+        return data
+
+    # -- sending ------------------------------------------------------------------------------
+    def send(self, direction: Direction, mb: int, tensor: torch.Tensor) -> None:
+        """Post the send of ``tensor`` as micro-batch ``mb`` (header, then data); returns at once.
+        ``tensor`` must not be changed until :meth:`finish` (the runtime never does)."""
+        if direction not in (Direction.TO_NEXT, Direction.TO_PREV):
+            raise ValueError(f"send goes TO_NEXT or TO_PREV, got {direction}")
+        peer = self.peers[direction]
+        if tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
+            raise ValueError(f"{direction.value} of micro-batch {mb}: a tensor of at most "
+                             f"{_MAX_DIMS} dims and dtype in {_DTYPES} was expected, got "
+                             f"{tuple(tensor.shape)} {tensor.dtype}")
+        data = tensor.detach().contiguous()
+        h = [_DTYPES.index(data.dtype), data.dim(), *data.shape]
+        header = torch.tensor(h + [0] * (_HEADER_LEN - len(h)), dtype=torch.int64,
+                              device=self.device)
+        what = f"{direction.value} of micro-batch {mb}"
+        for buf, tag in ((header, 2 * mb), (data, 2 * mb + 1)):
+            work = self._call(dist.isend, buf, peer, tag, what)
+            self._sends.append((work, peer, what, (buf,)))
+        self.bytes_sent += header.nbytes + data.nbytes
+        while len(self._sends) > _SENDS_IN_FLIGHT:
+            self._wait_send()
+
+    def finish(self) -> None:
+        """Wait (bounded) for every send still in flight; their buffers are then free."""
+        while self._sends:
+            self._wait_send()
+
+    # -- internals ----------------------------------------------------------------------------
+    def _inbox(self, direction: Direction) -> _Inbox:
+        try:
+            return self._inboxes[direction]
+        except KeyError:
+            raise ValueError(f"this stage has no peer for {direction.value} "
+                             f"(peers: {sorted(d.value for d in self._inboxes)})") from None
+
+    def _wait_send(self) -> None:
+        work, peer, what, _ = self._sends.popleft()
+        self._wait(work, peer, what)
+
+    def _irecv(self, buf: torch.Tensor, peer: Peer, tag: int) -> dist.Work:
+        return self._call(dist.irecv, buf, peer, tag, "receive")
+
+    def _call(self, fn, buf: torch.Tensor, peer: Peer, tag: int, what: str) -> dist.Work:
+        try:
+            # NCCL ignores tags (it matches by order, which the chain keeps)
+            return fn(buf, peer.rank, group=self.group, tag=tag)
+        except RuntimeError as exc:
+            raise StageFailedError(stage=peer.stage, replica=peer.replica, rank=peer.rank,
+                                   what=what, reason=_reason(exc, self.timeout_s)) from exc
+
+    def _wait(self, work: dist.Work, peer: Peer, what: str) -> None:
+        t0 = time.monotonic()
+        try:
+            if self.device.type == "cuda":
+                work.wait()  # stream-ordered; NCCL's watchdog enforces the group's timeout
+            elif not work.wait(timeout=datetime.timedelta(seconds=self.timeout_s)):
+                raise RuntimeError(f"Timed out after {time.monotonic() - t0:.1f} s")
+        except RuntimeError as exc:
+            raise StageFailedError(stage=peer.stage, replica=peer.replica, rank=peer.rank,
+                                   what=what, reason=_reason(exc, self.timeout_s)) from exc
