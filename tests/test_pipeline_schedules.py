@@ -247,3 +247,48 @@ def test_three_live_versions_are_refused_and_counted():
     with pytest.raises(PlanError, match="more than 2 weight versions") as e:
         check(plan, schedule="hand-made")
     assert "action 4 (PULL)" in str(e.value)  # pulling version 2 while 0 and 1 are in flight
+
+
+# Profiled op times and bubble rates (1F1B, ZB-H1) from the table in the trailing docstring of
+# sail-sg/zero-bubble-pipeline-parallelism megatron/core/pipeline_parallel/efficiency.py:
+# p, m, T_F, T_B, T_W, T_comm; bubble rate = (makespan - m (F+B+W)) / makespan.
+ZB_TABLE = [(8, 24, 18522, 18086, 9337, 601, 0.2431, 0.1585),
+            (8, 32, 18513, 18086, 9331, 626, 0.1985, 0.1242),
+            (8, 64, 18546, 18097, 9321, 762, 0.1240, 0.0674),
+            (16, 48, 11347, 11248, 8132, 377, 0.2552, 0.1397)]
+
+
+@pytest.mark.parametrize("p,m,f,b,w,c,rate_1f1b,rate_h1", ZB_TABLE)
+def test_bubble_rates_match_the_zero_bubble_papers_table(p, m, f, b, w, c, rate_1f1b, rate_h1):
+    times, ideal = StageTimes(f=f, b=b, w=w), m * (f + b + w)
+    for name, rate in (("1f1b", rate_1f1b), ("zb-h1", rate_h1)):
+        makespan = simulate(get_schedule(name).generate(p, m), times, comm_s=c).makespan
+        assert (makespan - ideal) / makespan == pytest.approx(rate, abs=5e-5)
+
+
+def _compute_order(acts):
+    return [(a.op.value, a.mb) for a in acts if a.op in COMPUTE]
+
+
+def test_orders_match_torch_pipelining_single_stage_per_rank():
+    """torch.distributed.pipelining as the oracle: its rank-op builder with one stage per rank
+    gives 1F1B (warm-up p - rank - 1) and, with zero bubble on (ScheduleInterleavedZeroBubble's
+    settings: ``rank`` weight backwards held back), ZB-H1: the same compute order as ours."""
+    torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    rank_ops = getattr(torch_schedules, "_get_1f1b_rank_ops", None)
+    if rank_ops is None:
+        pytest.skip("this torch has no _get_1f1b_rank_ops")
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "BW", "BACKWARD_INPUT": "B",
+             "BACKWARD_WEIGHT": "W"}
+    for p in range(1, 9):
+        for m in range(p, 17):
+            for name, zero_bubble in (("1f1b", False), ("zb-h1", True)):
+                plan = get_schedule(name).generate(p, m)
+                for rank in range(p):
+                    warmup = min(p - rank - 1, m)
+                    ops = rank_ops(1, p, warmup, m - warmup, warmup, rank, lambda _, r=rank: r,
+                                   lambda _, r=rank: r, num_1f1b_microbatches=rank,
+                                   enable_zero_bubble=zero_bubble)
+                    theirs = [(kinds[a.computation_type.name], a.microbatch_index)
+                              for a in ops if a is not None]
+                    assert theirs == _compute_order(plan[rank]), (name, p, m, rank)
