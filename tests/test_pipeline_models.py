@@ -109,7 +109,7 @@ def test_deep_models_layers_are_unevenly_costly():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the host's other work perturbs one thread the least
     try:
-        costs = profile_layers(model, x, y, repeats=5, loss_fn=spec.loss)
+        costs = profile_layers(model, x, y, repeats=11, loss_fn=spec.loss)
     finally:
         torch.set_num_threads(threads)
     block = statistics.median(costs[1:-1])

@@ -220,8 +220,10 @@ def main(argv: list[str] | None = None) -> int:
             pipeline = _pipeline_plan(args, worker_args)
         except ValueError as err:
             console.print(f"bitps-launch: {type(err).__name__}: {err}", markup=False,
-                          highlight=False)
+                          highlight=False, soft_wrap=True)
             return 2
+        except SystemExit as exit:  # a stage flag argparse refused; it said why
+            return 2 if exit.code is None else int(exit.code)
     if args.shards < 1 or args.workers < 1:
         console.print(f"[red]--shards and --workers must be >= 1, got {args.shards}, "
                       f"{args.workers}")
