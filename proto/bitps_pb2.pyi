@@ -115,7 +115,7 @@ class TensorShape(_message.Message):
     def __init__(self, dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("protocol", "rank", "world_size", "signature", "num_shards", "shard_id", "keys", "sends_values", "token", "pull_codec", "pull_codec_chunk", "pull_codec_flags", "value_digests")
+    __slots__ = ("protocol", "rank", "world_size", "signature", "num_shards", "shard_id", "keys", "sends_values", "token", "pull_codec", "pull_codec_chunk", "pull_codec_flags", "value_digests", "model_keys")
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class RegisterRequest(_message.Message):
     PULL_CODEC_CHUNK_FIELD_NUMBER: _ClassVar[int]
     PULL_CODEC_FLAGS_FIELD_NUMBER: _ClassVar[int]
     VALUE_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_KEYS_FIELD_NUMBER: _ClassVar[int]
     protocol: int
     rank: int
     world_size: int
@@ -142,7 +143,8 @@ class RegisterRequest(_message.Message):
     pull_codec_chunk: int
     pull_codec_flags: int
     value_digests: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, protocol: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., signature: _Optional[str] = ..., num_shards: _Optional[int] = ..., shard_id: _Optional[int] = ..., keys: _Optional[_Iterable[_Union[KeySpec, _Mapping]]] = ..., sends_values: _Optional[bool] = ..., token: _Optional[str] = ..., pull_codec: _Optional[_Union[Codec, str]] = ..., pull_codec_chunk: _Optional[int] = ..., pull_codec_flags: _Optional[int] = ..., value_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    model_keys: int
+    def __init__(self, protocol: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., signature: _Optional[str] = ..., num_shards: _Optional[int] = ..., shard_id: _Optional[int] = ..., keys: _Optional[_Iterable[_Union[KeySpec, _Mapping]]] = ..., sends_values: _Optional[bool] = ..., token: _Optional[str] = ..., pull_codec: _Optional[_Union[Codec, str]] = ..., pull_codec_chunk: _Optional[int] = ..., pull_codec_flags: _Optional[int] = ..., value_digests: _Optional[_Iterable[bytes]] = ..., model_keys: _Optional[int] = ...) -> None: ...
 
 class KeyValues(_message.Message):
     __slots__ = ("key", "data")
@@ -311,7 +313,7 @@ class HeldPullStatus(_message.Message):
     def __init__(self, clock: _Optional[int] = ..., waited_s: _Optional[float] = ..., deadline_in_s: _Optional[float] = ..., num_keys: _Optional[int] = ..., waiting_for: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("shard_id", "mode", "staleness", "min_clock", "workers", "num_keys", "num_elements", "updates_applied", "initialized", "signature", "max_clock", "world_size", "heartbeat_timeout_s", "held_pulls", "held_shown")
+    __slots__ = ("shard_id", "mode", "staleness", "min_clock", "workers", "num_keys", "num_elements", "updates_applied", "initialized", "signature", "max_clock", "world_size", "heartbeat_timeout_s", "held_pulls", "held_shown", "uninitialized_keys")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
@@ -327,6 +329,7 @@ class StatusReply(_message.Message):
     HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     HELD_PULLS_FIELD_NUMBER: _ClassVar[int]
     HELD_SHOWN_FIELD_NUMBER: _ClassVar[int]
+    UNINITIALIZED_KEYS_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     mode: str
     staleness: int
@@ -342,7 +345,8 @@ class StatusReply(_message.Message):
     heartbeat_timeout_s: float
     held_pulls: int
     held_shown: int
-    def __init__(self, shard_id: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., min_clock: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., num_keys: _Optional[int] = ..., num_elements: _Optional[int] = ..., updates_applied: _Optional[int] = ..., initialized: _Optional[bool] = ..., signature: _Optional[str] = ..., max_clock: _Optional[int] = ..., world_size: _Optional[int] = ..., heartbeat_timeout_s: _Optional[float] = ..., held_pulls: _Optional[int] = ..., held_shown: _Optional[int] = ...) -> None: ...
+    uninitialized_keys: int
+    def __init__(self, shard_id: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., min_clock: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., num_keys: _Optional[int] = ..., num_elements: _Optional[int] = ..., updates_applied: _Optional[int] = ..., initialized: _Optional[bool] = ..., signature: _Optional[str] = ..., max_clock: _Optional[int] = ..., world_size: _Optional[int] = ..., heartbeat_timeout_s: _Optional[float] = ..., held_pulls: _Optional[int] = ..., held_shown: _Optional[int] = ..., uninitialized_keys: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("rank", "token")

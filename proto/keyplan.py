@@ -10,6 +10,10 @@ least-loaded shard; ties by key id, then shard id). The plan is a pure function 
 without a coordinator, and its :attr:`KeyPlan.signature` lets a shard refuse a worker whose
 model differs.
 
+A pipeline stage registers a *partial plan*: :meth:`KeyPlan.subset` of the whole model's plan,
+the keys of the stage's parameters only, with the whole model's key ids, shards, partitioning
+and signature, so every stage agrees on them and a shard still refuses another model.
+
     >>> plan = make_plan([ParamSpec("w", (1024, 1024))], num_shards=2, partition_bytes=1 << 20)
     >>> [k.length for k in plan.keys]       # 4 MiB in four 1 MiB keys, two per shard
     [262144, 262144, 262144, 262144]
@@ -17,18 +21,41 @@ model differs.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import heapq
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_PARTITION_BYTES", "DIGEST_BYTES", "Key", "KeyPlan", "ParamSpec", "make_plan",
-           "value_digest"]
+__all__ = ["DEFAULT_PARTITION_BYTES", "DIGEST_BYTES", "Key", "KeyPlan", "ParamSpec",
+           "PlanMismatchError", "UnknownParametersError", "make_plan", "value_digest"]
 
 DEFAULT_PARTITION_BYTES = 1 << 20
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+class UnknownParametersError(ValueError):
+    """Parameter names a plan does not have: ``names`` (sorted), of a plan of ``known``
+    parameters."""
+
+    def __init__(self, names, known: int) -> None:
+        self.names, self.known = sorted(names), known
+        shown = self.names[:8] + (["..."] if len(self.names) > 8 else [])
+        super().__init__(f"parameters {shown} are not in the model's plan ({known} parameters); "
+                         f"expected names from the plan's parameter list")
+
+
+class PlanMismatchError(ValueError):
+    """A parameter whose shape or dtype differs from the plan's: ``name``, ``got`` and
+    ``expected`` (``(shape, dtype)`` each)."""
+
+    def __init__(self, name: str, got: tuple, expected: tuple) -> None:
+        self.name, self.got, self.expected = name, got, expected
+        super().__init__(f"parameter {name!r} is {got[1]}{list(got[0])}; the model's plan has "
+                         f"{expected[1]}{list(expected[0])}")
 
 
 @dataclass(frozen=True)
@@ -65,12 +92,69 @@ class Key:
 
 @dataclass(frozen=True)
 class KeyPlan:
-    """Every key of a model, in parameter order, with its shard."""
+    """The keys of a model, in parameter order, with their shards: every key (:func:`make_plan`)
+    or those of some parameters (:meth:`subset`: a partial plan). ``keys`` are in key-id order;
+    look one up by id with :meth:`key`, not by position (a partial plan's ids have gaps)."""
 
     keys: tuple[Key, ...]
     num_shards: int
     partition_bytes: int
     signature: str
+    params: tuple[ParamSpec, ...] = ()
+    """The whole model's parameters, as planned (the signature is theirs)."""
+    model_keys: int = -1
+    """Keys of the whole model's plan (-1: ``len(keys)``, a whole plan)."""
+
+    def __post_init__(self) -> None:
+        if self.model_keys < 0:
+            object.__setattr__(self, "model_keys", len(self.keys))
+
+    @functools.cached_property
+    def _by_id(self) -> dict[int, Key]:
+        return {k.key: k for k in self.keys}
+
+    @property
+    def partial(self) -> bool:
+        """Whether this plan holds only some of the model's keys."""
+        return len(self.keys) < self.model_keys
+
+    def key(self, key: int) -> Key:
+        """The key with id ``key``; ``KeyError`` naming it when this plan does not hold it."""
+        try:
+            return self._by_id[key]
+        except KeyError:
+            raise KeyError(f"key {key} is not in this plan ({len(self.keys)} of the model's "
+                           f"{self.model_keys} keys)") from None
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._by_id
+
+    def subset(self, names: Iterable[str]) -> KeyPlan:
+        """The keys of the parameters ``names`` (a pipeline stage's), keeping this plan's key
+        ids, shards, partitioning and signature, in key order. Names this plan does not plan
+        raise :class:`UnknownParametersError` naming them."""
+        wanted = set(names)
+        known = {p.name for p in self.params} if self.params else {k.name for k in self.keys}
+        if unknown := wanted - known:
+            raise UnknownParametersError(unknown, len(known))
+        return dataclasses.replace(self, keys=tuple(k for k in self.keys if k.name in wanted))
+
+    def bind(self, params: Sequence[ParamSpec]) -> KeyPlan:
+        """:meth:`subset` of ``params``' names once their shapes and dtypes are the plan's
+        (:class:`PlanMismatchError` names the first that is not): what ``PSModel`` registers
+        for a stage's parameters."""
+        planned = {p.name: p for p in self.params}
+        plan = self.subset(p.name for p in params)
+        for p in params:
+            want = planned.get(p.name)
+            if want is None:  # a plan without its parameter list: the keys' shapes
+                k = next((k for k in plan.keys if k.name == p.name), None)
+                want = None if k is None else ParamSpec(k.name, k.shape, k.dtype)
+            if want is not None and (tuple(p.shape), p.dtype) != (tuple(want.shape),
+                                                                  want.dtype):
+                raise PlanMismatchError(p.name, (tuple(p.shape), p.dtype),
+                                        (tuple(want.shape), want.dtype))
+        return plan
 
     def for_shard(self, shard: int) -> tuple[Key, ...]:
         """The keys shard ``shard`` holds, in key order."""
@@ -147,4 +231,5 @@ def make_plan(
         for i, (name, off, length, dt, shape) in enumerate(pieces)
     )
     return KeyPlan(keys=keys, num_shards=num_shards, partition_bytes=partition_bytes,
-                   signature=_signature(params, num_shards, partition_bytes))
+                   signature=_signature(params, num_shards, partition_bytes),
+                   params=tuple(ParamSpec(p.name, tuple(p.shape), p.dtype) for p in params))

@@ -34,11 +34,14 @@ On-disk layout, one directory per shard::
     {"format": "bitps-shard-checkpoint", "version": 1, "created_unix": 1718000000.1,
      "bitps_version": "...", "config": {"shard_id", "num_shards", "mode", "lookahead",
      "optimizer": {...}, "staleness", "split_lr", "staleness_damping"},
-     "plan": {"signature", "pull_codec": [id, chunk, flags] | null, "keys": [{"key", "name",
+     "plan": {"signature", "model_keys", "pull_codec": [id, chunk, flags] | null,
+              "keys": [{"key", "name",
               "offset", "length", "compressed_pull", "shape": [dims] | null}]},
      "core": {"updates_applied", "initialized", "membership_changed"},
      "clocks": {"world_size", "workers": [{"rank", "clock", "registered", "left", "dropped"}]},
-     "keys": {"<key>": {"version", "pushed": [ranks], "folded", "history": [[version, bytes]]}},
+     "keys": {"<key>": {"version", "pushed": [ranks], "folded", "history": [[version, bytes]],
+              "pushers": [ranks whose plan has the key], "initialized"}},   (partial plans:
+              each key's pushers; absent from older checkpoints: every registered rank)
      "dedup": {"<rank>": [[incarnation, request_id], ...]},   the exactly-once window
               (ShardCore.dedup_state), oldest first: a push applied before the checkpoint
               and replayed after a restore is answered and not applied again
@@ -163,7 +166,8 @@ def _key_state(core: ShardCore, key: int, slot: Slot, params: dict, state: dict)
         state[f"{key}/history"] = np.frombuffer(b"".join(p for _, p in history),
                                                 np.uint8).copy()
     return {"version": slot.version, "pushed": sorted(slot.pushed), "folded": slot.folded,
-            "history": [[v, len(p)] for v, p in history]}
+            "history": [[v, len(p)] for v, p in history], "pushers": sorted(slot.pushers),
+            "initialized": slot.initialized}
 
 
 def snapshot(core: ShardCore) -> Snapshot:
@@ -184,7 +188,7 @@ def snapshot(core: ShardCore) -> Snapshot:
         manifest = {
             "format": FORMAT, "version": FORMAT_VERSION, "created_unix": time.time(),
             "bitps_version": __version__, "config": _config(core.cfg),
-            "plan": {"signature": core.signature,
+            "plan": {"signature": core.signature, "model_keys": core.model_keys,
                      "pull_codec": None if codec is None else list(codec.wire_fields()),
                      "keys": [_spec_dict(s.spec) for _, s in sorted(core.slots.items())]},
             "core": {"updates_applied": core.updates_applied,
@@ -387,7 +391,8 @@ def _plan_slots(core: ShardCore, ckpt: Checkpoint) -> None:
     cfg = core.cfg
     req = pb.RegisterRequest(protocol=PROTOCOL, rank=0,
                              world_size=max(ckpt.manifest["clocks"]["world_size"], 1),
-                             signature=plan["signature"], num_shards=cfg.num_shards,
+                             signature=plan["signature"], model_keys=plan.get("model_keys", 0),
+                             num_shards=cfg.num_shards,
                              shard_id=cfg.shard_id, keys=specs, token=cfg.token)
     if plan["pull_codec"] is not None:
         req.pull_codec, req.pull_codec_chunk, req.pull_codec_flags = plan["pull_codec"]
@@ -407,10 +412,14 @@ def _array(ckpt: Checkpoint, arrays: dict, name: str, shape: tuple, dtype) -> np
 
 
 def _restore_key(core: ShardCore, ckpt: Checkpoint, key: int) -> None:
-    slot, st = core.slots[key], ckpt.state
-    info, n, f32 = ckpt.manifest["keys"][str(key)], core.slots[key].length, np.float32
+    slot, st, m = core.slots[key], ckpt.state, ckpt.manifest
+    info, n, f32 = m["keys"][str(key)], core.slots[key].length, np.float32
     slot.set_values(_array(ckpt, ckpt.params, str(key), (n,), f32).tobytes())
     slot.version = info["version"]
+    # older checkpoints: whole plans, every registered rank pushes every key
+    slot.pushers = set(info.get("pushers", [w["rank"] for w in m["clocks"]["workers"]
+                                            if w["registered"]]))
+    slot.initialized = bool(info.get("initialized", m["core"]["initialized"]))
     prefix = f"{key}/rule/"
     try:
         core.rule.load_state(slot, {k[len(prefix):]: v for k, v in st.items()
@@ -462,13 +471,15 @@ def restore(core: ShardCore, ckpt: Checkpoint) -> None:
         core.updates_applied = m["core"]["updates_applied"]
         # a Leave the old process had not yet applied: the next tick applies it here
         core._membership_changed = m["core"]["membership_changed"]
-        if m["core"]["initialized"]:
-            core.initialized.set()
+        core._changed_ranks = None if core._membership_changed else set()  # whose: unknown
         t = core.now()
         core.clocks.workers = {w["rank"]: WorkerClock(
             rank=w["rank"], clock=w["clock"], last_seen=t, registered=w["registered"],
             left=w["left"], dropped=w["dropped"]) for w in m["clocks"]["workers"]}
         core.clocks.world_size = m["clocks"]["world_size"]
+        core.model_keys = m["plan"].get("model_keys", 0)
+        core._check_partial()
+        core.check_initialized()
         # absent from checkpoints written before the window was saved: an empty window
         core.load_dedup_state({int(w): [tuple(pid) for pid in ids]
                                for w, ids in m.get("dedup", {}).items()})

@@ -35,8 +35,12 @@ def token_ok(expected: str, received: str) -> bool:
 
 
 def request_slots(cfg: ServerConfig, header: pb.DataHeader, payload: list,
-                  slots: dict[int, Slot], *, registered: bool, initialized: bool) -> list[Slot]:
-    """The slots a request names, once its header is acceptable."""
+                  slots: dict[int, Slot], *, registered: bool, initialized: bool = True
+                  ) -> list[Slot]:
+    """The slots a request names, once its header is acceptable: each of them initialized
+    (``NOT_INITIALIZED``, retryable, naming the keys), and for a push each in the worker's
+    registered plan (``Slot.pushers``). ``initialized`` ``False``: the shard as a whole is
+    not."""
     if not token_ok(cfg.token, header.token):
         raise PSError(pb.UNAUTHENTICATED, f"worker {header.worker}: token missing or wrong")
     if header.protocol != PROTOCOL:
@@ -49,8 +53,6 @@ def request_slots(cfg: ServerConfig, header: pb.DataHeader, payload: list,
     if not registered:
         raise PSError(pb.NOT_REGISTERED, f"worker {header.worker} has not registered with "
                       f"shard {cfg.shard_id}")
-    if not initialized:
-        raise PSError(pb.NOT_INITIALIZED, "rank 0's initial values have not landed yet")
     if not math.isfinite(header.deadline_s) or header.deadline_s < 0:
         raise PSError(pb.BAD_HEADER, f"deadline_s {header.deadline_s}; expected a finite "
                       f"number of seconds >= 0 (0 = the shard's pull_deadline_s)")
@@ -65,8 +67,16 @@ def request_slots(cfg: ServerConfig, header: pb.DataHeader, payload: list,
     except KeyError as err:
         raise PSError(pb.UNKNOWN_KEY, f"key {err.args[0]} is not on shard {cfg.shard_id} "
                       f"(it holds {len(slots)} keys)") from None
+    if not initialized or not all(s.initialized for s in named):
+        waiting = [s.spec.key for s in named if not s.initialized][:8]
+        raise PSError(pb.NOT_INITIALIZED, f"the initial values of keys {waiting} have not "
+                      f"landed yet (the worker that initializes them has not registered)")
     if len(named) > 1 and len(set(keys)) != len(named):
         raise PSError(pb.BAD_HEADER, "a key appears twice in one request")
+    if header.op != pb.PULL and not all(header.worker in s.pushers for s in named):
+        foreign = [s.spec.key for s in named if header.worker not in s.pushers][:8]
+        raise PSError(pb.UNKNOWN_KEY, f"worker {header.worker} pushes keys {foreign}, which "
+                      f"its plan registered with shard {cfg.shard_id} does not have")
     if header.op == pb.PULL and payload:
         raise PSError(pb.FRAME_COUNT, f"PULL carries {len(payload)} payload frames; expected 0")
     return named

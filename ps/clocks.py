@@ -14,7 +14,7 @@ the registered world that have not shown up yet count as live from the first reg
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 __all__ = ["ClockTable", "WorkerClock"]
@@ -97,7 +97,14 @@ class ClockTable:
         clocks = [w.clock for w in self.workers.values() if not (w.left or w.dropped)]
         return min(clocks) if clocks else 0
 
-    def below(self, need: int) -> list[int]:
-        """Live ranks whose clock is below ``need``."""
+    def below(self, need: int, ranks: Collection[int] | None = None) -> list[int]:
+        """Live ranks (of ``ranks``; ``None``: all) whose clock is below ``need``."""
         return sorted(r for r, w in self.workers.items()
-                      if not (w.left or w.dropped) and w.clock < need)
+                      if not (w.left or w.dropped) and w.clock < need
+                      and (ranks is None or r in ranks))
+
+    def min_clock_of(self, ranks: Collection[int]) -> int:
+        """Smallest clock over the live ones of ``ranks`` (0 when none is live)."""
+        clocks = [w.clock for r in ranks if (w := self.workers.get(r)) is not None
+                  and not (w.left or w.dropped)]
+        return min(clocks) if clocks else 0

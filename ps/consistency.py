@@ -11,7 +11,15 @@ ShardCore` holds one (:func:`make_consistency`) and asks it, never comparing mod
   ``>= c - S`` (``ServerConfig.staleness``), so no worker computes on parameters more than S
   steps ahead of the slowest live one.
 
-Async and SSP apply each push with the learning rate split over the live workers
+**Per key, only its pushers count.** A pipeline stage registers only its own stage's keys (a
+partial plan), so each key knows the ranks whose plan has it (``Slot.pushers``);
+:func:`key_pushers` gives the live ones, plus ranks of the world that have not registered yet
+(their plan is unknown, so they are waited for as before). A sync step of a key waits for and
+averages over the key's live pushers, an SSP pull waits only for the live pushers of the keys it
+asks for, and async splits the learning rate over the key's live pushers. With whole plans
+every live worker pushes every key, as before.
+
+Async and SSP apply each push with the learning rate split over the key's live pushers
 (``ServerConfig.split_lr``), optionally damped by the push's version gap, and answer float32
 pulls ahead (``ServerConfig.lookahead``). How a push is applied (the update rule, 1-bit Adam's
 phases) is the core's business; a mode only decides when and at what learning-rate scale.
@@ -21,6 +29,7 @@ Everything here runs under the core's lock, from the data loop's thread.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from bitps.proto import bitps_pb2 as pb
@@ -33,8 +42,28 @@ if TYPE_CHECKING:  # the core calls in here; no import at run time
     from bitps.ps.metrics import ShardMetrics
     from bitps.ps.shard import ShardCore
 
-__all__ = ["CONSISTENCY", "SSP", "Async", "Consistency", "Sync", "make_consistency",
-           "register"]
+__all__ = ["CONSISTENCY", "SSP", "Async", "Consistency", "Sync", "key_pushers",
+           "make_consistency", "register"]
+
+
+def key_pushers(clocks: ClockTable, slots: Sequence[Slot]) -> list[int]:
+    """The live ranks that a step of ``slots`` counts, ascending: those whose registered plan
+    has one of the keys, and ranks of the world not registered yet (their plan is unknown
+    until they come). With whole plans, or no slots: every live rank."""
+    ranks: set[int] = set()
+    for s in slots:
+        ranks |= s.pushers
+    if not ranks:
+        return clocks.live() if not slots else [
+            r for r in clocks.live() if not clocks.workers[r].registered]
+    workers = clocks.workers
+    return [r for r in clocks.live() if r in ranks or not workers[r].registered]
+
+
+def depends_on(clocks: ClockTable, slot: Slot, ranks: Collection[int] | None) -> bool:
+    """Whether ``slot``'s step may wait for one of ``ranks`` (``None``: any rank)."""
+    return ranks is None or any(r in slot.pushers or not clocks.workers[r].registered
+                                for r in ranks if r in clocks.workers)
 
 
 class Consistency:
@@ -90,8 +119,10 @@ class Consistency:
         """Take one validated push of ``grads`` (decoded, one per slot)."""
         raise NotImplementedError
 
-    def membership_changed(self, core: ShardCore, live: list[int]) -> None:
-        """The live set changed (a worker left or expired): finish what waited for it."""
+    def membership_changed(self, core: ShardCore, live: list[int],
+                           ranks: Collection[int] | None = None) -> None:
+        """The live set changed (``ranks`` left, expired or registered a plan without some
+        keys; ``None``: unknown): finish what waited for them."""
 
 
 register = CONSISTENCY.register
@@ -110,9 +141,12 @@ class Sync(Consistency):
         return all(s.version >= clock for s in slots)
 
     def waited_ranks(self, clocks, clock, slots):
-        # the live workers whose push of the step is missing from the first key still behind
+        # the key's live pushers whose push of the step is missing from the first key still
+        # behind
         behind = next((s for s in slots if s.version < clock), None)
-        return sorted(set(clocks.live()) - behind.pushed) if behind is not None else []
+        if behind is None:
+            return []
+        return [r for r in key_pushers(clocks, (behind,)) if r not in behind.pushed]
 
     def waiting_for(self, clocks, worker, clock, slots):
         keys = [s.spec.key for s in slots][:8]
@@ -134,12 +168,15 @@ class Sync(Consistency):
 
     def push(self, core, header, slots, grads, live, min_clock):
         for slot, grad in zip(slots, grads):
-            slot.accumulate(header.worker, grad, live)
-            core.try_aggregate(slot, live)
+            pushers = key_pushers(core.clocks, (slot,))
+            slot.accumulate(header.worker, grad, pushers)
+            core.try_aggregate(slot, pushers)
 
-    def membership_changed(self, core, live):
+    def membership_changed(self, core, live, ranks=None):
+        clocks = core.clocks
         for slot in core.slots.values():
-            core.try_aggregate(slot, live)
+            if slot.pushed and depends_on(clocks, slot, ranks):
+                core.try_aggregate(slot, key_pushers(clocks, (slot,)))
 
 
 @register
@@ -160,9 +197,11 @@ class Async(Consistency):
 
     def push(self, core, header, slots, grads, live, min_clock):
         cfg = self.cfg
-        # a clock's pushes share one step's learning rate (ServerConfig.split_lr)
-        split = 1.0 / max(len(live), 1) if cfg.split_lr else 1.0
         for i, (slot, grad) in enumerate(zip(slots, grads)):
+            # a clock's pushes of a key share one step's learning rate (ServerConfig.split_lr):
+            # split over the key's live pushers
+            split = 1.0 / max(len(key_pushers(core.clocks, (slot,))), 1) if cfg.split_lr \
+                else 1.0
             vgap = slot.version - header.versions[i] if header.versions else 0
             lr_scale = cfg.optimizer.schedule.factor(header.clock) * split
             if cfg.staleness_damping:
@@ -176,22 +215,29 @@ class SSP(Async):
     name = "ssp"
 
     def admits(self, clocks, clock, slots):
-        return clocks.min_clock() >= clock - self.cfg.staleness
+        need = clock - self.cfg.staleness
+        if need <= 0:
+            return True
+        pushers = key_pushers(clocks, slots)
+        return not pushers or clocks.min_clock_of(pushers) >= need
 
-    def laggards(self, clocks: ClockTable, clock: int) -> list[int]:
-        """Live ranks whose clock is below what a pull for step ``clock`` needs."""
-        return clocks.below(clock - self.cfg.staleness)
+    def laggards(self, clocks: ClockTable, clock: int,
+                 slots: Iterable[Slot] | None = None) -> list[int]:
+        """Live ranks whose clock is below what a pull for step ``clock`` (of ``slots``: only
+        their live pushers count; ``None``: every live rank) needs."""
+        ranks = None if slots is None else key_pushers(clocks, slots)
+        return clocks.below(clock - self.cfg.staleness, ranks)
 
     def waited_ranks(self, clocks, clock, slots):
-        return self.laggards(clocks, clock)
+        return self.laggards(clocks, clock, slots)
 
     def waiting_for(self, clocks, worker, clock, slots):
         keys = [s.spec.key for s in slots][:8]
         return (f"worker {worker} pull for clock {clock} keys {keys}: SSP bound "
-                f"{self.cfg.staleness} needs every live worker at clock >= "
+                f"{self.cfg.staleness} needs every live worker pushing these keys at clock >= "
                 f"{clock - self.cfg.staleness}; behind: "
                 + ", ".join(f"worker {r} at {clocks.workers[r].clock}"
-                            for r in self.laggards(clocks, clock)))
+                            for r in self.laggards(clocks, clock, slots)))
 
     def observe_admission(self, metrics, clock, min_clock):
         metrics.admission_gap.observe(max(clock - min_clock, 0))

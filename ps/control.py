@@ -9,7 +9,8 @@ nothing more (a Register with a wrong token and 256 MiB of values raised the sha
 365 MiB while the token was checked in the message). The messages' ``token`` fields are still
 sent and checked too.
 
-Few calls wait: a Register that arrives before rank 0's initial values is registered, waits for
+Few calls wait: a Register that arrives before the initial values of its keys (from rank 0,
+or the worker that initializes them: ``ClientConfig.initializes``) is registered, waits for
 them up to :data:`REGISTER_WAIT_S` while fewer than :data:`REGISTER_WAITERS` others do (so that
 a small cluster starts the moment rank 0's values land), and is otherwise answered
 ``NOT_INITIALIZED`` (``UNAVAILABLE``); ``PSClient.register`` calls again with backoff. Waiting
@@ -46,7 +47,7 @@ __all__ = ["ControlServicer", "ERROR_METADATA_KEY", "HELD_SHOWN", "REGISTER_WAIT
            "TOKEN_METADATA_KEY", "TokenInterceptor"]
 
 REGISTER_WAITERS = 4
-"""Registrations that may wait in a gRPC thread at once for rank 0's values (of 16 threads)."""
+"""Registrations that may wait in a gRPC thread at once for initial values (of 16 threads)."""
 REGISTER_WAIT_S = 2.0
 """Longest one of them waits before it is answered ``NOT_INITIALIZED`` and calls again."""
 HELD_SHOWN = 8
@@ -135,9 +136,12 @@ class ControlServicer(pb_grpc.ControlServicer):
             reply = self.core.register(req, values)
         except PSError as err:
             _abort(context, err)
-        if not self._wait_initialized(context):
-            _abort(context, PSError(pb.NOT_INITIALIZED, f"rank {req.rank} is registered; rank "
-                                    f"0's initial values have not landed yet (call again)"))
+        keys = [spec.key for spec in req.keys]
+        if not self._wait_initialized(keys, context):
+            waiting = [k for k in keys if not self.core.keys_initialized((k,))][:8]
+            _abort(context, PSError(pb.NOT_INITIALIZED, f"rank {req.rank} is registered; the "
+                                    f"initial values of its keys {waiting} have not landed yet "
+                                    f"(call again)"))
         reply.data_port, reply.metrics_port = self.data_port, max(self.metrics_port, 0)
         if req.value_digests:
             keys, versions = self.core.current_copies(req)
@@ -162,15 +166,16 @@ class ControlServicer(pb_grpc.ControlServicer):
                                     f"{got} is not in shard {shard}'s curve_allowed_keys"))
         context.set_trailing_metadata(((CURVE_SERVER_KEY_METADATA_KEY, curve.public.decode()),))
 
-    def _wait_initialized(self, context) -> bool:
-        """Whether rank 0's values have landed, waiting a little while few others wait."""
-        initialized = self.core.initialized
-        if initialized.is_set() or not self._waiters.acquire(blocking=False):
-            return initialized.is_set()
+    def _wait_initialized(self, keys: list[int], context) -> bool:
+        """Whether the initial values of ``keys`` (the registering worker's) have landed,
+        waiting a little while few others wait."""
+        core = self.core
+        if core.keys_initialized(keys) or not self._waiters.acquire(blocking=False):
+            return core.keys_initialized(keys)
         try:
             left = context.time_remaining()
-            return initialized.wait(min(REGISTER_WAIT_S, left if left is not None else
-                                        REGISTER_WAIT_S))
+            return core.wait_initialized(keys, min(REGISTER_WAIT_S, left if left is not None
+                                                   else REGISTER_WAIT_S))
         finally:
             self._waiters.release()
 
@@ -219,7 +224,7 @@ class ControlServicer(pb_grpc.ControlServicer):
                 updates_applied=core.updates_applied, initialized=core.initialized.is_set(),
                 signature=core.signature, max_clock=max_clock, world_size=clocks.world_size,
                 heartbeat_timeout_s=core.cfg.heartbeat_timeout_s, held_pulls=len(core.held),
-                held_shown=HELD_SHOWN)
+                held_shown=HELD_SHOWN, uninitialized_keys=core.uninitialized_keys())
 
     def OptimizerState(self, request, context):
         self._check_token(request.token, context)

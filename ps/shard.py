@@ -29,7 +29,7 @@ from bitps.proto.wire import PROTOCOL, PSError, error_name, parse_header
 from bitps.ps import checks, publish
 from bitps.ps.clocks import ClockTable
 from bitps.ps.config import ServerConfig
-from bitps.ps.consistency import make_consistency
+from bitps.ps.consistency import key_pushers, make_consistency
 from bitps.ps.held import HeldPulls
 from bitps.ps.metrics import ClockSnapshot, ShardMetrics
 from bitps.ps.publish import Publisher
@@ -77,13 +77,21 @@ class ShardCore:
         self.clocks = ClockTable(timeout_s=cfg.heartbeat_timeout_s, now=now)
         self.slots: dict[int, Slot] = {}
         self.signature = ""
+        self.model_keys = 0
+        """Keys of the whole model's plan, as registrations name it (0: not named)."""
+        self.partial = False
+        """Whether some registered worker does not push every key here (partial plans:
+        pipeline stages), so SSP admission is no longer ordered by clock alone."""
         self.initialized = threading.Event()
+        """Set while every key held has its initial values (``Slot.initialized``)."""
+        self._init_changed = threading.Condition()  # a key's initial values landed
         self.held = HeldPulls(limit=cfg.max_held_pulls)
         self.admissions: deque[Admission] = deque(maxlen=100_000)
         self.updates_applied = 0
         self._changes = 0  # pushes taken and membership changes: versions may have moved
         self._applied_ids: dict[int, tuple[deque, set]] = {}  # worker -> its last pushes
         self._membership_changed = False
+        self._changed_ranks: set[int] | None = set()  # whose change; None: unknown
         self.pull_codec: Codec | None = self.rule.published_codec()
         """What this shard publishes for compressed pulls (``ps.publish``): the rule's own
         codes (1-bit Adam's sign1), else fixed by the first registration; ``RAW`` = parameters
@@ -106,61 +114,134 @@ class ShardCore:
             raise PSError(pb.BAD_HEADER, f"rank {req.rank} outside world size {req.world_size}")
         if not req.signature:
             raise PSError(pb.BAD_HEADER, f"rank {req.rank} sent no model signature")
-        self._check_limits(req)
         with self.lock:
+            self._check_limits(req)
             if self.signature and req.signature != self.signature:
                 raise PSError(pb.BAD_HEADER, f"rank {req.rank} registered model signature "
                               f"{req.signature!r}; this shard holds {self.signature!r}")
+            if req.model_keys and self.model_keys and req.model_keys != self.model_keys:
+                raise PSError(pb.BAD_HEADER, f"rank {req.rank}'s plan is of a model of "
+                              f"{req.model_keys} keys; this shard's workers have "
+                              f"{self.model_keys}")
             if self.clocks.world_size and req.world_size != self.clocks.world_size:
                 raise PSError(pb.BAD_HEADER, f"rank {req.rank} registered world size "
                               f"{req.world_size}; this shard's workers have "
                               f"{self.clocks.world_size}")
 
     def _check_limits(self, req: pb.RegisterRequest) -> None:
+        """The shard's limits over the union of the plans registered so far and ``req``'s
+        (partial plans add keys)."""
         cfg = self.cfg
         if req.world_size > cfg.max_workers:
             raise PSError(pb.LIMIT, f"rank {req.rank} registered world size {req.world_size}; "
                           f"this shard takes at most max_workers {cfg.max_workers}")
-        if len(req.keys) > cfg.max_plan_keys:
+        new = [spec for spec in req.keys if spec.key not in self.slots]
+        if len(req.keys) > cfg.max_plan_keys or len(self.slots) + len(new) > cfg.max_plan_keys:
             raise PSError(pb.LIMIT, f"rank {req.rank}'s plan gives this shard {len(req.keys)} "
-                          f"keys; it takes at most max_plan_keys {cfg.max_plan_keys}")
-        nbytes = sum(spec.length for spec in req.keys) * 4
+                          f"keys ({len(self.slots) + len(new)} with those it holds); it takes "
+                          f"at most max_plan_keys {cfg.max_plan_keys}")
+        nbytes = max(sum(spec.length for spec in req.keys),
+                     sum(spec.length for spec in new)
+                     + sum(s.length for s in self.slots.values())) * 4
         if nbytes > cfg.max_plan_bytes:
             raise PSError(pb.LIMIT, f"rank {req.rank}'s plan gives this shard {nbytes} bytes "
                           f"of parameters; it takes at most max_plan_bytes {cfg.max_plan_bytes}")
 
     def register(self, req: pb.RegisterRequest, values: dict[int, bytes]) -> pb.RegisterReply:
-        """Admit a worker; the first registration fixes the signature and key set. Raises
-        :class:`PSError` (nothing changed) when the request disagrees with the shard."""
+        """Admit a worker with its plan for this shard: the first registration fixes the
+        signature; the shard's keys are the union of the registered plans (a pipeline stage
+        registers only its own keys), each key's spec the same in every plan, and each key
+        counts as pushers the ranks whose plan has it. ``values`` initialize the keys not
+        initialized yet. Raises :class:`PSError` (nothing changed) when the request disagrees
+        with the shard."""
         cfg = self.cfg
         with self.lock:  # the same lock over the checks and the changes
             self.check_registration(req)
             # Check everything before keeping anything: a refused first registration leaves
             # the shard as empty as it was.
             pull = self.pull_codec or self._pull_codec(req)
-            slots = self.slots or self._new_slots(req, pull)
             if self.rule.published_codec() is None:  # else the rule's codes, for every key
-                self._check_pulls(req, pull, slots)
+                self._check_pulls(req, pull)
+            slots = {**self.slots, **self._new_slots(req, pull)}
             if req.sends_values:
-                self._check_values(slots, values)
+                self._check_values(req, slots, values)
             if req.value_digests and (len(req.value_digests) != len(req.keys) or any(
                     len(d) != DIGEST_BYTES for d in req.value_digests)):
                 raise PSError(pb.BAD_HEADER, f"rank {req.rank} sent {len(req.value_digests)} "
                               f"value digests of {sorted({len(d) for d in req.value_digests})} "
                               f"bytes; expected none or {len(req.keys)} of {DIGEST_BYTES}")
             self.slots, self.signature, self.pull_codec = slots, req.signature, pull
-            if req.sends_values and not self.initialized.is_set():
-                # A restarted rank 0 must not reset trained parameters.
+            self.model_keys = self.model_keys or req.model_keys
+            self._take_pushers(req.rank, {spec.key for spec in req.keys})
+            if req.sends_values:
+                # A restarted initializer must not reset trained parameters.
                 for key, data in values.items():
-                    slots[key].set_values(data)
-                self.initialized.set()
+                    if not slots[key].initialized:
+                        slots[key].set_values(data)
+                        slots[key].initialized = True
             self.clocks.register(req.rank, req.world_size, self.clocks.min_clock())
+            self._check_partial()
+            self.check_initialized()
             start = self.clocks.workers[req.rank].clock
         return pb.RegisterReply(shard_id=cfg.shard_id, num_shards=cfg.num_shards, mode=cfg.mode,
                                 staleness=cfg.staleness, start_clock=start,
                                 max_frame_bytes=cfg.max_frame_bytes,
                                 onebit=self.rule.register_params(),
                                 holds_pulls=self.consistency.holds_pulls(req.world_size))
+
+    def _take_pushers(self, rank: int, keys: set[int]) -> None:
+        """``rank``'s plan has ``keys`` of this shard (and no other): it pushes them. Where it
+        stops counting for a key (a partial plan, or a rank counted before its plan was
+        known), the next :meth:`tick` finishes what waited for it."""
+        unknown = not self.clocks.is_registered(rank)
+        for key, slot in self.slots.items():
+            if key in keys:
+                slot.pushers.add(rank)
+            elif rank in slot.pushers or unknown:
+                slot.pushers.discard(rank)
+                self._mark_changed(rank)
+
+    def _check_partial(self) -> None:
+        """Whether some registered worker does not push some key (:attr:`partial`)."""
+        registered = {r for r, w in self.clocks.workers.items() if w.registered}
+        self.partial = any(not s.pushers >= registered for s in self.slots.values())
+
+    def _mark_changed(self, rank: int | None) -> None:
+        """The live set or a plan changed for ``rank`` (``None``: unknown); the next
+        :meth:`tick` finishes what waited for it."""
+        self._membership_changed = True
+        if rank is None or self._changed_ranks is None:
+            self._changed_ranks = None
+        else:
+            self._changed_ranks.add(rank)
+
+    def check_initialized(self) -> None:
+        """Set :attr:`initialized` from the keys' flags and wake the registrations waiting for
+        their keys' values (:meth:`wait_initialized`)."""
+        if self.slots and all(s.initialized for s in self.slots.values()):
+            self.initialized.set()
+        else:
+            self.initialized.clear()
+        with self._init_changed:
+            self._init_changed.notify_all()
+
+    def keys_initialized(self, keys) -> bool:
+        """Whether every key of ``keys`` held here has its initial values."""
+        slots = self.slots  # replaced whole by register: one read is consistent
+        return all(slots[k].initialized for k in keys if k in slots)
+
+    def uninitialized_keys(self) -> int:
+        """Keys held whose initial values have not landed."""
+        with self.lock:
+            return sum(not s.initialized for s in self.slots.values())
+
+    def wait_initialized(self, keys, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until every key of ``keys`` has its initial values (the
+        registration of a worker that does not initialize them). Takes no core lock: a
+        registration notifies while it holds it."""
+        keys = list(keys)
+        with self._init_changed:
+            return self._init_changed.wait_for(lambda: self.keys_initialized(keys), timeout_s)
 
     def current_copies(self, req: pb.RegisterRequest) -> tuple[list[int], list[int]]:
         """The keys (and their versions) whose values equal the ``value_digests`` a registering
@@ -182,7 +263,9 @@ class ShardCore:
             if not self.clocks.is_registered(rank):
                 raise PSError(pb.NOT_REGISTERED, f"rank {rank} is not registered with shard "
                               f"{self.cfg.shard_id}")
-            return self.rule.optimizer_state(self.slots)
+            # a partial plan's worker gets the state of its own keys only
+            return self.rule.optimizer_state({k: s for k, s in self.slots.items()
+                                              if rank in s.pushers})
 
     def codec_state(self) -> dict[int, np.ndarray]:
         """The shard's error-feedback residuals by key (copies; keys that publish codes: 1-bit
@@ -217,26 +300,43 @@ class ShardCore:
         except PSError as err:
             raise PSError(pb.BAD_DTYPE, f"rank {req.rank} pull codec: {err.message}") from None
 
-    def _check_pulls(self, req: pb.RegisterRequest, pull: Codec, slots: dict[int, Slot]) -> None:
+    def _check_pulls(self, req: pb.RegisterRequest, pull: Codec) -> None:
         """Every worker must pull as the first did: the shard's parameters follow the codes
-        it publishes, one stream per key."""
+        it publishes, one stream per key (a key held already must be compressed alike)."""
         asked = self._pull_codec(req)
-        compressed = {spec.key for spec in req.keys if spec.compressed_pull}
-        published = {k for k, slot in slots.items() if slot.publisher is not None}
-        if asked != pull or compressed != published:
+        held = [(spec, self.slots[spec.key]) for spec in req.keys if spec.key in self.slots]
+        compressed = sum(spec.compressed_pull for spec, _ in held)
+        published = sum(slot.publisher is not None for _, slot in held)
+        if asked != pull or any(spec.compressed_pull != (slot.publisher is not None)
+                                for spec, slot in held):
             raise PSError(pb.BAD_DTYPE, f"rank {req.rank} pulls {asked.name} for "
-                          f"{len(compressed)} keys; this shard publishes {pull.name} for "
-                          f"{len(published)} keys (every worker needs the same pull codec and "
-                          f"compress_min_bytes)")
+                          f"{compressed} of its {len(held)} keys held here; this shard "
+                          f"publishes {pull.name} for {published} of them (every worker needs "
+                          f"the same pull codec and compress_min_bytes)")
 
     def _new_slots(self, req: pb.RegisterRequest, pull: Codec) -> dict[int, Slot]:
-        slots = {}
+        """Slots for ``req``'s keys this shard does not hold yet, once every key it does hold
+        has the same spec in ``req`` (else ``BAD_HEADER`` naming the key and both specs)."""
+        slots, seen = {}, set()
+        model_keys = self.model_keys or req.model_keys
         for spec in req.keys:
             if spec.dtype != pb.FLOAT32:
                 raise PSError(pb.BAD_DTYPE, f"key {spec.key} has dtype "
                               f"{pb.DType.Name(spec.dtype)}; this shard stores FLOAT32")
-            if spec.key in slots or not spec.length:
+            if spec.key in seen or not spec.length:
                 raise PSError(pb.BAD_HEADER, f"key {spec.key} duplicated or empty in the plan")
+            seen.add(spec.key)
+            if model_keys and spec.key >= model_keys:
+                raise PSError(pb.UNKNOWN_KEY, f"key {spec.key} is outside the model's plan of "
+                              f"{model_keys} keys")
+            held = self.slots.get(spec.key)
+            if held is not None:
+                if (mine := _spec_text(held.spec)) != (theirs := _spec_text(spec)) \
+                        and not _shapeless_match(held.spec, spec):
+                    raise PSError(pb.BAD_HEADER, f"key {spec.key}: rank {req.rank}'s plan has "
+                                  f"{theirs}; this shard holds it as {mine} (every plan must "
+                                  f"cut the model alike)")
+                continue
             if spec.length * 4 > self.cfg.max_frame_bytes:
                 raise PSError(pb.TOO_LARGE, f"key {spec.key} is {spec.length * 4} bytes; frames "
                               f"are limited to {self.cfg.max_frame_bytes}")
@@ -252,12 +352,14 @@ class ShardCore:
         return slots
 
     @staticmethod
-    def _check_values(slots: dict[int, Slot], values: dict[int, bytes]) -> None:
-        if set(values) != set(slots):
-            missing = sorted(set(slots) - set(values))[:5]
-            extra = sorted(set(values) - set(slots))[:5]
-            raise PSError(pb.UNKNOWN_KEY, f"initial values must cover exactly this shard's keys; "
-                          f"missing {missing}, unknown {extra}")
+    def _check_values(req: pb.RegisterRequest, slots: dict[int, Slot],
+                      values: dict[int, bytes]) -> None:
+        mine = {spec.key for spec in req.keys}
+        if set(values) != mine:
+            missing = sorted(mine - set(values))[:5]
+            extra = sorted(set(values) - mine)[:5]
+            raise PSError(pb.UNKNOWN_KEY, f"initial values must cover exactly the worker's keys "
+                          f"of this shard; missing {missing}, unknown {extra}")
         for key, data in values.items():
             if len(data) != slots[key].nbytes:
                 raise PSError(pb.BAD_LENGTH, f"initial value of key {key} is {len(data)} bytes; "
@@ -269,7 +371,7 @@ class ShardCore:
         alone, whose next :meth:`tick` applies the aggregates and answers the pulls this frees."""
         with self.lock:
             self.clocks.leave(rank)
-            self._membership_changed = True
+            self._mark_changed(rank)
 
     # -- data plane ---------------------------------------------------------------------------
     def handle(self, ident: bytes, frames: list) -> list[Reply]:
@@ -311,8 +413,7 @@ class ShardCore:
         (``ps.checks``)."""
         cfg = self.cfg
         slots = checks.request_slots(cfg, header, payload, self.slots,
-                                     registered=self.clocks.is_registered(header.worker),
-                                     initialized=self.initialized.is_set())
+                                     registered=self.clocks.is_registered(header.worker))
         clock = checks.check_clock(cfg, header, self.clocks.workers[header.worker].clock)
         replay = header.op != pb.PULL and self._is_replay(header)
         if header.op != pb.PUSH and self.held.full(header.worker):
@@ -376,7 +477,8 @@ class ShardCore:
         self.rule.update(slot, grad, clock=clock, lr_scale=lr_scale)
 
     def try_aggregate(self, slot: Slot, live: list[int]) -> bool:
-        """sync: apply the mean of ``slot``'s pushes once every live worker's is in."""
+        """sync: apply the mean of ``slot``'s pushes once every one of ``live`` (the key's live
+        pushers, ``ps.consistency.key_pushers``) is in."""
         if not slot.pushed or not slot.pushed.issuperset(live):
             return False
         # the step being applied is clock slot.version
@@ -405,17 +507,20 @@ class ShardCore:
 
     def _answer(self, ident, header, clock, slots, since, min_clock) -> Reply:
         now, m = self.now(), self.metrics
+        if self.partial:  # the slowest of those the keys wait for (SSP's bound), not of all
+            min_clock = self.clocks.min_clock_of(key_pushers(self.clocks, slots))
         frame_codecs = []
         publishes = self.pull_codec is not None and not self.pull_codec.is_raw
-        # async/ssp: by the time this worker's next push lands, the other live workers' pushes
-        # have probably been applied: hand out the parameters that far ahead
-        ahead = len(self.clocks.live()) - 1 if self.consistency.looks_ahead and not publishes \
-            else 0
+        # async/ssp: by the time this worker's next push lands, the key's other live pushers'
+        # pushes have probably been applied: hand out the parameters that far ahead
         if publishes:
             frames, frame_codecs = publish.reply_frames(header, slots)
-        elif ahead > 0:
-            frames = [s.lookahead(ahead) if s.last_delta is not None
-                      else s.reply_frame() for s in slots]
+        elif self.consistency.looks_ahead:
+            frames = []
+            for s in slots:
+                ahead = len(key_pushers(self.clocks, (s,))) - 1
+                frames.append(s.lookahead(ahead) if ahead > 0 and s.last_delta is not None
+                              else s.reply_frame())
         else:
             frames = [s.reply_frame() for s in slots]
         m.pull_bytes.inc(sum(f.nbytes if isinstance(f, np.ndarray) else len(f)
@@ -450,11 +555,13 @@ class ShardCore:
         held pulls. Called by the data loop on a timer (requests release what they unblock
         themselves, in :meth:`handle`)."""
         with self.lock:
-            changed = bool(self.clocks.expire()) or self._membership_changed
-            self._membership_changed = False
-            if changed:
+            for rank in self.clocks.expire():
+                self._mark_changed(rank)
+            if self._membership_changed:
+                ranks, self._changed_ranks = self._changed_ranks, set()
+                self._membership_changed = False
                 self._changes += 1
-                self.consistency.membership_changed(self, self.clocks.live())
+                self.consistency.membership_changed(self, self.clocks.live(), ranks)
             return self._release_held(self.clocks.min_clock())
 
     def shut_down(self) -> list[Reply]:
@@ -488,10 +595,11 @@ class ShardCore:
         """Answer held pulls that are admitted now, fail those past their deadline (looked at
         only when a clock, the live set or a version may have moved: ``ps.held``)."""
         now = self.now()
+        # partial plans: a pull's admission depends on its keys' pushers, not its clock alone
         admitted, expired = self.held.release(
             lambda h: self._admits(h.clock, h.slots), state=(self.clocks.generation,
                                                              self._changes),
-            now=now, ordered=self.consistency.ordered)
+            now=now, ordered=self.consistency.ordered and not self.partial)
         replies = []
         for h in admitted:
             self.metrics.pull_wait.observe(now - h.since)
@@ -511,3 +619,23 @@ class ShardCore:
             return {h.header.worker: self._waiting_for(h.header.worker, h.clock, h.slots)
                     for h in self.held}
 
+
+
+def _spec_text(spec: pb.KeySpec) -> str:
+    """What two plans must agree on for a key, in words."""
+    shape = list(spec.shape.dims) if spec.HasField("shape") else None
+    return (f"{spec.name}[{spec.offset}:{spec.offset + spec.length}] "
+            f"{pb.DType.Name(spec.dtype)} shape {shape} "
+            f"{'compressed' if spec.compressed_pull else 'raw'} pulls")
+
+
+def _shapeless_match(a: pb.KeySpec, b: pb.KeySpec) -> bool:
+    """The same key but for a shape one side does not send (a worker that predates
+    ``KeySpec.shape``)."""
+    if a.HasField("shape") and b.HasField("shape"):
+        return False
+    strip = [pb.KeySpec(), pb.KeySpec()]
+    for out, spec in zip(strip, (a, b)):
+        out.CopyFrom(spec)
+        out.ClearField("shape")
+    return _spec_text(strip[0]) == _spec_text(strip[1])

@@ -57,6 +57,12 @@ class Slot:
     buffer: Buffer
     state: KeyState
     version: int = 0
+    pushers: set[int] = field(default_factory=set)
+    """Ranks whose registered plan has this key (a pipeline stage's workers register only
+    their stage's keys): sync waits for, and async splits the learning rate over, the live ones
+    (``ps.consistency.key_pushers``)."""
+    initialized: bool = False
+    """Whether the key's initial values have landed (from the worker that initializes it)."""
     acc: np.ndarray = field(default_factory=lambda: _EMPTY)
     """Sync mode: sum of the pushes of the current step."""
     pushed: set[int] = field(default_factory=set)
@@ -129,15 +135,16 @@ class Slot:
         return fresh.array
 
     def set_values(self, data: bytes) -> None:
-        """Overwrite the parameters (initial values from rank 0)."""
+        """Overwrite the parameters (initial values, or a checkpoint's)."""
         self.buffer = Buffer(np.frombuffer(data, np.float32).copy())
 
     def accumulate(self, rank: int, grad: np.ndarray, live: Sequence[int]) -> None:
-        """Sync mode: add ``rank``'s push for the current step. Pushes are added in rank order,
-        whatever order they arrive in, so a step's sum (float addition does not associate) is
-        the same on every run: a push that arrives before a lower live rank's is kept aside
-        (copied when it lives in the reused decode buffer; a raw push is a view of its received
-        frame, which the view keeps alive) until that one is in."""
+        """Sync mode: add ``rank``'s push for the current step (``live``: the key's live
+        pushers). Pushes are added in rank order, whatever order they arrive in, so a step's
+        sum (float addition does not associate) is the same on every run: a push that arrives
+        before a lower live rank's is kept aside (copied when it lives in the reused decode
+        buffer; a raw push is a view of its received frame, which the view keeps alive) until
+        that one is in."""
         self.pushed.add(rank)
         if any(r < rank and r not in self.pushed for r in live):
             shares = self.decoded is not _EMPTY and np.may_share_memory(grad, self.decoded)

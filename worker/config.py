@@ -29,6 +29,11 @@ class ClientConfig:
     """This worker's rank, 0 .. world_size-1 (rank 0 sends the initial parameters)."""
     world_size: int = 1
     """Number of worker ranks."""
+    initializes: bool | None = None
+    """Whether this worker sends the initial values of the keys it registers, at registration
+    and to a shard that came back empty (``PSClient.recover``). ``None``: rank 0 does. In a
+    pipeline each stage registers its own keys, so replica 0 of every stage sends them; for
+    each key, exactly one worker should."""
     token: str = ""
     """Shared secret the shards expect (empty = none)."""
     deadline_s: float = 60.0

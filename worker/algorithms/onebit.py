@@ -257,9 +257,10 @@ class MomentsPush(_OneBitPush):
 
     def load_state(self, plan, state):
         for key, (step, m, v) in state.items():
-            if not 0 <= key < len(plan.keys):
-                raise ValueError(f"key {key} is not in the plan (0 .. {len(plan.keys) - 1})")
-            n = plan.keys[key].length
+            if key not in plan:
+                raise ValueError(f"key {key} is not in the plan ({len(plan.keys)} of the "
+                                 f"model's {plan.model_keys} keys)")
+            n = plan.key(key).length
             for name, a in (("m", m), ("v", v)):
                 if a.shape != (n,) or a.dtype != np.float32:
                     raise ValueError(f"{name} of key {key} is {a.dtype}{a.shape}; expected "

@@ -59,25 +59,41 @@ class PSModel:
     """Binds ``model``'s trainable parameters to the shards behind ``client``."""
 
     def __init__(self, model: torch.nn.Module, client: PSClient, *,
+                 plan: KeyPlan | None = None,
                  device_codec: bool | None = None,
                  overlap: OverlapConfig | None = None) -> None:
+        """``plan``: the whole model's plan (``make_plan`` over every pipeline stage's
+        parameter names, in one agreed order), of which ``model`` holds some parameters (one
+        stage): they are bound to its keys by name (``KeyPlan.bind``: a name the plan lacks is
+        ``UnknownParametersError``, another shape ``PlanMismatchError``) and only their keys
+        are registered, pushed and pulled. ``None``: ``model`` is the whole model, planned
+        here."""
         self.model = model
         self.client = client
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         for name, p in self.params:
             if p.dtype != torch.float32:
                 raise ValueError(f"parameter {name!r} is {p.dtype}; bitps stores float32")
-        self.plan: KeyPlan = make_plan(
-            [ParamSpec(n, tuple(p.shape)) for n, p in self.params],
-            num_shards=client.num_shards, partition_bytes=client.cfg.partition_bytes)
+        specs = [ParamSpec(n, tuple(p.shape)) for n, p in self.params]
+        if plan is None:
+            plan = make_plan(specs, num_shards=client.num_shards,
+                             partition_bytes=client.cfg.partition_bytes)
+        else:
+            if plan.num_shards != client.num_shards:
+                raise ValueError(f"plan is cut for {plan.num_shards} shards; the client has "
+                                 f"{client.num_shards} servers")
+            plan = plan.bind(specs)
+        self.plan: KeyPlan = plan
+        """The keys this model registers: the whole plan, or a stage's part of it."""
         self.keys = [k.key for k in self.plan.keys]
         self._staging = Staging(self.params, self.plan, client)
         self.cuda = self._staging.cuda
-        # the host copies hold the model's values now: rank 0 sends them, and every rank's
-        # digests let the shards say which copies are current (one seed, one model)
+        # the host copies hold the model's values now: the initializing worker (rank 0, or
+        # replica 0 of a stage) sends them, and every rank's digests let the shards say which
+        # copies are current (one seed, one model)
         outs = self._staging.outs
         copies = self._copies = dict(zip(self.keys, outs))
-        client.register(self.plan, copies if client.cfg.rank == 0 else None, copies=copies)
+        client.register(self.plan, copies if client.initializes else None, copies=copies)
         self.clock = client.start_clock
         self._staging.device_codec = self._wants_device_codec(device_codec)
         stale = [i for i, k in enumerate(self.keys) if k not in client.versions]

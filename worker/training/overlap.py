@@ -208,7 +208,7 @@ class Overlap:
             prev.wait(self.client.exchange_bound_s)  # its buffers are about to be reused
         grads = {i: self._grads[i] for i in bucket.params}
         clock = self.clock()
-        keys = [self.plan.keys[k] for k in bucket.keys]
+        keys = [self.plan.key(k) for k in bucket.keys]
         staging, cuda = self.staging, self.staging.cuda
         produced = ready = None
         if cuda:

@@ -51,7 +51,9 @@ class Staging:
         self.stream = torch.cuda.Stream() if self.cuda else None
         """The comm stream (CUDA): downloads, device compression and uploads run on it."""
         self.outs = [self.slice(self.host, k) for k in plan.keys]
-        """Each key's view of its host buffer, by key."""
+        """Each key's view of its host buffer, in ``plan.keys`` order."""
+        self.out_of = {k.key: out for k, out in zip(plan.keys, self.outs)}
+        """The same views by key id (a stage's partial plan has gaps in its ids)."""
         if self.cuda:
             for (_, p), host in zip(params, self.host):
                 host[:] = p.detach().reshape(-1).cpu().numpy()
@@ -143,7 +145,7 @@ class Staging:
         if self.clip is not None:
             self._clip_pending.append((clock, keys, grads, flat, coded, scale))
         return Payload(keys=[k.key for k in keys], grads=grads,
-                       outs=[self.outs[k.key] for k in keys],
+                       outs=[self.out_of[k.key] for k in keys],
                        encoded={key: code.numpy() for key, code in encoded.items()} or None,
                        scale=scale, then=self.end_clipped_step if self.clip is not None
                        and last else None)

@@ -100,7 +100,7 @@ class PSClient:
                       else grpc.secure_channel(s, tls, options=opts) for s in cfg.servers]
         self._stubs = [pb_grpc.ControlStub(c) for c in self._grpc]
         self.plan: KeyPlan | None = None
-        self._large: list[bool] = []
+        self._large: dict[int, bool] = {}
         self._large_for: KeyPlan | None = None
         self.versions: dict[int, int] = {}
         self.start_clock = 0
@@ -150,6 +150,14 @@ class PSClient:
         return tuple(self._stubs)
 
     @property
+    def initializes(self) -> bool:
+        """Whether this worker sends the initial values of its keys at registration (and to a
+        shard that came back empty): ``ClientConfig.initializes``, by default rank 0's
+        job."""
+        init = self.cfg.initializes
+        return self.cfg.rank == 0 if init is None else init
+
+    @property
     def freeze_step(self) -> int:
         """The clock of the push policy's compression switch (1-bit Adam), or 0: none."""
         return self.policy.freeze_step
@@ -157,8 +165,12 @@ class PSClient:
     # -- control plane ------------------------------------------------------------------------
     def register(self, plan: KeyPlan, values: Mapping[int, np.ndarray] | None = None, *,
                  copies: Mapping[int, np.ndarray] | None = None) -> None:
-        """Join every shard with ``plan``; ``values`` (rank 0) are the initial parameters by key.
-        Other ranks block until rank 0's values have landed.
+        """Join every shard with ``plan``; ``values`` (:attr:`initializes`: rank 0, or in a
+        pipeline replica 0 of each stage) are the initial parameters by key. Other ranks block
+        until the values of their keys have landed.
+
+        ``plan`` may be partial (``KeyPlan.subset``: a pipeline stage's keys): the shards then
+        count this worker, per key, only for the keys it registered.
 
         ``copies`` (any rank, every key): the values this worker holds now. Their digests go
         with the registration, and keys whose shard values match count as received
@@ -166,8 +178,10 @@ class PSClient:
         if plan.num_shards != self.num_shards:
             raise ValueError(f"plan is cut for {plan.num_shards} shards; the client has "
                              f"{self.num_shards} servers")
-        if (values is not None) != (self.cfg.rank == 0):
-            raise ValueError("rank 0, and only rank 0, must pass initial values")
+        if (values is not None) != self.initializes:
+            raise ValueError(f"rank {self.cfg.rank} {'must' if self.initializes else 'must not'}"
+                             f" pass initial values (ClientConfig.initializes "
+                             f"{self.cfg.initializes})")
         if copies is not None and set(copies) != {k.key for k in plan.keys}:
             raise ValueError(f"copies name {len(copies)} keys; the plan has {len(plan.keys)}")
         self.plan = plan
@@ -198,8 +212,8 @@ class PSClient:
 
     def _register_with(self, stub, shard: int, plan: KeyPlan, values, copies):
         """Register with one shard, calling again with backoff while it answers
-        ``NOT_INITIALIZED`` (rank 0's values have not landed: a shard never holds a call for
-        them), until ``register_timeout_s``."""
+        ``NOT_INITIALIZED`` (the initial values of this worker's keys have not landed: a shard
+        never holds a call for them long), until ``register_timeout_s``."""
         timeout = self.cfg.register_timeout_s
         end, pause = time.monotonic() + timeout, _REGISTER_RETRY_S[0]
         while True:
@@ -212,8 +226,8 @@ class PSClient:
                     raise
                 if time.monotonic() + pause > end:
                     raise PSTimeoutError(f"rank {self.cfg.rank}: shard {shard} still waits for "
-                                         f"rank 0's initial values after {timeout:.0f} s",
-                                         shard=shard) from None
+                                         f"the initial values of this worker's keys after "
+                                         f"{timeout:.0f} s", shard=shard) from None
             time.sleep(pause)
             pause = min(2 * pause, _REGISTER_RETRY_S[1])
 
@@ -224,6 +238,7 @@ class PSClient:
         req = pb.RegisterRequest(
             protocol=PROTOCOL, rank=self.cfg.rank, world_size=self.cfg.world_size,
             signature=plan.signature, num_shards=plan.num_shards, shard_id=shard,
+            model_keys=plan.model_keys,
             sends_values=values is not None, token=self.cfg.token,
             keys=[pb.KeySpec(key=k.key, name=k.name, offset=k.offset, length=k.length,
                              dtype=pb.FLOAT32, compressed_pull=not pull.is_raw and large[k.key],
@@ -355,16 +370,16 @@ class PSClient:
         the key's tensor (all its keys together) has at least ``compress_min_bytes``."""
         return not self.push_codec_at(clock).is_raw and self._large_keys()[key]
 
-    def _large_keys(self) -> list[bool]:
-        """Per key of the plan: its tensor has at least ``compress_min_bytes``. The problem
-        statement's rule is about one communication's size, so every key of such a tensor is
-        compressed, however the plan cut it."""
+    def _large_keys(self) -> dict[int, bool]:
+        """By key id, per key of the plan: its tensor has at least ``compress_min_bytes``. The
+        problem statement's rule is about one communication's size, so every key of such a
+        tensor is compressed, however the plan cut it."""
         if self._large_for is not self.plan:
             tensor_bytes: dict[str, int] = {}
             for k in self.plan.keys:
                 tensor_bytes[k.name] = tensor_bytes.get(k.name, 0) + k.nbytes
-            self._large = [tensor_bytes[k.name] >= self.cfg.compress_min_bytes
-                           for k in self.plan.keys]
+            self._large = {k.key: tensor_bytes[k.name] >= self.cfg.compress_min_bytes
+                           for k in self.plan.keys}
             self._large_for = self.plan
         return self._large
 
@@ -442,7 +457,7 @@ class PSClient:
         """Fetch the optimizer state of ``keys`` from their shards (the OptimizerState RPC,
         one stream per shard) and hand each key's message to ``load(state, length)``; a state
         of another version than this worker's copy is refused (``BAD_CLOCK``)."""
-        for shard in sorted({self.plan.keys[k].shard for k in keys}):
+        for shard in sorted({self.plan.key(k).shard for k in keys}):
             stream = self._stubs[shard].OptimizerState(pb.OptimizerStateRequest(
                 rank=self.cfg.rank, token=self.cfg.token), timeout=self.cfg.deadline_s,
                 metadata=self._metadata)
@@ -452,7 +467,7 @@ class PSClient:
                         raise PSError(pb.BAD_CLOCK, f"shard {shard} key {state.key}: optimizer "
                                       f"state of version {state.version}, parameters of "
                                       f"version {self.versions.get(state.key)}", shard=shard)
-                    load(state, self.plan.keys[state.key].length)
+                    load(state, self.plan.key(state.key).length)
             except grpc.RpcError as err:
                 raise self._rpc_error(err, shard) from None
 
@@ -467,7 +482,7 @@ class PSClient:
             if not self.compresses(key, clock):
                 raise ValueError(f"key {key} is pushed raw at clock {clock}; only keys the "
                                  f"push codec compresses may come encoded")
-            problem = codec.check(data, self.plan.keys[key].length)
+            problem = codec.check(data, self.plan.key(key).length)
             if problem:
                 raise ValueError(f"encoded key {key}: {problem}")
 
@@ -507,7 +522,7 @@ class PSClient:
         norms: dict[int, float] = {}
         if self.plan is not None:
             for (key, _), comp in list(self._compressors.items()):
-                shard = self.plan.keys[key].shard
+                shard = self.plan.key(key).shard
                 norms[shard] = float(np.hypot(norms.get(shard, 0.0), comp.residual_norm()))
         phase = self.policy.phase(self.clock)
         return CodecSnapshot(residual_norms=norms, onebit_phase=phase)
@@ -530,7 +545,7 @@ class PSClient:
         if self.push_codec_at(clock).is_raw:
             raise ValueError("raw pushes keep no residuals; set a push codec")
         for key, r in residuals.items():
-            n = self.plan.keys[key].length
+            n = self.plan.key(key).length
             if r.shape != (n,) or r.dtype != _F32:
                 raise ValueError(f"residual of key {key} is {r.dtype}{r.shape}; expected "
                                  f"float32[{n}]")
@@ -570,13 +585,13 @@ class PSClient:
     def _group(self, keys, grads, outs, *, compress: bool) -> list[tuple[int, bool, list[int]]]:
         """Split the request per shard and codec (compressed or raw), then into messages of at
         most ``message_bytes`` (counted in float32 bytes)."""
-        plan_keys, limit, large = self.plan.keys, self.cfg.message_bytes, self._large_keys()
+        plan, limit, large = self.plan, self.cfg.message_bytes, self._large_keys()
         by_shard: dict[tuple[int, bool], list[int]] = {}
         for i, k in enumerate(keys):
-            if not 0 <= k < len(plan_keys):
-                raise PSError(pb.UNKNOWN_KEY, f"key {k} is not in the plan "
-                              f"(0 .. {len(plan_keys) - 1})")
-            spec = plan_keys[k]
+            if k not in plan:
+                raise PSError(pb.UNKNOWN_KEY, f"key {k} is not in the plan ({len(plan.keys)} "
+                              f"of the model's {plan.model_keys} keys)")
+            spec = plan.key(k)
             for arrays, kind in ((grads, "gradient"), (outs, "output")):
                 if arrays and (arrays[i].dtype != _F32 or arrays[i].size != spec.length):
                     raise ValueError(f"key {k}: {kind} is {arrays[i].dtype}[{arrays[i].size}]; "
@@ -590,7 +605,7 @@ class PSClient:
         for (shard, compressed), idx in by_shard.items():
             batch, size = [], 0
             for i in idx:
-                n = plan_keys[keys[i]].nbytes
+                n = plan.key(keys[i]).nbytes
                 if batch and size + n > limit:
                     groups.append((shard, compressed, batch))
                     batch, size = [], 0
@@ -613,12 +628,12 @@ class PSClient:
         handle that completed (``handle``, or the redo's).
 
         ``copies`` (every key of the plan) are the values this worker holds: their digests
-        tell a shard that is back which copies are still current, and rank 0 sends them as
-        initial values to a shard that came back empty (a shard restored from a checkpoint is
-        initialized and keeps its own). A redo sends the same bytes: the same request ids to a
-        shard that kept this worker's clock (its exactly-once window answers a push it had
-        applied with the original answer), new ids and the shard's clock to one that came
-        back behind (:meth:`recover`)."""
+        tell a shard that is back which copies are still current, and a worker that
+        :attr:`initializes` sends them as initial values to a shard that came back empty (a
+        shard restored from a checkpoint is initialized and keeps its own). A redo sends the
+        same bytes: the same request ids to a shard that kept this worker's clock (its
+        exactly-once window answers a push it had applied with the original answer), new ids
+        and the shard's clock to one that came back behind (:meth:`recover`)."""
         try:
             handle.wait()
             return handle
@@ -650,9 +665,10 @@ class PSClient:
                 since: float | None = None, end: float | None = None) -> int:
         """Get ``shard`` back after it was lost while this worker was at step ``clock``:
         drop what its old connection still queues, re-register (the plan, digests of
-        ``copies``, and rank 0's ``copies`` as values) with backoff until ``end`` (default:
-        ``reconnect_timeout_s`` from now), then adopt what the shard says. Returns the steps
-        of this shard's updates that were lost (it came back from an older checkpoint).
+        ``copies``, and ``copies`` as values when this worker :attr:`initializes`) with
+        backoff until ``end`` (default: ``reconnect_timeout_s`` from now), then adopt what the
+        shard says. Returns the steps of this shard's updates that were lost (it came back
+        from an older checkpoint).
 
         Adopting: the shard's keys whose values differ from ``copies`` lose their versions (the
         next exchange pulls them whole). A shard that has this worker at a clock below
@@ -668,7 +684,7 @@ class PSClient:
         # worker re-registered, as pushes of the wrong step: drop them with the socket.
         self._reset_data(shard)
         keys = self.plan.for_shard(shard)
-        values = {k.key: copies[k.key] for k in keys} if self.cfg.rank == 0 else None
+        values = {k.key: copies[k.key] for k in keys} if self.initializes else None
         pause, last = self.cfg.reconnect_backoff_s, None
         while True:
             try:
