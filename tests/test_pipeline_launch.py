@@ -150,10 +150,12 @@ def _metrics(port: int) -> dict[str, float]:
 
 
 def test_dp2_pp2_launch_trains_with_metrics_from_every_stage(tmp_path):
+    # Replica batch 16; dynamic micro-batching may run 4 or 8 (m = 4 or 2: 1F1B needs m >= p,
+    # so not 16), and every stage of a replica must run the same size at every step.
     config = tmp_path / "pp.toml"
     config.write_text("[parallel_config]\ndata_parallel_size = 2\npipeline_parallel_size = 2\n"
                       "micro_batch_size = 4\ngradient_accumulation_steps = 4\n"
-                      "balance = \"uniform\"\n")
+                      "dynamic_micro_batch = true\nlookahead = true\n")
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "bitps.worker.launch", "--shards", "2", "--mode", "async",
@@ -183,7 +185,7 @@ def test_dp2_pp2_launch_trains_with_metrics_from_every_stage(tmp_path):
     for rank, m in scraped.items():
         assert m["bitps_stage_busy_seconds_total"] > 0
         assert 0 <= m["bitps_stage_bubble_ratio"] < 1
-        assert m["bitps_stage_micro_batch_size"] == 4
+        assert m["bitps_stage_micro_batch_size"] in (4, 8)
         assert m["bitps_stage_p2p_bytes_total/sent"] > 0, rank
         assert m["bitps_stage_p2p_bytes_total/received"] > 0, rank
         assert m["bitps_worker_push_bytes_total"] > 0  # the stage is a PS client
@@ -191,6 +193,59 @@ def test_dp2_pp2_launch_trains_with_metrics_from_every_stage(tmp_path):
     done = summary["stages"]
     assert [(d["replica"], d["stage"]) for d in done] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for d in done:
-        assert d["steps"] == 150 and d["micro_batch_size"] == 4
-    for d in done[1::2]:  # the last stages hold the loss
-        assert d["final_loss"] <= 0.7 * d["first_loss"], d
+        assert d["steps"] == 150
+        assert set(d["micro_batch_sizes"]) == {4, 8}, d  # the tuner explored both ends
+    for first, last in (done[0:2], done[2:4]):
+        assert first["micro_batch_sizes"] == last["micro_batch_sizes"]
+        assert last["final_loss"] <= 0.7 * last["first_loss"], last  # the last stage's loss
+    # one profiled partition (measured on rank 0), adopted by every stage
+    starts = summary["starts"]
+    assert all(s["partition"] == starts[0]["partition"] for s in starts)
+    assert starts[0]["costs"] is not None and len(starts[0]["costs"]) == 6
+    assert [s["layers"] for s in starts[:2]] == [
+        f"{a}-{b - 1}" for a, b in starts[0]["partition"]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_style_stages_and_a_dying_stage_fails_its_peer_naming_it(tmp_path):
+    # No launcher: a shard and two stage processes given torchrun's environment, as torchrun
+    # would start them. Stage 1 is killed mid-run; stage 0 must fail within its p2p deadline
+    # with an error naming stage 1, not hang.
+    shard = subprocess.Popen([sys.executable, "-m", "bitps.ps", "--mode", "async"], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    stages = []
+    try:
+        ready = json.loads(shard.stdout.readline())
+        torchrun = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(_free_port()))
+        for rank in (0, 1):
+            stages.append(subprocess.Popen(
+                [sys.executable, "-m", "bitps.worker.pipeline", "--servers",
+                 f"127.0.0.1:{ready['grpc_port']}", "--pipeline-parallel-size", "2",
+                 "--model", "mlp", "--balance", "uniform", "--steps", "100000",
+                 "--p2p-timeout", "10", "--json", "--log-every", "1"],
+                cwd=ROOT, env=dict(torchrun, RANK=str(rank), LOCAL_RANK=str(rank)),
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+        first = stages[0]
+        events = []
+        while not any(e["event"] == "step" for e in events):
+            line = first.stdout.readline()
+            assert line, "stage 0 ended before its first step"
+            events.append(json.loads(line))
+        stages[1].kill()
+        t0 = time.monotonic()
+        assert first.wait(30) == 1
+        waited = time.monotonic() - t0
+        error = [json.loads(line) for line in first.stdout.read().splitlines()][-1]
+    finally:
+        for p in (*stages, shard):
+            p.kill()
+            p.wait()
+    assert error["event"] == "error" and (error["replica"], error["stage"]) == (0, 0)
+    assert "StageFailedError" in error["error"] and "stage 1" in error["error"], error
+    assert waited < 10 + 5, waited  # within the deadline (a closed peer is seen at once)
