@@ -507,6 +507,8 @@ class ShardCore:
 
     def _answer(self, ident, header, clock, slots, since, min_clock) -> Reply:
         now, m = self.now(), self.metrics
+        if self.partial:  # the slowest of those the keys wait for (SSP's bound), not of all
+            min_clock = self.clocks.min_clock_of(key_pushers(self.clocks, slots))
         frame_codecs = []
         publishes = self.pull_codec is not None and not self.pull_codec.is_raw
         # async/ssp: by the time this worker's next push lands, the key's other live pushers'
