@@ -34,7 +34,7 @@ from bitps.worker.pipeline.runtime import StageContext, StageRuntime
 from bitps.worker.pipeline.stage import StageCompute
 
 ROOT = Path(__file__).resolve().parents[1]
-HEADER_BYTES = 80  # p2p: one int64[10] shape header per transfer
+HEADER_BYTES = 80  # p2p: one int64[10] shape header per direction and run_step
 WIDTH, UNITS, MICRO = 16, 8, 3
 
 
@@ -227,8 +227,9 @@ def test_every_schedule_runs_on_gloo_and_gives_single_process_gradients(p):
             assert r["micro_batch_size"] == MICRO and min(r["times"][:2]) > 0
             if name == "zb-h1":
                 assert r["times"][2] > 0  # W timed on its own
-            transfers = steps * m * ((o["stage"] > 0) + (o["stage"] < p - 1))
-            assert r["sent"] == r["received"] == transfers * (HEADER_BYTES + MICRO * WIDTH * 4)
+            directions = (o["stage"] > 0) + (o["stage"] < p - 1)  # one header each per run
+            assert r["sent"] == r["received"] == directions * (
+                HEADER_BYTES + steps * m * MICRO * WIDTH * 4)
             if name == "2bw":
                 assert res["versions"] <= 2
         losses = outs[-1]["results"][name]["report"]["losses"]

@@ -248,6 +248,7 @@ class StageRuntime:
         if self.pool is not None:
             self.pool.set_backward_order(plan.backward_order)
         sent0, recv0 = self.link.bytes_sent, self.link.bytes_received
+        self.link.begin()
         for direction, op in ((Direction.FROM_PREV, Op.RECV_F), (Direction.FROM_NEXT, Op.RECV_B)):
             mbs = [a.mb for a in actions if a.op is op]
             if mbs:
