@@ -314,18 +314,26 @@ def test_the_prefetcher_reraises_its_threads_error_and_joins_on_close():
     assert not pre._thread.is_alive() and threading.active_count() >= 1
 
 
-def test_the_first_stage_takes_its_inputs_from_the_prefetcher():
+def test_the_first_stage_takes_its_inputs_from_the_prefetcher_and_reports_to_metrics():
+    from bitps.worker.pipeline.metrics import StageMetrics
+
     xs, ys = micro_batches(4)
     model = make_model()
     want, want_losses = reference_grads(make_model(), xs, ys)
+    metrics = StageMetrics(0, 0)
     with Prefetcher(iter(xs), prepare=lambda x: x.clone(), depth=2) as pre:
         rt = StageRuntime(StageContext(stage=0, num_stages=1), model, loss_fn=F.mse_loss,
-                          prefetcher=pre)
+                          prefetcher=pre, metrics=metrics)
         actions = [Action(op=o, stage=0, mb=mb) for mb in range(4) for o in (Op.F, Op.BW)]
         report = rt.run_step(actions, targets=ys)
     assert report.losses == pytest.approx(want_losses, rel=1e-6)
     for n, q in model.named_parameters():
         torch.testing.assert_close(q.grad, want[n], rtol=1e-6, atol=0)
+    labels = {"stage": "0", "replica": "0"}
+    sample = metrics.registry.get_sample_value
+    assert sample("bitps_stage_bubble_ratio", labels) == pytest.approx(report.bubble)
+    assert sample("bitps_stage_micro_batch_size", labels) == MICRO
+    assert sample("bitps_stage_busy_seconds_total", labels) == pytest.approx(report.busy_s)
 
 
 if __name__ == "__main__":
