@@ -232,6 +232,11 @@ def test_every_schedule_runs_on_gloo_and_gives_single_process_gradients(p):
                 HEADER_BYTES + steps * m * MICRO * WIDTH * 4)
             if name == "2bw":
                 assert res["versions"] <= 2
+            held = {"gpipe": m, "1f1b": min(p - o["stage"], m)}  # graphs held at once
+            if name in held:
+                assert r["peak_inflight"] == held[name], (name, o["stage"])
+            else:
+                assert r["peak_inflight"] <= p, (name, o["stage"])
         losses = outs[-1]["results"][name]["report"]["losses"]
         assert losses[-m:] == pytest.approx(want_losses, rel=1e-6)
     xs2, ys2 = micro_batches(2, seed=7, b=2 * MICRO)
@@ -241,6 +246,19 @@ def test_every_schedule_runs_on_gloo_and_gives_single_process_gradients(p):
     # the model was not updated between the two steps (no PS): same weights, new shapes
     assert outs[-1]["results"]["gpipe-resized"]["report"]["losses"] == pytest.approx(
         want_losses, rel=1e-6)
+
+
+def test_a_stage_refuses_a_misplaced_context_or_another_stages_actions():
+    with pytest.raises(ValueError, match="prev_rank must be given"):
+        StageContext(stage=1, num_stages=2)
+    with pytest.raises(ValueError, match="next_rank must be None"):
+        StageContext(stage=1, num_stages=2, prev_rank=0, next_rank=2)
+    rt = StageRuntime(StageContext(stage=0, num_stages=1), make_model(), loss_fn=F.mse_loss)
+    xs, ys = micro_batches(1)
+    with pytest.raises(ValueError, match="actions of another stage"):
+        rt.run_step([Action(op=Op.F, stage=1, mb=0)], inputs=xs, targets=ys)
+    with pytest.raises(ValueError, match="needs targets"):
+        rt.run_step([Action(op=Op.F, stage=0, mb=0)], inputs=xs)
 
 
 def test_a_stage_under_a_pool_tags_micro_batches_so_eviction_follows_the_schedule():
