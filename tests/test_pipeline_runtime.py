@@ -148,16 +148,21 @@ def run_schedules(cfg: dict) -> None:
     """Each schedule of ``cfg`` on a fresh copy of the model, without a PS: this stage's
     gradients after the plan (2BW: 3 steps; ``.grad`` then holds the last step's) and the
     report; then one more GPipe step at another micro-batch size."""
+    from bitps.worker.pipeline.p2p import direction_groups
     from bitps.worker.pipeline.schedules import get_schedule
 
     ctx = init_stage(cfg)
     p, m, s = cfg["p"], cfg["m"], ctx.stage
+    groups = None
+    if cfg.get("direction_groups"):  # what CUDA uses by default (NCCL); here on gloo
+        groups = direction_groups(stage=s, num_stages=p, replica=ctx.replica,
+                                  world_size=cfg["world"])
     out = {}
     for name in cfg["schedules"]:
         sched = get_schedule(name)
         steps = 1 if sched.flushes else 3
         module = stage_module(make_model(), s, p)
-        rt = StageRuntime(ctx, module, loss_fn=F.mse_loss)
+        rt = StageRuntime(ctx, module, loss_fn=F.mse_loss, p2p_groups=groups)
         xs, ys = micro_batches(steps * m)
         plan = sched.generate(p, m, steps)
         report = rt.run_step(plan[s], inputs=xs if ctx.first else None,
@@ -208,8 +213,9 @@ def test_b_then_w_gives_the_gradients_of_bw_bit_for_bit():
 def test_every_schedule_runs_on_gloo_and_gives_single_process_gradients(p):
     m = 4
     names = ["gpipe", "1f1b", "zb-h1", "2bw"]
-    outs = collect(start_stages(dict(scenario="schedules", p=p, m=m, schedules=names), p),
-                   timeout=60)
+    # p = 4 sends each direction through its own process group, as CUDA does by default
+    outs = collect(start_stages(dict(scenario="schedules", p=p, m=m, schedules=names,
+                                     direction_groups=p == 4), p), timeout=60)
     outs.sort(key=lambda o: o["stage"])
     for name in names:
         steps = 3 if name == "2bw" else 1

@@ -37,13 +37,13 @@ import datetime
 import enum
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Direction", "Peer", "StageFailedError", "StageLink"]
+__all__ = ["Direction", "Peer", "StageFailedError", "StageLink", "direction_groups"]
 
 _HEADER_LEN = 10  # dtype code, ndim, up to 8 sizes
 _MAX_DIMS = _HEADER_LEN - 2
@@ -78,8 +78,8 @@ class Direction(enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class Peer:
-    """A neighbouring stage: its index, replica and global rank (in ``group``'s numbering when
-    ``group`` is given, as ``torch.distributed`` p2p calls take group ranks there)."""
+    """A neighbouring stage: its index, replica and global rank (``torch.distributed``'s p2p
+    calls take the global rank whatever the group)."""
 
     stage: int
     replica: int
@@ -126,7 +126,7 @@ class _Inbox:
             if self.header is None:
                 mb = self.expected[0]
                 buf = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.link.device)
-                self.header = (mb, buf, self.link._irecv(buf, self.peer, tag=2 * mb))
+                self.header = (mb, buf, self.link._irecv(buf, self, tag=2 * mb))
             mb, buf, work = self.header
             if not block and not work.is_completed():
                 return
@@ -140,7 +140,7 @@ class _Inbox:
         while self.expected and len(self.posted) < _RECVS_AHEAD:
             mb = self.expected.popleft()
             data = torch.empty(shape, dtype=dtype, device=self.link.device)
-            self.posted[mb] = (data, self.link._irecv(data, self.peer, tag=2 * mb + 1))
+            self.posted[mb] = (data, self.link._irecv(data, self, tag=2 * mb + 1))
 
 
 class StageLink:
@@ -148,13 +148,16 @@ class StageLink:
     last stage has no peer on one side). One per stage process; not thread-safe."""
 
     def __init__(self, peers: dict[Direction, Peer], *, device: torch.device,
-                 timeout_s: float, group: dist.ProcessGroup | None = None) -> None:
+                 timeout_s: float, group: dist.ProcessGroup | None = None,
+                 groups: Mapping[Direction, dist.ProcessGroup] | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.peers = peers
         self.device = torch.device(device)
         self.timeout_s = timeout_s
         self.group = group
+        self.groups = dict(groups or {})
+        """A group per direction (:func:`direction_groups`), where ``group`` is not enough."""
         self.bytes_sent = 0
         self.bytes_received = 0
         self._inboxes = {d: _Inbox(self, d, p) for d, p in peers.items()
@@ -222,7 +225,7 @@ class StageLink:
             raise ValueError(f"{what}: every micro-batch of one run has the shape and dtype of "
                              f"the first, {self._layouts[direction]}; got {layout}")
         for buf, tag in bufs:
-            work = self._call(dist.isend, buf, peer, tag, what)
+            work = self._call(dist.isend, buf, direction, tag, what)
             self._sends.append((work, peer, what, (buf,)))
             self.bytes_sent += buf.nbytes
         while len(self._sends) > _SENDS_IN_FLIGHT:
@@ -245,13 +248,17 @@ class StageLink:
         work, peer, what, _ = self._sends.popleft()
         self._wait(work, peer, what)
 
-    def _irecv(self, buf: torch.Tensor, peer: Peer, tag: int) -> dist.Work:
-        return self._call(dist.irecv, buf, peer, tag, "receive")
+    def _irecv(self, buf: torch.Tensor, inbox: _Inbox, tag: int) -> dist.Work:
+        return self._call(dist.irecv, buf, inbox.direction, tag,
+                          f"{inbox.direction.value} (posting the receive)")
 
-    def _call(self, fn, buf: torch.Tensor, peer: Peer, tag: int, what: str) -> dist.Work:
+    def _call(self, fn, buf: torch.Tensor, direction: Direction, tag: int, what: str
+              ) -> dist.Work:
+        peer = self.peers[direction]
+        group = self.groups.get(direction, self.group)
         try:
             # NCCL ignores tags (it matches by order, which the chain keeps)
-            return fn(buf, peer.rank, group=self.group, tag=tag)
+            return fn(buf, peer.rank, group=group, tag=tag)
         except RuntimeError as exc:
             raise StageFailedError(stage=peer.stage, replica=peer.replica, rank=peer.rank,
                                    what=what, reason=_reason(exc, self.timeout_s)) from exc
@@ -266,3 +273,32 @@ class StageLink:
         except RuntimeError as exc:
             raise StageFailedError(stage=peer.stage, replica=peer.replica, rank=peer.rank,
                                    what=what, reason=_reason(exc, self.timeout_s)) from exc
+
+
+def direction_groups(*, stage: int, num_stages: int, replica: int, world_size: int
+                     ) -> dict[Direction, dist.ProcessGroup]:
+    """One process group per neighbouring pair and direction, for NCCL: there every p2p op of a
+    pair shares one communicator and one stream, which runs them in the order posted, so a
+    receive posted early (the gradient of micro-batch 0) would hold back the send posted after
+    it (activation 0) that the peer needs first: a deadlock. With a group per direction a stream
+    only carries one side's sends and the other's receives, in the same order on both.
+
+    Collective: every rank of the world calls it with its own place, in the launcher's
+    numbering (rank ``replica * num_stages + stage``); it creates every pair's groups in one
+    order. Returns this stage's (``TO_NEXT``/``FROM_NEXT`` with stage + 1, ``FROM_PREV``/
+    ``TO_PREV`` with stage - 1)."""
+    if world_size % num_stages:
+        raise ValueError(f"world_size {world_size} is not a multiple of num_stages "
+                         f"{num_stages} (rank = replica * num_stages + stage)")
+    mine: dict[Direction, dist.ProcessGroup] = {}
+    for r in range(world_size // num_stages):
+        for s in range(num_stages - 1):
+            pair = [r * num_stages + s, r * num_stages + s + 1]
+            forward, backward = dist.new_group(pair), dist.new_group(pair)
+            if r != replica:
+                continue
+            if s == stage:
+                mine[Direction.TO_NEXT], mine[Direction.FROM_NEXT] = forward, backward
+            if s + 1 == stage:
+                mine[Direction.FROM_PREV], mine[Direction.TO_PREV] = forward, backward
+    return mine

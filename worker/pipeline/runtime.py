@@ -41,15 +41,22 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from bitps.worker.pipeline.actions import COMPUTE, Action, Op
-from bitps.worker.pipeline.p2p import Direction, Peer, StageFailedError, StageLink
+from bitps.worker.pipeline.p2p import (
+    Direction,
+    Peer,
+    StageFailedError,
+    StageLink,
+    direction_groups,
+)
 from bitps.worker.pipeline.simulate import StageTimes
 from bitps.worker.pipeline.stage import StageCompute
 
@@ -71,8 +78,8 @@ class StageContext:
     next_rank: int | None = None
     """Global rank of stage ``stage + 1`` of this replica (None on the last stage)."""
     group: Any = None
-    """The ``torch.distributed`` group of the p2p transfers (None: the default group; ranks
-    above are then that group's)."""
+    """The ``torch.distributed`` group of the p2p transfers (None: the default group; the
+    ranks above are global ranks either way)."""
     device: torch.device | str = "cpu"
     """Where the stage computes; CUDA uses NCCL and CUDA-event timing."""
     timeout_s: float = 60.0
@@ -201,11 +208,15 @@ class StageRuntime:
     ``PSModel`` over ``module``) or None; ``pool`` an ``ActivationPool`` the forwards save
     into, tagged by micro-batch with the plan's backward order; ``metrics`` anything with
     ``observe(report)`` (``StageMetrics``); ``prefetcher`` (first stage) supplies the inputs
-    when ``run_step`` gets none."""
+    when ``run_step`` gets none. ``p2p_groups``: a process group per direction
+    (``p2p.direction_groups``); on CUDA without ``ctx.group`` they are made here, a collective
+    call every rank makes when it builds its runtime (NCCL runs a pair's ops in the order posted
+    on one stream, so an early-posted receive would hold back the sends behind it)."""
 
     def __init__(self, ctx: StageContext, module: nn.Module, *,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 ps_model=None, pool=None, metrics=None, prefetcher=None) -> None:
+                 ps_model=None, pool=None, metrics=None, prefetcher=None,
+                 p2p_groups: Mapping[Direction, Any] | None = None) -> None:
         self.ctx = ctx
         self.device = torch.device(ctx.device)
         self.module = module
@@ -219,12 +230,27 @@ class StageRuntime:
         if ctx.next_rank is not None:
             nxt = Peer(stage=ctx.stage + 1, replica=ctx.replica, rank=ctx.next_rank)
             peers[Direction.TO_NEXT] = peers[Direction.FROM_NEXT] = nxt
+        if p2p_groups is None and self.device.type == "cuda" and ctx.group is None and peers:
+            p2p_groups = self._nccl_groups()
         self.link = StageLink(peers, device=self.device, timeout_s=ctx.timeout_s,
-                              group=ctx.group)
+                              group=ctx.group, groups=p2p_groups)
         self._versions: dict[int, dict[str, torch.Tensor]] = {}
         self._leaves: dict[int, dict[str, torch.Tensor]] = {}
         self.max_live_versions = 0
         """The most weight versions whose copies were held at once (weight stashing)."""
+
+    def _nccl_groups(self) -> dict[Direction, Any]:
+        """NCCL needs a group per direction (``p2p.direction_groups``): made here, collectively,
+        for the launcher's numbering (rank ``replica * num_stages + stage``)."""
+        ctx = self.ctx
+        rank = dist.get_rank()
+        if (rank != ctx.replica * ctx.num_stages + ctx.stage
+                or ctx.prev_rank not in (None, rank - 1) or ctx.next_rank not in (None, rank + 1)):
+            raise ValueError(f"rank {rank} is not stage {ctx.stage} of replica {ctx.replica} in "
+                             "the numbering rank = replica * num_stages + stage; pass p2p_groups "
+                             "(one group per direction) or ctx.group")
+        return direction_groups(stage=ctx.stage, num_stages=ctx.num_stages, replica=ctx.replica,
+                                world_size=dist.get_world_size())
 
     @property
     def live_versions(self) -> int:
