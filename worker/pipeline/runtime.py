@@ -117,7 +117,9 @@ class StepReport:
     busy_s: float
     """Sum of the compute actions' intervals."""
     bubble: float
-    """``1 - busy_s / wall_s``."""
+    """``1 - busy_s / wall_s``, over this stage's own wall (its ``run_step``, start to last
+    send). The bubble protocol compared with the simulator takes one wall for every stage,
+    from a common barrier to the last stage's end: a bench computes that from ``busy_s``."""
     losses: list[float]
     """Each micro-batch's loss (undivided), in forward order (the last stage; else empty)."""
     times: StageTimes
