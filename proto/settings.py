@@ -25,7 +25,10 @@ TOML's ``true``/``false``.
 
 The config file is flat: its keys are the flag names without the leading ``--``
 (``grpc-port = 50051``), one spelling only. An unknown key or a value of the wrong type is an
-error naming the key.
+error naming the key. The one exception is a group of settings a program declares as a table
+(``Setting.table``): they are read from that table only, under their field names, the way the
+Python dict of that group spells them (``[parallel_config]`` ``micro_batch_size = 8`` for
+``--micro-batch-size``).
 
 No torch, zmq or grpc here: shards and workers both read their settings through it, and
 ``bitps.proto`` may import neither ``bitps.ps`` nor ``bitps.worker``, so the programs hand their
@@ -128,7 +131,8 @@ class Setting:
     is written."""
 
     name: str
-    """The flag without its dashes, e.g. ``grpc-port``; also the config-file key."""
+    """The flag without its dashes, e.g. ``grpc-port``; also the config-file key (outside a
+    :attr:`table`)."""
     help: str
     """One line for ``--help`` and the configuration reference."""
     type: type
@@ -146,6 +150,9 @@ class Setting:
     """That field's name."""
     metavar: str | None = None
     """How ``--help`` names the value (default: by type, ``INT``, ``NUM``, ``TEXT``)."""
+    table: str = ""
+    """The config-file table this setting is read from, under :attr:`file_key`; ``""``: the
+    top level, under :attr:`name`."""
 
     def __post_init__(self) -> None:
         if self.type not in _KINDS:
@@ -168,6 +175,11 @@ class Setting:
     def dest(self) -> str:
         """The attribute name in the parsed namespace."""
         return self.name.replace("-", "_")
+
+    @property
+    def file_key(self) -> str:
+        """Its key in a config file: the flag name, or in a table the dest name."""
+        return self.dest if self.table else self.name
 
     @property
     def target(self) -> str:
@@ -220,11 +232,12 @@ class Setting:
 
 
 def from_field(owner: type, field: str, *, help: str, name: str | None = None,
-               env: str | None = _AUTO, metavar: str | None = None) -> Setting:
+               env: str | None = _AUTO, metavar: str | None = None, table: str = "") -> Setting:
     """The setting that fills ``owner.field``: its type and default come from the dataclass
     field, its allowed values from the field's ``metadata["choices"]``. The flag is
     ``--<name>`` (default: the field name, ``_`` written ``-``); the environment twin is
-    ``env`` (default: ``BITPS_`` + the flag name; ``None``: none)."""
+    ``env`` (default: ``BITPS_`` + the flag name; ``None``: none); ``table``: the config-file
+    table it is read from (``""``: the top level)."""
     fields = {f.name: f for f in dataclasses.fields(owner)}
     if field not in fields:
         raise TypeError(f"{owner.__name__} has no field {field!r}; its fields are "
@@ -241,7 +254,7 @@ def from_field(owner: type, field: str, *, help: str, name: str | None = None,
     return Setting(name=name, help=help, type=kind, default=f.default,
                    choices=_choices(choices),
                    env=env_name(name) if env is _AUTO else env, owner=owner, field=field,
-                   metavar=metavar)
+                   metavar=metavar, table=table)
 
 
 def option(name: str, *, default: bool | int | float | str, help: str,
@@ -263,7 +276,8 @@ def _choices(choices: Collection[str] | None) -> Collection[str] | None:
 
 def read_config_file(path: str | os.PathLike, settings: Sequence[Setting]) -> dict[str, Any]:
     """The values a TOML config file sets, by setting name. Its keys are the flag names
-    without ``--``; an unknown key, a table or a value of the wrong type is a
+    without ``--``, and the tables the settings declare (``Setting.table``) hold theirs under
+    their dest names; an unknown key, an undeclared table or a value of the wrong type is a
     :class:`SettingError` naming the file and the key."""
     try:
         with open(path, "rb") as f:
@@ -272,16 +286,37 @@ def read_config_file(path: str | os.PathLike, settings: Sequence[Setting]) -> di
         raise SettingError(f"config file {str(path)!r}: {err.strerror or err}") from None
     except tomllib.TOMLDecodeError as err:
         raise SettingError(f"config file {str(path)!r} is not valid TOML: {err}") from None
-    by_name = {s.name: s for s in settings}
+    where = f"config file {str(path)!r}"
+    tables = {s.table for s in settings if s.table}
     values = {}
     for key, value in doc.items():
-        setting = by_name.get(key)
+        if key in tables and isinstance(value, dict):
+            values.update(_read_table(value, [s for s in settings if s.table == key],
+                                      f"{where}: table [{key}]"))
+        else:
+            values.update(_read_table({key: value}, [s for s in settings if not s.table],
+                                      where, tables))
+    return values
+
+
+def _read_table(doc: dict[str, Any], settings: Sequence[Setting], where: str,
+                tables: Collection[str] = ()) -> dict[str, Any]:
+    """The values of one table's entries (the top level: ``tables`` names the tables the
+    file may hold besides)."""
+    by_key = {s.file_key: s for s in settings}
+    in_table = bool(settings) and bool(settings[0].table)
+    values = {}
+    for key, value in doc.items():
+        setting = by_key.get(key)
         if setting is None:
-            close = difflib.get_close_matches(key.replace("_", "-"), by_name, n=1, cutoff=0.75)
+            spelled = key.replace("-", "_") if in_table else key.replace("_", "-")
+            close = difflib.get_close_matches(spelled, by_key, n=1, cutoff=0.75)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise SettingError(f"config file {str(path)!r}: unknown key {key!r}{hint}; the keys "
-                               f"are the flag names without --: {', '.join(sorted(by_name))}")
-        values[key] = setting.from_toml(value, source=f"config file {str(path)!r}: key {key!r}")
+            keys = "the field names" if in_table else "the flag names without --"
+            more = "".join(f", table [{t}]" for t in sorted(tables))
+            raise SettingError(f"{where}: unknown key {key!r}{hint}; the keys are {keys}: "
+                               f"{', '.join(sorted(by_key))}{more}")
+        values[setting.name] = setting.from_toml(value, source=f"{where}: key {key!r}")
     return values
 
 
@@ -423,7 +458,8 @@ class Program:
             flag = f"`{s.flag}`, `--no-{s.name}`" if s.type is bool else f"`{s.flag}`"
             kind = ("one of " + ", ".join(f"`{c}`" for c in s.choices) if s.choices
                     else _KINDS[s.type])
-            cells = [flag, f"`{s.env}`" if s.env else "—", f"`{s.name}`", kind,
+            key = f"`[{s.table}]` `{s.file_key}`" if s.table else f"`{s.name}`"
+            cells = [flag, f"`{s.env}`" if s.env else "—", key, kind,
                      f"`{format_value(s.default)}`", f"`{s.target}`" if s.target else "—",
                      ]
             rows.append("| " + " | ".join(_cell(c) for c in cells) + f" | {_prose(s.help)} |")

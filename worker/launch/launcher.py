@@ -17,6 +17,23 @@ step count each worker's ``start`` line names. ``--host`` and ``--lr`` are the l
 (a cluster on loopback; the demo model's learning rate, or DiLoCo's outer one) and always
 passed. ``--algorithm`` adds its preset flags (:data:`ALGORITHM_PRESETS`) before the ones
 given, which win.
+
+**Pipelines** (``--dp D --pp P``, or ``--config FILE`` with a ``[parallel_config]`` table):
+the shards, then D x P stage processes (``python -m bitps.worker.pipeline``; everything after
+``--`` goes to each, e.g. ``--model deep --steps 50``), each with torchrun's environment
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``)::
+
+    bitps-launch --dp 2 --pp 4 --micro-batch-size 8 --gradient-accumulation-steps 4 \
+        --schedule 1f1b -- --model deep --steps 50
+
+The whole plan is read and checked first, through the stage processes' own settings reader
+and ``ParallelConfig.check`` against the model's layer count (so the one model registry is
+imported, with torch): a refused configuration exits 2 naming the value before any directory
+is made or any process starts. torchrun can start the stage processes instead, against shards
+started by hand (docs/pipeline.md)::
+
+    torchrun --nproc-per-node 8 -m bitps.worker.pipeline --servers HOST:PORT,... \
+        --config pp.toml --json
 """
 
 from __future__ import annotations
@@ -27,10 +44,12 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,9 +86,9 @@ class Cluster:
         self.children: list[_Child] = []
         self.events: queue.Queue = queue.Queue()
 
-    def spawn(self, name: str, argv: list[str]) -> _Child:
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> _Child:
         log = self.run_dir / f"{name}.log"
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, **(env or {}), PYTHONUNBUFFERED="1")
         with log.open("wb") as stderr:  # the child keeps its own descriptor
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr,
                                     stdin=subprocess.DEVNULL, start_new_session=True, env=env,
@@ -162,8 +181,31 @@ def build_parser() -> argparse.ArgumentParser:
     add("--run-dir", default=None, help="logs + summary.json (default runs/<timestamp>)")
     add("--ready-timeout", type=float, default=60.0, help="seconds for shards to become ready")
     add("--expect-loss-drop", type=float, default=0.0,
-        help="fail unless every rank's final loss is this fraction below its first (0 = off)")
+        help="fail unless every rank's final loss is this fraction below its first (0 = off; "
+             "pipelines: every last stage's)")
+    pp = p.add_argument_group("pipelines", "given any of these, start D x P pipeline stage "
+                              "processes (python -m bitps.worker.pipeline) instead of "
+                              "--workers bitps-worker ranks; not given: the stages' own "
+                              "settings (flag after --, environment, --config file, default)")
+    for flag, dest, kind, what in _PIPELINE_FLAGS:
+        pp.add_argument(flag, dest=dest, type=kind, default=None, help=what)
+    pp.add_argument("--config", default=None, metavar="FILE",
+                    help="TOML settings file of the stage processes, e.g. with a "
+                         "[parallel_config] table; flags win over it")
     return p
+
+
+_PIPELINE_FLAGS = (
+    ("--dp", "data_parallel_size", int, "data-parallel replicas D"),
+    ("--pp", "pipeline_parallel_size", int, "pipeline stages P per replica"),
+    ("--micro-batch-size", "micro_batch_size", int, "samples per micro-batch"),
+    ("--gradient-accumulation-steps", "gradient_accumulation_steps", int,
+     "micro-batches per step (m)"),
+    ("--schedule", "schedule", str, "pipeline schedule (gpipe, 1f1b, zb-h1, 2bw)"),
+)
+"""The launcher's pipeline flags: (flag, dest, type, help). Each is passed to every stage as
+its ``--<dest with dashes>`` (``--dp 2`` as ``--data-parallel-size 2``), so the stages'
+settings reader checks it."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,6 +213,17 @@ def main(argv: list[str] | None = None) -> int:
     split = argv.index("--") if "--" in argv else len(argv)
     args = build_parser().parse_args(argv[:split])
     worker_args = argv[split + 1:]
+    pipeline = None
+    if args.config is not None or any(getattr(args, d) is not None
+                                      for _, d, _, _ in _PIPELINE_FLAGS):
+        try:  # before anything exists: a refused plan starts nothing
+            pipeline = _pipeline_plan(args, worker_args)
+        except ValueError as err:
+            console.print(f"bitps-launch: {type(err).__name__}: {err}", markup=False,
+                          highlight=False, soft_wrap=True)
+            return 2
+        except SystemExit as exit:  # a stage flag argparse refused; it said why
+            return 2 if exit.code is None else int(exit.code)
     if args.shards < 1 or args.workers < 1:
         console.print(f"[red]--shards and --workers must be >= 1, got {args.shards}, "
                       f"{args.workers}")
@@ -180,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     cluster = Cluster(run_dir)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        code = _run(cluster, args, worker_args)
+        code = (_run(cluster, args, worker_args) if pipeline is None
+                else _run_pipeline(cluster, args, pipeline))
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: tearing the cluster down")
         code = 130
@@ -190,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _run(cluster: Cluster, args, worker_args: list[str]) -> int:
+def _start_shards(cluster: Cluster, args) -> list[dict] | None:
+    """Start ``--shards`` shards; their ready lines, or None (explained) if one failed."""
     py = sys.executable
     shards = []
     preset = ALGORITHM_PRESETS[args.algorithm]
@@ -204,11 +259,20 @@ def _run(cluster: Cluster, args, worker_args: list[str]) -> int:
             "--host", args.host, *preset.shard, *given, "--lr", str(lr), *args.server_arg]))
     ready = _wait_ready(cluster, shards, args.ready_timeout)
     if ready is None:
-        return 1
-    servers = ",".join(f"{args.host}:{r['grpc_port']}" for r in ready)
+        return None
     for r in ready:
         console.print(f"shard {r['shard_id']}: grpc {r['grpc_port']} data {r['data_port']} "
                       f"metrics http://{args.host}:{r['metrics_port']}/metrics")
+    return ready
+
+
+def _run(cluster: Cluster, args, worker_args: list[str]) -> int:
+    py = sys.executable
+    preset = ALGORITHM_PRESETS[args.algorithm]
+    ready = _start_shards(cluster, args)
+    if ready is None:
+        return 1
+    servers = ",".join(f"{args.host}:{r['grpc_port']}" for r in ready)
     workers = [cluster.spawn(f"worker-{r}", [
         py, "-m", "bitps.worker", "--servers", servers, "--rank", str(r), "--world-size",
         str(args.workers), "--json", *preset.worker, *worker_args]) for r in range(args.workers)]
@@ -259,7 +323,20 @@ def _wait_ready(cluster: Cluster, shards: list[_Child], timeout: float) -> list[
     return [ready[i] for i in range(len(shards))]
 
 
-def _follow(cluster: Cluster, workers: list[_Child]) -> int:
+def _worker_start(event: dict) -> str:
+    return (f"metrics http://127.0.0.1:{event['metrics_port']}/metrics, {event['params']} "
+            f"params in {event['keys']} keys, corpus sha256 {event['corpus_sha256'][:16]}…")
+
+
+def _stage_start(event: dict) -> str:
+    return (f"replica {event['replica']} stage {event['stage']}: layers {event['layers']}, "
+            f"{event['params']} params in {event['keys']} keys, metrics "
+            f"http://127.0.0.1:{event['metrics_port']}/metrics")
+
+
+def _follow(cluster: Cluster, workers: list[_Child],
+            describe: Callable[[dict], str] = _worker_start) -> int:
+    """Progress bars of ``workers`` until they exit; ``describe`` words a ``start`` line."""
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
                TimeElapsedColumn())
@@ -277,18 +354,127 @@ def _follow(cluster: Cluster, workers: list[_Child]) -> int:
             except queue.Empty:
                 continue
             if child.name in tasks and event.get("event") == "step":
+                loss = event.get("loss")  # a pipeline's last stage only has one
                 bar.update(tasks[child.name], completed=event["step"] + 1,
-                           loss=f"{event['loss']:.3f}", rate=f"{event['samples_per_s']:.1f}")
+                           loss="-" if loss is None else f"{loss:.3f}",
+                           rate=f"{event['samples_per_s']:.1f}")
             elif child.name in tasks and event.get("event") == "start":
                 bar.update(tasks[child.name], total=event.get("steps"))
-                console.print(f"{child.name}: metrics "
-                              f"http://127.0.0.1:{event['metrics_port']}/metrics, "
-                              f"{event['params']} params in {event['keys']} keys, corpus "
-                              f"sha256 {event['corpus_sha256'][:16]}…")
+                console.print(f"{child.name}: {describe(event)}", markup=False)
+            elif event.get("event") == "error":
+                console.print(f"{child.name}: {event.get('error')}", style="red", markup=False,
+                              highlight=False)
     if (bad := cluster.failed()) is not None:
         _explain(bad, None)
         return 1
     return 0
+
+
+# -- pipelines ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Pipeline:
+    """A checked pipeline plan: what every stage process is given, and its layout."""
+
+    argv: list[str]
+    """Every stage's arguments (pipeline flags, --config, then those after --)."""
+    dp: int
+    pp: int
+    model: str
+    schedule: str
+
+
+def _pipeline_plan(args, stage_args: list[str]) -> _Pipeline:
+    """Read the stage processes' settings exactly as each will (their own reader, this
+    environment, the --config file) and check the plan: a ``ValueError`` naming the refused
+    value if the model, the schedule or the batch sizes cannot run it."""
+    from bitps.worker.pipeline.__main__ import check_plan, parse_config
+
+    argv = [*(["--config", args.config] if args.config is not None else [])]
+    for _, dest, _, _ in _PIPELINE_FLAGS:
+        value = getattr(args, dest)
+        if value is not None:
+            argv += ["--" + dest.replace("_", "-"), str(value)]
+    argv += stage_args
+    # The launcher sets the ranks, the world size (D x P, from what was read) and the servers
+    # (their ports are known once the shards are up: a stand-in for now).
+    given = [*argv, "--rank", "0", "--servers", f"{args.host}:1"]
+    p = parse_config([*given, "--world-size", "1"]).parallel
+    world = p.data_parallel_size * p.pipeline_parallel_size
+    cfg = parse_config([*given, "--world-size", str(world)])
+    check_plan(cfg)
+    return _Pipeline(argv=argv, dp=p.data_parallel_size, pp=p.pipeline_parallel_size,
+                     model=cfg.stage.model, schedule=p.schedule)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _run_pipeline(cluster: Cluster, args, plan: _Pipeline) -> int:
+    ready = _start_shards(cluster, args)
+    if ready is None:
+        return 1
+    servers = ",".join(f"{args.host}:{r['grpc_port']}" for r in ready)
+    world = plan.dp * plan.pp
+    console.print(f"pipeline: {plan.dp} replicas x {plan.pp} stages of {plan.model!r}, "
+                  f"schedule {plan.schedule!r}")
+    torchrun = {"WORLD_SIZE": str(world), "MASTER_ADDR": args.host,
+                "MASTER_PORT": str(_free_port(args.host))}
+    stages = [cluster.spawn(f"stage-r{r // plan.pp}-s{r % plan.pp}", [
+        sys.executable, "-m", "bitps.worker.pipeline", "--servers", servers, "--json",
+        *plan.argv], env=dict(torchrun, RANK=str(r), LOCAL_RANK=str(r)))
+        for r in range(world)]
+    threading.Thread(target=_write_endpoints, args=(cluster, ready, stages), daemon=True).start()
+    code = _follow(cluster, stages, _stage_start)
+    with (cluster.run_dir / "steps.jsonl").open("w") as f:
+        for st in stages:
+            for e in st.events:
+                if e.get("event") == "step":
+                    f.write(json.dumps(e) + "\n")
+    summary = {"mode": ready[0].get("mode", args.mode), "shards": ready,
+               "parallel": {"dp": plan.dp, "pp": plan.pp, "schedule": plan.schedule,
+                            "model": plan.model},
+               "stages": [next((e for e in st.events if e["event"] == "done"), None)
+                          for st in stages],
+               "starts": [next((e for e in st.events if e["event"] == "start"), None)
+                          for st in stages]}
+    (cluster.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if code == 0:
+        code = _report_pipeline(summary, args.expect_loss_drop)
+    return code
+
+
+def _report_pipeline(summary: dict, expect_drop: float) -> int:
+    par = summary["parallel"]
+    table = Table(title=f"bitps pipeline {par['dp']} x {par['pp']}, {par['schedule']} "
+                        f"({summary['mode']})")
+    for col in ("rank", "replica", "stage", "layers", "steps", "first loss", "final loss",
+                "drop", "bubble", "micro-batch", "samples/s", "seconds"):
+        table.add_column(col, justify="right")
+    code = 0
+    for rank, done in enumerate(summary["stages"]):
+        if done is None:
+            table.add_row(str(rank), *["-"] * 11)
+            code = 1
+            continue
+        first, final = done.get("first_loss"), done.get("final_loss")
+        drop = None if first is None else 1 - final / first
+        if drop is not None and drop < expect_drop:
+            code = 1
+        table.add_row(str(rank), str(done["replica"]), str(done["stage"]), done["layers"],
+                      str(done["steps"]), "-" if first is None else f"{first:.3f}",
+                      "-" if final is None else f"{final:.3f}",
+                      "-" if drop is None else f"{drop:.1%}", f"{done['bubble']:.3f}",
+                      str(done["micro_batch_size"]), f"{done['samples_per_s']:.1f}",
+                      f"{done['seconds']:.1f}")
+    console.print(table)
+    if code:
+        console.print(f"[red]expected every last stage's loss to fall by >= {expect_drop:.0%}")
+    return code
 
 
 def _explain(child: _Child, why: str | None) -> None:

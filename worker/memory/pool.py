@@ -34,7 +34,11 @@ bit-identical with the pool on or off.
 
 Schedule-aware eviction needs to know the micro-batch a tensor belongs to: wrap each micro-batch's
 forward in ``pool.microbatch(i)``; micro-batches' backwards are assumed to run oldest first
-(1F1B and GPipe), or as :meth:`ActivationPool.set_backward_order` says.
+(1F1B and GPipe), or as :meth:`ActivationPool.set_backward_order` says. A pipeline stage does
+both itself: ``StageRuntime(..., pool=pool)`` enters :meth:`ActivationPool.hooks` and
+``microbatch(mb)`` around each forward and gives the pool each step's backward order from its
+action list, so the schedule policy works with no user code (:meth:`ActivationPool.residency`
+shows what it kept).
 """
 
 from __future__ import annotations
@@ -218,6 +222,17 @@ class ActivationPool:
             self._backward_rank = {mb: i for i, mb in enumerate(order)}
             if self.cfg.policy == "schedule":
                 self._rebuild_furthest()
+
+    def residency(self) -> dict[int, tuple[int, int]]:
+        """Bytes held per micro-batch tag now: ``{mb: (in the arena, offloaded to host)}``
+        (what schedule-aware eviction chose to keep; a stage runtime tags its forwards)."""
+        out: dict[int, list[int]] = {}
+        with self._lock:
+            for entries in self._by_storage.values():
+                for e in entries:
+                    row = out.setdefault(e.microbatch, [0, 0])
+                    row[0 if e.offset is not None else 1] += e.nbytes
+        return {mb: (r[0], r[1]) for mb, r in sorted(out.items())}
 
     def stats(self) -> PoolStats:
         with self._lock:
