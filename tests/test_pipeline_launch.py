@@ -249,3 +249,33 @@ def test_torchrun_style_stages_and_a_dying_stage_fails_its_peer_naming_it(tmp_pa
     assert error["event"] == "error" and (error["replica"], error["stage"]) == (0, 0)
     assert "StageFailedError" in error["error"] and "stage 1" in error["error"], error
     assert waited < 10 + 5, waited  # within the deadline (a closed peer is seen at once)
+
+
+def test_stage_metrics_record_a_step_report():
+    from prometheus_client import generate_latest
+
+    from bitps.worker.pipeline.metrics import StageMetrics
+    from bitps.worker.pipeline.runtime import StepReport
+    from bitps.worker.pipeline.simulate import StageTimes
+
+    m = StageMetrics(stage=2, replica=1)
+    for wall, busy in ((1.0, 0.75), (2.0, 1.0)):
+        m.observe(StepReport(step=0, wall_s=wall, busy_s=busy, bubble=1 - busy / wall,
+                             losses=[2.0, 4.0], times=StageTimes(f=0.1, b=0.2, w=0.0),
+                             p2p_bytes_sent=100, p2p_bytes_received=40, micro_batch_size=8))
+    samples = {(s.name, s.labels.get("direction")): (s.value, s.labels)
+               for f in text_string_to_metric_families(generate_latest(m.registry).decode())
+               for s in f.samples}
+    assert all(labels["stage"] == "2" and labels["replica"] == "1"
+               for _, labels in samples.values())
+    value = {k: v for k, (v, _) in samples.items()}
+    assert value[("bitps_stage_busy_seconds_total", None)] == 1.75
+    assert value[("bitps_stage_wall_seconds_total", None)] == 3.0
+    assert value[("bitps_stage_bubble_ratio", None)] == 0.5  # the last step's
+    assert value[("bitps_stage_micro_batch_size", None)] == 8
+    assert value[("bitps_stage_p2p_bytes_total", "sent")] == 200
+    assert value[("bitps_stage_p2p_bytes_total", "received")] == 80
+    assert value[("bitps_stage_steps_total", None)] == 2
+    assert value[("bitps_stage_step_seconds_count", None)] == 2
+    assert value[("bitps_stage_loss", None)] == 3.0
+    assert not [name for name, _ in samples if name.endswith("_created")]
