@@ -114,6 +114,21 @@ def build_parser() -> argparse.ArgumentParser:
     e2.add_argument("--quick", action="store_true",
                     help="the demo model, 30 steps, one learning rate (smoke test); results "
                          "under <out>/quick")
+    pl = sub.add_parser("pipeline", help="measured pipeline bubbles on sleep-based stages: our "
+                                         "schedules vs the simulator and torch's pipelining")
+    pl.add_argument("--p", type=int, default=4, help="pipeline stages (one rank each)")
+    pl.add_argument("--ms", type=int, nargs="+", default=[4, 8, 16],
+                    help="micro-batches per step, each measured")
+    pl.add_argument("--t-ms", type=float, nargs=3, default=[20.0, 20.0, 20.0],
+                    metavar=("F", "B", "W"), help="sleep of each stage's F, B and W (ms)")
+    pl.add_argument("--rounds", type=int, default=3, help="timed steps per case, alternated")
+    pl.add_argument("--flush-free-steps", type=int, default=6,
+                    help="steps of the flush-free plan per timed run (steady state: 1..N-2)")
+    pl.add_argument("--cases", nargs="+", default=[],
+                    help="only these cases (ours: gpipe 1f1b zb-h1 2bw; torch: torch-gpipe "
+                         "torch-1f1b torch-zb1p torch-zbv)")
+    pl.add_argument("--quick", action="store_true", help="the smallest m only, one timed step "
+                    "(smoke test)")
     al = sub.add_parser("all", help="every scenario (e2e: the LM, the MoE and the straggler), "
                                      "then the report")
     al.add_argument("--quick", action="store_true",
@@ -124,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # what ``all`` runs: (scenario argv, also with --quick?)
 _ALL = ((["volume"], False), (["pushpull"], True), (["codec"], True), (["overlap"], True),
-        (["memory"], True), (["convergence"], True), (["e2e", "--model", "lm"], True),
+        (["memory"], True), (["convergence"], True), (["pipeline"], True),
+        (["e2e", "--model", "lm"], True),
         (["e2e", "--model", "moe"], False), (["e2e", "--model", "lm", "--straggler"], False))
 
 
@@ -200,6 +216,14 @@ def run_scenario(args) -> dict:
                      bucket_bytes=args.bucket_bytes, partition_bytes=args.partition_bytes,
                      inflight_bytes=args.inflight_bytes, device=args.device, out=args.out,
                      quick=args.quick)
+    elif args.scenario == "pipeline":
+        from bitps.bench.pipeline import run
+
+        ms, rounds = ((min(args.ms),), 1) if args.quick else (tuple(args.ms), args.rounds)
+        t_f, t_b, t_w = (t / 1e3 for t in args.t_ms)
+        result = run(p=args.p, ms=ms, t_f=t_f, t_b=t_b, t_w=t_w, rounds=rounds,
+                     cases=tuple(args.cases), flush_free_steps=args.flush_free_steps,
+                     out=args.out, quick=args.quick)
     else:
         from bitps.bench.codec import run
 

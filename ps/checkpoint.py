@@ -471,6 +471,7 @@ def restore(core: ShardCore, ckpt: Checkpoint) -> None:
         core.updates_applied = m["core"]["updates_applied"]
         # a Leave the old process had not yet applied: the next tick applies it here
         core._membership_changed = m["core"]["membership_changed"]
+        core._changed_ranks = None if core._membership_changed else set()  # whose: unknown
         t = core.now()
         core.clocks.workers = {w["rank"]: WorkerClock(
             rank=w["rank"], clock=w["clock"], last_seen=t, registered=w["registered"],

@@ -46,18 +46,18 @@ __all__ = ["CONSISTENCY", "SSP", "Async", "Consistency", "Sync", "key_pushers",
            "make_consistency", "register"]
 
 
-def key_pushers(clocks: ClockTable, slots: Sequence[Slot]) -> list[int]:
+def key_pushers(clocks: ClockTable, slots: Sequence[Slot],
+                live: Sequence[int] | None = None) -> list[int]:
     """The live ranks that a step of ``slots`` counts, ascending: those whose registered plan
     has one of the keys, and ranks of the world not registered yet (their plan is unknown
-    until they come). With whole plans, or no slots: every live rank."""
-    ranks: set[int] = set()
-    for s in slots:
-        ranks |= s.pushers
-    if not ranks:
-        return clocks.live() if not slots else [
-            r for r in clocks.live() if not clocks.workers[r].registered]
+    until they come). With whole plans, or no slots: every live rank. ``live``: the live
+    ranks, when the caller has them (``ClockTable.live``)."""
+    live = clocks.live() if live is None else live
+    if not slots:
+        return list(live)
+    ranks = slots[0].pushers if len(slots) == 1 else set().union(*(s.pushers for s in slots))
     workers = clocks.workers
-    return [r for r in clocks.live() if r in ranks or not workers[r].registered]
+    return [r for r in live if r in ranks or not workers[r].registered]
 
 
 def depends_on(clocks: ClockTable, slot: Slot, ranks: Collection[int] | None) -> bool:
@@ -168,7 +168,7 @@ class Sync(Consistency):
 
     def push(self, core, header, slots, grads, live, min_clock):
         for slot, grad in zip(slots, grads):
-            pushers = key_pushers(core.clocks, (slot,))
+            pushers = key_pushers(core.clocks, (slot,), live)
             slot.accumulate(header.worker, grad, pushers)
             core.try_aggregate(slot, pushers)
 
@@ -176,7 +176,7 @@ class Sync(Consistency):
         clocks = core.clocks
         for slot in core.slots.values():
             if slot.pushed and depends_on(clocks, slot, ranks):
-                core.try_aggregate(slot, key_pushers(clocks, (slot,)))
+                core.try_aggregate(slot, key_pushers(clocks, (slot,), live))
 
 
 @register
@@ -200,8 +200,8 @@ class Async(Consistency):
         for i, (slot, grad) in enumerate(zip(slots, grads)):
             # a clock's pushes of a key share one step's learning rate (ServerConfig.split_lr):
             # split over the key's live pushers
-            split = 1.0 / max(len(key_pushers(core.clocks, (slot,))), 1) if cfg.split_lr \
-                else 1.0
+            split = 1.0 / max(len(key_pushers(core.clocks, (slot,), live)), 1) \
+                if cfg.split_lr else 1.0
             vgap = slot.version - header.versions[i] if header.versions else 0
             lr_scale = cfg.optimizer.schedule.factor(header.clock) * split
             if cfg.staleness_damping:

@@ -199,7 +199,9 @@ class ShardCore:
                 slot.pushers.add(rank)
             elif rank in slot.pushers or unknown:
                 slot.pushers.discard(rank)
-                self._mark_changed(rank)
+                # once registered, the rank no longer looks like one a key waits for: look
+                # at every key again
+                self._mark_changed(None)
 
     def _check_partial(self) -> None:
         """Whether some registered worker does not push some key (:attr:`partial`)."""
@@ -507,6 +509,8 @@ class ShardCore:
 
     def _answer(self, ident, header, clock, slots, since, min_clock) -> Reply:
         now, m = self.now(), self.metrics
+        if self.partial:  # the slowest of those the keys wait for (SSP's bound), not of all
+            min_clock = self.clocks.min_clock_of(key_pushers(self.clocks, slots))
         frame_codecs = []
         publishes = self.pull_codec is not None and not self.pull_codec.is_raw
         # async/ssp: by the time this worker's next push lands, the key's other live pushers'

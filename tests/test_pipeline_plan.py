@@ -174,6 +174,13 @@ def test_problem_statement_dict_is_accepted():
     assert dyn.micro_batch_choices() == (4, 8)  # 16 would leave m = 2 < p = 4 for 1F1B
 
 
+def test_tuner_from_config():
+    cfg = ParallelConfig.from_mapping({**PROBLEM, "dynamic_micro_batch": True})
+    tuner = MicroBatchTuner.from_config(cfg, threshold=0.05)
+    assert (tuner.samples_per_step, tuner.p, tuner.current, tuner.threshold) == (32, 4, 8, 0.05)
+    assert tuner.candidates == cfg.micro_batch_choices() == (4, 8)
+
+
 def test_fields_make_settings():
     for f in dataclasses.fields(ParallelConfig):
         s = from_field(ParallelConfig, f.name, help=f.name)

@@ -92,7 +92,7 @@ def start_stages(cfg: dict, world: int, *, script: Path | None = None,
         [sys.executable, str(script or Path(__file__)),
          json.dumps({**cfg, "rank": r, "world": world, "port": port})],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, **(env or {})}) for r in range(world)]
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}) for r in range(world)]
 
 
 def collect(procs: list[subprocess.Popen], timeout: float) -> list[dict]:

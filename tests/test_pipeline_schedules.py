@@ -48,9 +48,8 @@ def test_every_accepted_config_completes_and_every_refused_one_names_p_m_schedul
                     assert f"m={m}" in str(e.value)
                 continue
             accepted += 1
-            schedule.check(p, m)
+            schedule.check(p, m)  # the contract checker and the simulator's deadlock guard
             plan = schedule.generate(p, m, _steps(schedule))
-            check(plan, schedule=name, m=m)
             r = simulate(plan, UNIFORM, schedule=name)
             computes = sum(a.op in COMPUTE for acts in plan for a in acts)
             assert sum(len(t) for t in r.timeline) == sum(len(acts) for acts in plan)
@@ -58,8 +57,11 @@ def test_every_accepted_config_completes_and_every_refused_one_names_p_m_schedul
             assert computes == p * m * _steps(schedule) * per_mb
             assert max(r.max_live_versions) <= 2
     assert accepted > 0
-    # 1F1B, ZB-H1 and 2BW refuse exactly m < p (the warm-up hang); GPipe refuses nothing.
-    assert refused == (0 if name == "gpipe" else sum(1 for p in range(1, 9) for m in range(1, p)))
+    # 1F1B and ZB-H1 refuse exactly m < p (torch's rule: the warm-up hang of other systems);
+    # 2BW m < p - 1 (three live versions); GPipe nothing.
+    slack = {"gpipe": None, "1f1b": 0, "zb-h1": 0, "2bw": 1}[name]
+    assert refused == (0 if slack is None else
+                       sum(1 for p in range(1, 9) for m in range(1, p - slack)))
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
@@ -117,13 +119,13 @@ def test_peak_inflight_bounds():
             assert two.peak_inflight == one.peak_inflight
 
 
-@pytest.mark.parametrize("p,m", [(4, 4), (4, 8), (4, 16), (8, 8), (8, 32), (2, 3)])
+@pytest.mark.parametrize("p,m", [(4, 3), (4, 4), (4, 8), (4, 16), (8, 8), (8, 32), (2, 3)])
 def test_2bw_has_no_steady_bubble_and_two_versions(p, m):
     steps = 8
     r = simulate(get_schedule("2bw").generate(p, m, steps), UNIFORM)
     assert r.steady_bubble(2, steps - 3) == pytest.approx(0.0, abs=1e-9)
     assert r.max_live_versions == (2,) * p
-    one = simulate(get_schedule("1f1b").generate(p, m, steps), UNIFORM)
+    one = simulate(get_schedule("gpipe" if m < p else "1f1b").generate(p, m, steps), UNIFORM)
     assert r.makespan < one.makespan  # no flush between steps
     assert one.steady_bubble(2, steps - 3) == pytest.approx((p - 1) / (m + p - 1))
 

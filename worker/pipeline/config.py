@@ -48,8 +48,8 @@ class ParallelConfig:
     schedule: str = field(default="1f1b", metadata={"choices": SCHEDULES.keys()})
     """Pipeline schedule (``worker.pipeline.schedules``): ``gpipe``, ``1f1b``, ``zb-h1`` (split
     input/weight backward, 1F1B's memory, a third of its bubble when F, B and W take equally
-    long) or ``2bw`` (no flush, two weight versions, one-step-stale updates). ``1f1b``,
-    ``zb-h1`` and ``2bw`` need m >= P."""
+    long) or ``2bw`` (no flush, two weight versions, one-step-stale updates). ``1f1b`` and
+    ``zb-h1`` need m >= P, ``2bw`` m >= P - 1."""
     dynamic_micro_batch: bool = False
     """Choose the micro-batch size between steps from the measured stage times, keeping the
     per-replica batch (``worker.pipeline.microbatch``)."""

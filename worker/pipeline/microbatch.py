@@ -39,10 +39,14 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from bitps.worker.pipeline.errors import PlanError
 from bitps.worker.pipeline.schedules import Schedule, get_schedule
 from bitps.worker.pipeline.simulate import StageTimes, simulate
+
+if TYPE_CHECKING:
+    from bitps.worker.pipeline.config import ParallelConfig
 
 __all__ = ["MicroBatchTuner"]
 
@@ -80,6 +84,14 @@ class MicroBatchTuner:
         self._require_candidate(start)
         self.current = start
         self._measured: dict[int, list[StageTimes]] = {}
+        self._predicted: dict[int, float] = {}  # cleared by every observation
+
+    @classmethod
+    def from_config(cls, cfg: ParallelConfig, **kwargs: Any) -> MicroBatchTuner:
+        """The tuner for ``cfg``: its replica batch, schedule, P, first size and [min, max]."""
+        return cls(samples_per_step=cfg.replica_batch, schedule=cfg.schedule,
+                   p=cfg.pipeline_parallel_size, start=cfg.micro_batch_size,
+                   minimum=cfg.micro_batch_min, maximum=cfg.micro_batch_max, **kwargs)
 
     @property
     def measured(self) -> tuple[int, ...]:
@@ -91,6 +103,7 @@ class MicroBatchTuner:
         self._require_candidate(b)
         if len(times) != self.p:
             raise ValueError(f"observe: {len(times)} StageTimes for {self.p} stages")
+        self._predicted.clear()
         old = self._measured.get(b)
         if old is not None and len(self._measured) > 1 and self._drifted(old, times):
             self._measured = {b: list(times)}  # the others were measured before the change
@@ -111,14 +124,16 @@ class MicroBatchTuner:
     def predict(self, b: int) -> float:
         """The predicted time of one steady-state step at size ``b`` (seconds)."""
         self._require_candidate(b)
-        m = self.samples_per_step // b
-        times = self.model(b)
+        if b not in self._predicted:
+            m = self.samples_per_step // b
+            times = self.model(b)
 
-        def makespan(steps: int) -> float:
-            return simulate(self.schedule.generate(self.p, m, steps), times, self.comm_s,
-                            schedule=self.schedule.name).makespan
+            def makespan(steps: int) -> float:
+                return simulate(self.schedule.generate(self.p, m, steps), times, self.comm_s,
+                                schedule=self.schedule.name).makespan
 
-        return makespan(3) - makespan(2)
+            self._predicted[b] = makespan(3) - makespan(2)
+        return self._predicted[b]
 
     def choose(self) -> int:
         """The size to run next (see the module docstring: explore the ends, then the predicted

@@ -125,7 +125,6 @@ class _Inbox:
             shape = tuple(h[2:2 + h[1]])
             data = torch.empty(shape, dtype=_DTYPES[h[0]], device=self.link.device)
             self.posted[mb] = (data, self.link._irecv(data, self.peer, tag=2 * mb + 1))
-            self.link.bytes_received += buf.nbytes + data.nbytes
             self.header = None
 
 
@@ -171,6 +170,7 @@ class StageLink:
             inbox.advance(block_for=mb)
         data, work = inbox.posted.pop(mb)
         self._wait(work, inbox.peer, f"{direction.value} of micro-batch {mb}")
+        self.bytes_received += _HEADER_LEN * 8 + data.nbytes
         inbox.advance()
         return data
 

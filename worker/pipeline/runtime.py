@@ -28,7 +28,7 @@ steps share a version (2BW's steps 0 and 1 both read version 0). Each version th
 copy of the stage's parameters, made at its ``PULL`` (or at its first use), and each step its
 own leaves aliasing that copy (no memory of their own, a ``.grad`` each): every micro-batch's
 F, B and W compute on the version its step reads, and the W gradients accumulate per step. A
-version's copy is dropped after the last action that uses it, so at most 2 live in a 2BW plan.
+version's copy is dropped after the last compute that uses it, so at most 2 live in a 2BW plan.
 At ``PUSH`` of step ``s`` the gradients computed for ``s`` become the module's ``.grad`` and are
 pushed as one step's gradients (without a PS they stay there, replaced at the next ``PUSH``).
 
@@ -188,12 +188,8 @@ def _analyse(actions: Sequence[Action]) -> _Plan:
     shared = len(set(version_of_step.values())) < len(version_of_step)
     stash = shared or any(first_f[v] < last_compute[u] for u in first_f for v in first_f
                           if v > u)
-    last_use = dict(last_compute)
-    for i, a in enumerate(actions):
-        if a.op is Op.PUSH and a.step in version_of_step:
-            v = version_of_step[a.step]
-            last_use[v] = max(last_use.get(v, i), i)
-    return _Plan(m=m, version_of_step=version_of_step, last_use=last_use,
+    # a version's copy goes after its last compute: its steps' leaves alias it until PUSH
+    return _Plan(m=m, version_of_step=version_of_step, last_use=last_compute,
                  last_backward=last_backward, stash=stash, backward_order=order)
 
 
@@ -391,7 +387,7 @@ class _Step:
             return self.received.pop(mb)
         if self.inputs is not None:
             return self.inputs[mb].to(rt.device, non_blocking=True)
-        return rt.prefetcher.get()
+        return rt.prefetcher.get(timeout=rt.ctx.timeout_s)
 
     def _pool_scope(self, mb: int):
         pool = self.rt.pool

@@ -33,8 +33,9 @@ Steps and weight versions:
   step ``k >= 2`` reads version ``k - 1``, pulled right after the stage's ``PUSH`` of step
   ``k - 2`` (the first point where that version can exist, and before this stage's push of step
   ``k - 1``, so in sync mode the shard serves exactly version ``k - 1``). Each micro-batch's
-  ``F`` and ``BW`` use the version its step reads (weight stashing); with ``m >= p`` the
-  micro-batches in flight span at most two steps, so at most two versions are live per stage.
+  ``F`` and ``BW`` use the version its step reads (weight stashing); with ``m >= p - 1`` the
+  micro-batches in flight span at most two steps, so at most two versions are live per stage
+  (fewer is refused).
 
 Example::
 
@@ -46,13 +47,11 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from bitps.worker.pipeline.actions import Action, Op
 from bitps.worker.pipeline.errors import PlanError, UnknownScheduleError
-
-if TYPE_CHECKING:
-    from bitps.worker.pipeline.simulate import StageTimes
+from bitps.worker.pipeline.simulate import StageTimes, check, simulate
 
 __all__ = ["SCHEDULES", "GPipe", "OneFOneB", "PipeDream2BW", "Schedule", "ZeroBubbleH1",
            "get_schedule", "register_schedule"]
@@ -82,12 +81,12 @@ class Schedule:
 
     def check(self, p: int, m: int) -> None:
         """Raise :class:`PlanError` naming p, m and the schedule unless a plan for (p, m)
-        exists and completes in the simulator with at most 2 live weight versions per stage."""
+        exists, keeps the contracts of ``actions`` (``simulate.check``) and completes in the
+        simulator (the deadlock guard) with at most 2 live weight versions per stage."""
         self._refuse(p, m)
-        from bitps.worker.pipeline.simulate import StageTimes, simulate  # simulate imports us
-
-        # Two steps for a flush-free schedule, so its version hand-over is simulated too.
+        # Three steps for a flush-free schedule, so its version hand-over is checked too.
         plan = self._build(p, m, steps=1 if self.flushes else 3)
+        check(plan, schedule=self.name, m=m)
         result = simulate(plan, StageTimes(f=1.0, b=1.0, w=1.0), schedule=self.name, m=m)
         if max(result.max_live_versions) > 2:
             raise PlanError(f"{max(result.max_live_versions)} weight versions would be live on "
@@ -209,7 +208,9 @@ class OneFOneB(Schedule):
 
     def refusal(self, p: int, m: int) -> str | None:
         if m < p:
-            return f"1F1B needs at least as many micro-batches as stages (m >= p = {p})"
+            return (f"{self.name} needs at least as many micro-batches per step as stages "
+                    f"(m >= p = {p}), as torch's Schedule1F1B; with fewer its warm-up exceeds "
+                    "the step (the hang other systems hit)")
         return super().refusal(p, m)
 
     def closed_form_bubble(self, p: int, m: int, times: StageTimes) -> float:
@@ -255,16 +256,19 @@ class ZeroBubbleH1(OneFOneB):
 class PipeDream2BW(Schedule):
     """Flush-free 1F1B with two weight versions (PipeDream-2BW, Narayanan et al. ICML'21); see
     the module docstring for which version each step reads and where its ``PULL`` sits.
-    Refuses ``m < p``: the micro-batches in flight would span three steps (three versions)."""
+    Refuses ``m < p - 1``: the micro-batches in flight would span three steps (three
+    versions)."""
 
     name = "2bw"
     splits_backward = False
     flushes = False
 
     def refusal(self, p: int, m: int) -> str | None:
-        if m < p:
-            return (f"2BW needs m >= p = {p}: with fewer micro-batches per step than stages, "
-                    "a stage's in-flight micro-batches span three steps (three live versions)")
+        # Stage 0 holds up to p micro-batches in flight; they span at most two steps (two
+        # versions), and step k-2's push precedes step k's first forward, iff m >= p - 1.
+        if m < p - 1:
+            return (f"2BW needs m >= p - 1 = {p - 1}: with fewer micro-batches per step, stage "
+                    "0's in-flight micro-batches span three steps (three live weight versions)")
         return super().refusal(p, m)
 
     def _order(self, s: int, p: int, mbs: range) -> Iterator[Slot]:

@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -65,6 +66,8 @@ class StageTimes:
 class SimResult:
     """What :func:`simulate` found. Per-stage tuples are indexed by stage.
 
+    ``makespan`` is the end of the last action or the last push's arrival at the shards,
+    whichever is later; ``busy[s]`` the compute time (F, B, W, BW) of stage ``s``;
     ``timeline[s][i]`` is the (start, end) of action ``i`` of stage ``s``; ``peak_inflight[s]``
     the most micro-batches whose ``F`` has run and whose last backward (``W`` or ``BW``) has not;
     ``max_live_versions[s]`` the most weight versions the stage holds at once (the last pulled
@@ -119,36 +122,42 @@ def simulate(plan: Plan, times: StageTimes | Sequence[StageTimes], comm_s: float
     clock = [0.0] * p
     push_done = [0.0] * p
     ptr = [0] * p
-    arrival: dict[tuple[bool, int, int | None], float] = {}  # (forward?, receiver, mb)
+    arrival: dict[tuple[bool, int, int | None], float] = {}  # (forward?, receiver, mb) -> t
+    waiting: dict[tuple[bool, int, int | None], int] = {}  # the stage blocked on that message
     timeline: list[list[tuple[float, float]]] = [[] for _ in range(p)]
-    while any(ptr[s] < len(plan[s]) for s in range(p)):
-        progressed = False
-        for s in range(p):
-            while ptr[s] < len(plan[s]):
-                a = plan[s][ptr[s]]
-                op = a.op
-                start = clock[s]
-                if op is Op.RECV_F or op is Op.RECV_B:
-                    key = (op is Op.RECV_F, s, a.mb)
-                    if key not in arrival:
-                        break
-                    start = max(start, arrival[key])
-                end = start + per_stage[s].compute(op)
-                if op is Op.SEND_F:
-                    arrival[(True, s + 1, a.mb)] = start + comm_s
-                elif op is Op.SEND_B:
-                    arrival[(False, s - 1, a.mb)] = start + comm_s
-                elif op is Op.PULL:
-                    start = max(start, push_done[s])
-                    end = start + per_stage[s].pull
-                elif op is Op.PUSH:
-                    push_done[s] = start + per_stage[s].push
-                timeline[s].append((start, end))
-                clock[s] = end
-                ptr[s] += 1
-                progressed = True
-        if not progressed:
-            _raise_deadlock(plan, ptr, schedule, _m_of(plan, m))
+    # A worklist: a stage runs until a receive finds no message, then waits for that send.
+    # Each action's times depend only on its stage's clock and on arrival times fixed when the
+    # send ran, so the order stages are visited in does not change the result.
+    ready = collections.deque(range(p))
+    while ready:
+        s = ready.popleft()
+        acts, t, spans = plan[s], per_stage[s], timeline[s]
+        while ptr[s] < len(acts):
+            a = acts[ptr[s]]
+            op = a.op
+            start = clock[s]
+            if op is Op.RECV_F or op is Op.RECV_B:
+                key = (op is Op.RECV_F, s, a.mb)
+                if key not in arrival:
+                    waiting[key] = s
+                    break
+                start = max(start, arrival[key])
+            end = start + t.compute(op)
+            if op is Op.SEND_F or op is Op.SEND_B:
+                key = (True, s + 1, a.mb) if op is Op.SEND_F else (False, s - 1, a.mb)
+                arrival[key] = start + comm_s
+                if key in waiting:
+                    ready.append(waiting.pop(key))
+            elif op is Op.PULL:
+                start = max(start, push_done[s])
+                end = start + t.pull
+            elif op is Op.PUSH:
+                push_done[s] = start + t.push
+            spans.append((start, end))
+            clock[s] = end
+            ptr[s] += 1
+    if any(ptr[s] < len(plan[s]) for s in range(p)):
+        _raise_deadlock(plan, ptr, schedule, _m_of(plan, m))
     inflight, versions = zip(*(_occupancy(acts) for acts in plan)) if p else ((), ())
     return SimResult(
         plan=tuple(tuple(acts) for acts in plan),
@@ -181,7 +190,7 @@ def closed_form_bubble(schedule: Schedule | str, p: int, m: int, times: StageTim
     communication and no pull/push time, or None where it has none (``2bw``: steady state 0,
     measure it with :meth:`SimResult.steady_bubble`)."""
     if isinstance(schedule, str):
-        from bitps.worker.pipeline.schedules import get_schedule  # schedules imports us lazily
+        from bitps.worker.pipeline.schedules import get_schedule  # schedules imports this module
 
         schedule = get_schedule(schedule)
     return schedule.closed_form_bubble(p, m, times)

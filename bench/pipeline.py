@@ -1,0 +1,346 @@
+"""``bitps-bench pipeline``: measured pipeline bubbles on sleep-based stages of fixed duration.
+
+(a) **Synthetic stages.** ``p`` (4) rank processes (``bench.pipeline_rank``, torchrun's
+environment, gloo over 127.0.0.1), each stage a
+:class:`~bitps.worker.pipeline.synthetic.SleepStage` whose F, B and W sleep ``t_f``, ``t_b``,
+``t_w`` (20 ms each). For every case and every m (4, 8, 16), one warm-up step then ``rounds``
+(3) timed steps, the cases alternated round by round in one run. A step starts at a barrier;
+its wall time runs from the earliest rank's release to the last rank's end, and each rank's
+bubble is ``1 - busy / wall`` with busy the sum of its recorded F/B/W intervals. Reported: the
+median over the timed steps of the largest and the mean bubble over ranks, the step time, the
+measured mean F/B/W durations, and peak in-flight micro-batches per rank (forward ended,
+input-backward not; a half-size chunk counts 0.5).
+
+The cases: our schedules (``gpipe``, ``1f1b``, ``zb-h1``, ``2bw``) run by our
+``StageRuntime``, each beside our simulator's figures for the same plan with each stage's
+measured mean F/B/W and the measured one-way transfer time (and the closed form where one
+exists); the flush-free ``2bw`` runs ``flush_free_steps`` steps as one plan, with the
+steady-state bubble of steps ``1 .. N-2`` measured and simulated. Then torch.distributed.
+pipelining's schedules on the same stages: ``ScheduleGPipe``, ``Schedule1F1B``,
+``ScheduleInterleavedZeroBubble`` with one stage per rank (ZB1P) and ``ScheduleZBVZeroBubble``
+(two stages per rank, each half the time). Acceptance 3 is reported as checks: measured within
+0.03 of simulated for each of our schedules at each m; the best flushing schedule at p = 4,
+m = 8 <= 0.12 and no worse than torch's best there with no more in-flight micro-batches; the
+flush-free steady state <= 0.05. ``excess ms`` (measured step - simulated makespan) and its
+share per action are the overhead floor the simulator does not model.
+
+The run waits for a quiet window (at most ``quiet_busy`` of all cores busy over 2 s, for up to
+``quiet_wait_s``), and the load is recorded twice: that reading before the run, and during it
+the share of all cores busy with work other than the bench's rank processes (``/proc/stat``
+less the ranks' CPU time); sleeping ranks make the figures depend on the schedule, not on the
+machine, unless that other load is high (the ``quiet_window`` check says so).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bitps.bench.proc import machine_busy
+from bitps.bench.report import check, write_results
+
+__all__ = ["run", "summarize"]
+
+_COLUMNS = [("impl", "implementation"), ("schedule", "schedule"), ("m", "m"),
+            ("bubble_max", "bubble max"), ("sim_bubble_max", "simulated max"),
+            ("bubble_mean", "bubble mean"), ("sim_bubble_mean", "simulated mean"),
+            ("closed_form", "closed form"), ("steady_bubble", "steady state"),
+            ("sim_steady_bubble", "simulated steady"), ("step_ms", "step ms"),
+            ("excess_ms", "excess ms"), ("peak_inflight", "peak in-flight (per rank)"),
+            ("peak_held", "held to W"), ("t_f_ms", "F ms"), ("t_b_ms", "B ms"),
+            ("t_w_ms", "W ms")]
+_TORCH_NAMES = {"torch-gpipe": "ScheduleGPipe", "torch-1f1b": "Schedule1F1B",
+                "torch-zb1p": "ScheduleInterleavedZeroBubble (1 stage/rank)",
+                "torch-zbv": "ScheduleZBVZeroBubble (2 stages/rank)"}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def quiet_window(max_busy: float, wait_s: float) -> tuple[float, float]:
+    """Wait until the machine's cores are at most ``max_busy`` busy over 2 s (``/proc/stat``),
+    or ``wait_s`` has passed; (the last reading, seconds waited). Sleeping stages measure the
+    schedule only while other work leaves the cores free enough to wake them on time."""
+    t0 = time.monotonic()
+    while True:
+        busy = machine_busy(2.0)
+        waited = time.monotonic() - t0
+        if busy <= max_busy or waited >= wait_s:
+            return busy, waited
+
+
+def _cpu_total() -> tuple[float, float]:
+    """(busy, all) CPU seconds of the machine so far, from ``/proc/stat``."""
+    values = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    tick = os.sysconf("SC_CLK_TCK")
+    return (sum(values) - values[3] - values[4]) / tick, sum(values) / tick
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _launch(module: str, settings: dict, world: int, timeout_s: float) -> tuple[list[dict], dict]:
+    """Run ``world`` ranks of ``python -m module '<settings>'`` under torchrun's environment;
+    each rank's last stdout line (JSON), and the load recorded around them. A rank that
+    fails or outlives ``timeout_s`` fails the run, naming the rank, after its peers stop."""
+    port = _free_port()
+    arg = json.dumps(settings)
+    busy0, total0 = _cpu_total()
+    child0 = _children_cpu()
+    t0 = time.perf_counter()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
+               "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, "-m", module, arg], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    outputs, failed = [], []
+    deadline = time.monotonic() + timeout_s
+    try:
+        for rank, proc in enumerate(procs):
+            try:
+                out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                failed.append(f"rank {rank} still running after {timeout_s:.0f} s")
+                break
+            if proc.returncode:
+                failed.append(f"rank {rank} exited {proc.returncode}: {err[-2000:]}")
+                break
+            outputs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if failed:
+        raise RuntimeError(f"{module}: " + "; ".join(failed))
+    wall = time.perf_counter() - t0
+    busy1, total1 = _cpu_total()
+    cores = os.cpu_count() or 1
+    other = (busy1 - busy0) - (_children_cpu() - child0)
+    load = {"wall_s": round(wall, 1), "ranks_cpu_s": round(_children_cpu() - child0, 1),
+            "other_load_share": round(max(other, 0.0) / (wall * cores), 3),
+            "machine_share_busy": round((busy1 - busy0) / max(total1 - total0, 1e-9), 3)}
+    return outputs, load
+
+
+def summarize(rank_docs: list[dict], p: int) -> list[dict]:
+    """One row per (case, m) from every rank's records: the median over the timed steps of
+    the largest and the mean bubble over ranks, the step time, the peak in-flight
+    micro-batches of each rank (largest over the steps) and each rank's mean F/B/W."""
+    steps: dict[tuple[str, int], dict[int, list[dict]]] = {}
+    for doc in rank_docs:
+        for rec in doc["records"]:
+            steps.setdefault((rec["case"], rec["m"]), {}).setdefault(rec["round"], []).append(
+                {**rec, "rank": doc["rank"]})
+    rows = []
+    for (case, m), rounds in steps.items():
+        b_max, b_mean, walls = [], [], []
+        inflight, held = [0.0] * p, [0.0] * p
+        by_rank: list[list[float]] = [[] for _ in range(p)]
+        kinds = ("t_f_s", "t_b_s", "t_w_s")
+        per_rank = [[[] for _ in kinds] for _ in range(p)]
+        for recs in rounds.values():
+            if len(recs) != p:
+                raise ValueError(f"{case} m={m}: {len(recs)} ranks reported a step, expected {p}")
+            wall = max(r["end"] for r in recs) - min(r["start"] for r in recs)
+            bubbles = [1 - r["busy_s"] / wall for r in recs]
+            b_max.append(max(bubbles))
+            b_mean.append(statistics.fmean(bubbles))
+            walls.append(wall)
+            for r, b in zip(recs, bubbles):
+                by_rank[r["rank"]].append(b)
+            for r in recs:
+                inflight[r["rank"]] = max(inflight[r["rank"]], r["peak_inflight"])
+                held[r["rank"]] = max(held[r["rank"]], r["peak_held"])
+                for i, k in enumerate(kinds):
+                    per_rank[r["rank"]][i].append(r[k])
+        stage_times = [[statistics.fmean(v) for v in rank] for rank in per_rank]
+        rows.append({"case": case, "m": m, "bubble_max": statistics.median(b_max),
+                     "bubble_mean": statistics.median(b_mean),
+                     "bubble_per_rank": [statistics.median(b) for b in by_rank],
+                     "step_ms": statistics.median(walls) * 1e3, "peak_inflight": inflight,
+                     "peak_held": held, "steps": len(walls), "stage_times_s": stage_times,
+                     **{k[:-2] + "_ms": statistics.fmean(t[i] for t in stage_times) * 1e3
+                        for i, k in enumerate(kinds)}})
+    return rows
+
+
+def steady_bubble(recs: list[dict], m: int, first_step: int, last_step: int) -> float:
+    """The measured counterpart of ``SimResult.steady_bubble``: over the window from the first
+    compute start of step ``first_step`` (any rank) to the last compute end of step
+    ``last_step``, the largest per-rank idle fraction, compute of other steps counting as busy.
+    ``recs`` are one step's records of every rank with their ``intervals``; a flush-free plan
+    runs each kind in micro-batch order on a rank, so the k-th F (B, W) is micro-batch k."""
+    spans_by_rank = []
+    for rec in recs:
+        seen: dict[str, int] = {}
+        spans = []
+        for kind, start, end in sorted(rec["intervals"], key=lambda iv: iv[1]):
+            mb = seen.get(kind, 0)
+            seen[kind] = mb + 1
+            spans.append((mb // m, start, end))
+        spans_by_rank.append(spans)
+    inside = [(a, b) for spans in spans_by_rank for k, a, b in spans
+              if first_step <= k <= last_step]
+    if not inside:
+        raise ValueError(f"no compute in steps {first_step}..{last_step}")
+    t0, t1 = min(a for a, _ in inside), max(b for _, b in inside)
+    worst = 0.0
+    for spans in spans_by_rank:
+        busy = sum(max(0.0, min(b, t1) - max(a, t0)) for _, a, b in spans)
+        worst = max(worst, 1.0 - busy / (t1 - t0))
+    return worst
+
+
+def _simulate(row: dict, p: int, steps: int, comm_s: float):
+    """Our simulator on the plan of ``row``'s schedule with each stage's measured times."""
+    from bitps.worker.pipeline.schedules import get_schedule
+    from bitps.worker.pipeline.simulate import StageTimes, simulate
+
+    plan = get_schedule(row["case"]).generate(p, row["m"], steps=steps)
+    times = [StageTimes(f=f, b=b, w=w) for f, b, w in row["stage_times_s"]]
+    return plan, simulate(plan, times, comm_s, schedule=row["case"], m=row["m"])
+
+
+def _our_row(row: dict, docs: list[dict], p: int, steps: int, comm_s: float) -> dict:
+    from bitps.worker.pipeline.schedules import get_schedule
+    from bitps.worker.pipeline.simulate import StageTimes, closed_form_bubble
+
+    schedule = get_schedule(row["case"])
+    plan, sim = _simulate(row, p, 1 if schedule.flushes else steps, comm_s)
+    mean = StageTimes(f=row["t_f_ms"] / 1e3, b=row["t_b_ms"] / 1e3, w=row["t_w_ms"] / 1e3)
+    out = {"impl": "bitps", "schedule": schedule.name, **row,
+           "closed_form": closed_form_bubble(schedule, p, row["m"], mean),
+           "sim_bubble_max": sim.bubble_max, "sim_bubble_mean": sim.bubble_mean,
+           "sim_step_ms": sim.makespan * 1e3, "sim_peak_inflight": list(sim.peak_inflight),
+           "diff_max": row["bubble_max"] - sim.bubble_max,
+           "diff_mean": row["bubble_mean"] - sim.bubble_mean,
+           "excess_ms": row["step_ms"] - sim.makespan * 1e3}
+    # the excess over the simulator spread over the busiest rank's actions: the overhead floor
+    out["excess_ms_per_action"] = out["excess_ms"] / max(len(acts) for acts in plan)
+    if not schedule.flushes:
+        first, last = 1, steps - 2
+        per_round: dict[int, list[dict]] = {}
+        for doc in docs:
+            for rec in doc["records"]:
+                if rec["case"] == row["case"] and rec["m"] == row["m"]:
+                    per_round.setdefault(rec["round"], []).append(rec)
+        out["steady_bubble"] = statistics.median(
+            steady_bubble(recs, row["m"], first, last) for recs in per_round.values())
+        out["sim_steady_bubble"] = sim.steady_bubble(first, last)
+        out["steady_steps"] = f"{first}..{last} of {steps}"
+    return out
+
+
+def _torch_row(row: dict, p: int) -> dict:
+    closed = (p - 1) / (row["m"] + p - 1) if row["case"] in ("torch-gpipe", "torch-1f1b") \
+        else None
+    return {"impl": "torch.distributed.pipelining", "schedule": _TORCH_NAMES[row["case"]],
+            **row, "closed_form": closed}
+
+
+def _checks(rows: list[dict], p: int, ms: tuple[int, ...], cases: tuple[str, ...],
+            refused: dict) -> dict:
+    """Acceptance 3 as lines: each with the figure and whether it holds."""
+    checks = {}
+    for m in ms:
+        done = [r for r in rows if r["m"] == m]
+        checks[f"cases_completed_m{m}"] = check(
+            len(done), f"== {len(cases)} (refused: {sorted(refused)})", len(done) == len(cases))
+    ours = [r for r in rows if r["impl"] == "bitps"]
+    for r in ours:
+        d = r["diff_max"]
+        checks[f"{r['schedule']}_m{r['m']}_measured_vs_simulated"] = check(
+            round(d, 4), "|measured - simulated| bubble max <= 0.03", abs(d) <= 0.03)
+    for r in ours:
+        if "steady_bubble" in r:
+            checks[f"{r['schedule']}_m{r['m']}_steady_state_bubble"] = check(
+                round(r["steady_bubble"], 4), "<= 0.05", r["steady_bubble"] <= 0.05)
+    m = 8
+    flushing = [r for r in ours if r["m"] == m and "steady_bubble" not in r]
+    theirs = [r for r in rows if r["impl"] != "bitps" and r["m"] == m]
+    if p == 4 and flushing:
+        best = min(flushing, key=lambda r: r["bubble_max"])
+        checks["best_flushing_bubble_p4_m8"] = check(
+            f"{best['bubble_max']:.4f} ({best['schedule']})", "<= 0.12",
+            best["bubble_max"] <= 0.12)
+        if theirs:
+            top = min(theirs, key=lambda r: r["bubble_max"])
+            ok = (best["bubble_max"] <= top["bubble_max"]
+                  and max(best["peak_inflight"]) <= max(top["peak_inflight"])
+                  and max(best["peak_held"]) <= max(top["peak_held"]))
+            checks["best_flushing_vs_torch_best_m8"] = check(
+                f"{best['schedule']} {best['bubble_max']:.4f}, in-flight "
+                f"{max(best['peak_inflight']):g}/held {max(best['peak_held']):g} vs "
+                f"{top['schedule']} {top['bubble_max']:.4f}, in-flight "
+                f"{max(top['peak_inflight']):g}/held {max(top['peak_held']):g}",
+                "bubble <= torch's best, in-flight and held <= its", ok)
+    return checks
+
+
+def run(*, p: int = 4, ms: tuple[int, ...] = (4, 8, 16), t_f: float = 0.02,
+        t_b: float = 0.02, t_w: float = 0.02, rounds: int = 3, warmup: int = 1,
+        rows_per_mb: int = 2, width: int = 8, cases: tuple[str, ...] | None = None,
+        flush_free_steps: int = 6, timeout_s: float = 600.0, quiet_busy: float = 0.3,
+        quiet_wait_s: float = 120.0, out: Path | None = None, quick: bool = False) -> dict:
+    """Run part (a), write ``pipeline.json``/``.md`` under ``out``, return the document. It
+    starts once the machine is at most ``quiet_busy`` busy (or after ``quiet_wait_s``)."""
+    from bitps.bench.pipeline_rank import CASES, OUR_CASES
+
+    cases = tuple(cases or CASES)
+    busy, waited = quiet_window(quiet_busy, 0.0 if quick else quiet_wait_s)
+    settings = {"p": p, "ms": list(ms), "t_f": t_f, "t_b": t_b, "t_w": t_w, "rows": rows_per_mb,
+                "width": width, "rounds": rounds, "warmup": warmup, "cases": list(cases),
+                "flush_free_steps": flush_free_steps, "timeout_s": timeout_s}
+    docs, load = _launch("bitps.bench.pipeline_rank", settings, p, timeout_s + 60)
+    refused = {k: v for d in docs for k, v in d["refused"].items()}
+    comm_s = max(d["comm_s"] for d in docs)
+    rows = [_our_row(r, docs, p, flush_free_steps, comm_s) if r["case"] in OUR_CASES
+            else _torch_row(r, p) for r in summarize(docs, p)]
+    order = {c: i for i, c in enumerate(cases)}
+    rows.sort(key=lambda r: (r["m"], order[r["case"]]))
+    checks = _checks(rows, p, ms, cases, refused)
+    other = load["other_load_share"]
+    checks["quiet_window"] = check(
+        f"{busy:.2f} busy before, {other:.2f} other load during", f"<= {quiet_busy} both "
+        "(else the figures measure the machine)", busy <= quiet_busy and other <= quiet_busy)
+    config = {"p": p, "ms": list(ms), "t_f_s": t_f, "t_b_s": t_b, "t_w_s": t_w,
+              "rounds": rounds, "warmup": warmup, "micro_batch_shape": [rows_per_mb, width],
+              "backend": "gloo", "transport": "127.0.0.1", "cases": list(cases),
+              "flush_free_steps": flush_free_steps, "refused": refused,
+              "comm_one_way_ms": round(comm_s * 1e3, 4), "machine_busy_before": round(busy, 3),
+              "quiet_waited_s": round(waited, 1),
+              "load_during": load, "quick": quick}
+    notes = (f"Part (a): p = {p} gloo ranks over 127.0.0.1, each stage a SleepStage "
+             f"(F {t_f * 1e3:g} ms, B {t_b * 1e3:g} ms, W {t_w * 1e3:g} ms; a rank with two "
+             f"stages runs each at half). Per case and m: {warmup} warm-up step, then "
+             f"{rounds} timed step(s), the cases alternated round by round in one run. "
+             f"bubble = 1 - busy / wall per rank (busy: the stage's recorded F/B/W sleeps; "
+             f"wall: barrier release to the last rank's end); max and mean over ranks, median "
+             f"over the timed steps. simulated: our event simulator on the same plan with each "
+             f"stage's measured mean F/B/W and the measured one-way transfer "
+             f"({comm_s * 1e3:.3f} ms); excess = measured step - simulated makespan. The "
+             f"flush-free 2bw runs {flush_free_steps} steps as one plan per timed step (its "
+             f"bubble and step are those of the whole plan; steady state: steps 1.."
+             f"{flush_free_steps - 2}). Peak in-flight: micro-batches whose forward ended and "
+             f"input-backward did not, per rank; held: until the weight-backward (torch's first "
+             f"stage runs its B inside W). Load: {busy:.0%} of all cores busy before the run; "
+             f"during it, other work took {load['other_load_share']:.0%} of all cores."
+             + (f" Refused: {refused}." if refused else ""))
+    write_results("pipeline", config=config, rows=rows, checks=checks, columns=_COLUMNS,
+                  out=out, notes=notes)
+    return {"rows": rows, "checks": checks}
