@@ -310,9 +310,7 @@ class _Stage:
         par = self.cfg.parallel
         if not par.dynamic_micro_batch:
             return FixedMicroBatch(par.micro_batch_size, par.replica_batch)
-        tuner = MicroBatchTuner(samples_per_step=par.replica_batch, schedule=par.schedule,
-                                p=self.p, start=par.micro_batch_size,
-                                minimum=par.micro_batch_min, maximum=par.micro_batch_max)
+        tuner = MicroBatchTuner.from_config(par)
         return DynamicMicroBatch(tuner, num_stages=self.p, group=self.group)
 
     def _data(self):
