@@ -43,6 +43,8 @@ REFUSED = {
     "unknown schedule": (["--pp", "2", "--schedule", "interleaved"],
                          r"got 'interleaved'; expected one of gpipe, 1f1b, zb-h1, 2bw"),
     "unknown model": (["--pp", "2", "--", "--model", "gpt5"], r"model 'gpt5': expected one of"),
+    "local SGD preset": (["--pp", "2", "--algorithm", "diloco"],
+                         r"--algorithm diloco: pipelines train with the shards' optimizer"),
 }
 
 # (config file text, what the error must name)
