@@ -340,14 +340,19 @@ class _Stage:
                   partition=[[r.start, r.stop] for r in self.ranges], costs=self.costs,
                   params=params, keys=len(self.ps_model.keys), metrics_port=self.metrics_port,
                   device=str(self.device), schedule=par.schedule)
+        from bitps.worker.pipeline.schedules import get_schedule
+
+        schedule = get_schedule(par.schedule)
         data = self._data()
         t_start = time.perf_counter()
         try:
-            from bitps.worker.pipeline.schedules import get_schedule
-
-            schedule = get_schedule(par.schedule)
             steps = self._flushing(schedule, data) if schedule.flushes else \
                 self._flush_free(schedule, data)
+        except BaseException:
+            # Leave every shard now, waiting for nothing in flight: in sync mode the other
+            # replicas' pushes of these keys stop waiting for this stage at once.
+            self.client.close()
+            raise
         finally:
             if hasattr(data, "close"):
                 data.close()
