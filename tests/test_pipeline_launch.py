@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -214,10 +215,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_torchrun_style_stages_and_a_dying_stage_fails_its_peer_naming_it(tmp_path):
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_torchrun_style_stages_and_a_dying_stage_fails_its_peer_naming_it(tmp_path, how):
     # No launcher: a shard and two stage processes given torchrun's environment, as torchrun
-    # would start them. Stage 1 is killed mid-run; stage 0 must fail within its p2p deadline
-    # with an error naming stage 1, not hang.
+    # would start them. Stage 1 is killed (or terminated) mid-run; stage 0 must fail within
+    # its p2p deadline with an error naming stage 1, not hang. Terminated, stage 1 leaves the
+    # shard itself and exits 0.
     shard = subprocess.Popen([sys.executable, "-m", "bitps.ps", "--mode", "async"], cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     stages = []
@@ -232,15 +235,23 @@ def test_torchrun_style_stages_and_a_dying_stage_fails_its_peer_naming_it(tmp_pa
                  "--model", "mlp", "--balance", "uniform", "--steps", "100000",
                  "--p2p-timeout", "10", "--json", "--log-every", "1"],
                 cwd=ROOT, env=dict(torchrun, RANK=str(rank), LOCAL_RANK=str(rank)),
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+                stdout=subprocess.PIPE, stderr=(tmp_path / f"stage{rank}.log").open("w"),
+                text=True))
         first = stages[0]
         events = []
         while not any(e["event"] == "step" for e in events):
             line = first.stdout.readline()
             assert line, "stage 0 ended before its first step"
             events.append(json.loads(line))
-        stages[1].kill()
         t0 = time.monotonic()
+        if how == "SIGKILL":
+            stages[1].kill()
+        else:
+            stages[1].send_signal(signal.SIGTERM)
+            assert stages[1].wait(30) == 0
+            last = [json.loads(line) for line in stages[1].stdout.read().splitlines()][-1]
+            assert last == {"event": "terminated", "rank": 1}
+            assert "leave shard 0 failed" not in (tmp_path / "stage1.log").read_text()
         assert first.wait(30) == 1
         waited = time.monotonic() - t0
         error = [json.loads(line) for line in first.stdout.read().splitlines()][-1]

@@ -23,7 +23,9 @@ shards (a ``PSClient`` of world size D x P; replica 0 of each stage sends initia
 run ``--steps`` steps of the schedule through ``StageRuntime``, and (dynamic micro-batching)
 adopt a new micro-batch size between steps. With ``--json`` it prints one JSON object per line:
 ``start``, ``step`` (every ``--log-every`` steps), ``done`` (``final_loss`` = mean of the last
-10 steps' losses, on the last stage), or ``error`` naming the error before exiting 1.
+10 steps' losses, on the last stage), or ``error`` naming the error before exiting 1. SIGTERM
+ends the run where it is: the stage leaves every shard (so the shards stop waiting for its
+keys' pushes), prints ``terminated`` and exits 0; a second SIGTERM kills it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import datetime
 import functools
 import json
 import logging
+import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -192,6 +195,16 @@ def check_plan(cfg: StageProcessConfig) -> None:
                          f"got {cfg.client.world_size}")
 
 
+class _Terminated(BaseException):
+    """Raised in the main thread by the SIGTERM handler (a BaseException: no ``except
+    Exception`` on the way swallows it)."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM kills at once
+    raise _Terminated
+
+
 def emit(run: RunConfig, **event) -> None:
     """One progress event: a JSON line on stdout with ``--json``, else a log line."""
     if run.json:
@@ -209,8 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s stage %(process)d %(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return run_stage(cfg, emit=functools.partial(emit, cfg.run))
+    except _Terminated:  # the step loop has left the shards on its way out
+        emit(cfg.run, event="terminated", rank=cfg.client.rank)
+        return 0
     except Exception as err:
         logging.exception("rank %d (replica %d, stage %d) failed", cfg.client.rank,
                           cfg.replica, cfg.stage_index)
