@@ -566,3 +566,77 @@ def test_stages_with_compressed_pushes_and_pulls_async(cluster):
             client.pull(keys, [mine[k] for k in keys], clock=steps).wait()
         for k in keys:
             assert np.array_equal(mine[k], slots[k].param), (rank, k)
+
+
+def test_a_shard_back_empty_gets_each_stages_keys_from_its_initializer():
+    """A shard restarted with nothing (no checkpoint): every stage worker recovers it
+    (``PSClient.complete``); replica 0 of each stage re-sends its own keys' copies as initial
+    values, and replica 1 waits for them (``NOT_INITIALIZED`` is retried)."""
+    import dataclasses
+
+    from bitps.ps.server import ServerShard
+    from bitps.worker import ClientConfig, PSClient
+
+    cfg = dict(mode="sync", metrics_port=-1, heartbeat_timeout_s=30,
+               optimizer=OptimizerConfig(name="sgd", lr=0.25))
+    model = [ParamSpec("a.w", (16, 32)), ParamSpec("a.b", (16,)), ParamSpec("b.w", (16, 32)),
+             ParamSpec("b.b", (16,))]
+    shards = [ServerShard(ServerConfig(shard_id=i, num_shards=2, **cfg)).start()
+              for i in range(2)]
+    try:
+        servers = tuple(f"127.0.0.1:{s.ports['grpc_port']}" for s in shards)
+        plan = make_plan(model, num_shards=2, partition_bytes=1024)
+        parts = [plan.subset(names) for names in STAGES]
+        assert all({k.shard for k in part.keys} == {0, 1} for part in parts)
+        barrier, results = threading.Barrier(5, timeout=60), {}
+
+        def work(rank: int) -> None:
+            part = parts[rank % 2]
+            keys = [k.key for k in part.keys]
+            mine = {k.key: np.full(k.length, k.key + 0.25, np.float32) for k in part.keys}
+            client = PSClient(ClientConfig(
+                servers=servers, rank=rank, world_size=4, initializes=rank < 2,
+                partition_bytes=1024, deadline_s=0.5, reconnect_timeout_s=20,
+                reconnect_backoff_s=0.05, reconnect_backoff_max_s=0.2, heartbeat_s=0.2))
+            try:
+                client.register(part, mine if rank < 2 else None, copies=mine)
+                grads = [np.ones(k.length, np.float32) for k in part.keys]
+                client.push_pull(keys, grads, [mine[k] for k in keys], clock=0).wait()
+                barrier.wait()  # shard 1 goes down and comes back empty
+                barrier.wait()
+                handle = client.push_pull(keys, grads, [mine[k] for k in keys], clock=1)
+                client.complete(handle, mine)
+                results[rank] = {k: v.copy() for k, v in mine.items()}
+            except BaseException as err:  # noqa: BLE001 - reported below
+                results[rank] = err
+                barrier.abort()
+            finally:
+                client.close()
+
+        threads = [threading.Thread(target=work, args=(r,)) for r in range(4)]
+        for t in threads:
+            t.start()
+        barrier.wait()
+        old = shards[1]
+        old.stop(0)
+        time.sleep(1.2)  # past the workers' deadline, and the ports are free again
+        shards[1] = ServerShard(dataclasses.replace(
+            old.cfg, grpc_port=old.ports["grpc_port"], data_port=old.ports["data_port"])).start()
+        barrier.wait()
+        for t in threads:
+            t.join(timeout=60)
+        for rank in range(4):
+            assert not isinstance(results.get(rank), BaseException), results.get(rank)
+        core = shards[1].core
+        assert core.initialized.is_set() and sorted(core.slots) == [
+            k.key for k in plan.for_shard(1)]
+        for k in plan.for_shard(1):
+            stage = 0 if k.name.startswith("a.") else 1
+            assert core.slots[k.key].pushers == {stage, stage + 2}
+            # the initializer's copy after sync step 0 (the mean of two pushes of ones, lr
+            # 0.25), then step 1 on the shard that came back with that copy
+            expect = np.full(k.length, k.key + 0.25 - 0.25 - 0.25, np.float32)
+            assert np.array_equal(core.slots[k.key].param, expect), k
+    finally:
+        for s in shards:
+            s.stop(0)

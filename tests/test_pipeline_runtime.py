@@ -34,7 +34,7 @@ from bitps.worker.pipeline.runtime import StageContext, StageRuntime
 from bitps.worker.pipeline.stage import StageCompute
 
 ROOT = Path(__file__).resolve().parents[1]
-HEADER_BYTES = 80  # p2p: one int64[10] shape header per transfer
+HEADER_BYTES = 80  # p2p: one int64[10] shape header per direction and run_step
 WIDTH, UNITS, MICRO = 16, 8, 3
 
 
@@ -227,10 +227,16 @@ def test_every_schedule_runs_on_gloo_and_gives_single_process_gradients(p):
             assert r["micro_batch_size"] == MICRO and min(r["times"][:2]) > 0
             if name == "zb-h1":
                 assert r["times"][2] > 0  # W timed on its own
-            transfers = steps * m * ((o["stage"] > 0) + (o["stage"] < p - 1))
-            assert r["sent"] == r["received"] == transfers * (HEADER_BYTES + MICRO * WIDTH * 4)
+            directions = (o["stage"] > 0) + (o["stage"] < p - 1)  # one header each per run
+            assert r["sent"] == r["received"] == directions * (
+                HEADER_BYTES + steps * m * MICRO * WIDTH * 4)
             if name == "2bw":
                 assert res["versions"] <= 2
+            held = {"gpipe": m, "1f1b": min(p - o["stage"], m)}  # graphs held at once
+            if name in held:
+                assert r["peak_inflight"] == held[name], (name, o["stage"])
+            else:
+                assert r["peak_inflight"] <= p, (name, o["stage"])
         losses = outs[-1]["results"][name]["report"]["losses"]
         assert losses[-m:] == pytest.approx(want_losses, rel=1e-6)
     xs2, ys2 = micro_batches(2, seed=7, b=2 * MICRO)
@@ -240,6 +246,19 @@ def test_every_schedule_runs_on_gloo_and_gives_single_process_gradients(p):
     # the model was not updated between the two steps (no PS): same weights, new shapes
     assert outs[-1]["results"]["gpipe-resized"]["report"]["losses"] == pytest.approx(
         want_losses, rel=1e-6)
+
+
+def test_a_stage_refuses_a_misplaced_context_or_another_stages_actions():
+    with pytest.raises(ValueError, match="prev_rank must be given"):
+        StageContext(stage=1, num_stages=2)
+    with pytest.raises(ValueError, match="next_rank must be None"):
+        StageContext(stage=1, num_stages=2, prev_rank=0, next_rank=2)
+    rt = StageRuntime(StageContext(stage=0, num_stages=1), make_model(), loss_fn=F.mse_loss)
+    xs, ys = micro_batches(1)
+    with pytest.raises(ValueError, match="actions of another stage"):
+        rt.run_step([Action(op=Op.F, stage=1, mb=0)], inputs=xs, targets=ys)
+    with pytest.raises(ValueError, match="needs targets"):
+        rt.run_step([Action(op=Op.F, stage=0, mb=0)], inputs=xs)
 
 
 def test_a_stage_under_a_pool_tags_micro_batches_so_eviction_follows_the_schedule():
@@ -313,18 +332,26 @@ def test_the_prefetcher_reraises_its_threads_error_and_joins_on_close():
     assert not pre._thread.is_alive() and threading.active_count() >= 1
 
 
-def test_the_first_stage_takes_its_inputs_from_the_prefetcher():
+def test_the_first_stage_takes_its_inputs_from_the_prefetcher_and_reports_to_metrics():
+    from bitps.worker.pipeline.metrics import StageMetrics
+
     xs, ys = micro_batches(4)
     model = make_model()
     want, want_losses = reference_grads(make_model(), xs, ys)
+    metrics = StageMetrics(0, 0)
     with Prefetcher(iter(xs), prepare=lambda x: x.clone(), depth=2) as pre:
         rt = StageRuntime(StageContext(stage=0, num_stages=1), model, loss_fn=F.mse_loss,
-                          prefetcher=pre)
+                          prefetcher=pre, metrics=metrics)
         actions = [Action(op=o, stage=0, mb=mb) for mb in range(4) for o in (Op.F, Op.BW)]
         report = rt.run_step(actions, targets=ys)
     assert report.losses == pytest.approx(want_losses, rel=1e-6)
     for n, q in model.named_parameters():
         torch.testing.assert_close(q.grad, want[n], rtol=1e-6, atol=0)
+    labels = {"stage": "0", "replica": "0"}
+    sample = metrics.registry.get_sample_value
+    assert sample("bitps_stage_bubble_ratio", labels) == pytest.approx(report.bubble)
+    assert sample("bitps_stage_micro_batch_size", labels) == MICRO
+    assert sample("bitps_stage_busy_seconds_total", labels) == pytest.approx(report.busy_s)
 
 
 if __name__ == "__main__":

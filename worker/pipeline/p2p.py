@@ -2,24 +2,26 @@
 backward, through ``torch.distributed`` (gloo on CPU, NCCL on CUDA) as posted pairs.
 
     link = StageLink(peers, device=device, timeout_s=30)
+    link.begin()                                     # once per run_step
     link.expect(Direction.FROM_PREV, [0, 1, 2, 3])  # post the first receive now
     link.send(Direction.TO_NEXT, mb, output)         # isend: returns at once
     x = link.recv(Direction.FROM_PREV, mb)           # waits, at most timeout_s
     link.finish()                                    # wait for every send still in flight
 
-**Shapes travel in a header.** Every transfer is two messages: a fixed header (int64: dtype
-code, ndim, the sizes) and then the tensor. The micro-batch size may change between steps
-(dynamic micro-batching) and a stage past the first cannot know it in advance, so the receiver
-learns each shape from its header instead of from a dry run per micro-batch size; the header
-costs one 80-byte message per transfer.
+**Shapes travel in a header, once per run.** The micro-batch size may change between steps
+(dynamic micro-batching) and a stage past the first cannot know it in advance, so the first
+transfer of each direction in a run (one ``run_step``) is preceded by a fixed header (int64[10]:
+dtype code, ndim, the sizes), instead of deriving shapes from a dry run per micro-batch size.
+Every later micro-batch of the run has that shape and dtype (the sender checks it: within a
+step all micro-batches have one size), so it travels as the tensor alone.
 
-**Posted receives.** Each direction is a chain: the header of the next expected micro-batch is
-always posted (``irecv``); when it arrives, the tensor's receive is posted into a buffer of the
-announced shape and dtype, and so is the header after it. The chain keeps messages in the order
-the sender sends them, which NCCL needs (it matches by order, not by tag); on gloo every message
-is also tagged with its micro-batch. Sends are ``isend``; their ``Work`` and the tensors they read
-are kept until :meth:`StageLink.finish` (or until the queue of sends in flight is long), so no
-two blocking sends ever face each other.
+**Posted receives.** Each direction is a chain: at the start of a run the header's receive is
+posted (``irecv``); once it has arrived, the tensor receives of the next 8 expected
+micro-batches are posted into buffers of the announced shape and dtype, and one more each time
+one is taken. The chain posts in the order the sender sends, which NCCL needs (it matches by
+order, not by tag); on gloo every message is also tagged with its micro-batch. Sends are
+``isend``; their ``Work`` and the tensors they read are kept until :meth:`StageLink.finish` (or
+until the queue of sends in flight is long), so no two blocking sends ever face each other.
 
 **Deadlines.** Every wait is bounded by ``timeout_s`` (gloo ``Work.wait(timeout)``; NCCL's
 watchdog enforces the process group's ``timeout``, which the launcher sets to the same value).
@@ -48,6 +50,7 @@ _MAX_DIMS = _HEADER_LEN - 2
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
            torch.int32, torch.uint8, torch.bool)
 _SENDS_IN_FLIGHT = 64  # waited oldest first beyond this: bounds the tensors kept alive
+_RECVS_AHEAD = 8  # tensor receives posted ahead per direction: bounds the buffers held
 
 
 class StageFailedError(RuntimeError):
@@ -93,39 +96,51 @@ def _reason(exc: BaseException, timeout_s: float) -> str:
 
 
 class _Inbox:
-    """The receive chain from one peer: micro-batches expected in order, the posted header of
-    the next one, and the posted tensor receives whose headers have arrived."""
+    """The receive chain from one peer: the micro-batches expected, in order; the header of the
+    first one (until the run's shape is known); the tensor receives posted ahead."""
 
     def __init__(self, link: StageLink, direction: Direction, peer: Peer) -> None:
         self.link, self.direction, self.peer = link, direction, peer
         self.expected: deque[int] = deque()
+        self.layout: tuple[tuple[int, ...], torch.dtype] | None = None
         self.header: tuple[int, torch.Tensor, dist.Work] | None = None
         self.posted: dict[int, tuple[torch.Tensor, dist.Work]] = {}
+
+    def begin(self) -> None:
+        if self.expected or self.posted:
+            raise ValueError(f"{self.direction.value}: micro-batches {list(self.expected)} "
+                             f"{sorted(self.posted)} of the last run were never received")
+        self.layout, self.header = None, None
 
     def expect(self, mbs: Iterable[int]) -> None:
         self.expected.extend(mbs)
         self.advance()
 
-    def advance(self, *, block_for: int | None = None) -> None:
-        """Post what can be posted: the tensor receive behind an arrived header and the next
-        header. ``block_for``: wait (bounded) for that micro-batch's header first."""
-        while True:
+    def advance(self, *, block: bool = False) -> None:
+        """Post what can be posted: the first header of the run, then, once the shape is
+        known, the tensor receives of the next ``_RECVS_AHEAD`` micro-batches. ``block``: wait
+        (bounded) for the header."""
+        if self.layout is None:
+            if not self.expected:
+                return
             if self.header is None:
-                if not self.expected:
-                    return
-                mb = self.expected.popleft()
+                mb = self.expected[0]
                 buf = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.link.device)
                 self.header = (mb, buf, self.link._irecv(buf, self.peer, tag=2 * mb))
             mb, buf, work = self.header
-            if block_for != mb and not work.is_completed():
+            if not block and not work.is_completed():
                 return
             # waiting on a completed Work is instant, and raises if it failed
             self.link._wait(work, self.peer, f"{self.direction.value} of micro-batch {mb}")
             h = buf.tolist()
-            shape = tuple(h[2:2 + h[1]])
-            data = torch.empty(shape, dtype=_DTYPES[h[0]], device=self.link.device)
-            self.posted[mb] = (data, self.link._irecv(data, self.peer, tag=2 * mb + 1))
+            self.layout = tuple(h[2:2 + h[1]]), _DTYPES[h[0]]
             self.header = None
+            self.link.bytes_received += buf.nbytes
+        shape, dtype = self.layout
+        while self.expected and len(self.posted) < _RECVS_AHEAD:
+            mb = self.expected.popleft()
+            data = torch.empty(shape, dtype=dtype, device=self.link.device)
+            self.posted[mb] = (data, self.link._irecv(data, self.peer, tag=2 * mb + 1))
 
 
 class StageLink:
@@ -145,6 +160,14 @@ class StageLink:
         self._inboxes = {d: _Inbox(self, d, p) for d, p in peers.items()
                          if d in (Direction.FROM_PREV, Direction.FROM_NEXT)}
         self._sends: deque[tuple[dist.Work, Peer, str, tuple[torch.Tensor, ...]]] = deque()
+        self._layouts: dict[Direction, tuple[tuple[int, ...], torch.dtype]] = {}
+
+    def begin(self) -> None:
+        """Start a run (one ``run_step``): the first transfer of each direction carries the
+        shape header again, so the micro-batch size may change from the last run."""
+        for inbox in self._inboxes.values():
+            inbox.begin()
+        self._layouts.clear()
 
     # -- receiving ----------------------------------------------------------------------------
     def expect(self, direction: Direction, mbs: Iterable[int]) -> None:
@@ -163,14 +186,14 @@ class StageLink:
         inbox = self._inbox(direction)
         inbox.advance()
         if mb not in inbox.posted:
-            waiting = None if inbox.header is None else inbox.header[0]
-            if waiting != mb:
+            nxt = inbox.expected[0] if inbox.expected else None
+            if nxt != mb or inbox.layout is not None:
                 raise ValueError(f"{direction.value} of micro-batch {mb} was not expected "
-                                 f"next (next expected: {waiting})")
-            inbox.advance(block_for=mb)
+                                 f"next (next expected: {nxt})")
+            inbox.advance(block=True)
         data, work = inbox.posted.pop(mb)
         self._wait(work, inbox.peer, f"{direction.value} of micro-batch {mb}")
-        self.bytes_received += _HEADER_LEN * 8 + data.nbytes
+        self.bytes_received += data.nbytes
         inbox.advance()
         return data
 
@@ -186,14 +209,22 @@ class StageLink:
                              f"{_MAX_DIMS} dims and dtype in {_DTYPES} was expected, got "
                              f"{tuple(tensor.shape)} {tensor.dtype}")
         data = tensor.detach().contiguous()
-        h = [_DTYPES.index(data.dtype), data.dim(), *data.shape]
-        header = torch.tensor(h + [0] * (_HEADER_LEN - len(h)), dtype=torch.int64,
-                              device=self.device)
         what = f"{direction.value} of micro-batch {mb}"
-        for buf, tag in ((header, 2 * mb), (data, 2 * mb + 1)):
+        layout = tuple(data.shape), data.dtype
+        bufs = [(data, 2 * mb + 1)]
+        if direction not in self._layouts:  # the run's first transfer this way: the header
+            self._layouts[direction] = layout
+            h = [_DTYPES.index(data.dtype), data.dim(), *data.shape]
+            header = torch.tensor(h + [0] * (_HEADER_LEN - len(h)), dtype=torch.int64,
+                                  device=self.device)
+            bufs.insert(0, (header, 2 * mb))
+        elif layout != self._layouts[direction]:
+            raise ValueError(f"{what}: every micro-batch of one run has the shape and dtype of "
+                             f"the first, {self._layouts[direction]}; got {layout}")
+        for buf, tag in bufs:
             work = self._call(dist.isend, buf, peer, tag, what)
             self._sends.append((work, peer, what, (buf,)))
-        self.bytes_sent += header.nbytes + data.nbytes
+            self.bytes_sent += buf.nbytes
         while len(self._sends) > _SENDS_IN_FLIGHT:
             self._wait_send()
 

@@ -161,7 +161,7 @@ class _Plan:
     version_of_step: dict[int, int]   # the weight version each step's micro-batches use
     last_use: dict[int, int]          # version -> index of the last action that uses it
     last_backward: dict[int, int]     # step -> index of its last W or BW
-    stash: bool                       # versions overlap in flight: weight stashing on
+    stash: bool                       # a flush-free plan: weight stashing on
     backward_order: list[int] = field(default_factory=list)
 
 
@@ -236,7 +236,8 @@ class StageRuntime:
         """Execute ``actions`` (this stage's list of a plan). ``inputs[mb]`` feeds micro-batch
         ``mb``'s F on the first stage (or the prefetcher, in F order); ``targets[mb]`` its loss
         on the last stage. Raises ``StageFailedError`` when a peer fails or misses the
-        deadline."""
+        deadline; the pipeline cannot go on after that (transfers are half done on both sides),
+        so the stage process should exit and the launcher restart the replica."""
         bad = [a for a in actions if a.stage != self.ctx.stage]
         if bad:
             raise ValueError(f"stage {self.ctx.stage} got actions of another stage: {bad[0]!r}")
@@ -248,6 +249,7 @@ class StageRuntime:
         if self.pool is not None:
             self.pool.set_backward_order(plan.backward_order)
         sent0, recv0 = self.link.bytes_sent, self.link.bytes_received
+        self.link.begin()
         for direction, op in ((Direction.FROM_PREV, Op.RECV_F), (Direction.FROM_NEXT, Op.RECV_B)):
             mbs = [a.mb for a in actions if a.op is op]
             if mbs:
