@@ -385,7 +385,7 @@ class _Stage:
                   last_loss=losses[-1] if losses else None, seconds=wall,
                   samples_per_s=len(steps) * par.replica_batch / wall,
                   bubble=1 - busy / sum(s["wall_s"] for s in steps) if steps else 0.0,
-                  micro_batch_size=self.sizes.size,
+                  micro_batch_size=steps[-1]["micro_batch_size"] if steps else self.sizes.size,
                   micro_batch_sizes=[s["micro_batch_size"] for s in steps],
                   p2p_bytes_sent=sum(s["p2p_bytes_sent"] for s in steps),
                   p2p_bytes_received=sum(s["p2p_bytes_received"] for s in steps))
