@@ -127,8 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--cases", nargs="+", default=[],
                     help="only these cases (ours: gpipe 1f1b zb-h1 2bw; torch: torch-gpipe "
                          "torch-1f1b torch-zb1p torch-zbv)")
-    pl.add_argument("--quick", action="store_true", help="the smallest m only, one timed step "
-                    "(smoke test)")
+    pl.add_argument("--parts", nargs="+", default=["a", "b", "c"], choices=("a", "b", "c"),
+                    help="(a) synthetic stages, (b) the deep model on p stages, (c) dp 2 x pp 2 "
+                         "through the PS")
+    pl.add_argument("--deep-steps", type=int, default=24, help="(b): steps per run")
+    pl.add_argument("--dp-pp-steps", type=int, default=60, help="(c): steps per run")
+    pl.add_argument("--quick", action="store_true", help="part (a) only, the smallest m, one "
+                    "timed step (smoke test)")
     al = sub.add_parser("all", help="every scenario (e2e: the LM, the MoE and the straggler), "
                                      "then the report")
     al.add_argument("--quick", action="store_true",
@@ -223,7 +228,9 @@ def run_scenario(args) -> dict:
         t_f, t_b, t_w = (t / 1e3 for t in args.t_ms)
         result = run(p=args.p, ms=ms, t_f=t_f, t_b=t_b, t_w=t_w, rounds=rounds,
                      cases=tuple(args.cases), flush_free_steps=args.flush_free_steps,
-                     out=args.out, quick=args.quick)
+                     parts=("a",) if args.quick else tuple(args.parts),
+                     deep_steps=args.deep_steps, dp_pp_steps=args.dp_pp_steps, out=args.out,
+                     quick=args.quick)
     else:
         from bitps.bench.codec import run
 

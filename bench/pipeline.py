@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 from bitps.bench.proc import machine_busy
-from bitps.bench.report import check, write_results
+from bitps.bench.report import DEFAULT_OUT, check, write_results
 
 __all__ = ["run", "summarize"]
 
@@ -296,9 +296,14 @@ def run(*, p: int = 4, ms: tuple[int, ...] = (4, 8, 16), t_f: float = 0.02,
         t_b: float = 0.02, t_w: float = 0.02, rounds: int = 3, warmup: int = 1,
         rows_per_mb: int = 2, width: int = 8, cases: tuple[str, ...] | None = None,
         flush_free_steps: int = 6, timeout_s: float = 600.0, quiet_busy: float = 0.3,
-        quiet_wait_s: float = 120.0, out: Path | None = None, quick: bool = False) -> dict:
-    """Run part (a), write ``pipeline.json``/``.md`` under ``out``, return the document. It
-    starts once the machine is at most ``quiet_busy`` busy (or after ``quiet_wait_s``)."""
+        quiet_wait_s: float = 120.0, parts: tuple[str, ...] = ("a", "b", "c"),
+        deep_steps: int = 24, dp_pp_steps: int = 60, out: Path | None = None,
+        quick: bool = False) -> dict:
+    """Run ``parts`` (part (a) always), write ``pipeline.json``/``.md`` under ``out``, return
+    the document. Part (a) starts once the machine is at most ``quiet_busy`` busy (or after
+    ``quiet_wait_s``); (b) and (c) follow, their rows under ``deep_rows`` / ``dp_pp_rows``."""
+    import tempfile
+
     from bitps.bench.pipeline_rank import CASES, OUR_CASES
 
     cases = tuple(cases or CASES)
@@ -309,7 +314,8 @@ def run(*, p: int = 4, ms: tuple[int, ...] = (4, 8, 16), t_f: float = 0.02,
     docs, load = _launch("bitps.bench.pipeline_rank", settings, p, timeout_s + 60)
     refused = {k: v for d in docs for k, v in d["refused"].items()}
     comm_s = max(d["comm_s"] for d in docs)
-    rows = [_our_row(r, docs, p, flush_free_steps, comm_s) if r["case"] in OUR_CASES
+    link_s = max(d["link_s"] for d in docs)
+    rows = [_our_row(r, docs, p, flush_free_steps, link_s) if r["case"] in OUR_CASES
             else _torch_row(r, p) for r in summarize(docs, p)]
     order = {c: i for i, c in enumerate(cases)}
     rows.sort(key=lambda r: (r["m"], order[r["case"]]))
@@ -322,7 +328,9 @@ def run(*, p: int = 4, ms: tuple[int, ...] = (4, 8, 16), t_f: float = 0.02,
               "rounds": rounds, "warmup": warmup, "micro_batch_shape": [rows_per_mb, width],
               "backend": "gloo", "transport": "127.0.0.1", "cases": list(cases),
               "flush_free_steps": flush_free_steps, "refused": refused,
-              "comm_one_way_ms": round(comm_s * 1e3, 4), "machine_busy_before": round(busy, 3),
+              "comm_one_way_ms": round(comm_s * 1e3, 4),
+              "stage_link_one_way_ms": round(link_s * 1e3, 4),
+              "machine_busy_before": round(busy, 3),
               "quiet_waited_s": round(waited, 1),
               "load_during": load, "quick": quick}
     notes = (f"Part (a): p = {p} gloo ranks over 127.0.0.1, each stage a SleepStage "
@@ -332,8 +340,9 @@ def run(*, p: int = 4, ms: tuple[int, ...] = (4, 8, 16), t_f: float = 0.02,
              f"bubble = 1 - busy / wall per rank (busy: the stage's recorded F/B/W sleeps; "
              f"wall: barrier release to the last rank's end); max and mean over ranks, median "
              f"over the timed steps. simulated: our event simulator on the same plan with each "
-             f"stage's measured mean F/B/W and the measured one-way transfer "
-             f"({comm_s * 1e3:.3f} ms); excess = measured step - simulated makespan. The "
+             f"stage's measured mean F/B/W and the one-way transfer measured through our "
+             f"StageLink ({link_s * 1e3:.3f} ms; raw gloo send/recv: {comm_s * 1e3:.3f} ms); "
+             f"excess = measured step - simulated makespan. The "
              f"flush-free 2bw runs {flush_free_steps} steps as one plan per timed step (its "
              f"bubble and step are those of the whole plan; steady state: steps 1.."
              f"{flush_free_steps - 2}). Peak in-flight: micro-batches whose forward ended and "
@@ -341,6 +350,251 @@ def run(*, p: int = 4, ms: tuple[int, ...] = (4, 8, 16), t_f: float = 0.02,
              f"stage runs its B inside W). Load: {busy:.0%} of all cores busy before the run; "
              f"during it, other work took {load['other_load_share']:.0%} of all cores."
              + (f" Refused: {refused}." if refused else ""))
+    sections = []
+    with tempfile.TemporaryDirectory(prefix="bitps-bench-pipeline-") as tmp:
+        if "b" in parts:
+            deep, deep_checks = run_deep(p=p, steps=deep_steps, run_root=Path(tmp),
+                                         timeout_s=timeout_s)
+            checks.update(deep_checks)
+            sections.append(("deep_rows", _DEEP_TITLE, deep, _DEEP_COLUMNS,
+                             _deep_notes(deep_steps)))
+        if "c" in parts:
+            dppp, dppp_checks = run_dp_pp(steps=dp_pp_steps, run_root=Path(tmp),
+                                          timeout_s=timeout_s)
+            checks.update(dppp_checks)
+            sections.append(("dp_pp_rows", _DPPP_TITLE, dppp, _DPPP_COLUMNS,
+                             _dp_pp_notes(dp_pp_steps)))
+    config["parts"] = list(parts)
     write_results("pipeline", config=config, rows=rows, checks=checks, columns=_COLUMNS,
                   out=out, notes=notes)
-    return {"rows": rows, "checks": checks}
+    for section in sections:
+        append_section(Path(out or DEFAULT_OUT), *section)
+    return {"rows": rows + [r for s in sections for r in s[2]], "checks": checks}
+
+
+# -- parts (b) and (c): real pipelines through bitps-launch ---------------------------------
+
+DEEP_CASES = (
+    # (case, schedule, balance, micro-batch size, dynamic micro-batching, look-ahead)
+    ("baseline: 1F1B, uniform split", "1f1b", "uniform", 8, False, False),
+    ("1F1B, balanced", "1f1b", "profile", 8, False, False),
+    ("1F1B, balanced, fixed micro-batch 4", "1f1b", "profile", 4, False, False),
+    ("1F1B, balanced, fixed micro-batch 16", "1f1b", "profile", 16, False, False),
+    ("+ dynamic micro-batching", "1f1b", "profile", 8, True, False),
+    ("+ look-ahead and ZB-H1", "zb-h1", "profile", 8, True, True),
+    ("flush-free 2BW + look-ahead", "2bw", "profile", 8, False, True),
+)
+"""Part (b)'s runs, in order: each a ``bitps-launch --dp 1 --pp 4`` of the deep model."""
+
+PROBLEM_ROWS = (
+    # (row, bubble, throughput vs baseline): the problem statement's claims, copied
+    ("problem statement: baseline", 0.28, 1.0),
+    ("problem statement: + dynamic scheduling", 0.19, 1.15),
+    ("problem statement: all combined", 0.12, 1.31),
+)
+
+_DEEP_COLUMNS = [("case", "case"), ("schedule", "schedule"), ("balance", "split"),
+                 ("micro_batch_sizes", "micro-batch sizes"), ("bubble_max", "bubble max"),
+                 ("bubble_mean", "bubble mean"), ("samples_per_s", "samples/s"),
+                 ("vs_baseline", "x baseline"), ("stage_busy_ms", "stage busy ms/step"),
+                 ("imbalance", "slowest/mean"), ("partition", "layers per stage")]
+_DPPP_COLUMNS = [("case", "case"), ("schedule", "schedule"), ("samples", "samples"),
+                 ("first_loss", "first loss"), ("final_loss", "final loss"),
+                 ("loss_drop", "drop"), ("samples_per_s", "samples/s"),
+                 ("bubble_mean", "bubble mean"), ("stages_reporting", "stages reporting"),
+                 ("loss_curve", "loss every 10 steps (replica 0)")]
+
+
+_DEEP_TITLE = "(b) The deep demo model on p = 4"
+_DPPP_TITLE = "(c) dp = 2 x pp = 2 through the PS: async, 1-bit (sign1) pushes"
+
+
+def _deep_notes(steps: int) -> str:
+    return (f"Each row: bitps-launch --dp 1 --pp 4, the deep model (12 layers: embedding, ten "
+            f"blocks, a wide head), one sync shard, {steps} steps of 64 samples (m = 64 / "
+            f"micro-batch size), measured after the first {max(2, steps // 4)}. bubble = 1 - "
+            f"busy / wall per stage per step (the runtime's timers); samples/s = samples over "
+            f"the summed step walls (a step's wall: its slowest stage's). Stage busy: median "
+            f"per step; slowest/mean of it is the measured balance (uniform: equal layer "
+            f"counts; profile: min-max partition of the profiled per-layer times). The 2BW row "
+            f"is one run_step over every step (its figures: the whole run's). The machine has "
+            f"{os.cpu_count()} cores for 4 stage processes, a shard and the other load, so "
+            f"stages contend for CPU: busy times and bubbles carry that. The problem "
+            f"statement's rows are its claims, copied (28 % -> 19 % -> 12 %, +15 %, +31 %), "
+            f"not measured here.")
+
+
+def _dp_pp_notes(steps: int) -> str:
+    return (f"bitps-launch --shards 2 --mode async --dp 2 --pp 2, the deep model, micro-batch "
+            f"8, m = 4, {steps} steps per replica, --push-codec sign1 (1-bit signs with error "
+            f"feedback), 1F1B then the flush-free 2BW (one run_step over all steps) at equal "
+            f"samples. Losses: the last stages' (first step; final = mean of the last 10 "
+            f"steps), averaged over the two replicas; samples/s over both replicas.")
+
+
+def launch_pipeline(run_dir: Path, launcher: list[str], stage: list[str],
+                    timeout_s: float) -> tuple[dict, list[dict]]:
+    """Run ``bitps-launch <launcher> -- <stage>`` with ``--run-dir run_dir``; its
+    ``summary.json`` and the step events of ``steps.jsonl``. A failed run raises naming the
+    launcher's last output."""
+    argv = [sys.executable, "-m", "bitps.worker.launch", "--run-dir", str(run_dir), *launcher,
+            "--", *stage]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s,
+                          env={**os.environ, "COLUMNS": "200"})
+    summary_path = run_dir / "summary.json"
+    if proc.returncode or not summary_path.exists():
+        raise RuntimeError(f"bitps-launch {' '.join(launcher)} -- {' '.join(stage)} exited "
+                           f"{proc.returncode}: {(proc.stdout + proc.stderr)[-1500:]}")
+    steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    return json.loads(summary_path.read_text()), steps
+
+
+def _by_step(events: list[dict], replica: int = 0) -> dict[int, dict[int, dict]]:
+    out: dict[int, dict[int, dict]] = {}
+    for e in events:
+        if e["replica"] == replica:
+            out.setdefault(e["step"], {})[e["stage"]] = e
+    return out
+
+
+def deep_row(case: tuple, summary: dict, events: list[dict], p: int, skip: int) -> dict:
+    """One part (b) row: over the steps after the first ``skip``, the median of the largest
+    and the mean stage bubble, samples/s (samples over the summed step walls, a step's wall
+    being its slowest stage's), each stage's median busy time per step and slowest/mean."""
+    name, schedule, balance, size, dynamic, lookahead = case
+    steps = _by_step(events)
+    kept = [s for k, s in sorted(steps.items()) if k >= skip and len(s) == p]
+    if not kept:
+        raise ValueError(f"{name}: no step after {skip} reported by all {p} stages")
+    walls = [max(e["wall_s"] for e in s.values()) for s in kept]
+    samples = sum(s[0]["samples_per_s"] * s[0]["wall_s"] for s in kept)
+    busy = [statistics.median(s[st]["busy_s"] for s in kept) for st in range(p)]
+    start = next(e for e in summary["starts"] if e is not None)
+    sizes = sorted({e["micro_batch_size"] for e in events})
+    return {"part": "b", "case": name, "schedule": schedule, "balance": balance,
+            "dynamic": dynamic, "lookahead": lookahead, "start_micro_batch": size,
+            "micro_batch_sizes": sizes, "steps_measured": len(kept),
+            "bubble_max": statistics.median(max(e["bubble"] for e in s.values())
+                                            for s in kept),
+            "bubble_mean": statistics.median(statistics.fmean(e["bubble"] for e in s.values())
+                                             for s in kept),
+            "samples_per_s": samples / sum(walls),
+            "stage_busy_ms": [round(b * 1e3, 1) for b in busy],
+            "imbalance": max(busy) / statistics.fmean(busy),
+            "partition": [f"{a}-{b - 1}" for a, b in start["partition"]],
+            "profiled_costs_ms": (None if start.get("costs") is None
+                                  else [round(c * 1e3, 3) for c in start["costs"]])}
+
+
+def run_deep(*, p: int = 4, steps: int = 24, replica_batch: int = 64, run_root: Path,
+             timeout_s: float = 600.0, cases: tuple = DEEP_CASES) -> tuple[list[dict], dict]:
+    """Part (b): every case of ``cases`` on the deep model, one after another (sync mode, one
+    shard); its rows (ours, then the problem statement's) and checks."""
+    rows = []
+    skip = max(2, steps // 4)  # warm-up, and the tuner's first moves
+    for case in cases:
+        name, schedule, balance, size, dynamic, lookahead = case
+        run_dir = run_root / f"deep-{len(rows)}"
+        summary, events = launch_pipeline(
+            run_dir, ["--shards", "1", "--mode", "sync", "--dp", "1", "--pp", str(p),
+                      "--micro-batch-size", str(size),
+                      "--gradient-accumulation-steps", str(replica_batch // size),
+                      "--schedule", schedule],
+            ["--model", "deep", "--steps", str(steps), "--balance", balance, "--log-every", "1",
+             "--dynamic-micro-batch", str(dynamic).lower(), "--lookahead", str(lookahead).lower()],
+            timeout_s)
+        rows.append(deep_row(case, summary, events, p, skip))
+        print(f"(b) {name}: bubble {rows[-1]['bubble_max']:.3f}, "
+              f"{rows[-1]['samples_per_s']:.1f} samples/s", file=sys.stderr)
+    base = rows[0]["samples_per_s"]
+    for r in rows:
+        r["vs_baseline"] = r["samples_per_s"] / base
+    rows += [{"part": "b", "case": name, "bubble_max": bubble, "vs_baseline": speed,
+              "schedule": "(claim)"} for name, bubble, speed in PROBLEM_ROWS]
+    return rows, _deep_checks(rows)
+
+
+def _deep_checks(rows: list[dict]) -> dict:
+    by = {r["case"]: r for r in rows}
+    checks = {}
+    uniform, balanced = by.get(DEEP_CASES[0][0]), by.get(DEEP_CASES[1][0])
+    if uniform and balanced:
+        checks["deep_balanced_slowest_over_mean"] = check(
+            f"{balanced['imbalance']:.3f} (uniform split: {uniform['imbalance']:.3f})",
+            "<= 1.05 (measured stage busy time)", balanced["imbalance"] <= 1.05)
+    fixed = [r for r in rows if r.get("balance") == "profile" and not r.get("dynamic")
+             and r.get("schedule") == "1f1b"]
+    dynamic = by.get("+ dynamic micro-batching")
+    if fixed and dynamic:
+        best = max(fixed, key=lambda r: r["samples_per_s"])
+        ratio = dynamic["samples_per_s"] / best["samples_per_s"]
+        checks["deep_dynamic_vs_best_fixed_micro_batch"] = check(
+            f"{ratio:.3f} ({dynamic['samples_per_s']:.1f} vs {best['samples_per_s']:.1f} "
+            f"samples/s at {best['start_micro_batch']}; dynamic used "
+            f"{dynamic['micro_batch_sizes']})", ">= 0.97", ratio >= 0.97)
+    ours = [r for r in rows if "samples_per_s" in r]
+    if ours:
+        best = min(ours, key=lambda r: r["bubble_max"])
+        checks["deep_best_bubble_vs_problem_statement"] = check(
+            f"{best['bubble_max']:.3f} ({best['case']}; baseline "
+            f"{ours[0]['bubble_max']:.3f})", "<= 0.12 (the problem statement's all-combined "
+            "claim)", best["bubble_max"] <= 0.12)
+    return checks
+
+
+def run_dp_pp(*, steps: int = 60, micro_batch: int = 8, m: int = 4, run_root: Path,
+              timeout_s: float = 600.0) -> tuple[list[dict], dict]:
+    """Part (c): dp = 2 x pp = 2 of the deep model through two async shards, sign1 (1-bit)
+    pushes with error feedback, 1F1B and then the flush-free 2BW at equal samples."""
+    rows = []
+    for schedule in ("1f1b", "2bw"):
+        run_dir = run_root / f"dppp-{schedule}"
+        summary, events = launch_pipeline(
+            run_dir, ["--shards", "2", "--mode", "async", "--dp", "2", "--pp", "2",
+                      "--micro-batch-size", str(micro_batch),
+                      "--gradient-accumulation-steps", str(m), "--schedule", schedule],
+            ["--model", "deep", "--steps", str(steps), "--push-codec", "sign1",
+             "--log-every", "1"], timeout_s)
+        done = [d for d in summary["stages"] if d is not None]
+        last = [d for d in done if d["stage"] == 1]
+        curve = [e["loss"] for e in sorted(events, key=lambda e: e["step"])
+                 if e["replica"] == 0 and e["stage"] == 1 and e["loss"] is not None]
+        first = statistics.fmean(d["first_loss"] for d in last)
+        final = statistics.fmean(d["final_loss"] for d in last)
+        wall = max(d["seconds"] for d in done)
+        rows.append({"part": "c", "case": f"dp 2 x pp 2, async, sign1, {schedule}",
+                     "schedule": schedule, "samples": 2 * steps * micro_batch * m,
+                     "first_loss": first, "final_loss": final, "loss_drop": 1 - final / first,
+                     "samples_per_s": 2 * steps * micro_batch * m / wall,
+                     "bubble_mean": statistics.fmean(d["bubble"] for d in done),
+                     "stages_reporting": f"{len(done)}/4",
+                     "loss_curve": [round(x, 3) for x in curve[::10]]})
+        print(f"(c) {schedule}: loss {first:.3f} -> {final:.3f}", file=sys.stderr)
+    one, two = rows
+    checks = {
+        "dp2_pp2_loss_falls_30pct": check(
+            f"{one['loss_drop']:.3f} (1f1b), {two['loss_drop']:.3f} (2bw)", ">= 0.30 both",
+            one["loss_drop"] >= 0.3 and two["loss_drop"] >= 0.3),
+        "dp2_pp2_metrics_from_every_stage": check(
+            f"{one['stages_reporting']}, {two['stages_reporting']}", "4/4 both",
+            one["stages_reporting"] == two["stages_reporting"] == "4/4"),
+        "dp2_pp2_flush_free_final_loss_vs_1f1b": check(
+            round(two["final_loss"] / one["final_loss"], 4), "within 2 % of 1 (equal samples)",
+            abs(two["final_loss"] / one["final_loss"] - 1) <= 0.02)}
+    return rows, checks
+
+
+def append_section(out: Path, key: str, title: str, rows: list[dict],
+                   columns: list[tuple[str, str]], notes: str) -> None:
+    """Add ``rows`` to ``pipeline.json`` under ``key`` and a Markdown table of them, titled,
+    to ``pipeline.md`` (both written by part (a) first)."""
+    from bitps.bench.report import _fmt
+
+    json_path, md_path = out / "pipeline.json", out / "pipeline.md"
+    doc = json.loads(json_path.read_text())
+    doc[key] = rows
+    json_path.write_text(json.dumps(doc, indent=2) + "\n")
+    lines = ["", f"## {title}", "", notes, "", "| " + " | ".join(h for _, h in columns) + " |",
+             "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_fmt(r.get(k)) for k, _ in columns) + " |" for r in rows]
+    md_path.write_text(md_path.read_text() + "\n".join(lines) + "\n")

@@ -150,6 +150,36 @@ def _comm_one_way_s(rank: int, shape: tuple[int, int], repeats: int = 20) -> flo
     return statistics.median(spans) if spans else 0.0
 
 
+def _link_one_way_s(rank: int, shape: tuple[int, int], timeout_s: float,
+                    repeats: int = 20) -> float:
+    """The same through our runtime's ``StageLink`` (header and tensor, posted receives): the
+    transfer cost our simulator is given for our schedules. Other ranks return 0."""
+    import statistics
+
+    import torch
+
+    from bitps.worker.pipeline.p2p import Direction, Peer, StageLink
+
+    if rank > 1:
+        return 0.0
+    other = Peer(stage=1 - rank, replica=0, rank=1 - rank)
+    out, back = ((Direction.TO_NEXT, Direction.FROM_NEXT) if rank == 0
+                 else (Direction.TO_PREV, Direction.FROM_PREV))
+    link = StageLink({out: other, back: other}, device=torch.device("cpu"), timeout_s=timeout_s)
+    link.expect(back, range(repeats))
+    buf, spans = torch.zeros(shape), []
+    for k in range(repeats):
+        t0 = time.perf_counter()
+        if rank == 0:
+            link.send(out, k, buf)
+            link.recv(back, k)
+            spans.append((time.perf_counter() - t0) / 2)
+        else:
+            link.send(out, k, link.recv(back, k))
+    link.finish()
+    return statistics.median(spans) if spans else 0.0
+
+
 def _record(case, round_no: int, t0: float, t1: float) -> dict:
     from bitps.worker.pipeline.synthetic import RECORDER
 
@@ -184,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
                             timeout=datetime.timedelta(seconds=s["timeout_s"]))
     try:
         comm_s = _comm_one_way_s(rank, (s["rows"], s["width"]))
+        dist.barrier()
+        link_s = _link_one_way_s(rank, (s["rows"], s["width"]), s["timeout_s"])
+        dist.barrier()
         cases, refused = [], {}
         for name in s["cases"]:
             for m in s["ms"]:
@@ -205,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    print(json.dumps({"rank": rank, "comm_s": comm_s, "refused": refused,
+    print(json.dumps({"rank": rank, "comm_s": comm_s, "link_s": link_s, "refused": refused,
                       "records": records}), flush=True)
     return 0
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -43,6 +44,8 @@ REFUSED = {
     "unknown schedule": (["--pp", "2", "--schedule", "interleaved"],
                          r"got 'interleaved'; expected one of gpipe, 1f1b, zb-h1, 2bw"),
     "unknown model": (["--pp", "2", "--", "--model", "gpt5"], r"model 'gpt5': expected one of"),
+    "local SGD preset": (["--pp", "2", "--algorithm", "diloco"],
+                         r"--algorithm diloco: pipelines train with the shards' optimizer"),
 }
 
 # (config file text, what the error must name)
@@ -212,10 +215,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_torchrun_style_stages_and_a_dying_stage_fails_its_peer_naming_it(tmp_path):
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_torchrun_style_stages_and_a_dying_stage_fails_its_peer_naming_it(tmp_path, how):
     # No launcher: a shard and two stage processes given torchrun's environment, as torchrun
-    # would start them. Stage 1 is killed mid-run; stage 0 must fail within its p2p deadline
-    # with an error naming stage 1, not hang.
+    # would start them. Stage 1 is killed (or terminated) mid-run; stage 0 must fail within
+    # its p2p deadline with an error naming stage 1, not hang. Terminated, stage 1 leaves the
+    # shard itself and exits 0.
     shard = subprocess.Popen([sys.executable, "-m", "bitps.ps", "--mode", "async"], cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     stages = []
@@ -230,15 +235,23 @@ def test_torchrun_style_stages_and_a_dying_stage_fails_its_peer_naming_it(tmp_pa
                  "--model", "mlp", "--balance", "uniform", "--steps", "100000",
                  "--p2p-timeout", "10", "--json", "--log-every", "1"],
                 cwd=ROOT, env=dict(torchrun, RANK=str(rank), LOCAL_RANK=str(rank)),
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+                stdout=subprocess.PIPE, stderr=(tmp_path / f"stage{rank}.log").open("w"),
+                text=True))
         first = stages[0]
         events = []
         while not any(e["event"] == "step" for e in events):
             line = first.stdout.readline()
             assert line, "stage 0 ended before its first step"
             events.append(json.loads(line))
-        stages[1].kill()
         t0 = time.monotonic()
+        if how == "SIGKILL":
+            stages[1].kill()
+        else:
+            stages[1].send_signal(signal.SIGTERM)
+            assert stages[1].wait(30) == 0
+            last = [json.loads(line) for line in stages[1].stdout.read().splitlines()][-1]
+            assert last == {"event": "terminated", "rank": 1}
+            assert "leave shard 0 failed" not in (tmp_path / "stage1.log").read_text()
         assert first.wait(30) == 1
         waited = time.monotonic() - t0
         error = [json.loads(line) for line in first.stdout.read().splitlines()][-1]
@@ -249,3 +262,33 @@ def test_torchrun_style_stages_and_a_dying_stage_fails_its_peer_naming_it(tmp_pa
     assert error["event"] == "error" and (error["replica"], error["stage"]) == (0, 0)
     assert "StageFailedError" in error["error"] and "stage 1" in error["error"], error
     assert waited < 10 + 5, waited  # within the deadline (a closed peer is seen at once)
+
+
+def test_stage_metrics_record_a_step_report():
+    from prometheus_client import generate_latest
+
+    from bitps.worker.pipeline.metrics import StageMetrics
+    from bitps.worker.pipeline.runtime import StepReport
+    from bitps.worker.pipeline.simulate import StageTimes
+
+    m = StageMetrics(stage=2, replica=1)
+    for wall, busy in ((1.0, 0.75), (2.0, 1.0)):
+        m.observe(StepReport(step=0, wall_s=wall, busy_s=busy, bubble=1 - busy / wall,
+                             losses=[2.0, 4.0], times=StageTimes(f=0.1, b=0.2, w=0.0),
+                             p2p_bytes_sent=100, p2p_bytes_received=40, micro_batch_size=8))
+    samples = {(s.name, s.labels.get("direction")): (s.value, s.labels)
+               for f in text_string_to_metric_families(generate_latest(m.registry).decode())
+               for s in f.samples}
+    assert all(labels["stage"] == "2" and labels["replica"] == "1"
+               for _, labels in samples.values())
+    value = {k: v for k, (v, _) in samples.items()}
+    assert value[("bitps_stage_busy_seconds_total", None)] == 1.75
+    assert value[("bitps_stage_wall_seconds_total", None)] == 3.0
+    assert value[("bitps_stage_bubble_ratio", None)] == 0.5  # the last step's
+    assert value[("bitps_stage_micro_batch_size", None)] == 8
+    assert value[("bitps_stage_p2p_bytes_total", "sent")] == 200
+    assert value[("bitps_stage_p2p_bytes_total", "received")] == 80
+    assert value[("bitps_stage_steps_total", None)] == 2
+    assert value[("bitps_stage_step_seconds_count", None)] == 2
+    assert value[("bitps_stage_loss", None)] == 3.0
+    assert not [name for name, _ in samples if name.endswith("_created")]

@@ -115,3 +115,14 @@ def test_deep_models_layers_are_unevenly_costly():
     block = statistics.median(costs[1:-1])
     assert costs[0] < 0.3 * block, costs
     assert costs[-1] > 1.3 * block, costs
+
+
+def test_deep_model_trains_on_the_demo_corpus():
+    import numpy as np
+
+    from bitps.worker.launch.demo import load_corpus
+    from bitps.worker.pipeline.models import _DEEP_CORPUS_BYTES, _corpus
+
+    assert np.array_equal(_corpus(_DEEP_CORPUS_BYTES), load_corpus(_DEEP_CORPUS_BYTES).data)
+    x, y = _sample("deep", 3)
+    assert x.shape == y.shape == (3, 64) and torch.equal(x[:, 1:], y[:, :-1])

@@ -391,6 +391,9 @@ def _pipeline_plan(args, stage_args: list[str]) -> _Pipeline:
     value if the model, the schedule or the batch sizes cannot run it."""
     from bitps.worker.pipeline.__main__ import check_plan, parse_config
 
+    if args.algorithm != "ps":
+        raise ValueError(f"--algorithm {args.algorithm}: pipelines train with the shards' "
+                         f"optimizer on every step's gradients (--algorithm ps)")
     argv = [*(["--config", args.config] if args.config is not None else [])]
     for _, dest, _, _ in _PIPELINE_FLAGS:
         value = getattr(args, dest)
@@ -451,26 +454,25 @@ def _run_pipeline(cluster: Cluster, args, plan: _Pipeline) -> int:
 def _report_pipeline(summary: dict, expect_drop: float) -> int:
     par = summary["parallel"]
     table = Table(title=f"bitps pipeline {par['dp']} x {par['pp']}, {par['schedule']} "
-                        f"({summary['mode']})")
-    for col in ("rank", "replica", "stage", "layers", "steps", "first loss", "final loss",
-                "drop", "bubble", "micro-batch", "samples/s", "seconds"):
+                        f"({summary['mode']}); b = micro-batch size at the end")
+    for col in ("replica", "stage", "layers", "steps", "first", "final", "drop", "bubble",
+                "b", "samples/s"):
         table.add_column(col, justify="right")
     code = 0
-    for rank, done in enumerate(summary["stages"]):
+    for done in summary["stages"]:
         if done is None:
-            table.add_row(str(rank), *["-"] * 11)
+            table.add_row(*["-"] * 10)
             code = 1
             continue
         first, final = done.get("first_loss"), done.get("final_loss")
         drop = None if first is None else 1 - final / first
         if drop is not None and drop < expect_drop:
             code = 1
-        table.add_row(str(rank), str(done["replica"]), str(done["stage"]), done["layers"],
+        table.add_row(str(done["replica"]), str(done["stage"]), done["layers"],
                       str(done["steps"]), "-" if first is None else f"{first:.3f}",
                       "-" if final is None else f"{final:.3f}",
-                      "-" if drop is None else f"{drop:.1%}", f"{done['bubble']:.3f}",
-                      str(done["micro_batch_size"]), f"{done['samples_per_s']:.1f}",
-                      f"{done['seconds']:.1f}")
+                      "-" if drop is None else f"{drop:.0%}", f"{done['bubble']:.2f}",
+                      str(done["micro_batch_size"]), f"{done['samples_per_s']:.0f}")
     console.print(table)
     if code:
         console.print(f"[red]expected every last stage's loss to fall by >= {expect_drop:.0%}")

@@ -23,7 +23,9 @@ shards (a ``PSClient`` of world size D x P; replica 0 of each stage sends initia
 run ``--steps`` steps of the schedule through ``StageRuntime``, and (dynamic micro-batching)
 adopt a new micro-batch size between steps. With ``--json`` it prints one JSON object per line:
 ``start``, ``step`` (every ``--log-every`` steps), ``done`` (``final_loss`` = mean of the last
-10 steps' losses, on the last stage), or ``error`` naming the error before exiting 1.
+10 steps' losses, on the last stage), or ``error`` naming the error before exiting 1. SIGTERM
+ends the run where it is: the stage leaves every shard (so the shards stop waiting for its
+keys' pushes), prints ``terminated`` and exits 0; a second SIGTERM kills it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import datetime
 import functools
 import json
 import logging
+import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -192,6 +195,16 @@ def check_plan(cfg: StageProcessConfig) -> None:
                          f"got {cfg.client.world_size}")
 
 
+class _Terminated(BaseException):
+    """Raised in the main thread by the SIGTERM handler (a BaseException: no ``except
+    Exception`` on the way swallows it)."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM kills at once
+    raise _Terminated
+
+
 def emit(run: RunConfig, **event) -> None:
     """One progress event: a JSON line on stdout with ``--json``, else a log line."""
     if run.json:
@@ -209,8 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s stage %(process)d %(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return run_stage(cfg, emit=functools.partial(emit, cfg.run))
+    except _Terminated:  # the step loop has left the shards on its way out
+        emit(cfg.run, event="terminated", rank=cfg.client.rank)
+        return 0
     except Exception as err:
         logging.exception("rank %d (replica %d, stage %d) failed", cfg.client.rank,
                           cfg.replica, cfg.stage_index)
@@ -310,9 +327,7 @@ class _Stage:
         par = self.cfg.parallel
         if not par.dynamic_micro_batch:
             return FixedMicroBatch(par.micro_batch_size, par.replica_batch)
-        tuner = MicroBatchTuner(samples_per_step=par.replica_batch, schedule=par.schedule,
-                                p=self.p, start=par.micro_batch_size,
-                                minimum=par.micro_batch_min, maximum=par.micro_batch_max)
+        tuner = MicroBatchTuner.from_config(par)
         return DynamicMicroBatch(tuner, num_stages=self.p, group=self.group)
 
     def _data(self):
@@ -342,14 +357,19 @@ class _Stage:
                   partition=[[r.start, r.stop] for r in self.ranges], costs=self.costs,
                   params=params, keys=len(self.ps_model.keys), metrics_port=self.metrics_port,
                   device=str(self.device), schedule=par.schedule)
+        from bitps.worker.pipeline.schedules import get_schedule
+
+        schedule = get_schedule(par.schedule)
         data = self._data()
         t_start = time.perf_counter()
         try:
-            from bitps.worker.pipeline.schedules import get_schedule
-
-            schedule = get_schedule(par.schedule)
             steps = self._flushing(schedule, data) if schedule.flushes else \
                 self._flush_free(schedule, data)
+        except BaseException:
+            # Leave every shard now, waiting for nothing in flight: in sync mode the other
+            # replicas' pushes of these keys stop waiting for this stage at once.
+            self.client.close()
+            raise
         finally:
             if hasattr(data, "close"):
                 data.close()
@@ -365,7 +385,7 @@ class _Stage:
                   last_loss=losses[-1] if losses else None, seconds=wall,
                   samples_per_s=len(steps) * par.replica_batch / wall,
                   bubble=1 - busy / sum(s["wall_s"] for s in steps) if steps else 0.0,
-                  micro_batch_size=self.sizes.size,
+                  micro_batch_size=steps[-1]["micro_batch_size"] if steps else self.sizes.size,
                   micro_batch_sizes=[s["micro_batch_size"] for s in steps],
                   p2p_bytes_sent=sum(s["p2p_bytes_sent"] for s in steps),
                   p2p_bytes_received=sum(s["p2p_bytes_received"] for s in steps))
