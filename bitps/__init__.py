@@ -30,6 +30,14 @@ _EXPORTS = {
     "ServerConfig": "bitps.ps.config",
     "OptimizerConfig": "bitps.ps.config",
     "create_server": "bitps.ps.server",
+    # pipeline parallelism (docs/pipeline.md)
+    "ParallelConfig": "bitps.worker.pipeline.config",
+    "PlanError": "bitps.worker.pipeline.errors",
+    "get_schedule": "bitps.worker.pipeline.schedules",
+    "simulate": "bitps.worker.pipeline.simulate",
+    "StageContext": "bitps.worker.pipeline.runtime",
+    "StageRuntime": "bitps.worker.pipeline.runtime",
+    "StageFailedError": "bitps.worker.pipeline.p2p",
 }
 
 __all__ = ["__version__", *_EXPORTS]
