@@ -158,6 +158,37 @@ def test_tuner_holds_under_noise_and_switches_when_times_drift():
     assert chosen[-1] == 4 and chosen[:2] == [4, 16]
 
 
+def _shared_step(b: int, overhead: float, cores: int = 2) -> float:
+    """The step time of P stage processes sharing ``cores`` CPU cores (this machine: 4 stages on
+    2 cores): no stage waits for compute it does not do, so the step is the replica's total
+    compute over the cores, whatever bubble the simulator would count."""
+    m = G // b
+    return sum(m * (t.f + t.b + t.w) + t.pull + t.push for t in _truth(b, overhead)) / cores
+
+
+def test_tuner_calibrated_by_measured_step_times_picks_the_measured_best():
+    """Where stages share compute the simulator's bubble is not paid: measured step walls
+    calibrate the prediction, so the tuner picks the size that is fastest as measured (16:
+    fewest per-micro-batch overheads), not the simulator's (8)."""
+    overhead = 0.002
+    plain = MicroBatchTuner(samples_per_step=G, schedule="1f1b", p=P, start=8)
+    assert _run(plain, 8, overhead, steps=6)[-1] == 8
+    tuner = MicroBatchTuner(samples_per_step=G, schedule="1f1b", p=P, start=8)
+    b, chosen = 8, []
+    for _ in range(6):
+        tuner.observe(b, _truth(b, overhead), step_s=_shared_step(b, overhead))
+        b = tuner.choose()
+        chosen.append(b)
+    measured_best = min(tuner.candidates, key=lambda c: _shared_step(c, overhead))
+    assert measured_best == 16 and chosen[:2] == [4, 16] and chosen[-1] == 16
+    for c in (4, 8, 16):  # measured sizes: the prediction is the measurement
+        assert tuner.predict(c) == pytest.approx(_shared_step(c, overhead), rel=1e-9)
+    assert tuner.calibration(12) == pytest.approx(
+        0.5 * (tuner.calibration(8) + tuner.calibration(16)))
+    with pytest.raises(ValueError, match="step_s must be a positive"):
+        tuner.observe(8, _truth(8, overhead), step_s=0.0)
+
+
 # --- ParallelConfig -------------------------------------------------------------------------
 
 PROBLEM = {"data_parallel_size": 2, "pipeline_parallel_size": 4, "micro_batch_size": 8,

@@ -404,7 +404,7 @@ class _Stage:
             report = self.runtime.run_step(
                 plans[m], inputs=list(x.split(b)) if self.first else None,
                 targets=list(y.split(b)) if self.last else None)
-            self.sizes.after_step(report.times)
+            self.sizes.after_step(report.times, report.wall_s)
             out.append(self._step_event(step, report, report.losses, b))
         return out
 

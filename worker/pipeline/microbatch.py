@@ -18,6 +18,14 @@ How it decides:
 - **Prediction**: :meth:`~MicroBatchTuner.predict` simulates the schedule (``simulate``) with the
   modelled times at ``b``, ``m = G / b``, and returns the time of one step in steady state
   (the makespan of three steps minus that of two, so a flush-free schedule's overlap counts).
+- **Calibration**: the simulator assumes each stage computes on its own device. Where stages
+  share compute (several stage processes on a few CPU cores, or one GPU), idle stages lend
+  their share to busy ones and the simulated bubble is not paid in full. So when an observation
+  comes with the measured wall time of its step (``observe(..., step_s=...)``), the tuner keeps,
+  per measured size, the ratio of measured to simulated step time (a moving average), and
+  scales each prediction by that ratio, interpolated linearly in ``b`` between the measured
+  sizes (the nearest one beyond them). Without measured walls the ratio is 1: the simulator's
+  prediction as it is.
 - **Exploration**: until both ends of the candidate range have been measured, :meth:`choose`
   returns the next unmeasured end (the smallest first), so the line spans the range rather
   than extrapolating from one side. Then it returns the predicted best; a size not measured yet
@@ -84,6 +92,7 @@ class MicroBatchTuner:
         self._require_candidate(start)
         self.current = start
         self._measured: dict[int, list[StageTimes]] = {}
+        self._ratio: dict[int, float] = {}  # measured / simulated step time, per measured size
         self._predicted: dict[int, float] = {}  # cleared by every observation
 
     @classmethod
@@ -98,22 +107,33 @@ class MicroBatchTuner:
         """The sizes whose times the model holds now."""
         return tuple(sorted(self._measured))
 
-    def observe(self, b: int, times: Sequence[StageTimes]) -> None:
-        """Record the per-stage, per-micro-batch times measured in a step run at size ``b``."""
+    def observe(self, b: int, times: Sequence[StageTimes], step_s: float | None = None) -> None:
+        """Record the per-stage, per-micro-batch times measured in a step run at size ``b``,
+        and (``step_s``) the step's measured wall time, which calibrates the predictions."""
         self._require_candidate(b)
         if len(times) != self.p:
             raise ValueError(f"observe: {len(times)} StageTimes for {self.p} stages")
+        if step_s is not None and not step_s > 0:
+            raise ValueError(f"observe: step_s must be a positive number of seconds, got "
+                             f"{step_s!r}")
         self._predicted.clear()
         old = self._measured.get(b)
         if old is not None and len(self._measured) > 1 and self._drifted(old, times):
-            self._measured = {b: list(times)}  # the others were measured before the change
-            return
-        if old is None:
+            # the others were measured before the change
+            self._measured, self._ratio = {b: list(times)}, {}
+        elif old is None:
             self._measured[b] = list(times)
-            return
-        a = self.smoothing
-        self._measured[b] = [StageTimes(**{op: a * getattr(new, op) + (1 - a) * getattr(prev, op)
-                                           for op in _OPS}) for new, prev in zip(times, old)]
+        else:
+            a = self.smoothing
+            self._measured[b] = [
+                StageTimes(**{op: a * getattr(new, op) + (1 - a) * getattr(prev, op)
+                              for op in _OPS}) for new, prev in zip(times, old)]
+        if step_s is not None:
+            ratio = step_s / self._simulated(b)
+            prev = self._ratio.get(b)
+            self._ratio[b] = ratio if prev is None else \
+                self.smoothing * ratio + (1 - self.smoothing) * prev
+            self._predicted.clear()
 
     def model(self, b: int) -> list[StageTimes]:
         """The modelled per-stage times at size ``b`` (needs one observation)."""
@@ -122,18 +142,40 @@ class MicroBatchTuner:
         return [StageTimes(**{op: self._fit(s, op, b) for op in _OPS}) for s in range(self.p)]
 
     def predict(self, b: int) -> float:
-        """The predicted time of one steady-state step at size ``b`` (seconds)."""
+        """The predicted time of one steady-state step at size ``b`` (seconds): the simulated
+        one, times the calibration ratio at ``b`` (module docstring)."""
         self._require_candidate(b)
         if b not in self._predicted:
-            m = self.samples_per_step // b
-            times = self.model(b)
-
-            def makespan(steps: int) -> float:
-                return simulate(self.schedule.generate(self.p, m, steps), times, self.comm_s,
-                                schedule=self.schedule.name).makespan
-
-            self._predicted[b] = makespan(3) - makespan(2)
+            self._predicted[b] = self._simulated(b) * self.calibration(b)
         return self._predicted[b]
+
+    def calibration(self, b: int) -> float:
+        """Measured over simulated step time at size ``b``: the moving average at a measured
+        size, linear between measured sizes, the nearest beyond them; 1 with no walls."""
+        if not self._ratio:
+            return 1.0
+        sizes = sorted(self._ratio)
+        if b <= sizes[0]:
+            return self._ratio[sizes[0]]
+        if b >= sizes[-1]:
+            return self._ratio[sizes[-1]]
+        hi = next(x for x in sizes if x >= b)
+        lo = max(x for x in sizes if x <= b)
+        if hi == lo:
+            return self._ratio[lo]
+        t = (b - lo) / (hi - lo)
+        return (1 - t) * self._ratio[lo] + t * self._ratio[hi]
+
+    def _simulated(self, b: int) -> float:
+        """The simulator's steady-state step time at ``b`` with the modelled times."""
+        m = self.samples_per_step // b
+        times = self.model(b)
+
+        def makespan(steps: int) -> float:
+            return simulate(self.schedule.generate(self.p, m, steps), times, self.comm_s,
+                            schedule=self.schedule.name).makespan
+
+        return makespan(3) - makespan(2)
 
     def choose(self) -> int:
         """The size to run next (see the module docstring: explore the ends, then the predicted

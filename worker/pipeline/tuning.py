@@ -1,18 +1,20 @@
 """Dynamic micro-batching between steps, across one replica's stage processes.
 
 After each step every stage of a replica contributes its measured per-micro-batch times (the
-runtime's ``StepReport.times``); :class:`DynamicMicroBatch` gathers them over the replica's
-process group, feeds them to a :class:`~bitps.worker.pipeline.microbatch.MicroBatchTuner`, and
-returns the size the next step runs with. Every stage holds the same gathered times (in stage
-order) and the tuner is a pure function of what it observed, so every stage of the replica
-adopts the same size without a further message. The samples per step stay fixed: the next step
+runtime's ``StepReport.times``) and its step's wall time; :class:`DynamicMicroBatch` gathers them
+over the replica's process group, feeds them to a
+:class:`~bitps.worker.pipeline.microbatch.MicroBatchTuner` (the slowest stage's wall is the
+step's, which calibrates the tuner's simulator), and returns the size the next step runs
+with. Every stage holds the same gathered times (in stage order) and the tuner is a pure
+function of what it observed, so every stage of the replica adopts the same size without a
+further message. The samples per step stay fixed: the next step
 runs ``samples_per_step // size`` micro-batches.
 
     dyn = DynamicMicroBatch(tuner, num_stages=p, group=replica_group)
     for step in range(steps):
         m = dyn.samples_per_step // dyn.size
         report = runtime.run_step(schedule.generate(p, m)[stage], ...)
-        dyn.after_step(report.times)       # collective over the replica's group
+        dyn.after_step(report.times, report.wall_s)   # collective over the replica's group
 
 Replicas tune independently (each its own group): what the shards aggregate is a step's
 gradient, whatever micro-batches it was accumulated from.
@@ -38,7 +40,7 @@ class FixedMicroBatch:
                              f"{samples_per_step} samples per step")
         self.size, self.samples_per_step = size, samples_per_step
 
-    def after_step(self, times: StageTimes) -> int:
+    def after_step(self, times: StageTimes, wall_s: float | None = None) -> int:
         return self.size
 
 
@@ -61,14 +63,17 @@ class DynamicMicroBatch:
         self.history: list[int] = [self.size]
         """The size of every step run so far, and the next one's last."""
 
-    def after_step(self, times: StageTimes) -> int:
-        """Record this stage's ``times`` of the step just run at :attr:`size` with every other
-        stage's, and return the size of the next step (every stage gets the same)."""
+    def after_step(self, times: StageTimes, wall_s: float | None = None) -> int:
+        """Record this stage's ``times`` (and ``wall_s``, its step's wall time) of the step just
+        run at :attr:`size` with every other stage's, and return the size of the next step
+        (every stage gets the same)."""
         import torch.distributed as dist
 
         gathered: list[tuple | None] = [None] * self.num_stages
-        dist.all_gather_object(gathered, dataclasses.astuple(times), group=self.group)
-        self.tuner.observe(self.size, [StageTimes(*t) for t in gathered])
+        dist.all_gather_object(gathered, (dataclasses.astuple(times), wall_s), group=self.group)
+        walls = [w for _, w in gathered]
+        step_s = max(walls) if all(w is not None and w > 0 for w in walls) else None
+        self.tuner.observe(self.size, [StageTimes(*t) for t, _ in gathered], step_s)
         self.size = self.tuner.choose()
         self.history.append(self.size)
         return self.size
