@@ -24,6 +24,16 @@ m = 8 <= 0.12 and no worse than torch's best there with no more in-flight micro-
 flush-free steady state <= 0.05. ``excess ms`` (measured step - simulated makespan) and its
 share per action are the overhead floor the simulator does not model.
 
+(b) **The deep demo model on p = 4** (``bitps-launch --dp 1 --pp 4``, one sync shard): the
+runs of :data:`DEEP_CASES` one after another (baseline 1F1B on a uniform split, balanced by the
+profile, fixed micro-batch sizes 4/8/16 at one global batch, + dynamic micro-batching,
++ look-ahead and ZB-H1, the flush-free 2BW), bubble and samples/s from every stage's step
+events, the measured balance (slowest/mean stage busy time), and the problem statement's rows
+(its claims, copied) beside them. (c) **dp = 2 x pp = 2 through the PS**: two async shards,
+sign1 (1-bit) pushes, 1F1B and 2BW at equal samples: loss curve, throughput, final-loss ratio.
+Rows of (b) and (c) go under ``deep_rows`` and ``dp_pp_rows`` of the JSON, each with its own
+Markdown table; their checks join (a)'s.
+
 The run waits for a quiet window (at most ``quiet_busy`` of all cores busy over 2 s, for up to
 ``quiet_wait_s``), and the load is recorded twice: that reading before the run, and during it
 the share of all cores busy with work other than the bench's rank processes (``/proc/stat``
@@ -350,6 +360,10 @@ def run(*, p: int = 4, ms: tuple[int, ...] = (4, 8, 16), t_f: float = 0.02,
              f"stage runs its B inside W). Load: {busy:.0%} of all cores busy before the run; "
              f"during it, other work took {load['other_load_share']:.0%} of all cores."
              + (f" Refused: {refused}." if refused else ""))
+    config["parts"] = list(parts)
+    # (a) is on disk before (b) and (c) start: a failure there keeps it
+    write_results("pipeline", config=config, rows=rows, checks=checks, columns=_COLUMNS,
+                  out=out, notes=notes)
     sections = []
     with tempfile.TemporaryDirectory(prefix="bitps-bench-pipeline-") as tmp:
         if "b" in parts:
@@ -364,7 +378,6 @@ def run(*, p: int = 4, ms: tuple[int, ...] = (4, 8, 16), t_f: float = 0.02,
             checks.update(dppp_checks)
             sections.append(("dp_pp_rows", _DPPP_TITLE, dppp, _DPPP_COLUMNS,
                              _dp_pp_notes(dp_pp_steps)))
-    config["parts"] = list(parts)
     write_results("pipeline", config=config, rows=rows, checks=checks, columns=_COLUMNS,
                   out=out, notes=notes)
     for section in sections:
