@@ -3,7 +3,7 @@
 (a) **Synthetic stages.** ``p`` (4) rank processes (``bench.pipeline_rank``, torchrun's
 environment, gloo over 127.0.0.1), each stage a
 :class:`~bitps.worker.pipeline.synthetic.SleepStage` whose F, B and W sleep ``t_f``, ``t_b``,
-``t_w`` (20 ms each). For every case and every m (4, 8, 16), one warm-up step then ``rounds``
+``t_w`` (40 ms each; at least 20). For every case and every m (4, 8, 16), one warm-up step then ``rounds``
 (3) timed steps, the cases alternated round by round in one run. A step starts at a barrier;
 its wall time runs from the earliest rank's release to the last rank's end, and each rank's
 bubble is ``1 - busy / wall`` with busy the sum of its recorded F/B/W intervals. Reported: the
@@ -63,7 +63,8 @@ _COLUMNS = [("impl", "implementation"), ("schedule", "schedule"), ("m", "m"),
             ("bubble_mean", "bubble mean"), ("sim_bubble_mean", "simulated mean"),
             ("closed_form", "closed form"), ("steady_bubble", "steady state"),
             ("sim_steady_bubble", "simulated steady"), ("step_ms", "step ms"),
-            ("excess_ms", "excess ms"), ("peak_inflight", "peak in-flight (per rank)"),
+            ("excess_ms", "excess ms"), ("median_gap_ms", "median gap ms"),
+            ("peak_inflight", "peak in-flight (per rank)"),
             ("peak_held", "held to W"), ("t_f_ms", "F ms"), ("t_b_ms", "B ms"),
             ("t_w_ms", "W ms")]
 _TORCH_NAMES = {"torch-gpipe": "ScheduleGPipe", "torch-1f1b": "Schedule1F1B",
@@ -161,6 +162,7 @@ def summarize(rank_docs: list[dict], p: int) -> list[dict]:
         b_max, b_mean, walls = [], [], []
         inflight, held = [0.0] * p, [0.0] * p
         by_rank: list[list[float]] = [[] for _ in range(p)]
+        gaps: list[float] = []
         kinds = ("t_f_s", "t_b_s", "t_w_s")
         per_rank = [[[] for _ in kinds] for _ in range(p)]
         for recs in rounds.values():
@@ -173,6 +175,8 @@ def summarize(rank_docs: list[dict], p: int) -> list[dict]:
             walls.append(wall)
             for r, b in zip(recs, bubbles):
                 by_rank[r["rank"]].append(b)
+                spans = sorted(r["intervals"], key=lambda iv: iv[1])
+                gaps += [b[1] - a[2] for a, b in zip(spans, spans[1:])]
             for r in recs:
                 inflight[r["rank"]] = max(inflight[r["rank"]], r["peak_inflight"])
                 held[r["rank"]] = max(held[r["rank"]], r["peak_held"])
@@ -182,6 +186,8 @@ def summarize(rank_docs: list[dict], p: int) -> list[dict]:
         rows.append({"case": case, "m": m, "bubble_max": statistics.median(b_max),
                      "bubble_mean": statistics.median(b_mean),
                      "bubble_per_rank": [statistics.median(b) for b in by_rank],
+                     # most gaps between a rank's intervals wait for nothing: the floor
+                     "median_gap_ms": statistics.median(gaps) * 1e3 if gaps else None,
                      "step_ms": statistics.median(walls) * 1e3, "peak_inflight": inflight,
                      "peak_held": held, "steps": len(walls), "stage_times_s": stage_times,
                      **{k[:-2] + "_ms": statistics.fmean(t[i] for t in stage_times) * 1e3
@@ -302,13 +308,13 @@ def _checks(rows: list[dict], p: int, ms: tuple[int, ...], cases: tuple[str, ...
     return checks
 
 
-def run(*, p: int = 4, ms: tuple[int, ...] = (4, 8, 16), t_f: float = 0.02,
-        t_b: float = 0.02, t_w: float = 0.02, rounds: int = 3, warmup: int = 1,
+def run(*, p: int = 4, ms: tuple[int, ...] = (4, 8, 16), t_f: float = 0.04,
+        t_b: float = 0.04, t_w: float = 0.04, rounds: int = 3, warmup: int = 1,
         rows_per_mb: int = 2, width: int = 8, cases: tuple[str, ...] | None = None,
         flush_free_steps: int = 6, timeout_s: float = 600.0, quiet_busy: float = 0.3,
         quiet_wait_s: float = 120.0, parts: tuple[str, ...] = ("a", "b", "c"),
-        deep_steps: int = 24, dp_pp_steps: int = 60, out: Path | None = None,
-        quick: bool = False) -> dict:
+        deep_steps: int = 24, dp_pp_steps: int = 60, nice: int = -15,
+        out: Path | None = None, quick: bool = False) -> dict:
     """Run ``parts`` (part (a) always), write ``pipeline.json``/``.md`` under ``out``, return
     the document. Part (a) starts once the machine is at most ``quiet_busy`` busy (or after
     ``quiet_wait_s``); (b) and (c) follow, their rows under ``deep_rows`` / ``dp_pp_rows``."""
@@ -320,7 +326,7 @@ def run(*, p: int = 4, ms: tuple[int, ...] = (4, 8, 16), t_f: float = 0.02,
     busy, waited = quiet_window(quiet_busy, 0.0 if quick else quiet_wait_s)
     settings = {"p": p, "ms": list(ms), "t_f": t_f, "t_b": t_b, "t_w": t_w, "rows": rows_per_mb,
                 "width": width, "rounds": rounds, "warmup": warmup, "cases": list(cases),
-                "flush_free_steps": flush_free_steps, "timeout_s": timeout_s}
+                "flush_free_steps": flush_free_steps, "nice": nice, "timeout_s": timeout_s}
     docs, load = _launch("bitps.bench.pipeline_rank", settings, p, timeout_s + 60)
     refused = {k: v for d in docs for k, v in d["refused"].items()}
     comm_s = max(d["comm_s"] for d in docs)
@@ -338,6 +344,7 @@ def run(*, p: int = 4, ms: tuple[int, ...] = (4, 8, 16), t_f: float = 0.02,
               "rounds": rounds, "warmup": warmup, "micro_batch_shape": [rows_per_mb, width],
               "backend": "gloo", "transport": "127.0.0.1", "cases": list(cases),
               "flush_free_steps": flush_free_steps, "refused": refused,
+              "rank_nice": sorted({str(d["nice"]) for d in docs}),
               "comm_one_way_ms": round(comm_s * 1e3, 4),
               "stage_link_one_way_ms": round(link_s * 1e3, 4),
               "machine_busy_before": round(busy, 3),
@@ -357,8 +364,10 @@ def run(*, p: int = 4, ms: tuple[int, ...] = (4, 8, 16), t_f: float = 0.02,
              f"bubble and step are those of the whole plan; steady state: steps 1.."
              f"{flush_free_steps - 2}). Peak in-flight: micro-batches whose forward ended and "
              f"input-backward did not, per rank; held: until the weight-backward (torch's first "
-             f"stage runs its B inside W). Load: {busy:.0%} of all cores busy before the run; "
-             f"during it, other work took {load['other_load_share']:.0%} of all cores."
+             f"stage runs its B inside W). The rank processes run at nice "
+             f"{', '.join(sorted({str(d['nice']) for d in docs}))} so that other work on the "
+             f"machine delays their wake-ups less. Load: {busy:.0%} of all cores busy before "
+             f"the run; during it, other work took {load['other_load_share']:.0%} of all cores."
              + (f" Refused: {refused}." if refused else ""))
     config["parts"] = list(parts)
     # (a) is on disk before (b) and (c) start: a failure there keeps it
