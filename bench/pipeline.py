@@ -3,8 +3,8 @@
 (a) **Synthetic stages.** ``p`` (4) rank processes (``bench.pipeline_rank``, torchrun's
 environment, gloo over 127.0.0.1), each stage a
 :class:`~bitps.worker.pipeline.synthetic.SleepStage` whose F, B and W sleep ``t_f``, ``t_b``,
-``t_w`` (40 ms each; at least 20). For every case and every m (4, 8, 16), one warm-up step then ``rounds``
-(3) timed steps, the cases alternated round by round in one run. A step starts at a barrier;
+``t_w`` (40 ms each; at least 20). For every case and every m (4, 8, 16), one warm-up step
+then ``rounds`` (3) timed steps, the cases alternated round by round in one run. A step starts at a barrier;
 its wall time runs from the earliest rank's release to the last rank's end, and each rank's
 bubble is ``1 - busy / wall`` with busy the sum of its recorded F/B/W intervals. Reported: the
 median over the timed steps of the largest and the mean bubble over ranks, the step time, the
