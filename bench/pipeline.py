@@ -4,17 +4,17 @@
 environment, gloo over 127.0.0.1), each stage a
 :class:`~bitps.worker.pipeline.synthetic.SleepStage` whose F, B and W sleep ``t_f``, ``t_b``,
 ``t_w`` (40 ms each; at least 20). For every case and every m (4, 8, 16), one warm-up step
-then ``rounds`` (3) timed steps, the cases alternated round by round in one run. A step starts at a barrier;
-its wall time runs from the earliest rank's release to the last rank's end, and each rank's
-bubble is ``1 - busy / wall`` with busy the sum of its recorded F/B/W intervals. Reported: the
-median over the timed steps of the largest and the mean bubble over ranks, the step time, the
-measured mean F/B/W durations, and peak in-flight micro-batches per rank (forward ended,
-input-backward not; a half-size chunk counts 0.5).
+then ``rounds`` (3) timed steps, the cases alternated round by round in one run. A step
+starts at a barrier; its wall time runs from the earliest rank's release to the last rank's
+end, and each rank's bubble is ``1 - busy / wall`` with busy the sum of its recorded F/B/W
+intervals. Reported: the median over the timed steps of the largest and the mean bubble over
+ranks, the step time, the measured mean F/B/W durations, and peak in-flight micro-batches per
+rank (forward ended, input-backward not; a half-size chunk counts 0.5).
 
 The cases: our schedules (``gpipe``, ``1f1b``, ``zb-h1``, ``2bw``) run by our
 ``StageRuntime``, each beside our simulator's figures for the same plan with each stage's
-measured mean F/B/W and the measured one-way transfer time (and the closed form where one
-exists); the flush-free ``2bw`` runs ``flush_free_steps`` steps as one plan, with the
+measured mean F/B/W and the one-way transfer time measured through our ``StageLink`` (and the
+closed form where one exists); the flush-free ``2bw`` runs ``flush_free_steps`` steps as one plan, with the
 steady-state bubble of steps ``1 .. N-2`` measured and simulated. Then torch.distributed.
 pipelining's schedules on the same stages: ``ScheduleGPipe``, ``Schedule1F1B``,
 ``ScheduleInterleavedZeroBubble`` with one stage per rank (ZB1P) and ``ScheduleZBVZeroBubble``
