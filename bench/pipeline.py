@@ -14,8 +14,8 @@ rank (forward ended, input-backward not; a half-size chunk counts 0.5).
 The cases: our schedules (``gpipe``, ``1f1b``, ``zb-h1``, ``2bw``) run by our
 ``StageRuntime``, each beside our simulator's figures for the same plan with each stage's
 measured mean F/B/W and the one-way transfer time measured through our ``StageLink`` (and the
-closed form where one exists); the flush-free ``2bw`` runs ``flush_free_steps`` steps as one plan, with the
-steady-state bubble of steps ``1 .. N-2`` measured and simulated. Then torch.distributed.
+closed form where one exists); the flush-free ``2bw`` runs ``flush_free_steps`` steps as one
+plan, with the steady-state bubble of steps ``1 .. N-2`` measured and simulated. Then torch.distributed.
 pipelining's schedules on the same stages: ``ScheduleGPipe``, ``Schedule1F1B``,
 ``ScheduleInterleavedZeroBubble`` with one stage per rank (ZB1P) and ``ScheduleZBVZeroBubble``
 (two stages per rank, each half the time). Acceptance 3 is reported as checks: measured within
