@@ -13,16 +13,17 @@ rank (forward ended, input-backward not; a half-size chunk counts 0.5).
 
 The cases: our schedules (``gpipe``, ``1f1b``, ``zb-h1``, ``2bw``) run by our
 ``StageRuntime``, each beside our simulator's figures for the same plan with each stage's
-measured mean F/B/W and the one-way transfer time measured through our ``StageLink`` (and the
-closed form where one exists); the flush-free ``2bw`` runs ``flush_free_steps`` steps as one
-plan, with the steady-state bubble of steps ``1 .. N-2`` measured and simulated. Then torch.distributed.
-pipelining's schedules on the same stages: ``ScheduleGPipe``, ``Schedule1F1B``,
-``ScheduleInterleavedZeroBubble`` with one stage per rank (ZB1P) and ``ScheduleZBVZeroBubble``
-(two stages per rank, each half the time). Acceptance 3 is reported as checks: measured within
-0.03 of simulated for each of our schedules at each m; the best flushing schedule at p = 4,
-m = 8 <= 0.12 and no worse than torch's best there with no more in-flight micro-batches; the
-flush-free steady state <= 0.05. ``excess ms`` (measured step - simulated makespan) and its
-share per action are the overhead floor the simulator does not model.
+measured mean F/B/W and the one-way transfer time measured through our ``StageLink`` (and
+the closed form where one exists); the flush-free ``2bw`` runs ``flush_free_steps`` steps as
+one plan, with the steady-state bubble of steps ``1 .. N-2`` measured and simulated. Then
+torch.distributed.pipelining's schedules on the same stages: ``ScheduleGPipe``,
+``Schedule1F1B``, ``ScheduleInterleavedZeroBubble`` with one stage per rank (ZB1P) and
+``ScheduleZBVZeroBubble`` (two stages per rank, each half the time). Acceptance 3 is reported
+as checks: measured within 0.03 of simulated for each of our schedules at each m; the best
+flushing schedule at p = 4, m = 8 <= 0.12 and no worse than torch's best there with no more
+in-flight micro-batches; the flush-free steady state <= 0.05. ``excess ms`` (measured step -
+simulated makespan) and the median gap between a rank's actions are the overhead floor the
+simulator does not model.
 
 (b) **The deep demo model on p = 4** (``bitps-launch --dp 1 --pp 4``, one sync shard): the
 runs of :data:`DEEP_CASES` one after another (baseline 1F1B on a uniform split, balanced by the
