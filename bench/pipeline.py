@@ -13,8 +13,9 @@ rank (forward ended, input-backward not; a half-size chunk counts 0.5).
 
 The cases: our schedules (``gpipe``, ``1f1b``, ``zb-h1``, ``2bw``) run by our
 ``StageRuntime``, each beside our simulator's figures for the same plan with each stage's
-measured mean F/B/W and the one-way transfer time measured through our ``StageLink`` (and
-the closed form where one exists); the flush-free ``2bw`` runs ``flush_free_steps`` steps as
+measured mean F/B/W and, as the transfer cost, the hop the case measured (F start on stage
+s + 1 less F end on stage s where s + 1 waited; :func:`hop_latency`), and the closed form
+where one exists; the flush-free ``2bw`` runs ``flush_free_steps`` steps as
 one plan, with the steady-state bubble of steps ``1 .. N-2`` measured and simulated. Then
 torch.distributed.pipelining's schedules on the same stages: ``ScheduleGPipe``,
 ``Schedule1F1B``, ``ScheduleInterleavedZeroBubble`` with one stage per rank (ZB1P) and
@@ -64,7 +65,8 @@ _COLUMNS = [("impl", "implementation"), ("schedule", "schedule"), ("m", "m"),
             ("bubble_mean", "bubble mean"), ("sim_bubble_mean", "simulated mean"),
             ("closed_form", "closed form"), ("steady_bubble", "steady state"),
             ("sim_steady_bubble", "simulated steady"), ("step_ms", "step ms"),
-            ("excess_ms", "excess ms"), ("median_gap_ms", "median gap ms"),
+            ("hop_ms", "hop ms"), ("excess_ms", "excess ms"),
+            ("median_gap_ms", "median gap ms"),
             ("peak_inflight", "peak in-flight (per rank)"),
             ("peak_held", "held to W"), ("t_f_ms", "F ms"), ("t_b_ms", "B ms"),
             ("t_w_ms", "W ms")]
@@ -223,6 +225,24 @@ def steady_bubble(recs: list[dict], m: int, first_step: int, last_step: int) -> 
     return worst
 
 
+def hop_latency(recs: list[dict]) -> list[float]:
+    """The forward transfer cost as the pipeline met it, from one step's records of every rank
+    (ordered by rank): for every micro-batch and stage, the start of its F on stage ``s + 1``
+    less the end of its F on stage ``s``, where stage ``s + 1`` was idle by then (so the wait
+    was the transfer's: send posted, received, the receiver awake and started) — the
+    simulator's ``comm_s``. Each rank runs its forwards in micro-batch order."""
+    forwards = [[(a, b) for k, a, b in sorted(r["intervals"], key=lambda iv: iv[1]) if k == "F"]
+                for r in recs]
+    ends = [sorted(b for _, _, b in r["intervals"]) for r in recs]
+    hops = []
+    for s in range(len(recs) - 1):
+        for (_, sent), (start, _) in zip(forwards[s], forwards[s + 1]):
+            before = [e for e in ends[s + 1] if e <= start]
+            if not before or before[-1] <= sent:  # the receiver waited for this message
+                hops.append(start - sent)
+    return hops
+
+
 def _simulate(row: dict, p: int, steps: int, comm_s: float):
     """Our simulator on the plan of ``row``'s schedule with each stage's measured times."""
     from bitps.worker.pipeline.schedules import get_schedule
@@ -233,15 +253,23 @@ def _simulate(row: dict, p: int, steps: int, comm_s: float):
     return plan, simulate(plan, times, comm_s, schedule=row["case"], m=row["m"])
 
 
-def _our_row(row: dict, docs: list[dict], p: int, steps: int, comm_s: float) -> dict:
+def _our_row(row: dict, docs: list[dict], p: int, steps: int) -> dict:
     from bitps.worker.pipeline.schedules import get_schedule
     from bitps.worker.pipeline.simulate import StageTimes, closed_form_bubble
 
     schedule = get_schedule(row["case"])
+    per_round: dict[int, list[dict]] = {}
+    for doc in sorted(docs, key=lambda d: d["rank"]):
+        for rec in doc["records"]:
+            if rec["case"] == row["case"] and rec["m"] == row["m"]:
+                per_round.setdefault(rec["round"], []).append(rec)
+    hops = [h for recs in per_round.values() for h in hop_latency(recs)]
+    comm_s = statistics.median(hops) if hops else 0.0
     plan, sim = _simulate(row, p, 1 if schedule.flushes else steps, comm_s)
     mean = StageTimes(f=row["t_f_ms"] / 1e3, b=row["t_b_ms"] / 1e3, w=row["t_w_ms"] / 1e3)
     out = {"impl": "bitps", "schedule": schedule.name, **row,
            "closed_form": closed_form_bubble(schedule, p, row["m"], mean),
+           "hop_ms": comm_s * 1e3, "hops_measured": len(hops),
            "sim_bubble_max": sim.bubble_max, "sim_bubble_mean": sim.bubble_mean,
            "sim_step_ms": sim.makespan * 1e3, "sim_peak_inflight": list(sim.peak_inflight),
            "diff_max": row["bubble_max"] - sim.bubble_max,
@@ -251,11 +279,6 @@ def _our_row(row: dict, docs: list[dict], p: int, steps: int, comm_s: float) -> 
     out["excess_ms_per_action"] = out["excess_ms"] / max(len(acts) for acts in plan)
     if not schedule.flushes:
         first, last = 1, steps - 2
-        per_round: dict[int, list[dict]] = {}
-        for doc in docs:
-            for rec in doc["records"]:
-                if rec["case"] == row["case"] and rec["m"] == row["m"]:
-                    per_round.setdefault(rec["round"], []).append(rec)
         out["steady_bubble"] = statistics.median(
             steady_bubble(recs, row["m"], first, last) for recs in per_round.values())
         out["sim_steady_bubble"] = sim.steady_bubble(first, last)
@@ -332,7 +355,7 @@ def run(*, p: int = 4, ms: tuple[int, ...] = (4, 8, 16), t_f: float = 0.04,
     refused = {k: v for d in docs for k, v in d["refused"].items()}
     comm_s = max(d["comm_s"] for d in docs)
     link_s = max(d["link_s"] for d in docs)
-    rows = [_our_row(r, docs, p, flush_free_steps, link_s) if r["case"] in OUR_CASES
+    rows = [_our_row(r, docs, p, flush_free_steps) if r["case"] in OUR_CASES
             else _torch_row(r, p) for r in summarize(docs, p)]
     order = {c: i for i, c in enumerate(cases)}
     rows.sort(key=lambda r: (r["m"], order[r["case"]]))
@@ -358,8 +381,10 @@ def run(*, p: int = 4, ms: tuple[int, ...] = (4, 8, 16), t_f: float = 0.04,
              f"bubble = 1 - busy / wall per rank (busy: the stage's recorded F/B/W sleeps; "
              f"wall: barrier release to the last rank's end); max and mean over ranks, median "
              f"over the timed steps. simulated: our event simulator on the same plan with each "
-             f"stage's measured mean F/B/W and the one-way transfer measured through our "
-             f"StageLink ({link_s * 1e3:.3f} ms; raw gloo send/recv: {comm_s * 1e3:.3f} ms); "
+             f"stage's measured mean F/B/W and, as the transfer cost, the case's measured hop "
+             f"(median over micro-batches and stages of F start on s + 1 - F end on s where "
+             f"s + 1 was idle; ping-pong probes before the run: StageLink "
+             f"{link_s * 1e3:.3f} ms, raw gloo {comm_s * 1e3:.3f} ms one way); "
              f"excess = measured step - simulated makespan. The "
              f"flush-free 2bw runs {flush_free_steps} steps as one plan per timed step (its "
              f"bubble and step are those of the whole plan; steady state: steps 1.."
