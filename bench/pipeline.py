@@ -3,26 +3,38 @@
 (a) **Synthetic stages.** ``p`` (4) rank processes (``bench.pipeline_rank``, torchrun's
 environment, gloo over 127.0.0.1), each stage a
 :class:`~bitps.worker.pipeline.synthetic.SleepStage` whose F, B and W sleep ``t_f``, ``t_b``,
-``t_w`` (20 ms each). For every case and every m (4, 8, 16), one warm-up step then ``rounds``
-(3) timed steps, the cases alternated round by round in one run. A step starts at a barrier;
-its wall time runs from the earliest rank's release to the last rank's end, and each rank's
-bubble is ``1 - busy / wall`` with busy the sum of its recorded F/B/W intervals. Reported: the
-median over the timed steps of the largest and the mean bubble over ranks, the step time, the
-measured mean F/B/W durations, and peak in-flight micro-batches per rank (forward ended,
-input-backward not; a half-size chunk counts 0.5).
+``t_w`` (40 ms each; at least 20). For every case and every m (4, 8, 16), one warm-up step
+then ``rounds`` (3) timed steps, the cases alternated round by round in one run. A step
+starts at a barrier; its wall time runs from the earliest rank's release to the last rank's
+end, and each rank's bubble is ``1 - busy / wall`` with busy the sum of its recorded F/B/W
+intervals. Reported: the median over the timed steps of the largest and the mean bubble over
+ranks, the step time, the measured mean F/B/W durations, and peak in-flight micro-batches per
+rank (forward ended, input-backward not; a half-size chunk counts 0.5).
 
 The cases: our schedules (``gpipe``, ``1f1b``, ``zb-h1``, ``2bw``) run by our
 ``StageRuntime``, each beside our simulator's figures for the same plan with each stage's
-measured mean F/B/W and the measured one-way transfer time (and the closed form where one
-exists); the flush-free ``2bw`` runs ``flush_free_steps`` steps as one plan, with the
-steady-state bubble of steps ``1 .. N-2`` measured and simulated. Then torch.distributed.
-pipelining's schedules on the same stages: ``ScheduleGPipe``, ``Schedule1F1B``,
-``ScheduleInterleavedZeroBubble`` with one stage per rank (ZB1P) and ``ScheduleZBVZeroBubble``
-(two stages per rank, each half the time). Acceptance 3 is reported as checks: measured within
-0.03 of simulated for each of our schedules at each m; the best flushing schedule at p = 4,
-m = 8 <= 0.12 and no worse than torch's best there with no more in-flight micro-batches; the
-flush-free steady state <= 0.05. ``excess ms`` (measured step - simulated makespan) and its
-share per action are the overhead floor the simulator does not model.
+measured mean F/B/W and, as the transfer cost, the hop the case measured (F start on stage
+s + 1 less F end on stage s where s + 1 waited; :func:`hop_latency`), and the closed form
+where one exists; the flush-free ``2bw`` runs ``flush_free_steps`` steps as
+one plan, with the steady-state bubble of steps ``1 .. N-2`` measured and simulated. Then
+torch.distributed.pipelining's schedules on the same stages: ``ScheduleGPipe``,
+``Schedule1F1B``, ``ScheduleInterleavedZeroBubble`` with one stage per rank (ZB1P) and
+``ScheduleZBVZeroBubble`` (two stages per rank, each half the time). Acceptance 3 is reported
+as checks: measured within 0.03 of simulated for each of our schedules at each m; the best
+flushing schedule at p = 4, m = 8 <= 0.12 and no worse than torch's best there with no more
+in-flight micro-batches; the flush-free steady state <= 0.05. ``excess ms`` (measured step -
+simulated makespan) and the median gap between a rank's actions are the overhead floor the
+simulator does not model.
+
+(b) **The deep demo model on p = 4** (``bitps-launch --dp 1 --pp 4``, one sync shard): the
+runs of :data:`DEEP_CASES` one after another (baseline 1F1B on a uniform split, balanced by the
+profile, fixed micro-batch sizes 4/8/16 at one global batch, + dynamic micro-batching,
++ look-ahead and ZB-H1, the flush-free 2BW), bubble and samples/s from every stage's step
+events, the measured balance (slowest/mean stage busy time), and the problem statement's rows
+(its claims, copied) beside them. (c) **dp = 2 x pp = 2 through the PS**: two async shards,
+sign1 (1-bit) pushes, 1F1B and 2BW at equal samples: loss curve, throughput, final-loss ratio.
+Rows of (b) and (c) go under ``deep_rows`` and ``dp_pp_rows`` of the JSON, each with its own
+Markdown table; their checks join (a)'s.
 
 The run waits for a quiet window (at most ``quiet_busy`` of all cores busy over 2 s, for up to
 ``quiet_wait_s``), and the load is recorded twice: that reading before the run, and during it
@@ -53,7 +65,9 @@ _COLUMNS = [("impl", "implementation"), ("schedule", "schedule"), ("m", "m"),
             ("bubble_mean", "bubble mean"), ("sim_bubble_mean", "simulated mean"),
             ("closed_form", "closed form"), ("steady_bubble", "steady state"),
             ("sim_steady_bubble", "simulated steady"), ("step_ms", "step ms"),
-            ("excess_ms", "excess ms"), ("peak_inflight", "peak in-flight (per rank)"),
+            ("hop_ms", "hop ms"), ("excess_ms", "excess ms"),
+            ("median_gap_ms", "median gap ms"),
+            ("peak_inflight", "peak in-flight (per rank)"),
             ("peak_held", "held to W"), ("t_f_ms", "F ms"), ("t_b_ms", "B ms"),
             ("t_w_ms", "W ms")]
 _TORCH_NAMES = {"torch-gpipe": "ScheduleGPipe", "torch-1f1b": "Schedule1F1B",
@@ -151,6 +165,7 @@ def summarize(rank_docs: list[dict], p: int) -> list[dict]:
         b_max, b_mean, walls = [], [], []
         inflight, held = [0.0] * p, [0.0] * p
         by_rank: list[list[float]] = [[] for _ in range(p)]
+        gaps: list[float] = []
         kinds = ("t_f_s", "t_b_s", "t_w_s")
         per_rank = [[[] for _ in kinds] for _ in range(p)]
         for recs in rounds.values():
@@ -163,6 +178,8 @@ def summarize(rank_docs: list[dict], p: int) -> list[dict]:
             walls.append(wall)
             for r, b in zip(recs, bubbles):
                 by_rank[r["rank"]].append(b)
+                spans = sorted(r["intervals"], key=lambda iv: iv[1])
+                gaps += [b[1] - a[2] for a, b in zip(spans, spans[1:])]
             for r in recs:
                 inflight[r["rank"]] = max(inflight[r["rank"]], r["peak_inflight"])
                 held[r["rank"]] = max(held[r["rank"]], r["peak_held"])
@@ -172,6 +189,8 @@ def summarize(rank_docs: list[dict], p: int) -> list[dict]:
         rows.append({"case": case, "m": m, "bubble_max": statistics.median(b_max),
                      "bubble_mean": statistics.median(b_mean),
                      "bubble_per_rank": [statistics.median(b) for b in by_rank],
+                     # most gaps between a rank's intervals wait for nothing: the floor
+                     "median_gap_ms": statistics.median(gaps) * 1e3 if gaps else None,
                      "step_ms": statistics.median(walls) * 1e3, "peak_inflight": inflight,
                      "peak_held": held, "steps": len(walls), "stage_times_s": stage_times,
                      **{k[:-2] + "_ms": statistics.fmean(t[i] for t in stage_times) * 1e3
@@ -206,6 +225,24 @@ def steady_bubble(recs: list[dict], m: int, first_step: int, last_step: int) -> 
     return worst
 
 
+def hop_latency(recs: list[dict]) -> list[float]:
+    """The forward transfer cost as the pipeline met it, from one step's records of every rank
+    (ordered by rank): for every micro-batch and stage, the start of its F on stage ``s + 1``
+    less the end of its F on stage ``s``, where stage ``s + 1`` was idle by then (so the wait
+    was the transfer's: send posted, received, the receiver awake and started) — the
+    simulator's ``comm_s``. Each rank runs its forwards in micro-batch order."""
+    forwards = [[(a, b) for k, a, b in sorted(r["intervals"], key=lambda iv: iv[1]) if k == "F"]
+                for r in recs]
+    ends = [sorted(b for _, _, b in r["intervals"]) for r in recs]
+    hops = []
+    for s in range(len(recs) - 1):
+        for (_, sent), (start, _) in zip(forwards[s], forwards[s + 1]):
+            before = [e for e in ends[s + 1] if e <= start]
+            if not before or before[-1] <= sent:  # the receiver waited for this message
+                hops.append(start - sent)
+    return hops
+
+
 def _simulate(row: dict, p: int, steps: int, comm_s: float):
     """Our simulator on the plan of ``row``'s schedule with each stage's measured times."""
     from bitps.worker.pipeline.schedules import get_schedule
@@ -216,15 +253,23 @@ def _simulate(row: dict, p: int, steps: int, comm_s: float):
     return plan, simulate(plan, times, comm_s, schedule=row["case"], m=row["m"])
 
 
-def _our_row(row: dict, docs: list[dict], p: int, steps: int, comm_s: float) -> dict:
+def _our_row(row: dict, docs: list[dict], p: int, steps: int) -> dict:
     from bitps.worker.pipeline.schedules import get_schedule
     from bitps.worker.pipeline.simulate import StageTimes, closed_form_bubble
 
     schedule = get_schedule(row["case"])
+    per_round: dict[int, list[dict]] = {}
+    for doc in sorted(docs, key=lambda d: d["rank"]):
+        for rec in doc["records"]:
+            if rec["case"] == row["case"] and rec["m"] == row["m"]:
+                per_round.setdefault(rec["round"], []).append(rec)
+    hops = [h for recs in per_round.values() for h in hop_latency(recs)]
+    comm_s = statistics.median(hops) if hops else 0.0
     plan, sim = _simulate(row, p, 1 if schedule.flushes else steps, comm_s)
     mean = StageTimes(f=row["t_f_ms"] / 1e3, b=row["t_b_ms"] / 1e3, w=row["t_w_ms"] / 1e3)
     out = {"impl": "bitps", "schedule": schedule.name, **row,
            "closed_form": closed_form_bubble(schedule, p, row["m"], mean),
+           "hop_ms": comm_s * 1e3, "hops_measured": len(hops),
            "sim_bubble_max": sim.bubble_max, "sim_bubble_mean": sim.bubble_mean,
            "sim_step_ms": sim.makespan * 1e3, "sim_peak_inflight": list(sim.peak_inflight),
            "diff_max": row["bubble_max"] - sim.bubble_max,
@@ -234,11 +279,6 @@ def _our_row(row: dict, docs: list[dict], p: int, steps: int, comm_s: float) -> 
     out["excess_ms_per_action"] = out["excess_ms"] / max(len(acts) for acts in plan)
     if not schedule.flushes:
         first, last = 1, steps - 2
-        per_round: dict[int, list[dict]] = {}
-        for doc in docs:
-            for rec in doc["records"]:
-                if rec["case"] == row["case"] and rec["m"] == row["m"]:
-                    per_round.setdefault(rec["round"], []).append(rec)
         out["steady_bubble"] = statistics.median(
             steady_bubble(recs, row["m"], first, last) for recs in per_round.values())
         out["sim_steady_bubble"] = sim.steady_bubble(first, last)
@@ -292,13 +332,13 @@ def _checks(rows: list[dict], p: int, ms: tuple[int, ...], cases: tuple[str, ...
     return checks
 
 
-def run(*, p: int = 4, ms: tuple[int, ...] = (4, 8, 16), t_f: float = 0.02,
-        t_b: float = 0.02, t_w: float = 0.02, rounds: int = 3, warmup: int = 1,
+def run(*, p: int = 4, ms: tuple[int, ...] = (4, 8, 16), t_f: float = 0.04,
+        t_b: float = 0.04, t_w: float = 0.04, rounds: int = 3, warmup: int = 1,
         rows_per_mb: int = 2, width: int = 8, cases: tuple[str, ...] | None = None,
         flush_free_steps: int = 6, timeout_s: float = 600.0, quiet_busy: float = 0.3,
         quiet_wait_s: float = 120.0, parts: tuple[str, ...] = ("a", "b", "c"),
-        deep_steps: int = 24, dp_pp_steps: int = 60, out: Path | None = None,
-        quick: bool = False) -> dict:
+        deep_steps: int = 24, dp_pp_steps: int = 60, nice: int = -15,
+        out: Path | None = None, quick: bool = False) -> dict:
     """Run ``parts`` (part (a) always), write ``pipeline.json``/``.md`` under ``out``, return
     the document. Part (a) starts once the machine is at most ``quiet_busy`` busy (or after
     ``quiet_wait_s``); (b) and (c) follow, their rows under ``deep_rows`` / ``dp_pp_rows``."""
@@ -310,12 +350,12 @@ def run(*, p: int = 4, ms: tuple[int, ...] = (4, 8, 16), t_f: float = 0.02,
     busy, waited = quiet_window(quiet_busy, 0.0 if quick else quiet_wait_s)
     settings = {"p": p, "ms": list(ms), "t_f": t_f, "t_b": t_b, "t_w": t_w, "rows": rows_per_mb,
                 "width": width, "rounds": rounds, "warmup": warmup, "cases": list(cases),
-                "flush_free_steps": flush_free_steps, "timeout_s": timeout_s}
+                "flush_free_steps": flush_free_steps, "nice": nice, "timeout_s": timeout_s}
     docs, load = _launch("bitps.bench.pipeline_rank", settings, p, timeout_s + 60)
     refused = {k: v for d in docs for k, v in d["refused"].items()}
     comm_s = max(d["comm_s"] for d in docs)
     link_s = max(d["link_s"] for d in docs)
-    rows = [_our_row(r, docs, p, flush_free_steps, link_s) if r["case"] in OUR_CASES
+    rows = [_our_row(r, docs, p, flush_free_steps) if r["case"] in OUR_CASES
             else _torch_row(r, p) for r in summarize(docs, p)]
     order = {c: i for i, c in enumerate(cases)}
     rows.sort(key=lambda r: (r["m"], order[r["case"]]))
@@ -328,6 +368,7 @@ def run(*, p: int = 4, ms: tuple[int, ...] = (4, 8, 16), t_f: float = 0.02,
               "rounds": rounds, "warmup": warmup, "micro_batch_shape": [rows_per_mb, width],
               "backend": "gloo", "transport": "127.0.0.1", "cases": list(cases),
               "flush_free_steps": flush_free_steps, "refused": refused,
+              "rank_nice": sorted({str(d["nice"]) for d in docs}),
               "comm_one_way_ms": round(comm_s * 1e3, 4),
               "stage_link_one_way_ms": round(link_s * 1e3, 4),
               "machine_busy_before": round(busy, 3),
@@ -340,16 +381,24 @@ def run(*, p: int = 4, ms: tuple[int, ...] = (4, 8, 16), t_f: float = 0.02,
              f"bubble = 1 - busy / wall per rank (busy: the stage's recorded F/B/W sleeps; "
              f"wall: barrier release to the last rank's end); max and mean over ranks, median "
              f"over the timed steps. simulated: our event simulator on the same plan with each "
-             f"stage's measured mean F/B/W and the one-way transfer measured through our "
-             f"StageLink ({link_s * 1e3:.3f} ms; raw gloo send/recv: {comm_s * 1e3:.3f} ms); "
+             f"stage's measured mean F/B/W and, as the transfer cost, the case's measured hop "
+             f"(median over micro-batches and stages of F start on s + 1 - F end on s where "
+             f"s + 1 was idle; ping-pong probes before the run: StageLink "
+             f"{link_s * 1e3:.3f} ms, raw gloo {comm_s * 1e3:.3f} ms one way); "
              f"excess = measured step - simulated makespan. The "
              f"flush-free 2bw runs {flush_free_steps} steps as one plan per timed step (its "
              f"bubble and step are those of the whole plan; steady state: steps 1.."
              f"{flush_free_steps - 2}). Peak in-flight: micro-batches whose forward ended and "
              f"input-backward did not, per rank; held: until the weight-backward (torch's first "
-             f"stage runs its B inside W). Load: {busy:.0%} of all cores busy before the run; "
-             f"during it, other work took {load['other_load_share']:.0%} of all cores."
+             f"stage runs its B inside W). The rank processes run at nice "
+             f"{', '.join(sorted({str(d['nice']) for d in docs}))} so that other work on the "
+             f"machine delays their wake-ups less. Load: {busy:.0%} of all cores busy before "
+             f"the run; during it, other work took {load['other_load_share']:.0%} of all cores."
              + (f" Refused: {refused}." if refused else ""))
+    config["parts"] = list(parts)
+    # (a) is on disk before (b) and (c) start: a failure there keeps it
+    write_results("pipeline", config=config, rows=rows, checks=checks, columns=_COLUMNS,
+                  out=out, notes=notes)
     sections = []
     with tempfile.TemporaryDirectory(prefix="bitps-bench-pipeline-") as tmp:
         if "b" in parts:
@@ -364,7 +413,6 @@ def run(*, p: int = 4, ms: tuple[int, ...] = (4, 8, 16), t_f: float = 0.02,
             checks.update(dppp_checks)
             sections.append(("dp_pp_rows", _DPPP_TITLE, dppp, _DPPP_COLUMNS,
                              _dp_pp_notes(dp_pp_steps)))
-    config["parts"] = list(parts)
     write_results("pipeline", config=config, rows=rows, checks=checks, columns=_COLUMNS,
                   out=out, notes=notes)
     for section in sections:

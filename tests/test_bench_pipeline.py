@@ -66,6 +66,7 @@ def test_pipeline_bench_smoke(tmp_path):
     assert set(ours) == {"gpipe", "1f1b", "zb-h1", "2bw"}
     for r in ours.values():  # the simulator ran on the measured times of the same plan
         assert 0.0 <= r["sim_bubble_max"] < 1.0 and r["sim_step_ms"] > 0
+        assert r["hops_measured"] >= 1 and 0.0 < r["hop_ms"] < 100.0  # F0 waits on stage 1
         assert r["diff_max"] == pytest.approx(r["bubble_max"] - r["sim_bubble_max"])
         assert f"{r['schedule']}_m2_measured_vs_simulated" in doc["checks"]
     assert ours["gpipe"]["closed_form"] == pytest.approx(1 / 3)  # (p-1)/(m+p-1)
