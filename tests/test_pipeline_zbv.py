@@ -7,12 +7,32 @@ processes (p = 2, 4) it yields the gradients of single-process gradient accumula
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import pytest
+import torch
+import torch.nn.functional as F
 
 from bitps.worker.pipeline.actions import COMPUTE, Action, Op, peer, rank_chunk, virtual_stage
 from bitps.worker.pipeline.errors import DeadlockError, PlanError
 from bitps.worker.pipeline.schedules import get_schedule
 from bitps.worker.pipeline.simulate import StageTimes, check, closed_form_bubble, simulate
+from tests.test_pipeline_runtime import (
+    HEADER_BYTES,
+    MICRO,
+    WIDTH,
+    collect,
+    finish,
+    init_stage,
+    make_model,
+    micro_batches,
+    reference_grads,
+    report_dict,
+    stage_module,
+    start_stages,
+)
 
 UNIFORM = StageTimes(f=1.0, b=1.0, w=1.0)
 
@@ -121,3 +141,96 @@ def test_the_checker_and_the_deadlock_guard_speak_chunks():
     with pytest.raises(DeadlockError, match=r"stage 1 waits at RECV_F0.c1 for SEND_F0 of stage "
                        r"1 chunk 0"):
         simulate([good[0], acts], UNIFORM, schedule="zb-v")
+
+
+# -- real gloo processes ----------------------------------------------------------------------
+def rank_chunks(model, r: int, p: int):
+    """Rank ``r``'s two chunks of the V: virtual stages ``r`` and ``2p - 1 - r`` of ``2p``."""
+    return [stage_module(model, virtual_stage(r, c, p), 2 * p) for c in (0, 1)]
+
+
+def run_zbv(cfg: dict) -> None:
+    """One zb-v step of this rank (two chunks of a fresh model, no PS): both chunks'
+    gradients, the report, and a second step at another micro-batch size (the headers carry
+    the new shapes on every chain)."""
+    from bitps.worker.pipeline.runtime import StageRuntime
+
+    ctx = init_stage(cfg)
+    p, m, r = cfg["p"], cfg["m"], ctx.stage
+    chunks = rank_chunks(make_model(), r, p)
+    rt = StageRuntime(ctx, chunks, loss_fn=F.mse_loss)
+    plan = get_schedule("zb-v").generate(p, m)
+    xs, ys = micro_batches(m)
+    report = rt.run_step(plan[r], inputs=xs if r == 0 else None, targets=ys if r == 0 else None)
+    grads = {n: q.grad.tolist() for c in chunks for n, q in c.named_parameters()}
+    for c in chunks:
+        c.zero_grad(set_to_none=True)
+    xs2, ys2 = micro_batches(m, seed=7, b=2 * MICRO)
+    again = rt.run_step(plan[r], inputs=xs2 if r == 0 else None,
+                        targets=ys2 if r == 0 else None)
+    grads2 = {n: q.grad.tolist() for c in chunks for n, q in c.named_parameters()}
+    finish(dict(stage=r, report=report_dict(report), grads=grads, again=report_dict(again),
+                grads2=grads2))
+
+
+def stage_main(cfg: dict) -> None:
+    {"zbv": run_zbv}[cfg["scenario"]](cfg)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_zbv_on_gloo_gives_single_process_gradients_over_2p_virtual_stages(p):
+    m = 2 * p
+    outs = collect(start_stages(dict(scenario="zbv", p=p, m=m), p, script=Path(__file__)),
+                   timeout=30)
+    outs.sort(key=lambda o: o["stage"])
+    sim = simulate(get_schedule("zb-v").generate(p, m), UNIFORM)
+    for key, seed, b in (("grads", 1, MICRO), ("grads2", 7, 2 * MICRO)):
+        xs, ys = micro_batches(m, seed=seed, b=b)
+        want, want_losses = reference_grads(make_model(), xs, ys)
+        got = {n: g for o in outs for n, g in o[key].items()}
+        assert set(got) == set(want)  # every parameter of the model, each on one rank
+        for n, g in got.items():
+            torch.testing.assert_close(torch.tensor(g), want[n], rtol=1e-6, atol=0,
+                                       msg=f"zb-v p={p} {key} {n}")
+        report = outs[0]["report" if key == "grads" else "again"]
+        assert report["losses"] == pytest.approx(want_losses, rel=1e-6)  # rank 0: the loss
+    for o in outs:
+        r, rank = o["report"], o["stage"]
+        assert 0 < r["busy_s"] <= r["wall_s"] and 0 <= r["bubble"] < 1
+        assert r["micro_batch_size"] == MICRO and o["again"]["micro_batch_size"] == 2 * MICRO
+        assert min(r["times"]) > 0  # F, B and W each timed
+        chains = 2 * ((rank > 0) + (rank < p - 1))  # the V's bottom hand-off moves no bytes
+        assert r["sent"] == r["received"] == chains * (HEADER_BYTES + m * MICRO * WIDTH * 4)
+        assert r["peak_inflight"] == sim.peak_inflight[rank] <= 2 * p
+        assert (r["losses"] != []) == (rank == 0)
+
+
+def test_a_two_chunk_runtime_refuses_what_it_does_not_provide():
+    from bitps.worker.pipeline.runtime import StageContext, StageRuntime
+
+    ctx = StageContext(stage=0, num_stages=1)
+    chunks = rank_chunks(make_model(), 0, 1)
+    with pytest.raises(ValueError, match="a list of 2"):
+        StageRuntime(ctx, chunks * 2, loss_fn=F.mse_loss)
+    with pytest.raises(ValueError, match="runs on gloo"):
+        StageRuntime(ctx, chunks, loss_fn=F.mse_loss, pool=object())
+    rt = StageRuntime(ctx, chunks, loss_fn=F.mse_loss)
+    xs, ys = micro_batches(2)
+    with pytest.raises(ValueError, match="holds 2 chunk"):
+        rt.run_step([Action(op=Op.F, stage=0, mb=0, chunk=2)], inputs=xs, targets=ys)
+    with pytest.raises(ValueError, match="needs targets"):
+        rt.run_step(get_schedule("zb-v").generate(1, 2)[0], inputs=xs)
+    flush_free = get_schedule("2bw").generate(1, 2, 3)[0]
+    with pytest.raises(ValueError, match="flushing plans only"):
+        rt.run_step(flush_free, inputs=micro_batches(6)[0], targets=micro_batches(6)[1])
+    # one rank holding the whole V in one process: local hand-offs only, single-process grads
+    report = rt.run_step(get_schedule("zb-v").generate(1, 2)[0], inputs=xs, targets=ys)
+    want, want_losses = reference_grads(make_model(), xs, ys)
+    for n, q in ((n, q) for c in chunks for n, q in c.named_parameters()):
+        torch.testing.assert_close(q.grad, want[n], rtol=1e-6, atol=0)
+    assert report.losses == pytest.approx(want_losses, rel=1e-6)
+    assert report.p2p_bytes_sent == report.p2p_bytes_received == 0
+
+
+if __name__ == "__main__":
+    stage_main(json.loads(sys.argv[1]))
