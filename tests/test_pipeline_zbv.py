@@ -173,8 +173,47 @@ def run_zbv(cfg: dict) -> None:
                 grads2=grads2))
 
 
+def train_through_shard(cfg: dict) -> None:
+    """``STEPS`` zb-v steps of this rank through a sync shard, overlap on: one ``PSModel`` over
+    a module holding both chunks' children (the whole model's names); the parameters after."""
+    from collections import OrderedDict
+
+    from torch import nn
+
+    from bitps.proto.keyplan import ParamSpec, make_plan
+    from bitps.worker import ClientConfig, PSClient, PSModel
+    from bitps.worker.config import OverlapConfig
+    from bitps.worker.pipeline.runtime import StageRuntime
+    from tests.test_pipeline_equality import M, STEPS
+
+    ctx = init_stage(cfg)
+    p, r = cfg["p"], ctx.stage
+    model = make_model()
+    chunks = rank_chunks(model, r, p)
+    both = nn.Sequential(OrderedDict(kv for c in chunks for kv in c.named_children()))
+    client = PSClient(ClientConfig(servers=(cfg["server"],), rank=r, world_size=p,
+                                   initializes=True, clip_norm=0.0))
+    whole = make_plan([ParamSpec(n, tuple(q.shape)) for n, q in model.named_parameters()],
+                      num_shards=client.num_shards, partition_bytes=client.cfg.partition_bytes)
+    ps_model = PSModel(both, client, plan=whole, overlap=OverlapConfig(mode="on"))
+    rt = StageRuntime(ctx, chunks, loss_fn=F.mse_loss, ps_model=ps_model)
+    plan = get_schedule("zb-v").generate(p, M)[r]
+    xs, ys = micro_batches(STEPS * M)
+    losses = []
+    for k in range(STEPS):
+        mbs = slice(k * M, (k + 1) * M)
+        report = rt.run_step(plan, inputs=xs[mbs] if r == 0 else None,
+                             targets=ys[mbs] if r == 0 else None)
+        losses.append(report.losses)
+    ps_model.synchronize()
+    out = dict(stage=r, params={n: q.tolist() for n, q in both.named_parameters()},
+               losses=losses, keys=len(ps_model.keys), overlapped=ps_model.last_stats.overlapped)
+    ps_model.close()
+    finish(out)
+
+
 def stage_main(cfg: dict) -> None:
-    {"zbv": run_zbv}[cfg["scenario"]](cfg)
+    {"zbv": run_zbv, "shard": train_through_shard}[cfg["scenario"]](cfg)
 
 
 @pytest.mark.parametrize("p", [2, 4])
@@ -203,6 +242,35 @@ def test_zbv_on_gloo_gives_single_process_gradients_over_2p_virtual_stages(p):
         assert r["sent"] == r["received"] == chains * (HEADER_BYTES + m * MICRO * WIDTH * 4)
         assert r["peak_inflight"] == sim.peak_inflight[rank] <= 2 * p
         assert (r["losses"] != []) == (rank == 0)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_zbv_through_a_sync_shard_ends_with_single_process_parameters(p):
+    from tests.faults import start_server
+    from tests.test_pipeline_equality import LR, reference
+
+    shard = start_server("--mode", "sync", "--optimizer", "sgd", "--lr", str(LR))
+    try:
+        outs = collect(start_stages(dict(scenario="shard", p=p, server=shard.grpc_address,
+                                         deadline_s=25), p, script=Path(__file__)),
+                       timeout=30)
+    finally:
+        shard.kill()
+    outs.sort(key=lambda o: o["stage"])
+    want, want_losses = reference()
+    initial = dict(make_model().named_parameters())
+    names = set()
+    for o in outs:
+        assert o["keys"] > 0 and o["overlapped"]
+        for n, q in o["params"].items():
+            got = torch.tensor(q)
+            assert not torch.equal(got, initial[n]), f"{n} never changed"
+            torch.testing.assert_close(got, want[n], rtol=1e-6, atol=0,
+                                       msg=f"zb-v p={p} rank {o['stage']} {n}")
+            names.add(n)
+    assert names == set(want)
+    for got_step, want_step in zip(outs[0]["losses"], want_losses, strict=True):
+        assert got_step == pytest.approx(want_step, rel=1e-6)
 
 
 def test_a_two_chunk_runtime_refuses_what_it_does_not_provide():
