@@ -184,7 +184,7 @@ def train_through_shard(cfg: dict) -> None:
     from bitps.worker import ClientConfig, PSClient, PSModel
     from bitps.worker.config import OverlapConfig
     from bitps.worker.pipeline.runtime import StageRuntime
-    from tests.test_pipeline_equality import M, STEPS
+    from tests.test_pipeline_equality import STEPS, M
 
     ctx = init_stage(cfg)
     p, r = cfg["p"], ctx.stage
