@@ -136,7 +136,8 @@ class StepReport:
     """Each micro-batch's loss (undivided), in forward order (the last stage; else empty)."""
     times: StageTimes
     """Mean seconds per micro-batch of F, B and W (a fused BW counts as B, W is then 0), and
-    the mean PULL and PUSH."""
+    the mean PULL and PUSH. With 2 chunks, per micro-batch of the rank (both chunks' F, and
+    so on): what ``simulate`` takes as the rank's ``StageTimes``."""
     p2p_bytes_sent: int
     p2p_bytes_received: int
     micro_batch_size: int
@@ -516,7 +517,10 @@ class _Step:
             xs = [x for op in ops for x in spans.get(op, self.io_s.get(op, []))]
             return sum(xs) / len(xs) if xs else 0.0
 
-        times = StageTimes(f=mean(Op.F), b=mean(Op.B, Op.BW), w=mean(Op.W),
+        # per micro-batch of the whole rank: with 2 chunks each op runs twice per micro-batch
+        # (the simulator's StageTimes are per rank and split over the chunks the same way)
+        k = self.rt.chunks
+        times = StageTimes(f=k * mean(Op.F), b=k * mean(Op.B, Op.BW), w=k * mean(Op.W),
                            pull=mean(Op.PULL), push=mean(Op.PUSH))
         return StepReport(step=step, wall_s=wall, busy_s=busy,
                           bubble=1.0 - busy / wall if wall > 0 else 0.0, losses=self.losses,

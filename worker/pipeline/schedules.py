@@ -138,17 +138,20 @@ class Schedule:
         return acts
 
 
-def _with_comm(op: Op, s: int, p: int, mb: int, *, step: int, version: int) -> list[Action]:
-    """One compute slot with its receive just before and its send just after."""
+def _with_comm(op: Op, s: int, p: int, mb: int, *, step: int, version: int, chunk: int = 0,
+               chunks: int = 1) -> list[Action]:
+    """One compute slot (of ``chunk`` on stage/rank ``s``) with its receive just before and its
+    send just after; the first virtual stage receives no activation, the last sends none."""
     def act(o: Op) -> Action:
-        return Action(op=o, stage=s, step=step, mb=mb, version=version)
+        return Action(op=o, stage=s, step=step, mb=mb, version=version, chunk=chunk)
 
+    v, last = virtual_stage(s, chunk, p), chunks * p - 1
     if op is Op.F:
-        return ([act(Op.RECV_F)] if s > 0 else []) + [act(Op.F)] + (
-            [act(Op.SEND_F)] if s < p - 1 else [])
+        return ([act(Op.RECV_F)] if v > 0 else []) + [act(Op.F)] + (
+            [act(Op.SEND_F)] if v < last else [])
     if op in (Op.B, Op.BW):
-        return ([act(Op.RECV_B)] if s < p - 1 else []) + [act(op)] + (
-            [act(Op.SEND_B)] if s > 0 else [])
+        return ([act(Op.RECV_B)] if v < last else []) + [act(op)] + (
+            [act(Op.SEND_B)] if v > 0 else [])
     return [act(op)]
 
 
@@ -345,17 +348,15 @@ class ZeroBubbleV(Schedule):
         idle = (p - 1) * times.f / self.chunks
         return idle / (idle + m * (times.f + times.b + times.w))
 
-    def _build(self, p: int, m: int, steps: int) -> list[list[Action]]:
-        plans = []
-        for r in range(p):
-            acts: list[Action] = []
-            for k in range(steps):
-                acts.append(Action(op=Op.PULL, stage=r, step=k, version=k))
-                for op, c, mb in self._rank_order(r, p, range(k * m, (k + 1) * m)):
-                    acts.extend(_with_chunk_comm(op, r, c, p, mb, step=k, version=k))
-                acts.append(Action(op=Op.PUSH, stage=r, step=k, version=k))
-            plans.append(acts)
-        return plans
+    def _stage_plan(self, s: int, p: int, m: int, steps: int) -> list[Action]:
+        acts: list[Action] = []
+        for k in range(steps):
+            acts.append(Action(op=Op.PULL, stage=s, step=k, version=k))
+            for op, c, mb in self._rank_order(s, p, range(k * m, (k + 1) * m)):
+                acts.extend(_with_comm(op, s, p, mb, step=k, version=k, chunk=c,
+                                       chunks=self.chunks))
+            acts.append(Action(op=Op.PUSH, stage=s, step=k, version=k))
+        return acts
 
     def _rank_order(self, r: int, p: int, mbs: range) -> Iterator[ChunkSlot]:
         n = len(mbs)
@@ -397,20 +398,3 @@ class ZeroBubbleV(Schedule):
                 yield from bwd(c, weight=False)
             while w[c] < n:
                 yield from bwd(c, weight=True)
-
-
-def _with_chunk_comm(op: Op, r: int, c: int, p: int, mb: int, *, step: int, version: int
-                     ) -> list[Action]:
-    """One compute slot of chunk ``c`` on rank ``r`` of a 2-chunk V, with its receive just
-    before and its send just after (the peer is ``actions.peer``'s, possibly local)."""
-    def act(o: Op) -> Action:
-        return Action(op=o, stage=r, step=step, mb=mb, version=version, chunk=c)
-
-    v, last = virtual_stage(r, c, p), 2 * p - 1
-    if op is Op.F:
-        return ([act(Op.RECV_F)] if v > 0 else []) + [act(Op.F)] + (
-            [act(Op.SEND_F)] if v < last else [])
-    if op is Op.B:
-        return ([act(Op.RECV_B)] if v < last else []) + [act(Op.B)] + (
-            [act(Op.SEND_B)] if v > 0 else [])
-    return [act(op)]

@@ -47,7 +47,9 @@ Plan = Sequence[Sequence[Action]]
 @dataclasses.dataclass(frozen=True)
 class StageTimes:
     """One stage's op times in seconds for one micro-batch: ``f`` forward, ``b`` input backward,
-    ``w`` weight backward (``BW`` takes ``b + w``), ``pull``/``push`` a PS round trip."""
+    ``w`` weight backward (``BW`` takes ``b + w``), ``pull``/``push`` a PS round trip. In a
+    plan with chunks, one *rank's* times, for its whole share of the model (each chunk's action
+    takes ``1 / C`` of them; see the module docstring)."""
 
     f: float
     b: float
