@@ -39,10 +39,11 @@ activations from ``prev_rank``, chunk 1 from ``next_rank``; gradients the revers
 ``p - 1`` hands chunk 0's output to its chunk 1 (and the gradient back) in memory, its
 ``SEND``/``RECV`` pair moving no bytes. Rank 0 feeds ``inputs`` to chunk 0 and computes the loss
 on chunk 1 (so it needs ``targets``). The ``PSModel`` is one over a module holding both chunks
-(``nn.ModuleList(chunks)``): ``PUSH`` pushes both chunks' gradients, its last ``W`` of either
-chunk handing the buckets over. Not provided with two chunks yet: weight stashing (flush-free
-plans), an ``ActivationPool``, and CUDA/NCCL (two chunks' chains between one pair of ranks
-would need a communicator each).
+(with a whole-model key plan, one that keeps the model's parameter names, e.g. an
+``nn.Sequential`` of both chunks' children): ``PUSH`` pushes both chunks' gradients, the step's
+last ``W`` (of either chunk) handing the buckets over. Not provided with two chunks yet:
+weight stashing (flush-free plans), an ``ActivationPool``, and CUDA/NCCL (two chunks' chains
+between one pair of ranks would need a communicator each).
 
 **Timing.** Every compute action is timed (``time.perf_counter``; on CUDA, events on the
 compute stream, read at the step's end); busy is their sum and bubble ``1 - busy / wall``, wall
@@ -226,7 +227,7 @@ class StageRuntime:
     ``module`` is this stage's part of the model (an ``nn.Sequential`` splits W from B per
     child), or a list of two, the rank's chunks of a V plan (``zb-v``; module docstring);
     ``loss_fn(output, target)`` is needed on the stage (chunk) that ends the model;
-    ``ps_model`` (a ``PSModel`` over ``module``, or over ``nn.ModuleList(chunks)``) or None;
+    ``ps_model`` (a ``PSModel`` over ``module``, or over a module holding both chunks) or None;
     ``pool`` an ``ActivationPool`` the forwards save into, tagged by micro-batch with the
     plan's backward order; ``metrics`` anything with ``observe(report)``
     (``StageMetrics``); ``prefetcher`` (first stage) supplies the inputs
