@@ -30,6 +30,18 @@ Contracts every schedule keeps (``simulate.check`` verifies them):
   ``mb // m``. A flushing schedule is one step (``mb < m``); a flush-free one spans several.
 - ``version`` (on ``F``, ``B``, ``BW``, ``W``, ``PULL``) is the weight version the action
   computes with; flushing schedules use one version per step. ``step`` is on every action.
+
+**Chunks (V-shaped plans, ``zb-v``).** A plan may give each rank ``C > 1`` model chunks: the
+list index (and ``Action.stage``) is then the *rank* ``r``, and ``Action.chunk`` says which of
+its chunks an action is for (0 in every 1-chunk plan, where everything above holds unchanged).
+The ``C * p`` virtual stages zig-zag over the ranks (:func:`virtual_stage`): chunk ``c`` of rank
+``r`` is virtual stage ``c * p + r`` for even ``c`` and ``c * p + p - 1 - r`` for odd ``c``, so
+with ``C = 2`` rank ``r`` holds ``r`` and ``2p - 1 - r`` and rank 0 holds both the first stage
+(the inputs) and the last (the loss). The rules above hold per virtual stage: "stage ``s - 1``"
+is the previous *virtual* stage, wherever it lives. The peer of every transfer follows from
+(rank, chunk, op) (:func:`peer`); a peer on the same rank (rank ``p - 1``'s chunk 0 handing to
+its chunk 1, and their gradients back) is a *local* hand-off: the plan still holds the
+``SEND``/``RECV`` pair, which the simulator and the runtime treat as immediate (no transfer).
 """
 
 from __future__ import annotations
@@ -37,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-__all__ = ["COMPUTE", "Action", "Op"]
+__all__ = ["COMPUTE", "Action", "Op", "chunks_of", "peer", "rank_chunk", "virtual_stage"]
 
 
 class Op(enum.Enum):
@@ -66,6 +78,42 @@ class Action:
     step: int = 0
     mb: int | None = None
     version: int = 0
+    chunk: int = 0
+    """Which of the rank's model chunks the action is for (V-shaped plans; see the module
+    docstring). 0 in every 1-chunk plan."""
 
     def __str__(self) -> str:
-        return self.op.value + ("" if self.mb is None else str(self.mb))
+        text = self.op.value + ("" if self.mb is None else str(self.mb))
+        return text if not self.chunk else f"{text}.c{self.chunk}"
+
+
+def chunks_of(plan) -> int:
+    """Model chunks per rank of ``plan`` (a list of action lists): 1 + the largest ``chunk``."""
+    return 1 + max((a.chunk for acts in plan for a in acts), default=0)
+
+
+def virtual_stage(rank: int, chunk: int, p: int) -> int:
+    """The virtual stage of ``chunk`` on ``rank`` in a V (zig-zag) plan over ``p`` ranks."""
+    if not 0 <= rank < p or chunk < 0:
+        raise ValueError(f"rank {rank} chunk {chunk}: expected 0 <= rank < p = {p}, chunk >= 0")
+    return chunk * p + (rank if chunk % 2 == 0 else p - 1 - rank)
+
+
+def rank_chunk(v: int, p: int) -> tuple[int, int]:
+    """The (rank, chunk) holding virtual stage ``v`` (the inverse of :func:`virtual_stage`)."""
+    chunk, i = divmod(v, p)
+    return (i if chunk % 2 == 0 else p - 1 - i), chunk
+
+
+def peer(rank: int, chunk: int, op: Op, p: int, chunks: int) -> tuple[int, int] | None:
+    """The (rank, chunk) a ``SEND_*``/``RECV_*`` of (``rank``, ``chunk``) talks to, or None
+    where that virtual stage has no such peer (the first has no ``RECV_F``/``SEND_B``, the last
+    no ``SEND_F``/``RECV_B``). ``SEND_F``/``RECV_B`` face the next virtual stage,
+    ``RECV_F``/``SEND_B`` the previous one."""
+    v = virtual_stage(rank, chunk, p)
+    if op in (Op.SEND_F, Op.RECV_B):
+        return rank_chunk(v + 1, p) if v + 1 < chunks * p else None
+    if op in (Op.RECV_F, Op.SEND_B):
+        return rank_chunk(v - 1, p) if v > 0 else None
+    raise ValueError(f"peer: {op.value} is not a transfer (expected SEND_F, RECV_F, SEND_B or "
+                     "RECV_B)")

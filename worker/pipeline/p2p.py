@@ -23,6 +23,16 @@ order, not by tag); on gloo every message is also tagged with its micro-batch. S
 ``isend``; their ``Work`` and the tensors they read are kept until :meth:`StageLink.finish` (or
 until the queue of sends in flight is long), so no two blocking sends ever face each other.
 
+**Chunks** (V-shaped plans, ``zb-v``): a rank with two model chunks talks to each neighbour
+for both. Every chain, header and tag is then per (direction, chunk): ``peers`` is keyed by
+``(Direction, chunk)`` (a plain ``Direction`` means chunk 0) and ``expect``/``recv``/``send``
+take ``chunk``. Directions stay in the chunk's own terms: ``TO_NEXT`` is the next *virtual*
+stage, which for chunk 1 is rank ``r - 1``. The tag of micro-batch ``mb``'s header is
+``4 mb + 2 chunk`` and of its tensor ``4 mb + 2 chunk + 1`` (a V sends at most two streams
+each way between two ranks: chunk 0's and chunk 1's). A local hand-off never reaches the link.
+On NCCL, which ignores tags and matches by posting order, two chunks' streams between one pair
+would need a communicator each: not provided yet (the runtime refuses 2 chunks on CUDA).
+
 **Deadlines.** Every wait is bounded by ``timeout_s`` (gloo ``Work.wait(timeout)``; NCCL's
 watchdog enforces the process group's ``timeout``, which the launcher sets to the same value).
 A transfer that fails or times out raises :class:`StageFailedError` naming the peer stage, its
@@ -95,12 +105,26 @@ def _reason(exc: BaseException, timeout_s: float) -> str:
     return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
+def _tag(mb: int, chunk: int, data: bool) -> int:
+    """The gloo tag of micro-batch ``mb``'s header (``data`` False) or tensor of ``chunk``."""
+    return 4 * mb + 2 * chunk + int(data)
+
+
+Key = tuple[Direction, int]
+"""(direction, chunk): one chain of transfers."""
+
+
+def _what(direction: Direction, chunk: int, mb: int) -> str:
+    return f"{direction.value} of micro-batch {mb}" + (f" (chunk {chunk})" if chunk else "")
+
+
 class _Inbox:
     """The receive chain from one peer: the micro-batches expected, in order; the header of the
     first one (until the run's shape is known); the tensor receives posted ahead."""
 
-    def __init__(self, link: StageLink, direction: Direction, peer: Peer) -> None:
-        self.link, self.direction, self.peer = link, direction, peer
+    def __init__(self, link: StageLink, direction: Direction, peer: Peer, chunk: int = 0
+                 ) -> None:
+        self.link, self.direction, self.peer, self.chunk = link, direction, peer, chunk
         self.expected: deque[int] = deque()
         self.layout: tuple[tuple[int, ...], torch.dtype] | None = None
         self.header: tuple[int, torch.Tensor, dist.Work] | None = None
@@ -126,12 +150,13 @@ class _Inbox:
             if self.header is None:
                 mb = self.expected[0]
                 buf = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.link.device)
-                self.header = (mb, buf, self.link._irecv(buf, self, tag=2 * mb))
+                self.header = (mb, buf, self.link._irecv(buf, self,
+                                                         tag=_tag(mb, self.chunk, False)))
             mb, buf, work = self.header
             if not block and not work.is_completed():
                 return
             # waiting on a completed Work is instant, and raises if it failed
-            self.link._wait(work, self.peer, f"{self.direction.value} of micro-batch {mb}")
+            self.link._wait(work, self.peer, _what(self.direction, self.chunk, mb))
             h = buf.tolist()
             self.layout = tuple(h[2:2 + h[1]]), _DTYPES[h[0]]
             self.header = None
@@ -140,19 +165,21 @@ class _Inbox:
         while self.expected and len(self.posted) < _RECVS_AHEAD:
             mb = self.expected.popleft()
             data = torch.empty(shape, dtype=dtype, device=self.link.device)
-            self.posted[mb] = (data, self.link._irecv(data, self, tag=2 * mb + 1))
+            self.posted[mb] = (data, self.link._irecv(data, self,
+                                                      tag=_tag(mb, self.chunk, True)))
 
 
 class StageLink:
     """The transfers of one stage with its two neighbours (``peers[direction]``; a first or
     last stage has no peer on one side). One per stage process; not thread-safe."""
 
-    def __init__(self, peers: dict[Direction, Peer], *, device: torch.device,
+    def __init__(self, peers: Mapping[Direction | Key, Peer], *, device: torch.device,
                  timeout_s: float, group: dist.ProcessGroup | None = None,
                  groups: Mapping[Direction, dist.ProcessGroup] | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        self.peers = peers
+        self.peers: dict[Key, Peer] = {(k, 0) if isinstance(k, Direction) else k: p
+                                       for k, p in peers.items()}
         self.device = torch.device(device)
         self.timeout_s = timeout_s
         self.group = group
@@ -160,10 +187,10 @@ class StageLink:
         """A group per direction (:func:`direction_groups`), where ``group`` is not enough."""
         self.bytes_sent = 0
         self.bytes_received = 0
-        self._inboxes = {d: _Inbox(self, d, p) for d, p in peers.items()
+        self._inboxes = {(d, c): _Inbox(self, d, p, c) for (d, c), p in self.peers.items()
                          if d in (Direction.FROM_PREV, Direction.FROM_NEXT)}
         self._sends: deque[tuple[dist.Work, Peer, str, tuple[torch.Tensor, ...]]] = deque()
-        self._layouts: dict[Direction, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._layouts: dict[Key, tuple[tuple[int, ...], torch.dtype]] = {}
 
     def begin(self) -> None:
         """Start a run (one ``run_step``): the first transfer of each direction carries the
@@ -173,59 +200,63 @@ class StageLink:
         self._layouts.clear()
 
     # -- receiving ----------------------------------------------------------------------------
-    def expect(self, direction: Direction, mbs: Iterable[int]) -> None:
-        """Micro-batches ``mbs`` will arrive from ``direction``, in this order: post the first
-        receive now."""
-        self._inbox(direction).expect(mbs)
+    def expect(self, direction: Direction, mbs: Iterable[int], chunk: int = 0) -> None:
+        """Micro-batches ``mbs`` will arrive from ``direction`` (for ``chunk``), in this order:
+        post the first receive now."""
+        self._inbox(direction, chunk).expect(mbs)
 
     def poll(self) -> None:
         """Post the tensor receives whose headers have arrived (cheap; call between actions)."""
         for inbox in self._inboxes.values():
             inbox.advance()
 
-    def recv(self, direction: Direction, mb: int) -> torch.Tensor:
-        """Wait for micro-batch ``mb``'s tensor from ``direction`` (announced by
+    def recv(self, direction: Direction, mb: int, chunk: int = 0) -> torch.Tensor:
+        """Wait for micro-batch ``mb``'s tensor from ``direction`` (for ``chunk``; announced by
         :meth:`expect`); raises :class:`StageFailedError` past the deadline."""
-        inbox = self._inbox(direction)
+        inbox = self._inbox(direction, chunk)
         inbox.advance()
         if mb not in inbox.posted:
             nxt = inbox.expected[0] if inbox.expected else None
             if nxt != mb or inbox.layout is not None:
-                raise ValueError(f"{direction.value} of micro-batch {mb} was not expected "
-                                 f"next (next expected: {nxt})")
+                raise ValueError(f"{_what(direction, chunk, mb)} was not expected next (next "
+                                 f"expected: {nxt})")
             inbox.advance(block=True)
         data, work = inbox.posted.pop(mb)
-        self._wait(work, inbox.peer, f"{direction.value} of micro-batch {mb}")
+        self._wait(work, inbox.peer, _what(direction, chunk, mb))
         self.bytes_received += data.nbytes
         inbox.advance()
         return data
 
     # -- sending ------------------------------------------------------------------------------
-    def send(self, direction: Direction, mb: int, tensor: torch.Tensor) -> None:
-        """Post the send of ``tensor`` as micro-batch ``mb`` (header, then data); returns at once.
-        ``tensor`` must not be changed until :meth:`finish` (the runtime never does)."""
+    def send(self, direction: Direction, mb: int, tensor: torch.Tensor, chunk: int = 0) -> None:
+        """Post the send of ``tensor`` as micro-batch ``mb`` of ``chunk`` (header, then data);
+        returns at once. ``tensor`` must not be changed until :meth:`finish` (the runtime never
+        does)."""
         if direction not in (Direction.TO_NEXT, Direction.TO_PREV):
             raise ValueError(f"send goes TO_NEXT or TO_PREV, got {direction}")
-        peer = self.peers[direction]
+        key = (direction, chunk)
+        if key not in self.peers:
+            raise ValueError(f"this stage has no peer for {_what(direction, chunk, mb)} (peers: "
+                             f"{sorted((d.value, c) for d, c in self.peers)})")
+        peer = self.peers[key]
+        what = _what(direction, chunk, mb)
         if tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
-            raise ValueError(f"{direction.value} of micro-batch {mb}: a tensor of at most "
-                             f"{_MAX_DIMS} dims and dtype in {_DTYPES} was expected, got "
-                             f"{tuple(tensor.shape)} {tensor.dtype}")
+            raise ValueError(f"{what}: a tensor of at most {_MAX_DIMS} dims and dtype in "
+                             f"{_DTYPES} was expected, got {tuple(tensor.shape)} {tensor.dtype}")
         data = tensor.detach().contiguous()
-        what = f"{direction.value} of micro-batch {mb}"
         layout = tuple(data.shape), data.dtype
-        bufs = [(data, 2 * mb + 1)]
-        if direction not in self._layouts:  # the run's first transfer this way: the header
-            self._layouts[direction] = layout
+        bufs = [(data, _tag(mb, chunk, True))]
+        if key not in self._layouts:  # the run's first transfer this way: the header
+            self._layouts[key] = layout
             h = [_DTYPES.index(data.dtype), data.dim(), *data.shape]
             header = torch.tensor(h + [0] * (_HEADER_LEN - len(h)), dtype=torch.int64,
                                   device=self.device)
-            bufs.insert(0, (header, 2 * mb))
-        elif layout != self._layouts[direction]:
+            bufs.insert(0, (header, _tag(mb, chunk, False)))
+        elif layout != self._layouts[key]:
             raise ValueError(f"{what}: every micro-batch of one run has the shape and dtype of "
-                             f"the first, {self._layouts[direction]}; got {layout}")
+                             f"the first, {self._layouts[key]}; got {layout}")
         for buf, tag in bufs:
-            work = self._call(dist.isend, buf, direction, tag, what)
+            work = self._call(dist.isend, buf, key, tag, what)
             self._sends.append((work, peer, what, (buf,)))
             self.bytes_sent += buf.nbytes
         while len(self._sends) > _SENDS_IN_FLIGHT:
@@ -237,25 +268,28 @@ class StageLink:
             self._wait_send()
 
     # -- internals ----------------------------------------------------------------------------
-    def _inbox(self, direction: Direction) -> _Inbox:
+    def _inbox(self, direction: Direction, chunk: int = 0) -> _Inbox:
         try:
-            return self._inboxes[direction]
+            return self._inboxes[direction, chunk]
         except KeyError:
-            raise ValueError(f"this stage has no peer for {direction.value} "
-                             f"(peers: {sorted(d.value for d in self._inboxes)})") from None
+            names = sorted(d.value if not c else f"{d.value} (chunk {c})"
+                           for d, c in self._inboxes)
+            raise ValueError(f"this stage has no peer for {direction.value}"
+                             f"{f' (chunk {chunk})' if chunk else ''} (peers: {names})"
+                             ) from None
 
     def _wait_send(self) -> None:
         work, peer, what, _ = self._sends.popleft()
         self._wait(work, peer, what)
 
     def _irecv(self, buf: torch.Tensor, inbox: _Inbox, tag: int) -> dist.Work:
-        return self._call(dist.irecv, buf, inbox.direction, tag,
+        return self._call(dist.irecv, buf, (inbox.direction, inbox.chunk), tag,
                           f"{inbox.direction.value} (posting the receive)")
 
-    def _call(self, fn, buf: torch.Tensor, direction: Direction, tag: int, what: str
-              ) -> dist.Work:
-        peer = self.peers[direction]
-        group = self.groups.get(direction, self.group)
+    def _call(self, fn, buf: torch.Tensor, key: Key, tag: int, what: str) -> dist.Work:
+        peer = self.peers[key]
+        # per-direction groups are chunk 0's (NCCL); a second chunk's chains use ``group``
+        group = self.groups.get(key[0], self.group) if key[1] == 0 else self.group
         try:
             # NCCL ignores tags (it matches by order, which the chain keeps)
             return fn(buf, peer.rank, group=group, tag=tag)

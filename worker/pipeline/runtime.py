@@ -32,6 +32,19 @@ version's copy is dropped after the last compute that uses it, so at most 2 live
 At ``PUSH`` of step ``s`` the gradients computed for ``s`` become the module's ``.grad`` and are
 pushed as one step's gradients (without a PS they stay there, replaced at the next ``PUSH``).
 
+**Two chunks** (``zb-v``): ``module=[chunk0, chunk1]`` gives the rank the virtual stages
+``r`` and ``2p - 1 - r`` of a V (``actions``); ``ctx.stage`` is then the rank. Each chunk has
+its own :class:`StageCompute` and its own transfer chains (``p2p``: chunk 0 receives
+activations from ``prev_rank``, chunk 1 from ``next_rank``; gradients the reverse); rank
+``p - 1`` hands chunk 0's output to its chunk 1 (and the gradient back) in memory, its
+``SEND``/``RECV`` pair moving no bytes. Rank 0 feeds ``inputs`` to chunk 0 and computes the loss
+on chunk 1 (so it needs ``targets``). The ``PSModel`` is one over a module holding both chunks
+(with a whole-model key plan, one that keeps the model's parameter names, e.g. an
+``nn.Sequential`` of both chunks' children): ``PUSH`` pushes both chunks' gradients, the step's
+last ``W`` (of either chunk) handing the buckets over. Not provided with two chunks yet:
+weight stashing (flush-free plans), an ``ActivationPool``, and CUDA/NCCL (two chunks' chains
+between one pair of ranks would need a communicator each).
+
 **Timing.** Every compute action is timed (``time.perf_counter``; on CUDA, events on the
 compute stream, read at the step's end); busy is their sum and bubble ``1 - busy / wall``, wall
 from the start of ``run_step`` to the end of its last send.
@@ -49,7 +62,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bitps.worker.pipeline.actions import COMPUTE, Action, Op
+from bitps.worker.pipeline.actions import COMPUTE, Action, Op, peer, virtual_stage
 from bitps.worker.pipeline.p2p import (
     Direction,
     Peer,
@@ -124,13 +137,15 @@ class StepReport:
     """Each micro-batch's loss (undivided), in forward order (the last stage; else empty)."""
     times: StageTimes
     """Mean seconds per micro-batch of F, B and W (a fused BW counts as B, W is then 0), and
-    the mean PULL and PUSH."""
+    the mean PULL and PUSH. With 2 chunks, per micro-batch of the rank (both chunks' F, and
+    so on): what ``simulate`` takes as the rank's ``StageTimes``."""
     p2p_bytes_sent: int
     p2p_bytes_received: int
     micro_batch_size: int
     """Samples in this step's first micro-batch (its input's first dimension)."""
     peak_inflight: int = 0
-    """Most micro-batches whose graphs this stage held at once."""
+    """Most micro-batches whose graphs this stage held at once (with 2 chunks: summed over
+    the chunks, each half a stage's activations, as the simulator counts them)."""
 
 
 class _Timer:
@@ -174,6 +189,10 @@ class _Plan:
     backward_order: list[int] = field(default_factory=list)
 
 
+_RECV = {Op.RECV_F: Direction.FROM_PREV, Op.RECV_B: Direction.FROM_NEXT}
+_SEND = {Op.SEND_F: Direction.TO_NEXT, Op.SEND_B: Direction.TO_PREV}
+
+
 def _analyse(actions: Sequence[Action]) -> _Plan:
     m: dict[int, int] = {}
     version_of_step: dict[int, int] = {}
@@ -182,7 +201,7 @@ def _analyse(actions: Sequence[Action]) -> _Plan:
     last_backward: dict[int, int] = {}
     order = []
     for i, a in enumerate(actions):
-        if a.op is Op.F:
+        if a.op is Op.F and a.chunk == 0:  # every chunk runs each micro-batch once
             m[a.step] = m.get(a.step, 0) + 1
             version_of_step.setdefault(a.step, a.version)
             first_f.setdefault(a.version, i)
@@ -206,32 +225,55 @@ class StageRuntime:
     """Executes one stage's action lists, step after step (see the module docstring).
 
     ``module`` is this stage's part of the model (an ``nn.Sequential`` splits W from B per
-    child); ``loss_fn(output, target)`` is needed on the last stage; ``ps_model`` (a
-    ``PSModel`` over ``module``) or None; ``pool`` an ``ActivationPool`` the forwards save
-    into, tagged by micro-batch with the plan's backward order; ``metrics`` anything with
-    ``observe(report)`` (``StageMetrics``); ``prefetcher`` (first stage) supplies the inputs
+    child), or a list of two, the rank's chunks of a V plan (``zb-v``; module docstring);
+    ``loss_fn(output, target)`` is needed on the stage (chunk) that ends the model;
+    ``ps_model`` (a ``PSModel`` over ``module``, or over a module holding both chunks) or None;
+    ``pool`` an ``ActivationPool`` the forwards save into, tagged by micro-batch with the
+    plan's backward order; ``metrics`` anything with ``observe(report)``
+    (``StageMetrics``); ``prefetcher`` (first stage) supplies the inputs
     when ``run_step`` gets none. ``p2p_groups``: a process group per direction
     (``p2p.direction_groups``); on CUDA without ``ctx.group`` they are made here, a collective
     call every rank makes when it builds its runtime (NCCL runs a pair's ops in the order posted
     on one stream, so an early-posted receive would hold back the sends behind it)."""
 
-    def __init__(self, ctx: StageContext, module: nn.Module, *,
+    def __init__(self, ctx: StageContext, module: nn.Module | Sequence[nn.Module], *,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  ps_model=None, pool=None, metrics=None, prefetcher=None,
                  p2p_groups: Mapping[Direction, Any] | None = None) -> None:
         self.ctx = ctx
         self.device = torch.device(ctx.device)
-        self.module = module
-        self.compute = StageCompute(module, first=ctx.first, last=ctx.last, loss_fn=loss_fn)
+        chunks = [module] if isinstance(module, nn.Module) else list(module)
+        if len(chunks) not in (1, 2) or not all(isinstance(c, nn.Module) for c in chunks):
+            raise ValueError(f"module: an nn.Module, or a list of 2 (the chunks of a V plan), "
+                             f"was expected; got {type(module).__name__} of {len(chunks)}")
+        self.chunks = len(chunks)
+        p, r = ctx.num_stages, ctx.stage
+        self._first = [virtual_stage(r, c, p) == 0 for c in range(self.chunks)]
+        self._last = [virtual_stage(r, c, p) == self.chunks * p - 1 for c in range(self.chunks)]
+        self.module = module if self.chunks == 1 else nn.ModuleList(chunks)
+        self.computes = [StageCompute(chunk, first=self._first[c], last=self._last[c],
+                                      loss_fn=loss_fn) for c, chunk in enumerate(chunks)]
+        self.compute = self.computes[0]
         self.ps_model, self.pool = ps_model, pool
         self.metrics, self.prefetcher = metrics, prefetcher
-        peers: dict[Direction, Peer] = {}
-        if ctx.prev_rank is not None:
-            prev = Peer(stage=ctx.stage - 1, replica=ctx.replica, rank=ctx.prev_rank)
-            peers[Direction.FROM_PREV] = peers[Direction.TO_PREV] = prev
-        if ctx.next_rank is not None:
-            nxt = Peer(stage=ctx.stage + 1, replica=ctx.replica, rank=ctx.next_rank)
-            peers[Direction.TO_NEXT] = peers[Direction.FROM_NEXT] = nxt
+        if self.chunks > 1 and (pool is not None or self.device.type == "cuda"
+                                or p2p_groups is not None):
+            raise ValueError("a rank with 2 chunks runs on gloo (CPU) without an activation pool "
+                             f"or per-direction groups for now; got device={self.device}, "
+                             f"pool={pool is not None}, p2p_groups={p2p_groups is not None}")
+        peers: dict[tuple[Direction, int], Peer] = {}
+        self._local: set[tuple[Op, int]] = set()  # (SEND_*/RECV_*, chunk) handed off in memory
+        for c in range(self.chunks):
+            for op in (*_RECV, *_SEND):
+                to = peer(r, c, op, p, self.chunks)
+                if to is None:
+                    continue
+                if to[0] == r:
+                    self._local.add((op, c))
+                    continue
+                rank = ctx.prev_rank if to[0] == r - 1 else ctx.next_rank
+                direction = _RECV[op] if op in _RECV else _SEND[op]
+                peers[direction, c] = Peer(stage=to[0], replica=ctx.replica, rank=rank)
         if p2p_groups is None and self.device.type == "cuda" and ctx.group is None and peers:
             p2p_groups = self._nccl_groups()
         self.link = StageLink(peers, device=self.device, timeout_s=ctx.timeout_s,
@@ -269,19 +311,29 @@ class StageRuntime:
         bad = [a for a in actions if a.stage != self.ctx.stage]
         if bad:
             raise ValueError(f"stage {self.ctx.stage} got actions of another stage: {bad[0]!r}")
-        if self.ctx.last and targets is None:
+        bad = [a for a in actions if not 0 <= a.chunk < self.chunks]
+        if bad:
+            raise ValueError(f"stage {self.ctx.stage} holds {self.chunks} chunk(s); got "
+                             f"{bad[0]!r}")
+        if any(self._last) and targets is None:
             raise ValueError("the last stage's run_step needs targets")
-        if self.ctx.first and inputs is None and self.prefetcher is None:
+        if any(self._first) and inputs is None and self.prefetcher is None:
             raise ValueError("the first stage's run_step needs inputs or a prefetcher")
         plan = _analyse(actions)
+        if plan.stash and self.chunks > 1:
+            raise ValueError("a rank with 2 chunks runs flushing plans only (weight stashing "
+                             "is not provided for chunks); got a flush-free plan")
         if self.pool is not None:
             self.pool.set_backward_order(plan.backward_order)
         sent0, recv0 = self.link.bytes_sent, self.link.bytes_received
         self.link.begin()
-        for direction, op in ((Direction.FROM_PREV, Op.RECV_F), (Direction.FROM_NEXT, Op.RECV_B)):
-            mbs = [a.mb for a in actions if a.op is op]
-            if mbs:
-                self.link.expect(direction, mbs)
+        for op, direction in _RECV.items():
+            for c in range(self.chunks):
+                if (op, c) in self._local:
+                    continue
+                mbs = [a.mb for a in actions if a.op is op and a.chunk == c]
+                if mbs:
+                    self.link.expect(direction, mbs, c)
         run = _Step(self, plan, inputs, targets)
         t0 = time.perf_counter()
         try:
@@ -290,7 +342,8 @@ class StageRuntime:
                 run.execute(i, a)
             self.link.finish()
         except BaseException:
-            self.compute.drop()
+            for compute in self.computes:
+                compute.drop()
             self._versions.clear()
             self._leaves.clear()
             raise
@@ -349,10 +402,11 @@ class _Step:
     def __init__(self, rt: StageRuntime, plan: _Plan, inputs, targets) -> None:
         self.rt, self.plan, self.inputs, self.targets = rt, plan, inputs, targets
         self.timer = _Timer(rt.device)
-        self.received: dict[int, torch.Tensor] = {}   # RECV_F -> F
-        self.outputs: dict[int, torch.Tensor] = {}    # F -> SEND_F
-        self.grads_in: dict[int, torch.Tensor] = {}   # RECV_B -> B/BW
-        self.grads_out: dict[int, torch.Tensor] = {}  # B/BW -> SEND_B
+        # keyed by (chunk, mb); a local hand-off's SEND puts into the peer chunk's dict
+        self.received: dict[tuple[int, int], torch.Tensor] = {}   # RECV_F -> F
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}    # F -> SEND_F
+        self.grads_in: dict[tuple[int, int], torch.Tensor] = {}   # RECV_B -> B/BW
+        self.grads_out: dict[tuple[int, int], torch.Tensor] = {}  # B/BW -> SEND_B
         self.losses: list[float] = []
         self.io_s: dict[Op, list[float]] = {}
         self.micro_batch_size = 0
@@ -360,14 +414,17 @@ class _Step:
 
     def execute(self, i: int, a: Action) -> None:
         rt, link = self.rt, self.rt.link
-        if a.op is Op.RECV_F:
-            self.received[a.mb] = link.recv(Direction.FROM_PREV, a.mb)
+        key = (a.chunk, a.mb)
+        if (a.op, a.chunk) in rt._local:
+            self._hand_off(a)
+        elif a.op is Op.RECV_F:
+            self.received[key] = link.recv(Direction.FROM_PREV, a.mb, a.chunk)
         elif a.op is Op.RECV_B:
-            self.grads_in[a.mb] = link.recv(Direction.FROM_NEXT, a.mb)
+            self.grads_in[key] = link.recv(Direction.FROM_NEXT, a.mb, a.chunk)
         elif a.op is Op.SEND_F:
-            link.send(Direction.TO_NEXT, a.mb, self.outputs.pop(a.mb))
+            link.send(Direction.TO_NEXT, a.mb, self.outputs.pop(key), a.chunk)
         elif a.op is Op.SEND_B:
-            link.send(Direction.TO_PREV, a.mb, self.grads_out.pop(a.mb))
+            link.send(Direction.TO_PREV, a.mb, self.grads_out.pop(key), a.chunk)
         elif a.op in (Op.PULL, Op.PUSH):
             t0 = time.perf_counter()
             if a.op is Op.PULL:
@@ -382,39 +439,56 @@ class _Step:
             for v in [v for v, last in self.plan.last_use.items() if last == i]:
                 rt._versions.pop(v, None)
 
+    def _hand_off(self, a: Action) -> None:
+        """A transfer between two chunks of this rank (the bottom of a V): the SEND moves the
+        tensor into the other chunk's inbox; the RECV finds it there (the plan's order puts the
+        SEND first, which the simulator checked)."""
+        to = peer(self.rt.ctx.stage, a.chunk, a.op, self.rt.ctx.num_stages, self.rt.chunks)
+        if a.op is Op.SEND_F:
+            self.received[to[1], a.mb] = self.outputs.pop((a.chunk, a.mb)).detach()
+        elif a.op is Op.SEND_B:
+            self.grads_in[to[1], a.mb] = self.grads_out.pop((a.chunk, a.mb))
+        else:
+            box = self.received if a.op is Op.RECV_F else self.grads_in
+            if (a.chunk, a.mb) not in box:
+                raise ValueError(f"stage {self.rt.ctx.stage}: {a} before the local "
+                                 f"{'SEND_F' if a.op is Op.RECV_F else 'SEND_B'} of chunk "
+                                 f"{to[1]} (a plan the simulator would refuse)")
+
     def _compute(self, i: int, a: Action) -> None:
-        rt, compute = self.rt, self.rt.compute
+        rt = self.rt
+        compute, c, key = rt.computes[a.chunk], a.chunk, (a.chunk, a.mb)
         params = rt._params_of_step(a.step, a.version) if self.plan.stash else None
         if a.op is Op.F:
-            x = self._input(a.mb)
+            x = self._input(a)
             if not self.micro_batch_size and x.dim():
                 self.micro_batch_size = int(x.shape[0])
-            target = self.targets[a.mb] if rt.ctx.last else None
+            target = self.targets[a.mb] if rt._last[c] else None
             with self._pool_scope(a.mb):
                 out = compute.forward(a.mb, x, target=target, m=self.plan.m[a.step],
                                       params=params)
-            self.peak = max(self.peak, compute.inflight)
-            if rt.ctx.last:
+            self.peak = max(self.peak, sum(cc.inflight for cc in rt.computes))
+            if rt._last[c]:
                 self.losses.append(out.item() * self.plan.m[a.step])
             else:
-                self.outputs[a.mb] = out
+                self.outputs[key] = out
         elif a.op is Op.B:
-            g = compute.backward_input(a.mb, self.grads_in.pop(a.mb, None))
-            if not rt.ctx.first:
-                self.grads_out[a.mb] = g
+            g = compute.backward_input(a.mb, self.grads_in.pop(key, None))
+            if not rt._first[c]:
+                self.grads_out[key] = g
         else:
             with self._sync_scope(i, a.step):
                 if a.op is Op.W:
                     compute.backward_weight(a.mb)
                 else:
-                    g = compute.backward(a.mb, self.grads_in.pop(a.mb, None))
-                    if not rt.ctx.first:
-                        self.grads_out[a.mb] = g
+                    g = compute.backward(a.mb, self.grads_in.pop(key, None))
+                    if not rt._first[c]:
+                        self.grads_out[key] = g
 
-    def _input(self, mb: int) -> torch.Tensor:
-        rt = self.rt
-        if not rt.ctx.first:
-            return self.received.pop(mb)
+    def _input(self, a: Action) -> torch.Tensor:
+        rt, mb = self.rt, a.mb
+        if not rt._first[a.chunk]:
+            return self.received.pop((a.chunk, mb))
         if self.inputs is not None:
             return self.inputs[mb].to(rt.device, non_blocking=True)
         return rt.prefetcher.get(timeout=rt.ctx.timeout_s)
@@ -444,7 +518,10 @@ class _Step:
             xs = [x for op in ops for x in spans.get(op, self.io_s.get(op, []))]
             return sum(xs) / len(xs) if xs else 0.0
 
-        times = StageTimes(f=mean(Op.F), b=mean(Op.B, Op.BW), w=mean(Op.W),
+        # per micro-batch of the whole rank: with 2 chunks each op runs twice per micro-batch
+        # (the simulator's StageTimes are per rank and split over the chunks the same way)
+        k = self.rt.chunks
+        times = StageTimes(f=k * mean(Op.F), b=k * mean(Op.B, Op.BW), w=k * mean(Op.W),
                            pull=mean(Op.PULL), push=mean(Op.PUSH))
         return StepReport(step=step, wall_s=wall, busy_s=busy,
                           bubble=1.0 - busy / wall if wall > 0 else 0.0, losses=self.losses,

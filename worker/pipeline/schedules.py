@@ -14,7 +14,14 @@ name       flushes   splits B/W  order on stage ``s`` (``w = min(p - s - 1, m)``
                                  (Qi et al., ZB-H1); at most ``p`` micro-batches in flight
 ``2bw``    no        no          1F1B run without a break over all ``steps * m`` micro-batches,
                                  two weight versions (PipeDream-2BW)
+``zb-v``   yes       yes         2 chunks per rank in a V (rank ``r``: virtual stages ``r`` and
+                                 ``2p-1-r``); warm-up of chunk-0 forwards, then ``F B W`` per
+                                 chunk, ``W``'s deferred into the drain (Qi et al., ZB-V); at
+                                 most ``2p`` chunks (``p`` stages' worth) in flight per rank
 =========  ========  ==========  ==================================================================
+
+A plan is one list per stage; for ``zb-v`` one per *rank*, each action's ``chunk`` saying
+which of the rank's two chunks it is for (``actions``: peers, local hand-offs).
 
 Communication is placed as the contract in ``actions`` says: ``RECV_F`` just before its ``F``,
 ``SEND_F`` just after it; ``RECV_B`` just before ``B``/``BW``, ``SEND_B`` just after it (the
@@ -49,12 +56,12 @@ import collections
 from collections.abc import Iterator
 from typing import ClassVar
 
-from bitps.worker.pipeline.actions import Action, Op
+from bitps.worker.pipeline.actions import Action, Op, virtual_stage
 from bitps.worker.pipeline.errors import PlanError, UnknownScheduleError
 from bitps.worker.pipeline.simulate import StageTimes, check, simulate
 
 __all__ = ["SCHEDULES", "GPipe", "OneFOneB", "PipeDream2BW", "Schedule", "ZeroBubbleH1",
-           "get_schedule", "register_schedule"]
+           "ZeroBubbleV", "get_schedule", "register_schedule"]
 
 Slot = tuple[Op, int]
 """One compute action of a stage's order before communication is added: (F|B|BW|W, mb)."""
@@ -72,6 +79,9 @@ class Schedule:
     name: ClassVar[str]
     splits_backward: ClassVar[bool]
     flushes: ClassVar[bool]
+    chunks: ClassVar[int] = 1
+    """Model chunks per rank: 1, or 2 for the V of ``zb-v`` (the plan's lists are then ranks,
+    and each rank's runtime gets ``chunks`` modules)."""
 
     def refusal(self, p: int, m: int) -> str | None:
         """Why this schedule does not support (p, m), or None. The base refuses sizes < 1."""
@@ -128,17 +138,20 @@ class Schedule:
         return acts
 
 
-def _with_comm(op: Op, s: int, p: int, mb: int, *, step: int, version: int) -> list[Action]:
-    """One compute slot with its receive just before and its send just after."""
+def _with_comm(op: Op, s: int, p: int, mb: int, *, step: int, version: int, chunk: int = 0,
+               chunks: int = 1) -> list[Action]:
+    """One compute slot (of ``chunk`` on stage/rank ``s``) with its receive just before and its
+    send just after; the first virtual stage receives no activation, the last sends none."""
     def act(o: Op) -> Action:
-        return Action(op=o, stage=s, step=step, mb=mb, version=version)
+        return Action(op=o, stage=s, step=step, mb=mb, version=version, chunk=chunk)
 
+    v, last = virtual_stage(s, chunk, p), chunks * p - 1
     if op is Op.F:
-        return ([act(Op.RECV_F)] if s > 0 else []) + [act(Op.F)] + (
-            [act(Op.SEND_F)] if s < p - 1 else [])
+        return ([act(Op.RECV_F)] if v > 0 else []) + [act(Op.F)] + (
+            [act(Op.SEND_F)] if v < last else [])
     if op in (Op.B, Op.BW):
-        return ([act(Op.RECV_B)] if s < p - 1 else []) + [act(op)] + (
-            [act(Op.SEND_B)] if s > 0 else [])
+        return ([act(Op.RECV_B)] if v < last else []) + [act(op)] + (
+            [act(Op.SEND_B)] if v > 0 else [])
     return [act(op)]
 
 
@@ -287,3 +300,101 @@ class PipeDream2BW(Schedule):
                 if k + 2 < steps:
                     acts.append(Action(op=Op.PULL, stage=s, step=k + 2, version=k + 1))
         return acts
+
+
+ChunkSlot = tuple[Op, int, int]
+"""One compute action of a rank with several chunks: (F|B|W, chunk, mb)."""
+
+
+@register_schedule
+class ZeroBubbleV(Schedule):
+    """ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", arXiv 2401.10241 v2+, section 6):
+    two model chunks per rank in a V, ``B`` and ``W`` split, flushing. Rank ``r`` holds virtual
+    stages ``r`` (chunk 0) and ``2p - 1 - r`` (chunk 1), so rank 0 feeds the inputs and computes
+    the loss, and rank ``p - 1`` hands chunk 0's output to its own chunk 1 locally.
+
+    Rank ``r``'s order over the step's ``m`` micro-batches (each phase skips what is done):
+
+    1. ``2(p - r) - 1`` forwards of chunk 0;
+    2. ``r`` times: a forward of chunk 1, a forward of chunk 0;
+    3. ``p - r`` times: chunk 1's ``F``, ``B``, ``W`` (the first backwards start at once on
+       rank 0, where chunk 1's forward ends in the loss);
+    4. steady state, until every forward ran: chunk 0's ``F`` (while any is left), ``B``,
+       ``W``; chunk 1's ``F``, ``B``, ``W``;
+    5. cool-down: ``r`` times chunk 0's ``B`` then chunk 1's ``B``; ``p - r`` times chunk 0's
+       ``B`` then a deferred ``W`` of chunk 0; then the deferred ``W``'s of chunk 1, then of
+       chunk 0 (the ``W``'s fill the drain, as in ZB-H1).
+
+    Memory: at most ``2p`` chunks' activations in flight on any rank (``peak_inflight``, in
+    chunks), each half a stage's: the ``p`` full-stage micro-batches of 1F1B's first stage.
+    Every ``m >= 1`` is accepted (as torch's ``ScheduleZBVZeroBubble`` does): with
+    ``m < 2p - 1`` the phases run out of micro-batches early and the plan is still complete and
+    deadlock-free (the simulator checks every p <= 8, m <= 32), only with a larger bubble.
+
+    Bubble, per rank's chunk times ``f_c = f / 2`` etc., no communication: rank ``p - 1``
+    cannot start before ``p - 1`` chunk forwards, and with ``m >= 2p - 1``, ``f = b`` and
+    ``f / 2 <= w <= f`` that is all its idle time, the largest of any rank's (the simulator
+    agrees on every p <= 8, m <= 32; a shorter ``W`` leaves gaps in the drain):
+    ``(p - 1) f_c / ((p - 1) f_c + m (f + b + w))``, e.g. 3/51 = 0.059 at p = 4, m = 8."""
+
+    name = "zb-v"
+    splits_backward = True
+    flushes = True
+    chunks = 2
+
+    def closed_form_bubble(self, p: int, m: int, times: StageTimes) -> float | None:
+        if m < 2 * p - 1 or times.f != times.b or not times.f / 2 <= times.w <= times.f:
+            return None  # a deeper drain or start-up; simulate it
+        idle = (p - 1) * times.f / self.chunks
+        return idle / (idle + m * (times.f + times.b + times.w))
+
+    def _stage_plan(self, s: int, p: int, m: int, steps: int) -> list[Action]:
+        acts: list[Action] = []
+        for k in range(steps):
+            acts.append(Action(op=Op.PULL, stage=s, step=k, version=k))
+            for op, c, mb in self._rank_order(s, p, range(k * m, (k + 1) * m)):
+                acts.extend(_with_comm(op, s, p, mb, step=k, version=k, chunk=c,
+                                       chunks=self.chunks))
+            acts.append(Action(op=Op.PUSH, stage=s, step=k, version=k))
+        return acts
+
+    def _rank_order(self, r: int, p: int, mbs: range) -> Iterator[ChunkSlot]:
+        n = len(mbs)
+        f, b, w = [0, 0], [0, 0], [0, 0]  # next micro-batch (index into mbs) per op, chunk
+
+        def fwd(c: int) -> Iterator[ChunkSlot]:
+            if f[c] < n:
+                yield Op.F, c, mbs[f[c]]
+                f[c] += 1
+
+        def bwd(c: int, weight: bool) -> Iterator[ChunkSlot]:
+            if b[c] < f[c]:
+                yield Op.B, c, mbs[b[c]]
+                b[c] += 1
+            if weight and w[c] < b[c]:
+                yield Op.W, c, mbs[w[c]]
+                w[c] += 1
+
+        for _ in range(2 * (p - r) - 1):
+            yield from fwd(0)
+        for _ in range(r):
+            yield from fwd(1)
+            yield from fwd(0)
+        for _ in range(p - r):
+            yield from fwd(1)
+            yield from bwd(1, weight=True)
+        while f[1] < n:
+            yield from fwd(0)
+            yield from bwd(0, weight=True)
+            yield from fwd(1)
+            yield from bwd(1, weight=True)
+        for _ in range(r):
+            yield from bwd(0, weight=False)
+            yield from bwd(1, weight=False)
+        for _ in range(p - r):
+            yield from bwd(0, weight=True)
+        for c in (1, 0):  # whatever backward is left, in micro-batch order
+            while b[c] < n:
+                yield from bwd(c, weight=False)
+            while w[c] < n:
+                yield from bwd(c, weight=True)

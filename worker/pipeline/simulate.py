@@ -8,6 +8,13 @@ to have reached the shards, then takes ``pull``; ``PUSH`` posts (it runs on the 
 thread) and completes ``push`` later. When no stage can progress before the plan is done it
 raises :class:`DeadlockError` naming a stage and the action it waits at forever.
 
+**Chunks** (V-shaped plans, see ``actions``): the plan's lists are then ranks. A transfer's peer
+is :func:`~bitps.worker.pipeline.actions.peer` of (rank, chunk, op); a local hand-off (the peer
+chunk on the same rank) arrives at once, without ``comm_s``. ``times`` stays per rank, for the
+rank's whole share of the model: with ``C`` chunks per rank each chunk's compute action takes
+``1 / C`` of it (a chunk holds ``1 / C`` of the rank's layers), so a 2-chunk plan and a 1-chunk
+plan over the same ``StageTimes`` model the same model on the same ranks.
+
 :func:`check` verifies the contracts of ``actions`` statically (every ``RECV`` has its ``SEND``,
 receives before and sends after their compute, ``W`` after ``B``, pulls before use, at most two
 weight versions live per stage) and raises :class:`PlanError` naming the first broken rule.
@@ -26,7 +33,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from bitps.worker.pipeline.actions import COMPUTE, Action, Op
+from bitps.worker.pipeline.actions import COMPUTE, Action, Op, chunks_of, peer, virtual_stage
 from bitps.worker.pipeline.errors import DeadlockError, PlanError
 
 if TYPE_CHECKING:
@@ -40,7 +47,9 @@ Plan = Sequence[Sequence[Action]]
 @dataclasses.dataclass(frozen=True)
 class StageTimes:
     """One stage's op times in seconds for one micro-batch: ``f`` forward, ``b`` input backward,
-    ``w`` weight backward (``BW`` takes ``b + w``), ``pull``/``push`` a PS round trip."""
+    ``w`` weight backward (``BW`` takes ``b + w``), ``pull``/``push`` a PS round trip. In a
+    plan with chunks, one *rank's* times, for its whole share of the model (each chunk's action
+    takes ``1 / C`` of them; see the module docstring)."""
 
     f: float
     b: float
@@ -69,7 +78,9 @@ class SimResult:
     ``makespan`` is the end of the last action or the last push's arrival at the shards,
     whichever is later; ``busy[s]`` the compute time (F, B, W, BW) of stage ``s``;
     ``timeline[s][i]`` is the (start, end) of action ``i`` of stage ``s``; ``peak_inflight[s]``
-    the most micro-batches whose ``F`` has run and whose last backward (``W`` or ``BW``) has not;
+    the most micro-batches whose ``F`` has run and whose last backward (``W`` or ``BW``) has not
+    (counted per chunk: in a 2-chunk plan each is half a stage's activations, so ``2p`` chunks
+    in flight hold what ``p`` micro-batches of 1F1B's first stage hold);
     ``max_live_versions[s]`` the most weight versions the stage holds at once (the last pulled
     one and those of its in-flight micro-batches).
     """
@@ -118,12 +129,14 @@ def simulate(plan: Plan, times: StageTimes | Sequence[StageTimes], comm_s: float
     docstring for the model. ``schedule`` and ``m`` only label errors (``m`` defaults to the
     number of micro-batches of step 0)."""
     p = len(plan)
+    chunks = chunks_of(plan)
     per_stage = _per_stage(times, p)
     clock = [0.0] * p
     push_done = [0.0] * p
     ptr = [0] * p
-    arrival: dict[tuple[bool, int, int | None], float] = {}  # (forward?, receiver, mb) -> t
-    waiting: dict[tuple[bool, int, int | None], int] = {}  # the stage blocked on that message
+    # (forward?, receiver rank, receiver chunk, mb) -> arrival time; and who waits for it
+    arrival: dict[tuple[bool, int, int, int | None], float] = {}
+    waiting: dict[tuple[bool, int, int, int | None], int] = {}
     timeline: list[list[tuple[float, float]]] = [[] for _ in range(p)]
     # A worklist: a stage runs until a receive finds no message, then waits for that send.
     # Each action's times depend only on its stage's clock and on arrival times fixed when the
@@ -137,15 +150,19 @@ def simulate(plan: Plan, times: StageTimes | Sequence[StageTimes], comm_s: float
             op = a.op
             start = clock[s]
             if op is Op.RECV_F or op is Op.RECV_B:
-                key = (op is Op.RECV_F, s, a.mb)
+                key = (op is Op.RECV_F, s, a.chunk, a.mb)
                 if key not in arrival:
                     waiting[key] = s
                     break
                 start = max(start, arrival[key])
-            end = start + t.compute(op)
+            end = start + t.compute(op) / chunks
             if op is Op.SEND_F or op is Op.SEND_B:
-                key = (True, s + 1, a.mb) if op is Op.SEND_F else (False, s - 1, a.mb)
-                arrival[key] = start + comm_s
+                to = peer(s, a.chunk, op, p, chunks)
+                if to is None:
+                    raise PlanError(f"stage {s}, action {ptr[s]} ({a}): no peer for it",
+                                    schedule=schedule, p=p, m=_m_of(plan, m))
+                key = (op is Op.SEND_F, to[0], to[1], a.mb)
+                arrival[key] = start + (0.0 if to[0] == s else comm_s)  # local: at once
                 if key in waiting:
                     ready.append(waiting.pop(key))
             elif op is Op.PULL:
@@ -162,7 +179,7 @@ def simulate(plan: Plan, times: StageTimes | Sequence[StageTimes], comm_s: float
     return SimResult(
         plan=tuple(tuple(acts) for acts in plan),
         makespan=max([*clock, *push_done], default=0.0),
-        busy=tuple(sum(per_stage[s].compute(a.op) for a in plan[s]) for s in range(p)),
+        busy=tuple(sum(per_stage[s].compute(a.op) for a in plan[s]) / chunks for s in range(p)),
         peak_inflight=tuple(inflight), max_live_versions=tuple(versions),
         timeline=tuple(tuple(t) for t in timeline))
 
@@ -176,9 +193,16 @@ def check(plan: Plan, *, schedule: str = "plan", m: int | None = None) -> None:
         raise PlanError(f"stage {s}, action {i} ({plan[s][i]}): {why}", schedule=schedule,
                         p=p, m=m_)
 
+    chunks = chunks_of(plan)
     mbs0 = None
     for s, acts in enumerate(plan):
-        mbs = _check_stage(s, p, acts, fail)
+        runs = _check_stage(s, p, acts, fail, chunks)
+        per_chunk = [{mb for c, mb in runs if c == k} for k in range(chunks)]
+        if any(mbs != per_chunk[0] for mbs in per_chunk):
+            raise PlanError(f"stage {s}'s chunks run different micro-batches: "
+                            f"{[sorted(mbs) for mbs in per_chunk]}", schedule=schedule, p=p,
+                            m=m_)
+        mbs = per_chunk[0]
         if mbs0 is not None and mbs != mbs0:
             raise PlanError(f"stage {s} runs micro-batches {sorted(mbs)}, stage 0 runs "
                             f"{sorted(mbs0)}", schedule=schedule, p=p, m=m_)
@@ -208,19 +232,26 @@ def _per_stage(times: StageTimes | Sequence[StageTimes], p: int) -> list[StageTi
 def _m_of(plan: Plan, m: int | None) -> int:
     if m is not None:
         return m
-    return sum(1 for a in (plan[0] if plan else ()) if a.op is Op.F and a.step == 0)
+    return sum(1 for a in (plan[0] if plan else ())
+               if a.op is Op.F and a.step == 0 and a.chunk == 0)
 
 
 def _raise_deadlock(plan: Plan, ptr: list[int], schedule: str, m: int) -> None:
     blocked = [s for s in range(len(plan)) if ptr[s] < len(plan[s])]
+    p, chunks = len(plan), chunks_of(plan)
     waits = []
     for s in blocked:
         a = plan[s][ptr[s]]
-        peer = s - 1 if a.op is Op.RECV_F else s + 1
         sent = "SEND_F" if a.op is Op.RECV_F else "SEND_B"
-        at = (f"blocked at {plan[peer][ptr[peer]]}" if 0 <= peer < len(plan)
-              and ptr[peer] < len(plan[peer]) else "finished or absent")
-        waits.append(f"stage {s} waits at {a} for {sent}{a.mb} of stage {peer} ({at})")
+        try:
+            to = peer(s, a.chunk, a.op, p, chunks)
+        except ValueError:  # a plan whose lists are not all ranks of one V
+            to = None
+        other = -1 if to is None else to[0]
+        at = (f"blocked at {plan[other][ptr[other]]}" if 0 <= other < p
+              and ptr[other] < len(plan[other]) else "finished or absent")
+        chunk = f" chunk {to[1]}" if to is not None and chunks > 1 else ""
+        waits.append(f"stage {s} waits at {a} for {sent}{a.mb} of stage {other}{chunk} ({at})")
     s = blocked[0]
     raise DeadlockError("; ".join(waits), schedule=schedule, p=len(plan), m=m, stage=s,
                         action=str(plan[s][ptr[s]]), index=ptr[s])
@@ -228,7 +259,7 @@ def _raise_deadlock(plan: Plan, ptr: list[int], schedule: str, m: int) -> None:
 
 def _occupancy(acts: Sequence[Action]) -> tuple[int, int]:
     """(peak in-flight micro-batches, most live weight versions) over one stage's list."""
-    inflight: dict[int | None, int] = {}  # mb -> its version
+    inflight: dict[tuple[int, int | None], int] = {}  # (chunk, mb) -> its version
     uses: dict[int, int] = {}  # version -> in-flight micro-batches using it
     latest: int | None = None
     peak = live = 0
@@ -237,10 +268,10 @@ def _occupancy(acts: Sequence[Action]) -> tuple[int, int]:
         if op is Op.PULL:
             latest = a.version
         elif op is Op.F:
-            inflight[a.mb] = a.version
+            inflight[a.chunk, a.mb] = a.version
             uses[a.version] = uses.get(a.version, 0) + 1
-        elif (op is Op.W or op is Op.BW) and a.mb in inflight:
-            v = inflight.pop(a.mb)
+        elif (op is Op.W or op is Op.BW) and (a.chunk, a.mb) in inflight:
+            v = inflight.pop((a.chunk, a.mb))
             uses[v] -= 1
             if not uses[v]:
                 del uses[v]
@@ -249,41 +280,49 @@ def _occupancy(acts: Sequence[Action]) -> tuple[int, int]:
     return peak, live
 
 
-def _check_stage(s: int, p: int, acts: Sequence[Action], fail) -> set[int | None]:
-    """Check one stage's list; returns the micro-batches it runs."""
-    seen: dict[tuple[Op, int | None], int] = {}
-    done: dict[int | None, set[Op]] = {}
-    fwd_version: dict[int | None, int] = {}
+def _check_stage(s: int, p: int, acts: Sequence[Action], fail, chunks: int = 1
+                 ) -> set[tuple[int, int | None]]:
+    """Check one stage's (rank's) list; returns the (chunk, micro-batch) pairs it runs. The
+    rules are those of ``actions``, per virtual stage: the first has no ``RECV_F``/``SEND_B``,
+    the last no ``SEND_F``/``RECV_B``."""
+    n = chunks * p
+    seen: dict[tuple[Op, int, int | None], int] = {}
+    done: dict[tuple[int, int | None], set[Op]] = {}
+    fwd_version: dict[tuple[int, int | None], int] = {}
     pulled: set[int] = set()
     pushed: set[int] = set()
-    forbidden = {Op.RECV_F} if s == 0 else set()
-    forbidden |= {Op.SEND_F, Op.RECV_B} if s == p - 1 else set()
-    forbidden |= {Op.SEND_B} if s == 0 else set()
     for i, a in enumerate(acts):
         if a.stage != s:
             fail(s, i, f"carries stage={a.stage}")
+        if not 0 <= a.chunk < chunks:
+            fail(s, i, f"carries chunk={a.chunk}; expected 0..{chunks - 1}")
+        v = virtual_stage(s, a.chunk, p)
+        forbidden = ({Op.RECV_F, Op.SEND_B} if v == 0 else set()) | (
+            {Op.SEND_F, Op.RECV_B} if v == n - 1 else set())
         if a.op in forbidden:
-            fail(s, i, f"stage {s} of {p} has no peer for {a.op.value}")
-        if (a.op, a.mb) in seen and a.op not in (Op.PULL, Op.PUSH):
-            fail(s, i, f"repeats {a} (first at action {seen[(a.op, a.mb)]})")
-        seen.setdefault((a.op, a.mb), i)
-        before = set(done.get(a.mb, ()))
-        done.setdefault(a.mb, set()).add(a.op)
+            where = f"stage {s} of {p}" if chunks == 1 else f"virtual stage {v} of {n}"
+            fail(s, i, f"{where} has no peer for {a.op.value}")
+        key = (a.chunk, a.mb)
+        if (a.op, *key) in seen and a.op not in (Op.PULL, Op.PUSH):
+            fail(s, i, f"repeats {a} (first at action {seen[(a.op, *key)]})")
+        seen.setdefault((a.op, *key), i)
+        before = set(done.get(key, ()))
+        done.setdefault(key, set()).add(a.op)
         if a.op is Op.F:
-            if s > 0 and Op.RECV_F not in before:
+            if v > 0 and Op.RECV_F not in before:
                 fail(s, i, "F before its RECV_F")
             if a.version not in pulled:
                 fail(s, i, f"uses weight version {a.version}, not pulled before")
-            fwd_version[a.mb] = a.version
+            fwd_version[key] = a.version
         elif a.op in (Op.B, Op.BW, Op.W):
             if Op.F not in before:
                 fail(s, i, f"{a.op.value} before its F")
-            if a.version != fwd_version.get(a.mb):
+            if a.version != fwd_version.get(key):
                 fail(s, i, f"backward with version {a.version}, forward used "
-                     f"{fwd_version.get(a.mb)} (weight stashing)")
+                     f"{fwd_version.get(key)} (weight stashing)")
             if a.op is Op.W and Op.B not in before:
                 fail(s, i, "W before its B")
-            if a.op is not Op.W and s < p - 1 and Op.RECV_B not in before:
+            if a.op is not Op.W and v < n - 1 and Op.RECV_B not in before:
                 fail(s, i, f"{a.op.value} before its RECV_B")
             if a.step in pushed:
                 fail(s, i, f"backward of step {a.step} after that step's PUSH")
@@ -295,25 +334,26 @@ def _check_stage(s: int, p: int, acts: Sequence[Action], fail) -> set[int | None
             pulled.add(a.version)
         elif a.op is Op.PUSH:
             pushed.add(a.step)
-    _check_complete(s, p, acts, seen, done, fail)
-    return {mb for op, mb in seen if op is Op.F}
+    _check_complete(s, p, acts, seen, done, fail, chunks)
+    return {(c, mb) for op, c, mb in seen if op is Op.F}
 
 
-def _check_complete(s: int, p: int, acts, seen, done, fail) -> None:
+def _check_complete(s: int, p: int, acts, seen, done, fail, chunks: int = 1) -> None:
     """Every F has its backward (BW, or B and W), its sends, and its step's PUSH; every
     receive is for a micro-batch this stage runs."""
     steps_pushed = {a.step for a in acts if a.op is Op.PUSH}
-    for (op, mb), i in seen.items():
-        if op in (Op.RECV_F, Op.RECV_B) and Op.F not in done[mb]:
+    n = chunks * p
+    for (op, c, mb), i in seen.items():
+        if op in (Op.RECV_F, Op.RECV_B) and Op.F not in done[c, mb]:
             fail(s, i, f"receives for micro-batch {mb}, which this stage never runs")
         if op is not Op.F:
             continue
-        has = done[mb]
+        has, v = done[c, mb], virtual_stage(s, c, p)
         if not (Op.BW in has) ^ (Op.B in has and Op.W in has):
             fail(s, i, "needs exactly one backward: BW, or B and W")
-        if s < p - 1 and Op.SEND_F not in has:
+        if v < n - 1 and Op.SEND_F not in has:
             fail(s, i, "its output is never sent (no SEND_F)")
-        if s > 0 and Op.SEND_B not in has:
+        if v > 0 and Op.SEND_B not in has:
             fail(s, i, "its input gradient is never sent (no SEND_B)")
         if acts[i].step not in steps_pushed:
             fail(s, i, f"step {acts[i].step} has no PUSH")
