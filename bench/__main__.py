@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="(a) synthetic stages, (b) the deep model on p stages, (c) dp 2 x pp 2 "
                          "through the PS")
     pl.add_argument("--deep-steps", type=int, default=24, help="(b): steps per run")
-    pl.add_argument("--dp-pp-steps", type=int, default=60, help="(c): steps per run")
+    pl.add_argument("--dp-pp-steps", type=int, default=150, help="(c): steps per run")
     pl.add_argument("--quick", action="store_true", help="part (a) only, the smallest m, one "
                     "timed step (smoke test)")
     al = sub.add_parser("all", help="every scenario (e2e: the LM, the MoE and the straggler), "

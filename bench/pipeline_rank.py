@@ -27,7 +27,7 @@ __all__ = ["CASES", "OUR_CASES", "TORCH_CASES", "main"]
 TORCH_CASES = ("torch-gpipe", "torch-1f1b", "torch-zb1p", "torch-zbv")
 """torch.distributed.pipelining's schedules: GPipe, 1F1B, ``ScheduleInterleavedZeroBubble``
 with one stage per rank (ZB1P) and ``ScheduleZBVZeroBubble`` (two half-size stages per rank)."""
-OUR_CASES = ("gpipe", "1f1b", "zb-h1", "2bw")
+OUR_CASES = ("gpipe", "1f1b", "zb-h1", "zb-v", "2bw")
 """Our schedules (``pipeline.schedules``) run by our ``StageRuntime``; a flush-free one runs
 ``flush_free_steps`` steps as one plan per timed step."""
 CASES = TORCH_CASES + OUR_CASES
@@ -97,6 +97,7 @@ class _OurCase:
     def __init__(self, name: str, m: int, s: dict, rank: int) -> None:
         import torch
 
+        from bitps.worker.pipeline.actions import virtual_stage
         from bitps.worker.pipeline.runtime import StageContext, StageRuntime
         from bitps.worker.pipeline.schedules import get_schedule
         from bitps.worker.pipeline.synthetic import SleepStage
@@ -106,13 +107,24 @@ class _OurCase:
         steps = 1 if schedule.flushes else s["flush_free_steps"]
         self.name, self.m, self.rank, self.steps = name, m, rank, steps
         self.actions = schedule.generate(p, m, steps=steps)[rank]
-        self.weights = {rank: 1.0}
         ctx = StageContext(stage=rank, num_stages=p, prev_rank=rank - 1 if rank else None,
                            next_rank=rank + 1 if rank < p - 1 else None,
                            timeout_s=s["timeout_s"])
-        last = rank == p - 1
-        self.module = SleepStage(s["t_f"], s["t_b"], s["t_w"], stage=rank)
-        self.runtime = StageRuntime(ctx, self.module, loss_fn=_loss if last else None)
+        if schedule.chunks == 1:
+            last = rank == p - 1
+            self.weights = {rank: 1.0}
+            self.modules = [SleepStage(s["t_f"], s["t_b"], s["t_w"], stage=rank)]
+            self.runtime = StageRuntime(ctx, self.modules[0], loss_fn=_loss if last else None)
+        else:
+            # a V of 2 chunks per rank, each half a stage's work (as torch-zbv's); rank 0 holds
+            # the first and the last virtual stage: it feeds the inputs and takes the loss
+            last = rank == 0
+            share = 1.0 / schedule.chunks
+            stages = [virtual_stage(rank, c, p) for c in range(schedule.chunks)]
+            self.weights = {v: share for v in stages}
+            self.modules = [SleepStage(s["t_f"] * share, s["t_b"] * share, s["t_w"] * share,
+                                       stage=v) for v in stages]
+            self.runtime = StageRuntime(ctx, self.modules, loss_fn=_loss if last else None)
         gen = torch.Generator().manual_seed(m)
         shape = (s["rows"], s["width"])
         xs = [torch.randn(shape, generator=gen) for _ in range(steps * m)]
@@ -123,7 +135,8 @@ class _OurCase:
 
     def step(self) -> None:
         self.report = self.runtime.run_step(self.actions, self.inputs, self.targets)
-        self.module.zero_grad(set_to_none=True)
+        for module in self.modules:
+            module.zero_grad(set_to_none=True)
 
 
 def _comm_one_way_s(rank: int, shape: tuple[int, int], repeats: int = 20) -> float:
