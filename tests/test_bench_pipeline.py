@@ -79,7 +79,8 @@ def test_pipeline_bench_smoke(tmp_path):
         assert row["m"] == 2 and row["steps"] == 1
         assert 0.0 <= row["bubble_mean"] <= row["bubble_max"] < 1.0
         assert len(row["peak_inflight"]) == 2 and max(row["peak_inflight"]) >= 1
-        assert row["step_ms"] > 0 and row["t_f_ms"] >= 5 * (0.5 if row["case"] in ("torch-zbv", "zb-v") else 1)
+        half = row["case"] in ("torch-zbv", "zb-v")  # two chunks per rank, each half a stage
+        assert row["step_ms"] > 0 and row["t_f_ms"] >= 5 * (0.5 if half else 1)
     gpipe = next(r for r in torch_rows if r["case"] == "torch-gpipe")
     assert gpipe["closed_form"] == pytest.approx(1 / 3)
     for c in doc["checks"].values():
