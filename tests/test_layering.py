@@ -136,3 +136,19 @@ def test_the_transport_runs_without_torch_or_algorithms():
             "assert 'torch' not in sys.modules, 'torch imported'; "
             "assert not [m for m in sys.modules if m.startswith('bitps.worker.training')]")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+PIPELINE_PURE = ("actions", "errors", "schedules", "simulate", "partition", "microbatch",
+                 "config")
+
+
+def test_the_pipeline_plan_is_checked_without_torch():
+    """Schedules, the simulator, the partitioner, the tuner and ParallelConfig import no torch
+    (statically and in a fresh interpreter): a launcher refuses a bad plan before it loads
+    torch or starts anything."""
+    bad = [f"worker/pipeline/{mod}.py imports torch" for mod in PIPELINE_PURE
+           if "torch" in _worker_imports(ROOT / "worker" / "pipeline" / f"{mod}.py")]
+    assert not bad, bad
+    code = ("import sys; " + "; ".join(f"import bitps.worker.pipeline.{m}" for m in PIPELINE_PURE)
+            + "; assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
