@@ -459,6 +459,7 @@ PROBLEM_ROWS = (
 _DEEP_COLUMNS = [("case", "case"), ("schedule", "schedule"), ("balance", "split"),
                  ("micro_batch_sizes", "micro-batch sizes"), ("bubble_max", "bubble max"),
                  ("bubble_mean", "bubble mean"), ("samples_per_s", "samples/s"),
+                 ("samples_per_s_rounds", "samples/s by round"),
                  ("vs_baseline", "x baseline"), ("stage_busy_ms", "stage busy ms/step"),
                  ("imbalance", "slowest/mean"), ("stage_alone_ms", "stage alone ms/mb"),
                  ("imbalance_alone", "slowest/mean alone"), ("partition", "layers per stage")]
@@ -476,11 +477,16 @@ _DPPP_TITLE = "(c) dp = 2 x pp = 2 through the PS: async, 1-bit (sign1) pushes"
 def _deep_notes(steps: int) -> str:
     return (f"Each row: bitps-launch --dp 1 --pp 4, the deep model (12 layers: embedding, ten "
             f"blocks, a wide head), one sync shard, {steps} steps of 64 samples (m = 64 / "
-            f"micro-batch size), measured after the first {max(2, steps // 4)}. bubble = 1 - "
+            f"micro-batch size), measured after the first {max(2, steps // 4)}; the cases "
+            f"alternate round by round, each figure the median of its rounds (samples/s by "
+            f"round beside it). bubble = 1 - "
             f"busy / wall per stage per step (the runtime's timers); samples/s = samples over "
             f"the summed step walls (a step's wall: its slowest stage's). Stage busy: median "
             f"per step; slowest/mean of it is the measured balance (uniform: equal layer "
-            f"counts; profile: min-max partition of the profiled per-layer times). The 2BW row "
+            f"counts; profile: min-max partition of the profiled per-layer times); stage alone: "
+            f"each stage's forward + backward per micro-batch of 8 timed in one process after "
+            f"the runs, with nothing else running (slowest/mean alone is the balance check). "
+            f"The 2BW row "
             f"is one run_step over every step (its figures: the whole run's). The machine has "
             f"{os.cpu_count()} cores for 4 stage processes, a shard and the other load, so "
             f"stages contend for CPU: busy times and bubbles carry that. The problem "
@@ -523,6 +529,18 @@ def _by_step(events: list[dict], replica: int = 0) -> dict[int, dict[int, dict]]
     return out
 
 
+def _median_of_rounds(rounds: list[dict]) -> dict:
+    """One case's rows of every round as one: the medians of its figures, every round's
+    samples/s, the sizes any round used; the rest (split, layers) from the last round."""
+    row = dict(rounds[-1])
+    for key in ("samples_per_s", "bubble_max", "bubble_mean", "imbalance"):
+        row[key] = statistics.median(r[key] for r in rounds)
+    row["samples_per_s_rounds"] = [round(r["samples_per_s"], 1) for r in rounds]
+    row["micro_batch_sizes"] = sorted({b for r in rounds for b in r["micro_batch_sizes"]})
+    row["rounds"] = len(rounds)
+    return row
+
+
 def deep_row(case: tuple, summary: dict, events: list[dict], p: int, skip: int) -> dict:
     """One part (b) row: over the steps after the first ``skip``, the median of the largest
     and the mean stage bubble, samples/s (samples over the summed step walls, a step's wall
@@ -553,25 +571,31 @@ def deep_row(case: tuple, summary: dict, events: list[dict], p: int, skip: int) 
 
 
 def run_deep(*, p: int = 4, steps: int = 24, replica_batch: int = 64, run_root: Path,
-             timeout_s: float = 600.0, cases: tuple = DEEP_CASES) -> tuple[list[dict], dict]:
-    """Part (b): every case of ``cases`` on the deep model, one after another (sync mode, one
-    shard); its rows (ours, then the problem statement's) and checks."""
-    rows = []
+             timeout_s: float = 600.0, cases: tuple = DEEP_CASES,
+             rounds: int = 2) -> tuple[list[dict], dict]:
+    """Part (b): every case of ``cases`` on the deep model (sync mode, one shard), the cases
+    alternated round by round (``rounds``), each row the median of its rounds; its rows (ours,
+    then the problem statement's) and checks."""
     skip = max(2, steps // 4)  # warm-up, and the tuner's first moves
-    for case in cases:
-        name, schedule, balance, size, dynamic, lookahead = case
-        run_dir = run_root / f"deep-{len(rows)}"
-        summary, events = launch_pipeline(
-            run_dir, ["--shards", "1", "--mode", "sync", "--dp", "1", "--pp", str(p),
-                      "--micro-batch-size", str(size),
-                      "--gradient-accumulation-steps", str(replica_batch // size),
-                      "--schedule", schedule],
-            ["--model", "deep", "--steps", str(steps), "--balance", balance, "--log-every", "1",
-             "--dynamic-micro-batch", str(dynamic).lower(), "--lookahead", str(lookahead).lower()],
-            timeout_s)
-        rows.append(deep_row(case, summary, events, p, skip))
-        print(f"(b) {name}: bubble {rows[-1]['bubble_max']:.3f}, "
-              f"{rows[-1]['samples_per_s']:.1f} samples/s", file=sys.stderr)
+    per_case: dict[str, list[dict]] = {case[0]: [] for case in cases}
+    for round_no in range(rounds):
+        for i, case in enumerate(cases):
+            name, schedule, balance, size, dynamic, lookahead = case
+            summary, events = launch_pipeline(
+                run_root / f"deep-{round_no}-{i}",
+                ["--shards", "1", "--mode", "sync", "--dp", "1", "--pp", str(p),
+                 "--micro-batch-size", str(size),
+                 "--gradient-accumulation-steps", str(replica_batch // size),
+                 "--schedule", schedule],
+                ["--model", "deep", "--steps", str(steps), "--balance", balance,
+                 "--log-every", "1", "--dynamic-micro-batch", str(dynamic).lower(),
+                 "--lookahead", str(lookahead).lower()],
+                timeout_s)
+            row = deep_row(case, summary, events, p, skip)
+            per_case[name].append(row)
+            print(f"(b) round {round_no} {name}: bubble {row['bubble_max']:.3f}, "
+                  f"{row['samples_per_s']:.1f} samples/s", file=sys.stderr)
+    rows = [_median_of_rounds(per_case[case[0]]) for case in cases]
     base = rows[0]["samples_per_s"]
     for r in rows:
         r["vs_baseline"] = r["samples_per_s"] / base

@@ -32,10 +32,13 @@ How it decides:
   is measured by running it.
 - **Hysteresis**: once the ends are known it switches away from the size in use only if the
   predicted gain exceeds ``threshold`` (default 3 %) of the current predicted step time.
-- **Drift**: when an observation at a measured size differs from that size's moving average by
-  more than ``drift`` (default 10 %) at any stage and op, the other sizes' measurements are
-  dropped as stale (they predate the change) and the ends are explored again; smaller changes
-  are absorbed by the moving average.
+- **Drift**: when two observations in a row at a measured size differ from that size's moving
+  average by more than ``drift`` (default 15 %) in the replica's compute per micro-batch (F + B
+  + W summed over the stages), the other sizes' measurements are dropped as stale (they predate
+  the change) and the ends are explored again; smaller or one-off changes are absorbed by the
+  moving average. Why so coarse: a single op of a single stage, or one step, swings by more
+  than 10 % on a shared host (measured: the deep model's 4 stages on 2 CPU cores), and a tuner
+  that re-explored on each swing would spend its steps at the worst sizes.
 
 Example::
 
@@ -67,7 +70,7 @@ class MicroBatchTuner:
 
     def __init__(self, *, samples_per_step: int, schedule: Schedule | str, p: int, start: int,
                  minimum: int = 4, maximum: int = 16, threshold: float = 0.03,
-                 smoothing: float = 0.5, drift: float = 0.10, comm_s: float = 0.0) -> None:
+                 smoothing: float = 0.5, drift: float = 0.15, comm_s: float = 0.0) -> None:
         """``samples_per_step``: per-replica samples per step G (micro_batch_size x m at the
         start); ``start``: the size in use now (a candidate); ``comm_s``: the simulator's
         per-transfer time."""
@@ -93,6 +96,8 @@ class MicroBatchTuner:
         self.current = start
         self._measured: dict[int, list[StageTimes]] = {}
         self._ratio: dict[int, float] = {}  # measured / simulated step time, per measured size
+        self._suspect: int | None = None  # the size whose last observation looked drifted
+        # (held aside until the next observation says whether it was a change or a one-off)
         self._predicted: dict[int, float] = {}  # cleared by every observation
 
     @classmethod
@@ -118,8 +123,14 @@ class MicroBatchTuner:
                              f"{step_s!r}")
         self._predicted.clear()
         old = self._measured.get(b)
-        if old is not None and len(self._measured) > 1 and self._drifted(old, times):
-            # the others were measured before the change
+        drifted = old is not None and len(self._measured) > 1 and self._drifted(old, times)
+        if drifted and self._suspect != b:
+            # held aside, not averaged in: a one-off (other load) must not move the model
+            self._suspect = b
+            return
+        self._suspect = None
+        if drifted:
+            # confirmed by a second observation: the others were measured before the change
             self._measured, self._ratio = {b: list(times)}, {}
         elif old is None:
             self._measured[b] = list(times)
@@ -206,12 +217,11 @@ class MicroBatchTuner:
         return max(0.0, my + slope * (b - mx))
 
     def _drifted(self, old: Sequence[StageTimes], times: Sequence[StageTimes]) -> bool:
-        for got, want in zip(times, old):
-            for op in _OPS:
-                g, w = getattr(got, op), getattr(want, op)
-                if abs(g - w) > self.drift * max(w, 1e-12) and abs(g - w) > 1e-9:
-                    return True
-        return False
+        def compute(ts: Sequence[StageTimes]) -> float:
+            return sum(t.f + t.b + t.w for t in ts)
+
+        got, want = compute(times), compute(old)
+        return abs(got - want) > self.drift * max(want, 1e-12) and abs(got - want) > 1e-9
 
     def _accepts(self, b: int) -> bool:
         try:

@@ -52,11 +52,17 @@ class DynamicMicroBatch:
     every stage of the replica calls it after every step.
     """
 
-    def __init__(self, tuner: MicroBatchTuner, *, num_stages: int, group=None) -> None:
+    def __init__(self, tuner: MicroBatchTuner, *, num_stages: int, group=None,
+                 warmup_steps: int = 1) -> None:
         if tuner.p != num_stages:
             raise ValueError(f"the tuner plans for p={tuner.p} stages, the replica has "
                              f"{num_stages}")
         self.tuner, self.num_stages, self.group = tuner, num_stages, group
+        self.warmup_steps = warmup_steps
+        """Steps whose times are not observed: the first runs several times slower (allocator
+        and autograd warm-up: 2.5 s against 0.4 s on the deep model), which would make its size
+        look worst for good."""
+        self._steps = 0
         self.size = tuner.current
         """The micro-batch size in use (the next step's, after :meth:`after_step`)."""
         self.samples_per_step = tuner.samples_per_step
@@ -69,6 +75,10 @@ class DynamicMicroBatch:
         (every stage gets the same)."""
         import torch.distributed as dist
 
+        self._steps += 1
+        if self._steps <= self.warmup_steps:  # the same on every stage: no message needed
+            self.history.append(self.size)
+            return self.size
         gathered: list[tuple | None] = [None] * self.num_stages
         dist.all_gather_object(gathered, (dataclasses.astuple(times), wall_s), group=self.group)
         walls = [w for _, w in gathered]
