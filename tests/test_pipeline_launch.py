@@ -41,6 +41,12 @@ REFUSED = {
     "dynamic with a flush-free schedule": (
         ["--pp", "2", "--schedule", "2bw", "--", "--dynamic-micro-batch"],
         r"dynamic_micro_batch needs a flushing schedule"),
+    "2p > layers for zb-v": (
+        ["--pp", "4", "--schedule", "zb-v", "--", "--model", "mlp"],
+        r"pipeline_parallel_size=4: expected at most 3 with schedule 'zb-v': it cuts the model "
+        r"into 2 x 4 = 8 parts of at least one layer, and the model has 6 layers"),
+    "zb-v on CUDA": (["--pp", "2", "--schedule", "zb-v", "--", "--device", "cuda:0"],
+                     r"schedule 'zb-v' \(2 model chunks per rank\) runs on gloo \(CPU\) only"),
     "unknown schedule": (["--pp", "2", "--schedule", "interleaved"],
                          r"got 'interleaved'; expected one of gpipe, 1f1b, zb-h1, 2bw"),
     "unknown model": (["--pp", "2", "--", "--model", "gpt5"], r"model 'gpt5': expected one of"),
@@ -207,6 +213,42 @@ def test_dp2_pp2_launch_trains_with_metrics_from_every_stage(tmp_path):
     assert starts[0]["costs"] is not None and len(starts[0]["costs"]) == 6
     assert [s["layers"] for s in starts[:2]] == [
         f"{a}-{b - 1}" for a, b in starts[0]["partition"]]
+
+
+def test_dp1_pp2_zbv_launch_trains_with_the_loss_on_stage_0(tmp_path):
+    # zb-v: the 6 layers cut into 4 parts (profiled); stage 0 holds virtual stages 0 and 3
+    # (the inputs and the loss), stage 1 virtual stages 1 and 2. Look-ahead feeds stage 0 and
+    # dynamic micro-batching tunes the size (replica batch 16: 4, 8 or 16; zb-v takes any m).
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "bitps.worker.launch", "--shards", "1", "--mode", "async",
+         "--run-dir", str(run_dir), "--dp", "1", "--pp", "2", "--schedule", "zb-v",
+         "--micro-batch-size", "4", "--gradient-accumulation-steps", "4",
+         "--expect-loss-drop", "0.3", "--", "--model", "mlp", "--steps", "150",
+         "--log-every", "10", "--lookahead", "--dynamic-micro-batch"],
+        cwd=ROOT, capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stdout + out.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["parallel"]["schedule"] == "zb-v"
+    starts = {s["stage"]: s for s in summary["starts"]}
+    partition = starts[0]["partition"]  # virtual stages 0..3, in order, covering 0..5
+    assert len(partition) == 4 and partition[0][0] == 0 and partition[-1][1] == 6
+    assert all(a[1] == b[0] for a, b in zip(partition, partition[1:]))
+    for stage, virtual in ((0, [0, 3]), (1, [1, 2])):
+        s = starts[stage]
+        assert s["partition"] == partition and s["virtual_stages"] == virtual
+        assert s["computes_loss"] == (stage == 0)
+        assert s["layers"] == ",".join(f"{partition[v][0]}-{partition[v][1] - 1}"
+                                       for v in virtual)
+    assert starts[0]["keys"] + starts[1]["keys"] == 12  # 6 layers x (weight, bias)
+    done = {d["stage"]: d for d in summary["stages"]}
+    assert done[0]["computes_loss"] and not done[1]["computes_loss"]
+    assert done[1]["first_loss"] is None and done[1]["final_loss"] is None
+    assert done[0]["final_loss"] <= 0.7 * done[0]["first_loss"], done[0]
+    for d in done.values():
+        assert d["steps"] == 150 and d["p2p_bytes_sent"] > 0 and d["p2p_bytes_received"] > 0
+        assert len(set(d["micro_batch_sizes"])) > 1, d  # the tuner explored
+    assert done[0]["micro_batch_sizes"] == done[1]["micro_batch_sizes"]
 
 
 def _free_port() -> int:

@@ -18,12 +18,14 @@ schedule's deadlock guard) before ``torch.distributed`` is initialised: a refuse
 with the error, having talked to nobody.
 
 Then: build the whole model from the seed, partition its layers (profiled: global rank 0
-measures and broadcasts; or uniform), keep this stage's layers, register their keys with the
+measures and broadcasts; or uniform) into P parts, or 2P with ``zb-v`` (stage ``r`` keeps parts
+``r`` and ``2P - 1 - r``), keep this stage's layers, register their keys with the
 shards (a ``PSClient`` of world size D x P; replica 0 of each stage sends initial values),
 run ``--steps`` steps of the schedule through ``StageRuntime``, and (dynamic micro-batching)
 adopt a new micro-batch size between steps. With ``--json`` it prints one JSON object per line:
 ``start``, ``step`` (every ``--log-every`` steps), ``done`` (``final_loss`` = mean of the last
-10 steps' losses, on the last stage), or ``error`` naming the error before exiting 1. SIGTERM
+10 steps' losses, on the stage that computes the loss: ``computes_loss``, stage P - 1, or stage
+0 with ``zb-v``), or ``error`` naming the error before exiting 1. SIGTERM
 ends the run where it is: the stage leaves every shard (so the shards stop waiting for its
 keys' pushes), prints ``terminated`` and exits 0; a second SIGTERM kills it.
 """
@@ -176,8 +178,9 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
 
 def check_plan(cfg: StageProcessConfig) -> None:
     """Refuse, before any communication, a layout the model or the schedule cannot run:
-    ``ParallelConfig.check`` against the model's layer count (p > layers, the schedule's
-    deadlock guard, an indivisible batch, ...), and a world size other than D x P."""
+    ``ParallelConfig.check`` against the model's layer count (p > layers, 2p > layers for
+    ``zb-v``, the schedule's deadlock guard, an indivisible batch, ...), a chunked schedule
+    (``zb-v``) on a CUDA device, and a world size other than D x P."""
     from bitps.worker.pipeline.models import MODELS
     from bitps.worker.pipeline.schedules import get_schedule
 
@@ -185,6 +188,13 @@ def check_plan(cfg: StageProcessConfig) -> None:
         raise ValueError(f"model {cfg.stage.model!r}: expected one of {', '.join(MODELS)}")
     p = cfg.parallel
     p.check(MODELS[cfg.stage.model].num_layers, global_batch=cfg.stage.global_batch or None)
+    chunks = get_schedule(p.schedule).chunks
+    device = resolve_device(cfg.run)
+    if chunks > 1 and device.type != "cpu":
+        # StageRuntime refuses it too, but only after the process group is up: say it here.
+        raise ValueError(f"schedule {p.schedule!r} ({chunks} model chunks per rank) runs on "
+                         f"gloo (CPU) only: its two chunks' transfer chains are not provided "
+                         f"over NCCL; got device {device} (pass --device cpu)")
     if p.dynamic_micro_batch and not get_schedule(p.schedule).flushes:
         raise ValueError(f"dynamic_micro_batch needs a flushing schedule (the micro-batch size "
                          f"changes between steps); {p.schedule!r} has no flush")
@@ -236,6 +246,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def resolve_device(run: RunConfig):
+    """The ``torch.device`` a stage runs on: ``run.device``, or with ``auto``
+    ``cuda:<local rank>`` when CUDA is available, else ``cpu``."""
+    import torch
+
+    if run.device != "auto":
+        return torch.device(run.device)
+    return torch.device(f"cuda:{run.local_rank}" if torch.cuda.is_available() else "cpu")
+
+
 def run_stage(cfg: StageProcessConfig, emit) -> int:
     """Join the process group, build and place this stage, train ``--steps`` steps."""
     import torch
@@ -243,8 +263,7 @@ def run_stage(cfg: StageProcessConfig, emit) -> int:
 
     run, par = cfg.run, cfg.parallel
     torch.set_num_threads(run.threads)
-    device = torch.device(run.device if run.device != "auto" else
-                          f"cuda:{run.local_rank}" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(run)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
@@ -263,26 +282,43 @@ def run_stage(cfg: StageProcessConfig, emit) -> int:
 
 
 class _Stage:
-    """One stage process's model part, shards, runtime and step loop."""
+    """One stage process's model part(s), shards, runtime and step loop.
+
+    With a one-chunk schedule the model is cut into P parts and stage ``s`` holds part ``s``.
+    With ``zb-v`` (``Schedule.chunks == 2``) it is cut into 2P parts (virtual stages) and stage
+    ``s`` holds parts ``s`` and ``2P - 1 - s`` (``actions.virtual_stage``): stage 0 then both
+    feeds the inputs (to its chunk 0) and computes the loss (on its chunk 1), and stage P - 1
+    has no data at all. ``feeds``/``scores`` say which of the two this stage does.
+    """
 
     def __init__(self, cfg: StageProcessConfig, device, group, emit) -> None:
         from prometheus_client import start_http_server
 
+        from bitps.worker.pipeline.actions import virtual_stage
         from bitps.worker.pipeline.metrics import StageMetrics
-        from bitps.worker.pipeline.models import MODELS, stage_module, whole_plan
+        from bitps.worker.pipeline.models import MODELS, chunk_holder, stage_module, whole_plan
         from bitps.worker.pipeline.runtime import StageContext, StageRuntime
+        from bitps.worker.pipeline.schedules import get_schedule
         from bitps.worker.training.model import PSModel
         from bitps.worker.transport.client import PSClient
 
         self.cfg, self.device, self.group, self.emit = cfg, device, group, emit
         par, rank = cfg.parallel, cfg.client.rank
         self.p, self.stage, self.replica = par.pipeline_parallel_size, cfg.stage_index, cfg.replica
-        self.first, self.last = self.stage == 0, self.stage == self.p - 1
+        self.chunks = get_schedule(par.schedule).chunks
+        self.virtual_stages = [virtual_stage(self.stage, c, self.p) for c in range(self.chunks)]
+        # The first virtual stage takes the inputs, the last one the targets and the loss:
+        # stages 0 and P - 1, or with a V both on stage 0 (its chunks 0 and 1).
+        self.feeds = 0 in self.virtual_stages
+        self.scores = self.chunks * self.p - 1 in self.virtual_stages
         self.spec = MODELS[cfg.stage.model]
         model = self.spec.build(seed=cfg.stage.seed)
         self.ranges, self.costs = self._partition(model)
-        self.layers = self.ranges[self.stage]
-        self.module = stage_module(model, self.layers).to(device)
+        self.layers = [self.ranges[v] for v in self.virtual_stages]
+        parts = [stage_module(model, layers) for layers in self.layers]
+        # The PSModel's module: the part, or one holding both chunks' layers under the whole
+        # model's names (moving it moves the chunks: the same module objects).
+        self.module = (parts[0] if self.chunks == 1 else chunk_holder(parts)).to(device)
         # Replica 0 of each stage sends its keys' initial values: one sender per key.
         self.client = PSClient(dataclasses.replace(cfg.client, initializes=self.replica == 0))
         plan = whole_plan(model, self.client.num_shards, self.client.cfg.partition_bytes)
@@ -294,22 +330,25 @@ class _Stage:
                                          registry=self.client.metrics.registry)
             self.metrics_port = httpd.server_port
         ctx = StageContext(stage=self.stage, num_stages=self.p, replica=self.replica,
-                           prev_rank=None if self.first else rank - 1,
-                           next_rank=None if self.last else rank + 1,
+                           prev_rank=None if self.stage == 0 else rank - 1,
+                           next_rank=None if self.stage == self.p - 1 else rank + 1,
                            device=device, timeout_s=cfg.stage.p2p_timeout_s)
-        self.runtime = StageRuntime(ctx, self.module, loss_fn=self.spec.loss if self.last else None,
+        self.runtime = StageRuntime(ctx, parts[0] if self.chunks == 1 else parts,
+                                    loss_fn=self.spec.loss if self.scores else None,
                                     ps_model=self.ps_model, metrics=self.metrics)
         self.sizes = self._micro_batching()
 
     def _partition(self, model) -> tuple[list[range], list[float] | None]:
-        """Every stage's layers: measured on global rank 0 and broadcast (``profile``), or
-        equal counts (``uniform``, the same everywhere without a message)."""
+        """Every virtual stage's layers (chunks x P parts; P for a one-chunk schedule):
+        measured on global rank 0 and broadcast (``profile``), or equal counts (``uniform``,
+        the same everywhere without a message)."""
         from bitps.worker.pipeline.partition import balance, uniform
         from bitps.worker.pipeline.profile import broadcast_partition, profile_layers
 
         par = self.cfg.parallel
+        parts = self.chunks * self.p
         if par.balance == "uniform":
-            return uniform(len(model), self.p), None
+            return uniform(len(model), parts), None
         costs = ranges = None
         if self.cfg.client.rank == 0:
             x, y = next(self.spec.batches(par.micro_batch_size, replica=0, replicas=1,
@@ -317,7 +356,7 @@ class _Stage:
             model.to(self.device)
             costs = profile_layers(model, x.to(self.device), y.to(self.device),
                                    self.cfg.stage.profile_repeats, loss_fn=self.spec.loss)
-            ranges = balance(costs, self.p)
+            ranges = balance(costs, parts)
         return broadcast_partition(ranges, src=0), costs
 
     def _micro_batching(self):
@@ -332,8 +371,10 @@ class _Stage:
 
     def _data(self):
         """This replica's step batches (``(inputs, targets)`` of the replica batch), on the
-        device; a side thread prepares them ahead with look-ahead. None on middle stages."""
-        if not (self.first or self.last):
+        device; a side thread prepares them ahead with look-ahead (on the feeding stage, which
+        with ``zb-v`` also takes the targets). None on stages that neither feed nor score
+        (middle stages; with ``zb-v`` every stage but 0)."""
+        if not (self.feeds or self.scores):
             return None
         par = self.cfg.parallel
         stream = self.spec.batches(par.replica_batch, replica=self.replica,
@@ -343,17 +384,22 @@ class _Stage:
         def to_device(batch):
             return tuple(t.to(device, non_blocking=True) for t in batch)
 
-        if par.lookahead and self.first:
+        if par.lookahead and self.feeds:
             from bitps.worker.pipeline.lookahead import Prefetcher
 
             return Prefetcher(stream, prepare=to_device, depth=2, device=device)
         return (to_device(b) for b in stream)
 
+    def _layers_text(self) -> str:
+        """This stage's layers as ``"a-b"`` (inclusive), per chunk joined by ``","``."""
+        return ",".join(f"{r.start}-{r.stop - 1}" for r in self.layers)
+
     def train(self) -> int:
         cfg, run, par = self.cfg, self.cfg.run, self.cfg.parallel
         params = sum(p.numel() for p in self.module.parameters())
         self.emit(event="start", rank=cfg.client.rank, replica=self.replica, stage=self.stage,
-                  steps=run.steps, layers=f"{self.layers.start}-{self.layers.stop - 1}",
+                  steps=run.steps, layers=self._layers_text(),
+                  virtual_stages=self.virtual_stages, computes_loss=self.scores,
                   partition=[[r.start, r.stop] for r in self.ranges], costs=self.costs,
                   params=params, keys=len(self.ps_model.keys), metrics_port=self.metrics_port,
                   device=str(self.device), schedule=par.schedule)
@@ -379,7 +425,7 @@ class _Stage:
         recent = losses[-10:]
         busy = sum(s["busy_s"] for s in steps)
         self.emit(event="done", rank=cfg.client.rank, replica=self.replica, stage=self.stage,
-                  layers=f"{self.layers.start}-{self.layers.stop - 1}", steps=len(steps),
+                  layers=self._layers_text(), computes_loss=self.scores, steps=len(steps),
                   first_loss=losses[0] if losses else None,
                   final_loss=sum(recent) / len(recent) if recent else None,
                   last_loss=losses[-1] if losses else None, seconds=wall,
@@ -402,8 +448,8 @@ class _Stage:
                 plans[m] = schedule.generate(self.p, m)[self.stage]
             x, y = next(data) if data is not None else (None, None)
             report = self.runtime.run_step(
-                plans[m], inputs=list(x.split(b)) if self.first else None,
-                targets=list(y.split(b)) if self.last else None)
+                plans[m], inputs=list(x.split(b)) if self.feeds else None,
+                targets=list(y.split(b)) if self.scores else None)
             self.sizes.after_step(report.times, report.wall_s)
             out.append(self._step_event(step, report, report.losses, b))
         return out
@@ -419,8 +465,8 @@ class _Stage:
                 xs += list(x.split(b))
                 ys += list(y.split(b))
         report = self.runtime.run_step(schedule.generate(self.p, m, steps)[self.stage],
-                                       inputs=xs if self.first else None,
-                                       targets=ys if self.last else None)
+                                       inputs=xs if self.feeds else None,
+                                       targets=ys if self.scores else None)
         # One report for the whole run: each step's event carries its share of it.
         share = dataclasses.replace(report, wall_s=report.wall_s / steps,
                                     busy_s=report.busy_s / steps,

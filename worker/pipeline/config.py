@@ -48,8 +48,9 @@ class ParallelConfig:
     schedule: str = field(default="1f1b", metadata={"choices": SCHEDULES.keys()})
     """Pipeline schedule (``worker.pipeline.schedules``): ``gpipe``, ``1f1b``, ``zb-h1`` (split
     input/weight backward, 1F1B's memory, a third of its bubble when F, B and W take equally
-    long) or ``2bw`` (no flush, two weight versions, one-step-stale updates). ``1f1b`` and
-    ``zb-h1`` need m >= P, ``2bw`` m >= P - 1."""
+    long), ``2bw`` (no flush, two weight versions, one-step-stale updates) or ``zb-v`` (two
+    model chunks per rank in a V: the model is cut into 2P parts, so 2P <= the layers).
+    ``1f1b`` and ``zb-h1`` need m >= P, ``2bw`` m >= P - 1."""
     dynamic_micro_batch: bool = False
     """Choose the micro-batch size between steps from the measured stage times, keeping the
     per-replica batch (``worker.pipeline.microbatch``)."""
@@ -110,7 +111,8 @@ class ParallelConfig:
 
     def check(self, num_layers: int, *, global_batch: int | None = None) -> None:
         """Raise unless this config can run a model of ``num_layers`` layers: every size >= 1,
-        P <= num_layers, the schedule completes P stages x m micro-batches (:class:`PlanError`,
+        P <= num_layers (chunks x P <= num_layers for a chunked schedule: ``zb-v`` cuts the
+        model into 2P parts), the schedule completes P stages x m micro-batches (:class:`PlanError`,
         the simulator's deadlock guard), and with ``dynamic_micro_batch`` the first size in
         [min, max] (then some allowed size divides the replica batch: that one).
         ``global_batch``, if given (a data loader's batch), must equal D x micro_batch_size x
@@ -119,11 +121,19 @@ class ParallelConfig:
         p, m = self.pipeline_parallel_size, self.gradient_accumulation_steps
         if num_layers < 1:
             raise ConfigError("num_layers", num_layers, "a model with at least 1 layer")
+        schedule = get_schedule(self.schedule)
         if p > num_layers:
             raise ConfigError("pipeline_parallel_size", p,
                               f"at most the model's {num_layers} layers (every stage holds one "
                               f"or more)")
-        get_schedule(self.schedule).check(p, m)
+        if schedule.chunks * p > num_layers:
+            # A chunked schedule cuts the model into chunks x P parts, each of >= 1 layer.
+            raise ConfigError("pipeline_parallel_size", p,
+                              f"at most {num_layers // schedule.chunks} with schedule "
+                              f"{self.schedule!r}: it cuts the model into {schedule.chunks} x "
+                              f"{p} = {schedule.chunks * p} parts of at least one layer, and the "
+                              f"model has {num_layers} layers")
+        schedule.check(p, m)
         if global_batch is not None and global_batch != self.global_batch:
             raise ConfigError("global_batch", global_batch,
                               f"data_parallel_size x micro_batch_size x "

@@ -43,7 +43,7 @@ from torch import nn
 
 from bitps.proto.keyplan import DEFAULT_PARTITION_BYTES, KeyPlan, ParamSpec, make_plan
 
-__all__ = ["MODELS", "PipelineModel", "stage_module", "whole_plan"]
+__all__ = ["MODELS", "PipelineModel", "chunk_holder", "stage_module", "whole_plan"]
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
 
@@ -78,6 +78,20 @@ def stage_module(model: nn.Sequential, layers: range) -> nn.Sequential:
                          f"got {layers}")
     names = list(model._modules)  # the children's names, in order
     return nn.Sequential(OrderedDict((names[i], model[i]) for i in layers))
+
+
+def chunk_holder(chunks: list[nn.Sequential]) -> nn.Sequential:
+    """One module holding every child of ``chunks`` (the :func:`stage_module` parts of one
+    rank, e.g. the two chunks of a ``zb-v`` rank), the same objects under the same names, so a
+    ``PSModel`` over it registers the whole model's names for both chunks at once. It is never
+    called (its children are not in model order); raises ``ValueError`` if two chunks share a
+    layer name."""
+    children = [kv for c in chunks for kv in c.named_children()]
+    holder = nn.Sequential(OrderedDict(children))
+    if len(holder) != len(children):
+        names = [n for n, _ in children]
+        raise ValueError(f"chunks must hold disjoint layers, got layer names {names}")
+    return holder
 
 
 def whole_plan(model: nn.Module, num_shards: int,
