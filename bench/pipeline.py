@@ -243,8 +243,9 @@ def hop_latency(recs: list[dict]) -> list[float]:
     return hops
 
 
-def _simulate(row: dict, p: int, steps: int, comm_s: float):
-    """Our simulator on the plan of ``row``'s schedule with each stage's measured times."""
+def _simulate(row: dict, p: int, steps: int, comm_s: float, overhead_s: float = 0.0):
+    """Our simulator on the plan of ``row``'s schedule with each stage's measured times, the
+    transfer cost ``comm_s`` and the per-action overhead ``overhead_s``."""
     from bitps.worker.pipeline.schedules import get_schedule
     from bitps.worker.pipeline.simulate import StageTimes, simulate
 
@@ -254,7 +255,8 @@ def _simulate(row: dict, p: int, steps: int, comm_s: float):
     # recorder's means are per action, i.e. per chunk
     k = schedule.chunks
     times = [StageTimes(f=k * f, b=k * b, w=k * w) for f, b, w in row["stage_times_s"]]
-    return plan, simulate(plan, times, comm_s, schedule=row["case"], m=row["m"])
+    return plan, simulate(plan, times, comm_s, action_overhead_s=overhead_s,
+                          schedule=row["case"], m=row["m"])
 
 
 def _rounds(docs: list[dict], case: str, m: int) -> dict[int, list[dict]]:
@@ -277,14 +279,20 @@ def _our_row(row: dict, docs: list[dict], p: int, steps: int) -> dict:
     # hop of the same links measured by ZB-H1 at this m (one chunk per rank, same tensors)
     hop_case = row["case"] if schedule.chunks == 1 else "zb-h1"
     hops = [h for recs in _rounds(docs, hop_case, row["m"]).values() for h in hop_latency(recs)]
-    comm_s = statistics.median(hops) if hops else 0.0
-    plan, sim = _simulate(row, p, 1 if schedule.flushes else steps, comm_s)
+    hop_s = statistics.median(hops) if hops else 0.0
+    # The per-action overhead is the median gap between a rank's compute intervals (most wait
+    # for nothing); a measured hop ends at the receiver's F start, so it holds the receiver's
+    # overhead too: the transfer alone is the hop less that.
+    overhead_s = (row["median_gap_ms"] or 0.0) / 1e3
+    comm_s = max(hop_s - overhead_s, 0.0)
+    plan, sim = _simulate(row, p, 1 if schedule.flushes else steps, comm_s, overhead_s)
     k = schedule.chunks
     mean = StageTimes(f=k * row["t_f_ms"] / 1e3, b=k * row["t_b_ms"] / 1e3,
                       w=k * row["t_w_ms"] / 1e3)
     out = {"impl": "bitps", "schedule": schedule.name, **row,
            "closed_form": closed_form_bubble(schedule, p, row["m"], mean),
-           "hop_ms": comm_s * 1e3, "hops_measured": len(hops),
+           "hop_ms": hop_s * 1e3, "hops_measured": len(hops),
+           "sim_comm_ms": comm_s * 1e3, "sim_overhead_ms": overhead_s * 1e3,
            "sim_bubble_max": sim.bubble_max, "sim_bubble_mean": sim.bubble_mean,
            "sim_step_ms": sim.makespan * 1e3, "sim_peak_inflight": list(sim.peak_inflight),
            "diff_max": row["bubble_max"] - sim.bubble_max,
@@ -398,8 +406,11 @@ def run(*, p: int = 4, ms: tuple[int, ...] = (4, 8, 16), t_f: float = 0.04,
              f"over the timed steps. simulated: our event simulator on the same plan with each "
              f"stage's measured mean F/B/W and, as the transfer cost, the case's measured hop "
              f"(median over micro-batches and stages of F start on s + 1 - F end on s where "
-             f"s + 1 was idle; ping-pong probes before the run: StageLink "
-             f"{link_s * 1e3:.3f} ms, raw gloo {comm_s * 1e3:.3f} ms one way); "
+             f"s + 1 was idle; zb-v takes zb-h1's at the same m, its V not pairing s with "
+             f"s + 1; ping-pong probes before the run: StageLink "
+             f"{link_s * 1e3:.3f} ms, raw gloo {comm_s * 1e3:.3f} ms one way) less the "
+             f"per-action overhead, and that overhead (the case's median gap between a rank's "
+             f"compute intervals), paid before every compute action as idle time; "
              f"excess = measured step - simulated makespan. The "
              f"flush-free 2bw runs {flush_free_steps} steps as one plan per timed step (its "
              f"bubble and step are those of the whole plan; steady state: steps 1.."

@@ -294,3 +294,25 @@ def test_orders_match_torch_pipelining_single_stage_per_rank():
                     theirs = [(kinds[a.computation_type.name], a.microbatch_index)
                               for a in ops if a is not None]
                     assert theirs == _compute_order(plan[rank]), (name, p, m, rank)
+
+
+def test_per_action_overhead_is_idle_time_paid_per_compute_action():
+    """``action_overhead_s`` delays every compute action without counting as busy: one stage,
+    m micro-batches of F and BW, so 2m actions each pay it once."""
+    from bitps.worker.pipeline.schedules import get_schedule
+    from bitps.worker.pipeline.simulate import StageTimes, simulate
+
+    plan = get_schedule("gpipe").generate(1, 4)
+    base = simulate(plan, StageTimes(f=1.0, b=1.0, w=1.0))
+    slow = simulate(plan, StageTimes(f=1.0, b=1.0, w=1.0), action_overhead_s=0.25)
+    assert base.makespan == 12.0 and slow.makespan == 12.0 + 8 * 0.25
+    assert slow.busy == base.busy == (12.0,)
+    assert slow.bubble_max == pytest.approx(2.0 / 14.0)
+    zbv = get_schedule("zb-v").generate(4, 8)  # twice the compute actions of zb-h1
+    h1 = get_schedule("zb-h1").generate(4, 8)
+    cost = {name: simulate(p, StageTimes(1.0, 1.0, 1.0), action_overhead_s=0.1).makespan
+            - simulate(p, StageTimes(1.0, 1.0, 1.0)).makespan for name, p in
+            (("zb-v", zbv), ("zb-h1", h1))}
+    assert cost["zb-v"] > cost["zb-h1"]
+    with pytest.raises(ValueError, match="action_overhead_s must be >= 0"):
+        simulate(plan, StageTimes(1.0, 1.0, 1.0), action_overhead_s=-1.0)

@@ -8,6 +8,11 @@ to have reached the shards, then takes ``pull``; ``PUSH`` posts (it runs on the 
 thread) and completes ``push`` later. When no stage can progress before the plan is done it
 raises :class:`DeadlockError` naming a stage and the action it waits at forever.
 
+**Per-action overhead** (``action_overhead_s``, default 0): the time a real stage spends between
+its compute actions (the runtime's Python, a wake-up after a wait): each compute action starts
+that much after the stage is ready for it. It is not busy time, so it shows in the bubble, as it
+does in a measured one; a plan with more actions (two chunks per rank) pays it more often.
+
 **Chunks** (V-shaped plans, see ``actions``): the plan's lists are then ranks. A transfer's peer
 is :func:`~bitps.worker.pipeline.actions.peer` of (rank, chunk, op); a local hand-off (the peer
 chunk on the same rank) arrives at once, without ``comm_s``. ``times`` stays per rank, for the
@@ -124,10 +129,14 @@ class SimResult:
 
 
 def simulate(plan: Plan, times: StageTimes | Sequence[StageTimes], comm_s: float = 0.0, *,
-             schedule: str = "plan", m: int | None = None) -> SimResult:
+             action_overhead_s: float = 0.0, schedule: str = "plan",
+             m: int | None = None) -> SimResult:
     """Run ``plan`` against ``times`` (one for every stage, or one per stage); see the module
     docstring for the model. ``schedule`` and ``m`` only label errors (``m`` defaults to the
     number of micro-batches of step 0)."""
+    if not (comm_s >= 0 and action_overhead_s >= 0):
+        raise ValueError(f"simulate: comm_s and action_overhead_s must be >= 0 seconds, got "
+                         f"{comm_s} and {action_overhead_s}")
     p = len(plan)
     chunks = chunks_of(plan)
     per_stage = _per_stage(times, p)
@@ -155,6 +164,8 @@ def simulate(plan: Plan, times: StageTimes | Sequence[StageTimes], comm_s: float
                     waiting[key] = s
                     break
                 start = max(start, arrival[key])
+            elif action_overhead_s and (op is Op.F or op is Op.B or op is Op.W or op is Op.BW):
+                start += action_overhead_s
             end = start + t.compute(op) / chunks
             if op is Op.SEND_F or op is Op.SEND_B:
                 to = peer(s, a.chunk, op, p, chunks)
