@@ -201,7 +201,7 @@ _PIPELINE_FLAGS = (
     ("--micro-batch-size", "micro_batch_size", int, "samples per micro-batch"),
     ("--gradient-accumulation-steps", "gradient_accumulation_steps", int,
      "micro-batches per step (m)"),
-    ("--schedule", "schedule", str, "pipeline schedule (gpipe, 1f1b, zb-h1, 2bw)"),
+    ("--schedule", "schedule", str, "pipeline schedule (gpipe, 1f1b, zb-h1, zb-v, 2bw)"),
 )
 """The launcher's pipeline flags: (flag, dest, type, help). Each is passed to every stage as
 its ``--<dest with dashes>`` (``--dp 2`` as ``--data-parallel-size 2``), so the stages'
