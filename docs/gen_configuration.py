@@ -2,6 +2,7 @@
 
 ``bitps-server``, ``bitps-worker`` and ``bitps-status`` are rendered from their settings tables
 (``bitps.ps.__main__.PROGRAM``, ``bitps.worker.__main__.program()``,
+``bitps.worker.pipeline.__main__.program()``,
 ``bitps.worker.launch.status.PROGRAM``), ``bitps-launch`` and
 ``bitps-bench`` from their argparse parsers, so every flag, environment variable, config-file
 key and default in the page is the one the code uses. ``tests/test_settings.py`` checks that
@@ -22,6 +23,7 @@ from bitps.ps.__main__ import PROGRAM as SERVER
 from bitps.worker.__main__ import program as worker_program
 from bitps.worker.launch.launcher import build_parser as launch_parser
 from bitps.worker.launch.status import PROGRAM as STATUS
+from bitps.worker.pipeline.__main__ import program as stage_program
 
 OUT = Path(__file__).resolve().with_name("configuration.md")
 
@@ -115,7 +117,7 @@ Under `bitps-launch`, `--server-arg=--config=FILE` gives every shard a file, and
 `--config FILE` after `--` every worker. `bitps-launch` and `bitps-bench` themselves read flags
 only; `bitps-status` (the hang doctor, [status.md](status.md)) reads its few settings as the
 shard and the worker do, and shares the worker's `BITPS_SERVERS` and `BITPS_TOKEN`.
-""", server.markdown(), worker.markdown(), STATUS.markdown(),
+""", server.markdown(), worker.markdown(), stage_program().markdown(), STATUS.markdown(),
         settings.parser_markdown(launch_parser(), description=(
         "A local cluster: shards first, then workers, with progress and teardown. Everything "
         "after `--` goes to every `bitps-worker`; `--mode`, `--staleness` and `--optimizer` go "
