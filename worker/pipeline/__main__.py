@@ -114,7 +114,8 @@ def program() -> Program:
     def par(field: str, help: str):
         return from_field(_P, field, help=help, table=_TABLE)
 
-    return Program("bitps-pipeline", "Train one pipeline stage (also python -m bitps.worker.pipeline).", (
+    return Program("bitps-pipeline",
+                   "Train one pipeline stage (also python -m bitps.worker.pipeline).", (
         option("servers", default="", metavar="HOST:PORT,...",
                help="comma-separated gRPC host:port of every shard, in shard-id order"),
         from_field(_S, "model", help=f"model to train: {', '.join(MODELS)}"),
