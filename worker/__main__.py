@@ -43,6 +43,7 @@ from bitps.worker.config import (
     OverlapConfig,
     PoolConfig,
     RunConfig,
+    connection_settings,
 )
 
 if TYPE_CHECKING:  # its module imports torch
@@ -102,25 +103,7 @@ def program() -> Program:
                                       "available, else cpu"),
         from_field(_R, "metrics_port", help="Prometheus port; 0 = any free port, -1 = off"),
         from_field(_R, "metrics_host", help="address the Prometheus endpoint binds to"),
-        from_field(_C, "token", help="shared secret of the shards (empty = none)"),
-        from_field(_C, "curve_server_key", metavar="FILE",
-                   help="the shards' CURVE public key file (server.key from bitps-keygen): "
-                        "encrypt the data plane (empty = plain ZeroMQ)"),
-        from_field(_C, "curve_client_key", metavar="FILE",
-                   help="this worker's CURVE .key_secret file, allowed by the shards"),
-        from_field(_C, "tls_ca_file", metavar="FILE",
-                   help="CA (PEM) of the shards' TLS certificates: gRPC over TLS (empty = "
-                        "plaintext gRPC)"),
-        from_field(_C, "tls_cert_file", metavar="FILE",
-                   help="this worker's TLS certificate (PEM), for shards that require one"),
-        from_field(_C, "tls_key_file", metavar="FILE", help="private key (PEM) of tls-cert-file"),
-        from_field(_C, "deadline_s", name="deadline", help="seconds any push/pull may wait"),
-        from_field(_C, "reconnect_timeout_s", name="reconnect-timeout",
-                   help="seconds to get a lost (restarted) shard back before giving up"),
-        from_field(_C, "reconnect_backoff_s", name="reconnect-backoff",
-                   help="first pause between re-registration attempts with a lost shard"),
-        from_field(_C, "reconnect_backoff_max_s", name="reconnect-backoff-max",
-                   help="longest pause between re-registration attempts with a lost shard"),
+        *connection_settings(),
         from_field(_R, "step_delay_s", name="step-delay",
                    help="extra seconds of sleep per step (simulates a straggler)"),
         from_field(_K, "name", name="push-codec",

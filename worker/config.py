@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from bitps.proto.codecs import CodecConfig
 from bitps.proto.keyplan import DEFAULT_PARTITION_BYTES
+from bitps.proto.settings import Setting, from_field
 
 __all__ = ["ALGORITHMS", "AlgorithmConfig", "ClientConfig", "OverlapConfig", "PoolConfig",
            "RunConfig"]
@@ -309,3 +310,32 @@ class AlgorithmConfig:
         if not self.inner_lr > 0 or self.inner_weight_decay < 0:
             raise ValueError(f"inner_lr {self.inner_lr} must be > 0 and inner_weight_decay "
                              f"{self.inner_weight_decay} >= 0")
+
+
+def connection_settings() -> tuple[Setting, ...]:
+    """The settings of how a client reaches the shards (token, CURVE, TLS, deadlines,
+    reconnection), shared by every program that runs a :class:`PSClient` (``bitps-worker``,
+    ``bitps-pipeline``) so that each can reach the same secured shards."""
+    return (
+        from_field(ClientConfig, "token", help="shared secret of the shards (empty = none)"),
+        from_field(ClientConfig, "curve_server_key", metavar="FILE",
+                   help="the shards' CURVE public key file (server.key from bitps-keygen): "
+                        "encrypt the data plane (empty = plain ZeroMQ)"),
+        from_field(ClientConfig, "curve_client_key", metavar="FILE",
+                   help="this worker's CURVE .key_secret file, allowed by the shards"),
+        from_field(ClientConfig, "tls_ca_file", metavar="FILE",
+                   help="CA (PEM) of the shards' TLS certificates: gRPC over TLS (empty = "
+                        "plaintext gRPC)"),
+        from_field(ClientConfig, "tls_cert_file", metavar="FILE",
+                   help="this worker's TLS certificate (PEM), for shards that require one"),
+        from_field(ClientConfig, "tls_key_file", metavar="FILE",
+                   help="private key (PEM) of tls-cert-file"),
+        from_field(ClientConfig, "deadline_s", name="deadline",
+                   help="seconds any push/pull may wait"),
+        from_field(ClientConfig, "reconnect_timeout_s", name="reconnect-timeout",
+                   help="seconds to get a lost (restarted) shard back before giving up"),
+        from_field(ClientConfig, "reconnect_backoff_s", name="reconnect-backoff",
+                   help="first pause between re-registration attempts with a lost shard"),
+        from_field(ClientConfig, "reconnect_backoff_max_s", name="reconnect-backoff-max",
+                   help="longest pause between re-registration attempts with a lost shard"),
+    )

@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 
 from bitps.proto.codecs import CodecConfig
 from bitps.proto.settings import Program, from_field, option
-from bitps.worker.config import ClientConfig, RunConfig
+from bitps.worker.config import ClientConfig, RunConfig, connection_settings
 from bitps.worker.pipeline.config import ParallelConfig
 
 __all__ = ["StageConfig", "StageProcessConfig", "main", "parse_config", "program"]
@@ -153,8 +153,7 @@ def program() -> Program:
         from_field(_K, "name", name="push-codec", help="gradient codec, with error feedback"),
         from_field(_C, "compress_min_bytes",
                    help="tensors smaller than this go uncompressed"),
-        from_field(_C, "token", help="shared secret of the shards (empty = none)"),
-        from_field(_C, "deadline_s", name="deadline", help="seconds any push/pull may wait"),
+        *connection_settings(),
         from_field(_R, "metrics_port", help="Prometheus port; 0 = any free port, -1 = off"),
         from_field(_R, "metrics_host", help="address the Prometheus endpoint binds to"),
         from_field(_R, "log_every", help="progress line every N steps"),
