@@ -11,7 +11,7 @@ The settings (JSON) say what kind of rank it is:
 - ``bitps``: a ``PSModel`` over a ``PSClient`` against the run's shards, which hold the optimizer
   and the schedule.
 
-Every rank reads the demo corpus with its own rank's batches (``worker.launch.demo.batches``), the
+Every rank reads the demo corpus with its own rank's batches (``worker.demo.batches``), the
 same for every run, and prints one JSON line per step (``loss``, the wall-clock ``end`` of the
 step, the ``exposed`` communication ``PSModel`` measured) and a ``done`` line (CPU seconds of
 this process, bytes pushed on the wire).
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bitps.bench.models import MODELS, build
     from bitps.proto.schedule import LRSchedule
-    from bitps.worker.launch.demo import batches, load_corpus, loss_fn
+    from bitps.worker.demo import batches, load_corpus, loss_fn
 
     s = json.loads((argv or sys.argv[1:])[0])
     torch.set_num_threads(s.get("threads", 1))

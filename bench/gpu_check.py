@@ -69,7 +69,7 @@ def _recording_client(cfg):
 
 
 def _demo(device):
-    from bitps.worker.launch.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
+    from bitps.worker.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
 
     demo = DemoConfig(seq_len=32, batch_size=4, corpus_bytes=100_000)
     corpus = load_corpus(demo.corpus_bytes)

@@ -54,7 +54,7 @@ def _schedule(micro: int, in_flight: int) -> list[tuple[str, int]]:
 def _record_trace(steps: int, micro: int, in_flight: int, seed: int,
                   min_tensor_bytes: int) -> list[tuple]:
     from bitps.worker.config import PoolConfig
-    from bitps.worker.launch.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
+    from bitps.worker.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
     from bitps.worker.memory.pool import ActivationPool
 
     rng = random.Random(seed)
@@ -198,7 +198,7 @@ class _Run:
                  trace: list | None = None) -> None:
         import torch
 
-        from bitps.worker.launch.demo import DemoConfig, batches, build_model, load_corpus
+        from bitps.worker.demo import DemoConfig, batches, build_model, load_corpus
         from bitps.worker.memory.pool import ActivationPool
 
         torch.manual_seed(seed)
@@ -212,7 +212,7 @@ class _Run:
 
     def step(self) -> float:
         """One step (fresh gradients); returns its seconds."""
-        from bitps.worker.launch.demo import loss_fn
+        from bitps.worker.demo import loss_fn
 
         pool, model = self.pool, self.model
         xs = [next(self.data) for _ in range(self.micro)]

@@ -1,4 +1,4 @@
-"""The end-to-end bench's models, all byte-level over the demo corpus (``worker.launch.demo``).
+"""The end-to-end bench's models, all byte-level over the demo corpus (``worker.demo``).
 
 ``lm``: a 28.6 M-parameter GPT-2-style transformer LM (d 768, 4 layers, FFN 3072, 8 heads,
 context 128, tied embeddings), batch 4 x 128 per worker: 114.6 MB of float32 gradients per step,
@@ -7,7 +7,7 @@ which is what makes a 1 Gbit/s link the bottleneck. ``moe``: a 13.5 M-parameter 
 16 x 128. ``tiny``: the demo model (smoke tests).
 
 Every model is built in float32 from a seed, identically on every rank; the loss is the mean
-next-byte cross-entropy (``worker.launch.demo.loss_fn``).
+next-byte cross-entropy (``worker.demo.loss_fn``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def build(name: str, seed: int = 0):
     """A fresh float32 model in train mode; the same weights for the same ``seed``."""
     import torch
 
-    from bitps.worker.launch.demo import DemoConfig, build_model
+    from bitps.worker.demo import DemoConfig, build_model
 
     if name not in MODELS:
         raise ValueError(f"model {name!r} is not one of {sorted(MODELS)}")

@@ -4,7 +4,7 @@ The study behind ``ServerConfig.split_lr`` and ``ServerConfig.lookahead`` (resul
 ``bench/results/staleness.md``).
 
 Usage: python -m bitps.bench.staleness MODEL OUT.jsonl SPEC [SPEC ...]
-  MODEL: A (worker.launch.demo model) or B (28.6M GPT-2 byte LM)
+  MODEL: A (worker.demo model) or B (28.6M GPT-2 byte LM)
   SPEC:  mode:fix:lr:seed[:beta2[:warmup[:clocks]]]
      mode in sync|seq|async ; fix is a '+'-joined subset of {none,a,b,c,d04,d2}
        a  = lr/W per push
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from bitps.worker.launch.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
+from bitps.worker.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
 
 torch.set_num_threads(1)
 

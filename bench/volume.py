@@ -62,7 +62,7 @@ def _key_lengths(params: int) -> list[int]:
 
 
 def _demo_key_lengths() -> list[int]:
-    from bitps.worker.launch.demo import DemoConfig, build_model
+    from bitps.worker.demo import DemoConfig, build_model
 
     model = build_model(DemoConfig())
     plan = make_plan([ParamSpec(n, tuple(p.shape)) for n, p in model.named_parameters()],

@@ -2,7 +2,7 @@
 
 ``bitps-server``, ``bitps-worker`` and ``bitps-status`` are rendered from their settings tables
 (``bitps.ps.__main__.PROGRAM``, ``bitps.worker.__main__.program()``,
-``bitps.worker.pipeline.__main__.program()``,
+``bitps.worker.pipeline.settings.program()``,
 ``bitps.worker.launch.status.PROGRAM``), ``bitps-launch`` and
 ``bitps-bench`` from their argparse parsers, so every flag, environment variable, config-file
 key and default in the page is the one the code uses. ``tests/test_settings.py`` checks that
@@ -23,7 +23,7 @@ from bitps.ps.__main__ import PROGRAM as SERVER
 from bitps.worker.__main__ import program as worker_program
 from bitps.worker.launch.launcher import build_parser as launch_parser
 from bitps.worker.launch.status import PROGRAM as STATUS
-from bitps.worker.pipeline.__main__ import program as stage_program
+from bitps.worker.pipeline.settings import program as stage_program
 
 OUT = Path(__file__).resolve().with_name("configuration.md")
 

@@ -58,7 +58,7 @@ SHARD = ("--num-shards", "2", "--optimizer", "adam", "--lr", "0.003")
 def keys_per_shard() -> list[int]:
     """Keys of the demo model's plan on each of 2 shards: one sync step updates each once."""
     from bitps.proto.keyplan import ParamSpec, make_plan
-    from bitps.worker.launch.demo import DemoConfig, build_model
+    from bitps.worker.demo import DemoConfig, build_model
 
     model = build_model(DemoConfig(seq_len=16, batch_size=2, corpus_bytes=20000))
     plan = make_plan([ParamSpec(n, tuple(p.shape)) for n, p in model.named_parameters()],
@@ -300,7 +300,7 @@ def test_a_sync_shard_killed_while_writing_a_step_checkpoint_loses_no_step(
 
 
 def _exported_model_loads_and_is_trained(tensors: dict[str, np.ndarray]) -> None:
-    from bitps.worker.launch.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
+    from bitps.worker.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
 
     demo = DemoConfig(seq_len=16, batch_size=2, corpus_bytes=20000)
     initial = build_model(demo)

@@ -416,7 +416,7 @@ def test_export_rebuilds_the_model_and_torch_loads_it_with_the_live_loss(cluster
     safetensors_torch = pytest.importorskip("safetensors.torch")
     from bitps.ps.export import main
     from bitps.worker import ClientConfig, PSClient
-    from bitps.worker.launch.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
+    from bitps.worker.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
     from bitps.worker.training.model import PSModel
     from tests.test_cluster import servers_of
 

@@ -46,7 +46,7 @@ def test_sync_one_worker_equals_local_torch(cluster, optimizer):
     """
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from bitps.worker.launch.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
+    from bitps.worker.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
     from bitps.worker.training.model import PSModel
 
     torch.set_num_threads(1)

@@ -137,7 +137,7 @@ def test_the_demo_moves_20x_fewer_bytes_with_sign1_in_sync():
     """Acceptance 4: in sync mode a worker's bytes per step for sign1 (pushes + pulls, from its
     byte counters) are >= 20x below fp32's on the demo model with compress_min_bytes=0."""
     torch = pytest.importorskip("torch")
-    from bitps.worker.launch.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
+    from bitps.worker.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
     from bitps.worker.training.model import PSModel
 
     torch.set_num_threads(1)

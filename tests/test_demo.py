@@ -1,4 +1,4 @@
-"""Tests for worker.launch.demo: deterministic model, corpus and batches; config validation."""
+"""Tests for worker.demo: deterministic model, corpus and batches; config validation."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 import numpy as np
 import torch
 
-from bitps.worker.launch.demo import Corpus, DemoConfig, batches, build_model, load_corpus, loss_fn
+from bitps.worker.demo import Corpus, DemoConfig, batches, build_model, load_corpus, loss_fn
 
 SMALL = dict(hidden_size=32, num_layers=1, num_experts=2, experts_per_token=1, num_heads=2,
              num_kv_heads=1, head_dim=16, moe_intermediate_size=32, seq_len=16)

@@ -112,7 +112,7 @@ def test_more_shards_than_keys_leaves_empty_shards():
 @pytest.mark.parametrize("num_shards", [2, 3, 4])
 def test_demo_model_is_balanced(num_shards):
     pytest.importorskip("transformers")
-    from bitps.worker.launch.demo import DemoConfig, build_model
+    from bitps.worker.demo import DemoConfig, build_model
 
     model = build_model(DemoConfig())
     params = [ParamSpec(n, tuple(p.shape)) for n, p in model.named_parameters()]

@@ -77,7 +77,7 @@ def test_decide_applies_the_20_percent_rule_to_the_median():
 
 # -- the model path -----------------------------------------------------------------------------
 def _demo():
-    from bitps.worker.launch.demo import DemoConfig, batches, build_model, load_corpus
+    from bitps.worker.demo import DemoConfig, batches, build_model, load_corpus
 
     demo = DemoConfig(seq_len=32, batch_size=4, corpus_bytes=100_000)
     corpus = load_corpus(demo.corpus_bytes)
@@ -87,7 +87,7 @@ def _demo():
 def test_sync_parameters_after_20_steps_are_bit_identical_with_overlap_on_and_off(
         shard_factory):
     """Acceptance 1: two workers, a sync shard running Adam, 20 steps of the demo model."""
-    from bitps.worker.launch.demo import loss_fn
+    from bitps.worker.demo import loss_fn
     from bitps.worker.training.model import PSModel
 
     torch.set_num_threads(1)

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bitps.worker.launch import launcher
-from bitps.worker.pipeline.__main__ import check_plan, parse_config
+from bitps.worker.pipeline.settings import check_plan, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -118,11 +118,13 @@ def test_deep_models_layers_are_unevenly_costly():
 
 
 def test_deep_model_trains_on_the_demo_corpus():
-    import numpy as np
+    from bitps.worker.demo import batches, load_corpus
+    from bitps.worker.pipeline.models import _DEEP_CORPUS_BYTES, _DEEP_SEQ
 
-    from bitps.worker.launch.demo import load_corpus
-    from bitps.worker.pipeline.models import _DEEP_CORPUS_BYTES, _corpus
-
-    assert np.array_equal(_corpus(_DEEP_CORPUS_BYTES), load_corpus(_DEEP_CORPUS_BYTES).data)
+    demo = batches(load_corpus(_DEEP_CORPUS_BYTES), batch_size=3, seq_len=_DEEP_SEQ, rank=1,
+                   world_size=2, seed=5)
+    deep = MODELS["deep"].batches(3, replica=1, replicas=2, seed=5)
+    for _ in range(2):  # the demo's stream, window for window
+        assert all(torch.equal(a, b) for a, b in zip(next(deep), next(demo)))
     x, y = _sample("deep", 3)
     assert x.shape == y.shape == (3, 64) and torch.equal(x[:, 1:], y[:, :-1])

@@ -20,7 +20,7 @@ SMALL = dict(min_block=1024, max_block=1 << 20, min_tensor_bytes=1024)
 
 @pytest.fixture(scope="module")
 def demo():
-    from bitps.worker.launch.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
+    from bitps.worker.demo import DemoConfig, batches, build_model, load_corpus, loss_fn
 
     cfg = DemoConfig(seq_len=32, batch_size=4, corpus_bytes=100_000)
     corpus = load_corpus(cfg.corpus_bytes)

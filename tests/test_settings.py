@@ -170,7 +170,7 @@ def test_server_defaults_are_the_dataclasses():
 
 
 def test_worker_defaults_are_the_dataclasses(worker_cli):
-    from bitps.worker.launch.demo import DemoConfig
+    from bitps.worker.demo import DemoConfig
 
     cfg, _ = worker_cli.parse_config(["--servers", "a:1,b:2"], environ={})
     assert cfg.client == ClientConfig(servers=("a:1", "b:2"))

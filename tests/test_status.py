@@ -21,7 +21,7 @@ from bitps.proto import bitps_pb2_grpc as pb_grpc
 from bitps.proto.keyplan import ParamSpec, make_plan
 from bitps.ps import OptimizerConfig
 from bitps.worker import ClientConfig, PSClient
-from bitps.worker.launch import status
+from bitps.worker.launch import status, waits
 
 HEARTBEAT_S = 1.0
 _SCRIPT = Path(sys.executable).with_name("bitps-status")
@@ -102,7 +102,7 @@ def test_status_names_the_stalled_rank_within_a_heartbeat(stalled, mode):
     # rank 1 catches up: the pull is answered and nobody waits any more
     clients[1].push_pull(keys, grads, [np.empty(64, np.float32) for _ in keys], clock=0).wait()
     handle.wait()
-    assert not status.merge(status.fetch(_servers([shard]).split(",")))["stalled"]
+    assert not waits.merge(waits.fetch(_servers([shard]).split(",")))["stalled"]
 
 
 def test_human_output_names_the_stalled_worker(stalled):
@@ -160,13 +160,13 @@ def _held(clock, waiting_for, waited=3.2) -> pb.HeldPullStatus:
 
 
 def test_merge_over_shards_names_every_waiter_and_a_silent_or_absent_rank():
-    answers = [status.ShardAnswer(i, f"h:{i}", reply=pb.StatusReply(
+    answers = [waits.ShardAnswer(i, f"h:{i}", reply=pb.StatusReply(
         shard_id=i, mode="sync", heartbeat_timeout_s=10, workers=[
             _worker(0, 4, held=[_held(5, [2, 3], waited=1.0 + i)]),
             _worker(1, 5, held=[_held(5, [2])]),
             _worker(2, 4, seen=9.0),
             _worker(3, 0, registered=False)])) for i in range(2)]
-    doc = status.merge(answers)
+    doc = waits.merge(answers)
     by_rank = {s["rank"]: s for s in doc["stalled"]}
     assert by_rank[2]["waited_by"] == [0, 1] and by_rank[2]["shards"] == [0, 1]
     assert by_rank[2]["waited_s"] == 3.2
@@ -181,11 +181,11 @@ def test_merge_over_shards_names_every_waiter_and_a_silent_or_absent_rank():
 def test_explain_wait_names_whom_and_describe_wait_never_raises():
     reply = pb.StatusReply(shard_id=1, workers=[_worker(0, 3, held=[_held(3, [1])]),
                                                 _worker(1, 1, seen=0.5)])
-    assert status.explain_wait(reply, 0) == (
+    assert waits.explain_wait(reply, 0) == (
         "shard 1 holds rank 0's pull for clock 3 (3.2 s, 1 held), waiting for rank 1 "
         "(clock 1, last heard 0.5 s ago)")
-    assert status.explain_wait(reply, 1).startswith("shard 1 holds no pull of rank 1")
-    assert status.describe_wait(lambda: reply, 0) == status.explain_wait(reply, 0)
+    assert waits.explain_wait(reply, 1).startswith("shard 1 holds no pull of rank 1")
+    assert waits.describe_wait(lambda: reply, 0) == waits.explain_wait(reply, 0)
     with grpc.insecure_channel(f"127.0.0.1:{_closed_port()}") as ch:
-        line = status.describe_wait(pb_grpc.ControlStub(ch), 0, timeout_s=2)
+        line = waits.describe_wait(pb_grpc.ControlStub(ch), 0, timeout_s=2)
     assert line.startswith("the shard did not answer Status: UNAVAILABLE")

@@ -7,7 +7,9 @@
 - ``algorithms/``: one module per worker-side algorithm (1-bit Adam's push policies, local SGD /
   DiLoCo); importing ``bitps.worker`` registers their push policies.
 - ``memory/``: the activation pool.
-- ``launch/``: the demo model and ``bitps-launch``; ``__main__.py`` is ``bitps-worker``.
+- ``launch/``: ``bitps-launch`` (the local cluster launcher) and ``bitps-status``.
+- ``demo.py``: the demo model and corpus; ``config.py``, ``metrics.py``: the client's settings
+  and metrics; ``__main__.py`` is ``bitps-worker``.
 
 ``PSModel`` imports torch on first use, so the client stays torch-free.
 """

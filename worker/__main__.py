@@ -47,7 +47,7 @@ from bitps.worker.config import (
 )
 
 if TYPE_CHECKING:  # its module imports torch
-    from bitps.worker.launch.demo import DemoConfig
+    from bitps.worker.demo import DemoConfig
 
 __all__ = ["SLOW_WAIT_STATUS_S", "WorkerConfig", "build_parser", "log_slow_waits", "main",
            "parse_config", "program"]
@@ -71,7 +71,7 @@ def _on_sigterm(signum, frame) -> None:
 def program() -> Program:
     """bitps-worker's settings, in ``--help`` order. Built on first use: ``DemoConfig``, which
     holds the model's defaults, imports torch."""
-    from bitps.worker.launch.demo import DemoConfig
+    from bitps.worker.demo import DemoConfig
 
     _C, _K, _O, _P, _R, _D, _A = (ClientConfig, CodecConfig, OverlapConfig, PoolConfig,
                                   RunConfig, DemoConfig, AlgorithmConfig)
@@ -180,7 +180,7 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     (default ``os.environ``) and the ``--config`` file, and every resolved value by its flag's
     dest name. A bad flag exits with status 2 (argparse); a bad variable, file or combination
     raises ``ValueError`` (``SettingError`` when a single value is unreadable)."""
-    from bitps.worker.launch.demo import DemoConfig
+    from bitps.worker.demo import DemoConfig
 
     r = program().parse(argv, environ)
     push = CodecConfig(**r.kwargs(CodecConfig))
@@ -243,7 +243,7 @@ def log_slow_waits(client) -> None:
     """Install ``client.on_slow_wait``: a wait past half its limit logs, per shard still
     silent, one warning naming the shard and whom it waits for (``describe_wait`` of the
     shard's Status, asked within :data:`SLOW_WAIT_STATUS_S`)."""
-    from bitps.worker.launch.status import describe_wait
+    from bitps.worker.launch.waits import describe_wait
 
     rank = client.cfg.rank
 
@@ -263,7 +263,7 @@ def _train(cfg: WorkerConfig, client) -> int:
     import torch
     from prometheus_client import start_http_server
 
-    from bitps.worker.launch.demo import batches, build_model, load_corpus, loss_fn
+    from bitps.worker.demo import batches, build_model, load_corpus, loss_fn
 
     metrics_port = -1
     if run.metrics_port >= 0:

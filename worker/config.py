@@ -226,7 +226,7 @@ class PoolConfig:
 class RunConfig:
     """What the ``bitps-worker`` program does around the library: how long it trains, on which
     device, and what it reports (``ClientConfig``, ``OverlapConfig`` and ``PoolConfig`` are the
-    library's settings; ``worker.launch.demo.DemoConfig`` the model's)."""
+    library's settings; ``worker.demo.DemoConfig`` the model's)."""
 
     steps: int = 150
     """Training steps (every step pushes and pulls once)."""

@@ -1,2 +1,3 @@
-"""Demo and launch: the demo model and corpus (:mod:`.demo`) and ``bitps-launch``, the local
-cluster launcher (:mod:`.launcher`; ``python -m bitps.worker.launch``)."""
+"""Launch and diagnose: ``bitps-launch``, the local cluster launcher (:mod:`.launcher`; its
+entry point is :mod:`.__main__`, also ``python -m bitps.worker.launch``), and ``bitps-status``,
+the hang doctor (:mod:`.status`), over :mod:`.waits`, the diagnosis of who waits for whom."""

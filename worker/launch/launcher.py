@@ -389,7 +389,7 @@ def _pipeline_plan(args, stage_args: list[str]) -> _Pipeline:
     """Read the stage processes' settings exactly as each will (their own reader, this
     environment, the --config file) and check the plan: a ``ValueError`` naming the refused
     value if the model, the schedule or the batch sizes cannot run it."""
-    from bitps.worker.pipeline.__main__ import check_plan, parse_config
+    from bitps.worker.pipeline.settings import check_plan, parse_config
 
     if args.algorithm != "ps":
         raise ValueError(f"--algorithm {args.algorithm}: pipelines train with the shards' "

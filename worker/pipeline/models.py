@@ -18,8 +18,8 @@ Entries:
 
 - ``"mlp"``: six small dense layers on a fixed random regression teacher; for tests (a step
   takes milliseconds, the loss falls within tens of steps).
-- ``"deep"``: a byte-level causal transformer on the demo corpus (the bytes of
-  ``worker.launch.demo.load_corpus``: the standard library's source): an embedding, ten
+- ``"deep"``: a byte-level causal transformer on the demo corpus (``worker.demo``'s
+  ``load_corpus`` and ``batches``: the standard library's source): an embedding, ten
   pre-norm attention + MLP blocks and a wide output head, 12 layers. The costs are uneven on
   purpose: the embedding is a lookup (almost free), the head (a 7x-wide MLP and the 256-way
   projection, with the loss) costs about two blocks, so a
@@ -29,19 +29,16 @@ Entries:
 
 from __future__ import annotations
 
-import functools
-import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from bitps.proto.keyplan import DEFAULT_PARTITION_BYTES, KeyPlan, ParamSpec, make_plan
+from bitps.worker.demo import VOCAB_SIZE, batches, load_corpus
 
 __all__ = ["MODELS", "PipelineModel", "chunk_holder", "stage_module", "whole_plan"]
 
@@ -147,16 +144,14 @@ def _mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 # -- "deep": a byte-level causal transformer on the demo corpus ----------------------------------
 
-_VOCAB = 256
 _DEEP_WIDTH, _DEEP_HEADS, _DEEP_BLOCKS, _DEEP_SEQ = 64, 4, 10, 64
 _DEEP_CORPUS_BYTES = 2_000_000
-_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "idlelib", "lib2to3", "__pycache__"})
 
 
 class _Embed(nn.Module):
     def __init__(self, d: int, seq_len: int) -> None:
         super().__init__()
-        self.tokens = nn.Embedding(_VOCAB, d)
+        self.tokens = nn.Embedding(VOCAB_SIZE, d)
         self.positions = nn.Embedding(seq_len, d)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -189,7 +184,7 @@ class _Head(nn.Module):
     def __init__(self, d: int) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(d)
-        self.up, self.out = nn.Linear(d, 7 * d), nn.Linear(7 * d, _VOCAB)
+        self.up, self.out = nn.Linear(d, 7 * d), nn.Linear(7 * d, VOCAB_SIZE)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(F.gelu(self.up(self.norm(x))))
@@ -205,41 +200,8 @@ def _build_deep(seed: int = 0) -> nn.Sequential:
 
 def _deep_batches(batch_size: int, *, replica: int, replicas: int, seed: int) -> Batches:
     _check_stream(batch_size, replica, replicas, seed)
-    data = _corpus(_DEEP_CORPUS_BYTES)
-    rng = np.random.default_rng([seed, replica])
-    return _windows(data, batch_size, _DEEP_SEQ, rng)
-
-
-@functools.lru_cache(maxsize=2)
-def _corpus(budget: int) -> np.ndarray:
-    """The demo's corpus: the standard library's ``.py`` files (tests and site-packages left
-    out) in sorted path order, each followed by a newline, up to ``budget`` bytes.
-
-    The same bytes as ``worker.launch.demo.load_corpus``, read here because ``pipeline`` may
-    not import ``launch`` (tests/test_layering.py).
-    """
-    root = Path(os.path.dirname(os.__file__))
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _SKIPPED_DIRS and "test" not in d]
-        files += [Path(dirpath, f).relative_to(root) for f in filenames if f.endswith(".py")]
-    chunks, total = [], 0
-    for rel in sorted(files, key=lambda p: p.as_posix()):
-        if total >= budget:
-            break
-        chunk = ((root / rel).read_bytes() + b"\n")[: budget - total]
-        chunks.append(chunk)
-        total += len(chunk)
-    return np.frombuffer(b"".join(chunks), dtype=np.uint8)
-
-
-def _windows(data: np.ndarray, batch_size: int, seq_len: int,
-             rng: np.random.Generator) -> Batches:
-    offsets = np.arange(seq_len + 1)
-    while True:
-        starts = rng.integers(0, len(data) - seq_len, size=batch_size)
-        window = torch.from_numpy(data[starts[:, None] + offsets].astype(np.int64))
-        yield window[:, :-1], window[:, 1:]
+    return batches(load_corpus(_DEEP_CORPUS_BYTES), batch_size=batch_size, seq_len=_DEEP_SEQ,
+                   rank=replica, world_size=replicas, seed=seed)
 
 
 def _next_byte_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

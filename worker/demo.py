@@ -5,6 +5,11 @@ no data set: every rank builds identical weights from ``DemoConfig.seed`` and re
 Python standard library installed next to it. Not for measuring model quality; the corpus depends
 on the Python version, so compare ``Corpus.sha256`` before comparing losses across machines.
 
+The one reader of the demo corpus: ``bitps-worker`` trains this model, the pipeline's ``deep``
+model (``worker.pipeline.models``) and the benchmarks draw their bytes from :func:`load_corpus`
+and :func:`batches`. A library module at the bottom of ``worker/`` (it imports no other part of
+the worker), so every layer above may import it.
+
 Example::
 
     cfg = DemoConfig()
@@ -29,9 +34,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Corpus", "DemoConfig", "batches", "build_model", "load_corpus", "loss_fn"]
+__all__ = ["VOCAB_SIZE", "Corpus", "DemoConfig", "batches", "build_model", "load_corpus", "loss_fn"]
 
 VOCAB_SIZE = 256
+"""Bytes: the model's vocabulary."""
 _SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "idlelib", "lib2to3", "__pycache__"})
 
 
