@@ -270,8 +270,8 @@ def _rounds(docs: list[dict], case: str, m: int) -> dict[int, list[dict]]:
 
 
 def _our_row(row: dict, docs: list[dict], p: int, steps: int) -> dict:
-    from bitps.worker.pipeline.schedules import get_schedule
-    from bitps.worker.pipeline.simulate import StageTimes, closed_form_bubble
+    from bitps.worker.pipeline.schedules import closed_form_bubble, get_schedule
+    from bitps.worker.pipeline.simulate import StageTimes
 
     schedule = get_schedule(row["case"])
     per_round = _rounds(docs, row["case"], row["m"])

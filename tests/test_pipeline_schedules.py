@@ -9,8 +9,14 @@ import pytest
 
 from bitps.worker.pipeline.actions import COMPUTE, Action, Op
 from bitps.worker.pipeline.errors import DeadlockError, PlanError, UnknownScheduleError
-from bitps.worker.pipeline.schedules import SCHEDULES, Schedule, get_schedule, register_schedule
-from bitps.worker.pipeline.simulate import StageTimes, check, closed_form_bubble, simulate
+from bitps.worker.pipeline.schedules import (
+    SCHEDULES,
+    Schedule,
+    closed_form_bubble,
+    get_schedule,
+    register_schedule,
+)
+from bitps.worker.pipeline.simulate import StageTimes, check, simulate
 
 UNIFORM = StageTimes(f=1.0, b=1.0, w=1.0)
 NAMES = ("gpipe", "1f1b", "zb-h1", "2bw")

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from bitps.worker.pipeline.actions import COMPUTE, Action, Op, peer, rank_chunk, virtual_stage
 from bitps.worker.pipeline.errors import DeadlockError, PlanError
-from bitps.worker.pipeline.schedules import get_schedule
-from bitps.worker.pipeline.simulate import StageTimes, check, closed_form_bubble, simulate
+from bitps.worker.pipeline.schedules import closed_form_bubble, get_schedule
+from bitps.worker.pipeline.simulate import StageTimes, check, simulate
 from tests.test_pipeline_runtime import (
     HEADER_BYTES,
     MICRO,

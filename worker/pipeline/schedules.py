@@ -61,7 +61,7 @@ from bitps.worker.pipeline.errors import PlanError, UnknownScheduleError
 from bitps.worker.pipeline.simulate import StageTimes, check, simulate
 
 __all__ = ["SCHEDULES", "GPipe", "OneFOneB", "PipeDream2BW", "Schedule", "ZeroBubbleH1",
-           "ZeroBubbleV", "get_schedule", "register_schedule"]
+           "ZeroBubbleV", "closed_form_bubble", "get_schedule", "register_schedule"]
 
 Slot = tuple[Op, int]
 """One compute action of a stage's order before communication is added: (F|B|BW|W, mb)."""
@@ -186,6 +186,15 @@ def get_schedule(name: str) -> Schedule:
         return SCHEDULES[name]()
     except (KeyError, TypeError):
         raise UnknownScheduleError(name, sorted(SCHEDULES)) from None
+
+
+def closed_form_bubble(schedule: Schedule | str, p: int, m: int, times: StageTimes) -> float | None:
+    """The schedule's (or the registered name's) closed-form idle fraction of a step with
+    ``times`` on every stage, no communication and no pull/push time, or None where it has none
+    (``2bw``: steady state 0, measure it with ``SimResult.steady_bubble``)."""
+    if isinstance(schedule, str):
+        schedule = get_schedule(schedule)
+    return schedule.closed_form_bubble(p, m, times)
 
 
 def _flush_bubble(p: int, m: int) -> float:

@@ -36,15 +36,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from bitps.worker.pipeline.actions import COMPUTE, Action, Op, chunks_of, peer, virtual_stage
 from bitps.worker.pipeline.errors import DeadlockError, PlanError
 
-if TYPE_CHECKING:
-    from bitps.worker.pipeline.schedules import Schedule
-
-__all__ = ["SimResult", "StageTimes", "check", "closed_form_bubble", "simulate"]
+__all__ = ["SimResult", "StageTimes", "check", "simulate"]
 
 Plan = Sequence[Sequence[Action]]
 
@@ -218,17 +214,6 @@ def check(plan: Plan, *, schedule: str = "plan", m: int | None = None) -> None:
             raise PlanError(f"stage {s} runs micro-batches {sorted(mbs)}, stage 0 runs "
                             f"{sorted(mbs0)}", schedule=schedule, p=p, m=m_)
         mbs0 = mbs
-
-
-def closed_form_bubble(schedule: Schedule | str, p: int, m: int, times: StageTimes) -> float | None:
-    """The schedule's closed-form idle fraction of a step with ``times`` on every stage, no
-    communication and no pull/push time, or None where it has none (``2bw``: steady state 0,
-    measure it with :meth:`SimResult.steady_bubble`)."""
-    if isinstance(schedule, str):
-        from bitps.worker.pipeline.schedules import get_schedule  # schedules imports this module
-
-        schedule = get_schedule(schedule)
-    return schedule.closed_form_bubble(p, m, times)
 
 
 def _per_stage(times: StageTimes | Sequence[StageTimes], p: int) -> list[StageTimes]:
