@@ -72,23 +72,20 @@ def programs() -> frozenset[str]:
     return frozenset(targets | {m for m in modules() if m.endswith(".__main__")})
 
 
-def _base(module: str, level: int) -> str:
-    """The package a ``level``-dot relative import in ``module`` starts from."""
-    package = module if modules()[module].stem == "__init__" else module.rpartition(".")[0]
+def _base(package: str, level: int) -> str:
+    """The package a ``level``-dot relative import in a module of ``package`` starts from."""
     parts = package.split(".")
     if level - 1 >= len(parts):
-        raise AssertionError(f"{module}: relative import beyond the top-level package")
+        raise AssertionError(f"{package}: relative import beyond the top-level package")
     return ".".join(parts[:len(parts) - (level - 1)])
 
 
-@cache
-def imports(module: str) -> frozenset[str]:
-    """What ``module`` imports, anywhere in its file: project modules by dotted name
-    (``bitps.ps.store``; ``from pkg import name`` is ``pkg.name`` when that is a module, else
-    ``pkg``), ``bitps:<names>`` for the public API's names other than ``__version__``,
-    ``bare:<name>`` for a project folder imported without ``bitps.``, and third-party packages
-    by top-level name."""
-    path = modules()[module]
+def imports_in(source: str, package: str) -> frozenset[str]:
+    """What a module of ``package`` whose text is ``source`` imports, anywhere in it: project
+    modules by dotted name (``bitps.ps.store``; ``from pkg import name`` is ``pkg.name`` when
+    that is a module, else ``pkg``; relative imports resolved), ``bitps:<names>`` for the
+    lazy public API (its ``__version__`` aside), ``bare:<name>`` for a project folder imported
+    without ``bitps.``, and third-party packages by top-level name."""
     out = set()
 
     def add(dotted: str, names: tuple[str, ...] = ()) -> None:
@@ -98,28 +95,59 @@ def imports(module: str) -> frozenset[str]:
         elif top != "bitps":
             out.add(top)
         elif not names:
-            out.add(dotted)
+            out.add("bitps:*" if dotted == "bitps" else dotted)
         else:
-            subs = [f"{dotted}.{n}" for n in names if f"{dotted}.{n}" in modules()]
-            out.update(subs)
+            out.update(f"{dotted}.{n}" for n in names if f"{dotted}.{n}" in modules())
             rest = [n for n in names if f"{dotted}.{n}" not in modules()]
-            if rest and dotted == "bitps" and set(rest) - {"__version__"}:
-                out.add("bitps:" + ",".join(rest))  # the lazy API; the version is not
+            if dotted == "bitps" and set(rest) - {"__version__"}:
+                out.add("bitps:" + ",".join(rest))
             elif rest:
                 out.add(dotted)
 
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             for a in node.names:
                 add(a.name)
         elif isinstance(node, ast.ImportFrom):
             names = tuple(a.name for a in node.names)
             if node.level:
-                base = _base(module, node.level)
+                base = _base(package, node.level)
                 add(f"{base}.{node.module}" if node.module else base, names)
             else:
                 add(node.module, names)
     return frozenset(out)
+
+
+@cache
+def imports(module: str) -> frozenset[str]:
+    """:func:`imports_in` of the installed module ``module``."""
+    path = modules()[module]
+    package = module if path.stem == "__init__" else module.rpartition(".")[0]
+    return imports_in(path.read_text(), package)
+
+
+def test_every_kind_of_import_is_seen_and_resolved():
+    source = """
+from typing import TYPE_CHECKING
+from . import actions, not_a_module
+from .simulate import check
+from ..config import ClientConfig
+from ... import __version__
+import numpy.linalg
+if TYPE_CHECKING:
+    from bitps.ps import shard
+def f():
+    import torch
+    from bitps import PSModel
+    import bitps
+"""
+    assert imports_in(source, "bitps.worker.pipeline") == {
+        "typing", "bitps.worker.pipeline.actions", "bitps.worker.pipeline",
+        "bitps.worker.pipeline.simulate", "bitps.worker.config", "numpy", "bitps.ps.shard",
+        "bitps", "torch", "bitps:PSModel", "bitps:*"}
+    assert imports_in("from worker.config import ClientConfig", "bitps.ps") == {"bare:worker"}
+    with pytest.raises(AssertionError, match="beyond the top-level package"):
+        imports_in("from .... import x", "bitps.worker.pipeline")
 
 
 def _layer(module: str) -> str:
@@ -202,8 +230,7 @@ def test_every_worker_module_has_a_unit():
 @pytest.mark.parametrize("unit", sorted(WORKER_ALLOWED))
 def test_worker_modules_follow_their_layering(unit):
     mine = [m for m in modules() if _layer(m) == "worker" and _worker_unit(m) == unit]
-    if unit != "demo" or "bitps.worker.demo" in modules():
-        assert mine, f"worker unit {unit} has no module"
+    assert mine, f"worker unit {unit} has no module"
     bad = []
     for module in mine:
         for name in imports(module):
