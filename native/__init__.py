@@ -1,5 +1,6 @@
 """Numba kernels: server update rules and gradient codecs (``casts``, ``sign1``, ``sparse``;
-each module also holds the numpy reference it is tested against).
+each module also holds the numpy reference it is tested against; ``sparse`` re-exports the
+names of its split: ``sparse_format``, ``sparse_kernels``, ``sparse_reference``).
 
 Imports numpy and numba only. Kernels take flat numpy arrays and scalars, never allocate, and
 document their byte layout and buffer ownership.
