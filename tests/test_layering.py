@@ -259,11 +259,13 @@ PIPELINE_PURE = ("actions", "errors", "schedules", "simulate", "partition", "mic
 def test_the_pipeline_plan_is_checked_without_torch():
     """Schedules, the simulator, the partitioner, the tuner and ParallelConfig import no torch
     (statically and in a fresh interpreter): a launcher refuses a bad plan before it loads
-    torch or starts anything."""
+    torch or starts anything. The stage's settings module loads torch only once a model is
+    needed (on first use of its registry)."""
     bad = [f"worker/pipeline/{mod}.py imports torch" for mod in PIPELINE_PURE
            if "torch" in imports(f"bitps.worker.pipeline.{mod}")]
     assert not bad, "\n".join(bad)
-    code = ("import sys; " + "; ".join(f"import bitps.worker.pipeline.{m}" for m in PIPELINE_PURE)
+    code = ("import sys; " + "; ".join(f"import bitps.worker.pipeline.{m}"
+                                       for m in (*PIPELINE_PURE, "settings"))
             + "; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
