@@ -440,7 +440,9 @@ def _run_script(cluster: Cluster, args, script_args: list[str]) -> int:
                for r in range(args.workers)]
     doc = {"shards": ready, "servers": servers,
            "pids": {c.name: c.proc.pid for c in cluster.children}}
-    (cluster.run_dir / "cluster.json").write_text(json.dumps(doc, indent=2))
+    tmp = cluster.run_dir / "cluster.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=2))
+    tmp.replace(cluster.run_dir / "cluster.json")
     return _follow_output(cluster, workers)
 
 
