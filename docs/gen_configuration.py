@@ -120,7 +120,8 @@ shard and the worker do, and shares the worker's `BITPS_SERVERS` and `BITPS_TOKE
 """, server.markdown(), worker.markdown(), stage_program().markdown(), STATUS.markdown(),
         settings.parser_markdown(launch_parser(), description=(
         "A local cluster: shards first, then workers, with progress and teardown. Everything "
-        "after `--` goes to every `bitps-worker`; `--mode`, `--staleness` and `--optimizer` go "
+        "after `--` goes to every `bitps-worker` (with `--script FILE`, to every rank's run of "
+        "your own script); `--mode`, `--staleness` and `--optimizer` go "
         "to every shard only when given, so that the shards' own settings (environment, config "
         "file, default) apply otherwise.")),
         settings.parser_markdown(bench_parser(), description=(

@@ -18,6 +18,15 @@ step count each worker's ``start`` line names. ``--host`` and ``--lr`` are the l
 passed. ``--algorithm`` adds its preset flags (:data:`ALGORITHM_PRESETS`) before the ones
 given, which win.
 
+**Your own training script** (``--script FILE``): the shards, then ``--workers`` runs of
+``python FILE`` (everything after ``--`` goes to each) instead of ``bitps-worker``, each with
+torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``) and ``BITPS_SERVERS``, the shards' gRPC addresses. A script prints text, not
+progress lines: every line it writes (stdout and stderr) is shown with its rank's name and
+kept in its log; the run fails if any rank exits non-zero (the script checks its own loss)::
+
+    bitps-launch --shards 2 --workers 2 --script examples/train.py -- --steps 200
+
 **Pipelines** (``--dp D --pp P``, or ``--config FILE`` with a ``[parallel_config]`` table):
 the shards, then D x P stage processes (``python -m bitps.worker.pipeline``; everything after
 ``--`` goes to each, e.g. ``--model deep --steps 50``), each with torchrun's environment
@@ -86,18 +95,33 @@ class Cluster:
         self.children: list[_Child] = []
         self.events: queue.Queue = queue.Queue()
 
-    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> _Child:
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None, *,
+              echo: bool = False) -> _Child:
+        """Start ``argv``; its JSON stdout lines become events, its stderr its log. ``echo``
+        (a user's script): stdout and stderr together are its log, and every line is an
+        ``output`` event; an ``eof`` event follows the last."""
         log = self.run_dir / f"{name}.log"
         env = dict(os.environ, **(env or {}), PYTHONUNBUFFERED="1")
         with log.open("wb") as stderr:  # the child keeps its own descriptor
-            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr,
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT if echo else stderr,
                                     stdin=subprocess.DEVNULL, start_new_session=True, env=env,
                                     preexec_fn=_die_with_parent if sys.platform == "linux"
                                     else None)
         child = _Child(name, proc, log)
-        threading.Thread(target=self._read, args=(child,), daemon=True).start()
+        threading.Thread(target=self._echo if echo else self._read, args=(child,),
+                         daemon=True).start()
         self.children.append(child)
         return child
+
+    def _echo(self, child: _Child) -> None:
+        with child.log.open("ab") as log:
+            for raw in child.proc.stdout:
+                log.write(raw)
+                log.flush()
+                line = raw.decode(errors="replace").rstrip("\r\n")
+                self.events.put((child, {"event": "output", "line": line}))
+        self.events.put((child, {"event": "eof"}))
 
     def _read(self, child: _Child) -> None:
         for raw in child.proc.stdout:
@@ -180,6 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--host", default="127.0.0.1", help="address the shards bind to and workers dial")
     add("--run-dir", default=None, help="logs + summary.json (default runs/<timestamp>)")
     add("--ready-timeout", type=float, default=60.0, help="seconds for shards to become ready")
+    add("--script", default=None, metavar="FILE",
+        help="run `python FILE` as each worker rank instead of bitps-worker (everything after "
+             "-- goes to it), with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and "
+             "BITPS_SERVERS (the shards' gRPC addresses) set; its output is shown per rank and "
+             "logged, and any rank exiting non-zero fails the run (not with --algorithm "
+             "diloco, --expect-loss-drop or the pipeline options)")
     add("--expect-loss-drop", type=float, default=0.0,
         help="fail unless every rank's final loss is this fraction below its first (0 = off; "
              "pipelines: every last stage's)")
@@ -213,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     split = argv.index("--") if "--" in argv else len(argv)
     args = build_parser().parse_args(argv[:split])
     worker_args = argv[split + 1:]
+    if args.script is not None and (refused := _script_refusal(args)) is not None:
+        console.print(f"bitps-launch: {refused}", markup=False, highlight=False, soft_wrap=True)
+        return 2
     pipeline = None
     if args.config is not None or any(getattr(args, d) is not None
                                       for _, d, _, _ in _PIPELINE_FLAGS):
@@ -233,8 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     cluster = Cluster(run_dir)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        code = (_run(cluster, args, worker_args) if pipeline is None
-                else _run_pipeline(cluster, args, pipeline))
+        if args.script is not None:
+            code = _run_script(cluster, args, worker_args)
+        elif pipeline is None:
+            code = _run(cluster, args, worker_args)
+        else:
+            code = _run_pipeline(cluster, args, pipeline)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: tearing the cluster down")
         code = 130
@@ -367,6 +404,68 @@ def _follow(cluster: Cluster, workers: list[_Child],
     if (bad := cluster.failed()) is not None:
         _explain(bad, None)
         return 1
+    return 0
+
+
+# -- a user's script ----------------------------------------------------------------------------
+
+
+def _script_refusal(args) -> str | None:
+    """Why ``--script`` cannot run with the other options given, or None."""
+    if not Path(args.script).is_file():
+        return f"--script {args.script!r}: no such file"
+    given = [flag for flag, dest, _, _ in _PIPELINE_FLAGS if getattr(args, dest) is not None]
+    given += ["--config"] * (args.config is not None)
+    if given:
+        return f"--script runs worker ranks, not pipeline stages; got {', '.join(given)}"
+    if args.algorithm != "ps":
+        return (f"--algorithm {args.algorithm} sets bitps-worker flags; a script trains with "
+                f"the shards' optimizer (--algorithm ps)")
+    if args.expect_loss_drop:
+        return (f"--expect-loss-drop {args.expect_loss_drop} reads bitps-worker's progress "
+                f"lines; a script checks its own loss (examples/train.py: --expect-loss-drop "
+                f"after --)")
+    return None
+
+
+def _run_script(cluster: Cluster, args, script_args: list[str]) -> int:
+    ready = _start_shards(cluster, args)
+    if ready is None:
+        return 1
+    servers = ",".join(f"{args.host}:{r['grpc_port']}" for r in ready)
+    env = {"WORLD_SIZE": str(args.workers), "MASTER_ADDR": args.host,
+           "MASTER_PORT": str(_free_port(args.host)), "BITPS_SERVERS": servers}
+    workers = [cluster.spawn(f"worker-{r}", [sys.executable, args.script, *script_args],
+                             env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), echo=True)
+               for r in range(args.workers)]
+    doc = {"shards": ready, "servers": servers,
+           "pids": {c.name: c.proc.pid for c in cluster.children}}
+    tmp = cluster.run_dir / "cluster.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=2))
+    tmp.replace(cluster.run_dir / "cluster.json")
+    return _follow_output(cluster, workers)
+
+
+def _follow_output(cluster: Cluster, workers: list[_Child]) -> int:
+    """Show the workers' output lines until every one has ended; 1 if a process failed."""
+    running = {w.name for w in workers}
+    while running:
+        if (bad := cluster.failed()) is not None and bad.name not in running:
+            _explain(bad, None)  # a shard (a worker is explained once its output has ended)
+            return 1
+        try:
+            child, event = cluster.events.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        if event.get("event") == "output":
+            console.print(f"{child.name}: {event['line']}", markup=False, highlight=False,
+                          soft_wrap=True)
+        elif event.get("event") == "eof":
+            running.discard(child.name)
+            if child.proc.wait() != 0:
+                _explain(child, None)
+                return 1
+    console.print(f"every rank of {len(workers)} exited 0")
     return 0
 
 
