@@ -43,10 +43,11 @@ from collections.abc import Iterator
 import torch
 
 from bitps.proto.keyplan import KeyPlan, ParamSpec, make_plan
-from bitps.worker.config import OverlapConfig
+from bitps.worker.config import EncoderConfig, OverlapConfig
 from bitps.worker.training import codec_torch
 from bitps.worker.training.buckets import Bucket
 from bitps.worker.training.clip import StepClip
+from bitps.worker.training.encoder import Encoder
 from bitps.worker.training.overlap import Overlap
 from bitps.worker.training.staging import Staging
 from bitps.worker.training.utilization import Decision, StepStats
@@ -61,15 +62,22 @@ class PSModel:
     def __init__(self, model: torch.nn.Module, client: PSClient, *,
                  plan: KeyPlan | None = None,
                  device_codec: bool | None = None,
-                 overlap: OverlapConfig | None = None) -> None:
+                 overlap: OverlapConfig | None = None,
+                 encoder: EncoderConfig | None = None) -> None:
         """``plan``: the whole model's plan (``make_plan`` over every pipeline stage's
         parameter names, in one agreed order), of which ``model`` holds some parameters (one
         stage): they are bound to its keys by name (``KeyPlan.bind``: a name the plan lacks is
         ``UnknownParametersError``, another shape ``PlanMismatchError``) and only their keys
         are registered, pushed and pulled. ``None``: ``model`` is the whole model, planned
-        here."""
+        here.
+
+        ``encoder``: how gradients are pushed (codec, error feedback, clipping:
+        ``worker.training.encoder``); ``None``: raw float32 pushes, unless the client's
+        (deprecated) ``ClientConfig`` compression fields say otherwise."""
         self.model = model
         self.client = client
+        self.encoder = Encoder(encoder or EncoderConfig.from_client(client.cfg), client)
+        """Turns this model's gradients into pushes."""
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         for name, p in self.params:
             if p.dtype != torch.float32:
@@ -86,14 +94,14 @@ class PSModel:
         self.plan: KeyPlan = plan
         """The keys this model registers: the whole plan, or a stage's part of it."""
         self.keys = [k.key for k in self.plan.keys]
-        self._staging = Staging(self.params, self.plan, client)
+        self._staging = Staging(self.params, self.plan, self.encoder)
         self.cuda = self._staging.cuda
         # the host copies hold the model's values now: the initializing worker (rank 0, or
         # replica 0 of a stage) sends them, and every rank's digests let the shards say which
         # copies are current (one seed, one model)
         outs = self._staging.outs
         copies = self._copies = dict(zip(self.keys, outs))
-        client.register(self.plan, copies if client.initializes else None, copies=copies)
+        self.encoder.register(self.plan, copies if client.initializes else None, copies=copies)
         self.clock = client.start_clock
         self._staging.device_codec = self._wants_device_codec(device_codec)
         stale = [i for i, k in enumerate(self.keys) if k not in client.versions]
@@ -101,13 +109,13 @@ class PSModel:
             client.pull([self.keys[i] for i in stale], [outs[i] for i in stale],
                         clock=self.clock).wait()
         self._staging.copy_in()
-        clip_norm = client.cfg.clip_norm
+        clip_norm = self.encoder.cfg.clip_norm
         # Clip the raw local gradient before error feedback adds the residual (DGC's local
         # clipping): clipping the compensated vector would eat the mass EF is carrying.
-        if clip_norm > 0 and (not client.push_codec_at(self.clock).is_raw
-                              or bool(client.freeze_step)):
+        if clip_norm > 0 and (not self.encoder.codec_at(self.clock).is_raw
+                              or bool(self.encoder.freeze_step)):
             self._staging.clip = StepClip(clip_norm)
-        self._overlap = Overlap(model, self.params, self.plan, client, self._staging,
+        self._overlap = Overlap(model, self.params, self.plan, self.encoder, self._staging,
                                 overlap or OverlapConfig(), clock=lambda: self.clock,
                                 copies=copies)
 
@@ -115,8 +123,8 @@ class PSModel:
         """Compress where the gradients are (CUDA) with ``worker.training.codec_torch``: sign1
         and bf16 pushes, outside 1-bit Adam (whose sync mode pushes momenta). ``True`` on CPU
         runs the same torch path on CPU tensors (it produces the bytes of the numba kernels)."""
-        name = self.client.cfg.push_codec.name
-        possible = name in codec_torch.ENCODERS and not self.client.freeze_step
+        name = self.encoder.cfg.push_codec.name
+        possible = name in codec_torch.ENCODERS and not self.encoder.freeze_step
         if asked and not possible:
             raise ValueError(f"device_codec needs a push codec with a device encoder "
                              f"({' or '.join(sorted(codec_torch.ENCODERS))}) and a shard "
@@ -187,7 +195,7 @@ class PSModel:
                     payload = staging.payload(self.plan.keys, flat, self.clock)
             else:
                 payload = staging.payload(self.plan.keys, flat, self.clock)
-            handle = self.client.push_pull(payload.keys, payload.grads, payload.outs,
+            handle = self.encoder.push_pull(payload.keys, payload.grads, payload.outs,
                                            clock=self.clock, encoded=payload.encoded,
                                            scale=payload.scale)
             if payload.then is not None:
