@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 
 from bitps.proto.codecs import CodecConfig
 from bitps.proto.settings import Program, from_field, option
-from bitps.worker.config import ClientConfig, RunConfig, connection_settings
+from bitps.worker.config import ClientConfig, EncoderConfig, RunConfig, connection_settings
 from bitps.worker.pipeline.config import ParallelConfig
 
 __all__ = ["StageConfig", "StageProcessConfig", "main", "parse_config", "program"]
@@ -93,6 +93,7 @@ class StageProcessConfig:
     run: RunConfig
     parallel: ParallelConfig
     stage: StageConfig
+    encoder: EncoderConfig = dataclasses.field(default_factory=EncoderConfig)
 
     @property
     def replica(self) -> int:
@@ -151,7 +152,7 @@ def program() -> Program:
         from_field(_S, "global_batch", help="samples per step over all replicas; must equal D "
                                             "x micro-batch size x m (0 = not fixed)"),
         from_field(_K, "name", name="push-codec", help="gradient codec, with error feedback"),
-        from_field(_C, "compress_min_bytes",
+        from_field(EncoderConfig, "compress_min_bytes",
                    help="tensors smaller than this go uncompressed"),
         *connection_settings(),
         from_field(_R, "metrics_port", help="Prometheus port; 0 = any free port, -1 = off"),
@@ -169,8 +170,9 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     r = program().parse(argv, environ)
     servers = tuple(s for s in r["servers"].split(",") if s)
     return StageProcessConfig(
-        client=ClientConfig(**r.kwargs(ClientConfig), servers=servers,
-                            push_codec=CodecConfig(**r.kwargs(CodecConfig))),
+        client=ClientConfig(**r.kwargs(ClientConfig), servers=servers),
+        encoder=EncoderConfig(**r.kwargs(EncoderConfig),
+                              push_codec=CodecConfig(**r.kwargs(CodecConfig))),
         run=RunConfig(**r.kwargs(RunConfig)),
         parallel=ParallelConfig(**r.kwargs(ParallelConfig)),
         stage=StageConfig(**r.kwargs(StageConfig)))
@@ -322,7 +324,7 @@ class _Stage:
         # Replica 0 of each stage sends its keys' initial values: one sender per key.
         self.client = PSClient(dataclasses.replace(cfg.client, initializes=self.replica == 0))
         plan = whole_plan(model, self.client.num_shards, self.client.cfg.partition_bytes)
-        self.ps_model = PSModel(self.module, self.client, plan=plan)
+        self.ps_model = PSModel(self.module, self.client, plan=plan, encoder=cfg.encoder)
         self.metrics = StageMetrics(self.stage, self.replica, registry=self.client.metrics.registry)
         self.metrics_port = -1
         if cfg.run.metrics_port >= 0:

@@ -1,30 +1,22 @@
 """``PSClient``: a worker's connection to every shard; it moves bytes.
 
 ``push``, ``pull`` and ``push_pull`` send at once from the calling thread and return a
-:class:`~bitps.worker.transport.channel.Handle`; ``Handle.wait()`` blocks until every shard involved
-has answered, with a deadline. Each submitting thread gets its own
-:class:`~bitps.worker.transport.channel.Channel` (DEALER sockets; ZeroMQ sockets are not
-thread-safe), so no thread hand-off sits on the latency path. The control plane (Register,
-Heartbeat, Status, Leave, rule state) is :attr:`PSClient.control`
-(``worker.transport.control.ControlClient``).
+:class:`~bitps.worker.transport.channel.Handle`; ``Handle.wait()`` blocks until every shard
+involved has answered, with a deadline. Each submitting thread sends on its own channel
+(``worker.transport.channels``), so no thread hand-off sits on the latency path. The control
+plane is :attr:`PSClient.control` (``worker.transport.control``).
 
     client = PSClient(ClientConfig(servers=("127.0.0.1:50051",), rank=0, world_size=1))
     client.register(plan, values)                       # rank 0 sends initial values
     client.push_pull(keys, grads, outs, clock=0).wait()  # float32 gradients, as they are
     client.close()
 
-What a push carries is decided above the transport: plain float32 arrays go as they are, and an
-:class:`Encoded` push (``worker.training.encoder.Encoder``: codec per clock, error feedback,
-clipping, the push policy) carries each key's payload already in its codec, which the client
-only labels in the message header. Published codes in pull replies are added to the worker's
-copy through :attr:`PSClient.codes` (decode and add, unless the encoder's policy says
-otherwise). Payloads go out zero-copy: arrays passed to ``push``/``push_pull`` must stay
-unchanged until the handle completes (the handle keeps them alive); pulled values are copied
-straight from the received frame into the caller's ``outs``.
-
-With ``curve_server_key`` and ``curve_client_key`` every DEALER is a CURVE client (encrypted,
-and authenticated by the shards' ZAP handler); the key files are read in the constructor, a bad
-one is a ``KeyFileError`` naming it (docs/security.md).
+What a push carries is decided above the transport: float32 arrays go as they are, an
+:class:`~bitps.worker.transport.messages.Encoded` push (``worker.training.encoder``) carries each
+key's payload in its codec, which the client names in the header; published codes in pull
+replies are added through :attr:`PSClient.codes`. Payloads go out zero-copy: they must stay
+unchanged until the handle completes (it keeps them alive); pulled values are copied from the
+received frame into the caller's ``outs``.
 """
 
 from __future__ import annotations
@@ -36,10 +28,8 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
-import zmq
 
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import RAW, Codec
@@ -48,39 +38,24 @@ from bitps.proto.wire import PROTOCOL, PSError
 from bitps.worker.config import ClientConfig
 from bitps.worker.metrics import WorkerMetrics
 from bitps.worker.transport.channel import (
-    DECODE_ADD,
-    Channel,
     CodeApplier,
     Handle,
     PSTimeoutError,
     Request,
     ShardLostError,
 )
+from bitps.worker.transport.channels import Channels
 from bitps.worker.transport.control import ControlClient, Registration
+from bitps.worker.transport.messages import Encoded, messages
 
 __all__ = ["Encoded", "Handle", "PSClient", "PSTimeoutError", "RECOVERABLE", "ShardLostError"]
 
 log = logging.getLogger(__name__)
 _F32 = np.dtype("<f4")
 RECOVERABLE = frozenset({pb.DEADLINE, pb.NOT_REGISTERED, pb.NOT_INITIALIZED, pb.BAD_CLOCK})
-"""Failures of one shard that :meth:`PSClient.complete` recovers from: no answer in time (the
-shard died, or the connection dropped), a shard that does not know this worker or is not
-initialized (it restarted), and a clock it does not take (it restarted from an older
-checkpoint). Anything else is the caller's or the shard's bug and is raised as it is."""
-
-
-@dataclass(frozen=True)
-class Encoded:
-    """One push's payloads as they go on the wire, one per key of the request, in its order.
-
-    ``codecs[i]`` is the codec ``payloads[i]`` is in (``RAW``: float32 values, ``4 * length``
-    bytes; otherwise the codec's own layout, ``proto.codecs``). Keys of one codec travel in
-    messages of their own, each header naming it. ``owned[i]``: ``payloads[i]`` is a buffer its
-    encoder reuses for the next push, so its message goes by copy instead of zero-copy."""
-
-    payloads: Sequence[np.ndarray | memoryview]
-    codecs: Sequence[Codec]
-    owned: Sequence[bool]
+"""Failures of one shard that :meth:`PSClient.complete` recovers from: no answer in time (it
+died, or the connection dropped), a shard that does not know this worker or is not initialized
+(it restarted), a clock it does not take (it restarted from an older checkpoint)."""
 
 
 class PSClient:
@@ -91,19 +66,15 @@ class PSClient:
         self.metrics = metrics or WorkerMetrics()
         self.num_shards = len(cfg.servers)
         self.control = ControlClient(cfg, metrics=self.metrics)
-        """Register, Heartbeat, Status, Leave and the rule-state call
-        (``worker.transport.control``)."""
+        """Register, Heartbeat, Status, Leave, rule state (``worker.transport.control``)."""
         self.on_slow_wait: Callable[[int, float], object] | None = None
         """Called by ``Handle.wait`` as ``on_slow_wait(shard, waited_s)`` once per shard still
-        owing an answer when half the wait's limit has passed (``bitps-worker`` logs
-        ``describe_wait`` of the shard's Status). It runs on the waiting thread, so it must
-        return quickly; what it raises is logged, never raised. Read when a handle is
-        created."""
+        owing an answer at half the wait's limit (``bitps-worker`` logs the shard's Status). It
+        runs on the waiting thread: it must return quickly; what it raises is logged."""
         self.plan: KeyPlan | None = None
         self._registration = Registration()
         self.replies: list[pb.RegisterReply] = []
-        """Each shard's last RegisterReply, by shard: what its rule and mode call for (an
-        encoder reads them, ``worker.training.encoder``)."""
+        """Each shard's last RegisterReply, by shard (what its rule and mode call for)."""
         self.versions: dict[int, int] = {}
         self.start_clock = 0
         self.clock = 0
@@ -120,19 +91,10 @@ class PSClient:
         self.incarnation = secrets.randbits(63) | 1
         """Names this client's life on the wire: with the request id, it makes every push
         unique, so a shard applies a replayed push once (``ServerConfig.dedup_window``)."""
-        self._ctx = zmq.Context()
-        self._endpoints: list[str] = []
-        self._local = threading.local()
-        self._channels: list[Channel] = []  # one per submitting thread
-        self._channels_lock = threading.Lock()
+        self.channels = Channels(servers=cfg.servers, metrics=self.metrics,
+                                 versions=self.versions, curve=self.control.curve)
+        """The data connections, one per submitting thread (``worker.transport.channels``)."""
         self._closing = threading.Event()
-        self._codes: CodeApplier = DECODE_ADD
-
-    @property
-    def stubs(self):
-        """The gRPC ``Control`` stubs, by shard (read-only: for diagnosis, e.g.
-        ``describe_wait``; calls must carry the token metadata)."""
-        return self.control.stubs
 
     @property
     def initializes(self) -> bool:
@@ -146,14 +108,11 @@ class PSClient:
     def codes(self) -> CodeApplier:
         """How a published code in a pull reply is added to this worker's copy (every
         channel's; set by the encoder once the shards' rule is known)."""
-        return self._codes
+        return self.channels.codes
 
     @codes.setter
     def codes(self, applier: CodeApplier) -> None:
-        self._codes = applier
-        with self._channels_lock:
-            for channel in self._channels:
-                channel.codes = applier
+        self.channels.codes = applier
 
     # -- control plane ------------------------------------------------------------------------
     def register(self, plan: KeyPlan, values: Mapping[int, np.ndarray] | None = None, *,
@@ -161,11 +120,9 @@ class PSClient:
                  compressed_pulls: frozenset[int] = frozenset()) -> list[pb.RegisterReply]:
         """Join every shard with ``plan``; ``values`` (:attr:`initializes`: rank 0, or in a
         pipeline replica 0 of each stage) are the initial parameters by key. Other ranks block
-        until the values of their keys have landed. Returns each shard's reply (also kept in
-        :attr:`replies`).
-
-        ``plan`` may be partial (``KeyPlan.subset``: a pipeline stage's keys): the shards then
-        count this worker, per key, only for the keys it registered.
+        until the values of their keys have landed. Returns each shard's reply (kept in
+        :attr:`replies`). ``plan`` may be partial (``KeyPlan.subset``: a pipeline stage's keys):
+        the shards then count this worker, per key, only for the keys it registered.
 
         ``copies`` (any rank, every key): the values this worker holds now. Their digests go
         with the registration, and keys whose shard values match count as received
@@ -190,8 +147,7 @@ class PSClient:
             if reply.shard_id != shard:
                 raise PSError(pb.BAD_HEADER, f"server {self.cfg.servers[shard]} is shard "
                               f"{reply.shard_id}; expected shard {shard} (list servers in order)")
-            host = self.cfg.servers[shard].rsplit(":", 1)[0]
-            endpoints.append(f"tcp://{host}:{reply.data_port}")
+            endpoints.append(self._endpoint(shard, reply))
             self.start_clock = max(self.start_clock, reply.start_clock)
             self.holds_pulls = self.holds_pulls or reply.holds_pulls
             replies.append(reply)
@@ -201,9 +157,13 @@ class PSClient:
         # only for keys it has received (a shard sends codes only against a copy it sent).
         self.versions.clear()
         self.versions.update(current)
-        self._endpoints = endpoints
+        self.channels.endpoints = endpoints
         self.control.start_heartbeat(lambda: self.clock)
         return replies
+
+    def _endpoint(self, shard: int, reply: pb.RegisterReply) -> str:
+        """The shard's data endpoint: its gRPC host, the data port it answered."""
+        return f"tcp://{self.cfg.servers[shard].rsplit(':', 1)[0]}:{reply.data_port}"
 
     def status(self, shard: int, *, timeout_s: float = 10.0) -> pb.StatusReply:
         """The shard's view of clocks, live workers and held pulls, within ``timeout_s``."""
@@ -230,12 +190,12 @@ class PSClient:
         """Receive replies to this thread's requests for up to ``timeout_s`` seconds, returning
         early when ``wake_fd`` is readable (``worker.training.comm.CommThread`` waits for replies
         and new buckets at once this way)."""
-        self._channel().progress(timeout_s, wake_fd=wake_fd)
+        self.channels.mine().progress(timeout_s, wake_fd=wake_fd)
 
     @property
     def min_clock(self) -> int:
         """Smallest live clock the shards last reported to this thread."""
-        channel = getattr(self._local, "channel", None)
+        channel = self.channels.existing()
         return channel.min_clock if channel is not None else self.control.min_clock
 
     def _submit(self, op, keys, grads, outs, clock) -> Handle:
@@ -250,8 +210,9 @@ class PSClient:
         if encoded is not None and len(encoded.codecs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(encoded.codecs)} codecs")
         codecs = encoded.codecs if encoded is not None else None
-        groups = self._group(keys, arrays if encoded is None else (), outs, codecs)
-        channel = self._channel()
+        groups = messages(self.plan, keys, arrays if encoded is None else (), outs, codecs,
+                          limit=self.cfg.message_bytes)
+        channel = self.channels.mine()
         handle = Handle(channel, len(groups), (self.cfg.rank, op, clock, keys),
                         self.cfg.deadline_s, keep=(grads,), on_slow=self.on_slow_wait)
         deadline = time.monotonic() + self.cfg.deadline_s
@@ -281,49 +242,6 @@ class PSClient:
         channel.send(requests)
         return handle
 
-    def _group(self, keys, grads, outs, codecs) -> list[tuple[int, Codec, list[int]]]:
-        """Split the request per shard and codec, then into messages of at most
-        ``message_bytes`` (counted in float32 bytes). ``grads`` (plain pushes) and ``outs`` are
-        checked against the plan here; an :class:`Encoded` push was checked by its encoder."""
-        plan, limit = self.plan, self.cfg.message_bytes
-        by_shard: dict[tuple[int, Codec], list[int]] = {}
-        for i, k in enumerate(keys):
-            if k not in plan:
-                raise PSError(pb.UNKNOWN_KEY, f"key {k} is not in the plan ({len(plan.keys)} "
-                              f"of the model's {plan.model_keys} keys)")
-            spec = plan.key(k)
-            for arrays, kind in ((grads, "gradient"), (outs, "output")):
-                if arrays and (arrays[i].dtype != _F32 or arrays[i].size != spec.length):
-                    raise ValueError(f"key {k}: {kind} is {arrays[i].dtype}[{arrays[i].size}]; "
-                                     f"expected float32[{spec.length}]")
-            if outs and not (outs[i].flags.c_contiguous and outs[i].flags.writeable):
-                raise ValueError(f"key {k}: output must be a writable contiguous array")
-            # One codec per message: the header names it for every key.
-            by_shard.setdefault((spec.shard, codecs[i] if codecs else RAW), []).append(i)
-        groups = []
-        for (shard, codec), idx in by_shard.items():
-            batch, size = [], 0
-            for i in idx:
-                n = plan.key(keys[i]).nbytes
-                if batch and size + n > limit:
-                    groups.append((shard, codec, batch))
-                    batch, size = [], 0
-                batch.append(i)
-                size += n
-            groups.append((shard, codec, batch))
-        return groups
-
-    def _channel(self) -> Channel:
-        channel = getattr(self._local, "channel", None)
-        if channel is None:
-            channel = Channel(self._ctx, self._endpoints, servers=self.cfg.servers,
-                              metrics=self.metrics, versions=self.versions,
-                              codes=self._codes, curve=self.control.curve)
-            self._local.channel = channel
-            with self._channels_lock:
-                self._channels.append(channel)
-        return channel
-
     # -- recovery -----------------------------------------------------------------------------
     @property
     def exchange_bound_s(self) -> float:
@@ -335,9 +253,7 @@ class PSClient:
         """Wait for ``handle``; when shards were lost (:data:`RECOVERABLE` failures, or no
         answer), :meth:`recover` each and redo their part of the exchange, until it succeeds
         or ``reconnect_timeout_s`` has passed (then :class:`ShardLostError`). Returns the
-        handle that completed (``handle``, or the redo's).
-
-        ``copies`` (every key of the plan) are the values this worker holds: their digests
+        handle that completed (``handle``, or the redo's). ``copies`` (every key of the plan) are the values this worker holds: their digests
         tell a shard that is back which copies are still current, and a worker that
         :attr:`initializes` sends them as initial values to a shard that came back empty (a
         shard restored from a checkpoint is initialized and keeps its own). A redo sends the
@@ -392,7 +308,7 @@ class PSClient:
         end = since + self.cfg.reconnect_timeout_s if end is None else end
         # Requests still queued on the old connection would reach a restarted shard after this
         # worker re-registered, as pushes of the wrong step: drop them with the socket.
-        self._reset_data(shard)
+        self.channels.reset(shard)
         keys = self.plan.for_shard(shard)
         values = {k.key: copies[k.key] for k in keys} if self.initializes else None
         reg = dataclasses.replace(self._registration, values=values, copies=copies)
@@ -418,11 +334,9 @@ class PSClient:
         if reply.shard_id != shard:
             raise PSError(pb.BAD_HEADER, f"server {self.cfg.servers[shard]} is now shard "
                           f"{reply.shard_id}; expected shard {shard}", shard=shard)
-        host = self.cfg.servers[shard].rsplit(":", 1)[0]
-        endpoint = f"tcp://{host}:{reply.data_port}"
-        if endpoint != self._endpoints[shard]:  # restarted on another data port
-            self._endpoints[shard] = endpoint
-            self._reset_data(shard)
+        endpoint = self._endpoint(shard, reply)
+        if endpoint != self.channels.endpoints[shard]:  # restarted on another data port
+            self.channels.reset(shard, endpoint)
         self.replies[shard] = reply
         for k in self.plan.for_shard(shard):
             self.versions.pop(k.key, None)
@@ -443,16 +357,9 @@ class PSClient:
             self.metrics.lost_steps.inc(lost)
         return lost
 
-    def _reset_data(self, shard: int) -> None:
-        """A fresh data connection to ``shard`` in every channel (``Channel.reset``)."""
-        with self._channels_lock:
-            channels = list(self._channels)
-        for channel in channels:
-            channel.reset(shard, self._endpoints[shard], self._ctx)
-
     def _redo(self, handle: Handle, failed: Mapping[int, PSError | None]) -> Handle:
         """Send ``handle``'s parts for the ``failed`` shards again, from this thread."""
-        channel = self._channel()
+        channel = self.channels.mine()
         old = [r for r in handle.requests if r.shard in failed]
         redo = Handle(channel, len(old), handle._what, self.cfg.deadline_s,
                       on_slow=self.on_slow_wait)
@@ -484,11 +391,7 @@ class PSClient:
             self.control.leave()
         self._closing.set()
         self.control.close()
-        with self._channels_lock:
-            for channel in self._channels:
-                channel.close()
-            self._channels.clear()
-        self._ctx.term()
+        self.channels.close()
 
     def __enter__(self) -> PSClient:
         return self
