@@ -253,13 +253,13 @@ class PSClient:
         """Wait for ``handle``; when shards were lost (:data:`RECOVERABLE` failures, or no
         answer), :meth:`recover` each and redo their part of the exchange, until it succeeds
         or ``reconnect_timeout_s`` has passed (then :class:`ShardLostError`). Returns the
-        handle that completed (``handle``, or the redo's). ``copies`` (every key of the plan) are the values this worker holds: their digests
-        tell a shard that is back which copies are still current, and a worker that
-        :attr:`initializes` sends them as initial values to a shard that came back empty (a
-        shard restored from a checkpoint is initialized and keeps its own). A redo sends the
-        same bytes: the same request ids to a shard that kept this worker's clock (its
-        exactly-once window answers a push it had applied with the original answer), new ids
-        and the shard's clock to one that came back behind (:meth:`recover`)."""
+        handle that completed (``handle``, or the redo's). ``copies`` (every key of the plan)
+        are the values this worker holds: their digests tell a shard that is back which copies
+        are still current, and a worker that :attr:`initializes` sends them as initial values
+        to a shard that came back empty (one restored from a checkpoint keeps its own). A redo
+        sends the same bytes: the same request ids to a shard that kept this worker's clock
+        (its exactly-once window answers a push it had applied with the original answer), new
+        ids and the shard's clock to one that came back behind (:meth:`recover`)."""
         try:
             handle.wait()
             return handle
