@@ -187,18 +187,25 @@ class LocalSGD:
                 self.params[i][1].data.view(-1).copy_(torch.from_numpy(self._pulled[i]))
 
     def state_dict(self) -> dict:
-        """What this worker must keep to resume: the inner optimizer's state and where the
-        round stands (the parameters are the shards')."""
-        return {"inner": self.inner.state_dict(), "inner_step": self.inner_step,
-                "clock": self.clock}
+        """What this worker must keep to resume: the inner optimizer's state, where the round
+        stands and the encoder's error feedback (the parameters are the shards'):
+        ``{"version": 1, "inner": ..., "inner_step": int, "clock": int, "encoder":
+        Encoder.state_dict()}``."""
+        return {"version": 1, "inner": self.inner.state_dict(), "inner_step": self.inner_step,
+                "clock": self.clock, "encoder": self.encoder.state_dict(clock=self.clock)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` (same model and inner optimizer)."""
+        """Restore :meth:`state_dict` (same model and inner optimizer; a state without a
+        version, from before the encoder's was saved, restores the rest)."""
+        if state.get("version", 1) != 1:
+            raise ValueError(f"local SGD state of version {state['version']!r}; expected 1")
         if not 0 <= state["inner_step"] < self.inner_steps:
             raise ValueError(f"inner_step {state['inner_step']}; expected 0 .. "
                              f"{self.inner_steps - 1}")
         self.inner.load_state_dict(state["inner"])
         self.inner_step = state["inner_step"]
+        if "encoder" in state:
+            self.encoder.load_state_dict(state["encoder"], clock=state["clock"])
 
     def close(self) -> None:
         """Land what is in flight, leave the shards and stop the client."""

@@ -40,6 +40,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from bitps.proto.keyplan import KeyPlan, ParamSpec, make_plan
@@ -53,7 +54,10 @@ from bitps.worker.training.staging import Staging
 from bitps.worker.training.utilization import Decision, StepStats
 from bitps.worker.transport.client import PSClient
 
-__all__ = ["PSModel"]
+__all__ = ["STATE_VERSION", "PSModel"]
+
+STATE_VERSION = 1
+"""Version of :meth:`PSModel.state_dict`'s layout."""
 
 
 class PSModel:
@@ -224,6 +228,41 @@ class PSModel:
         """Wait until every bucket in flight has its parameters back (overlap on): after this
         the module's parameters are the shards' values for :attr:`clock`."""
         self._overlap.synchronize()
+
+    # -- state --------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What this worker keeps beyond the parameters (which are the shards'), to resume it
+        where it stopped: ``{"version": 1, "clock": int, "encoder": Encoder.state_dict(),
+        "clip_factor": float, "device_residuals": {key: float32[length]}}``; the clip factor is
+        the last step's exact one (predictions under overlap start from it), the device
+        residuals the error feedback the device codec keeps. Call between steps (after
+        :meth:`synchronize` under overlap); arrays are copies."""
+        self.synchronize()
+        clip = self._staging.clip
+        return {"version": STATE_VERSION, "clock": self.clock,
+                "encoder": self.encoder.state_dict(clock=self.clock),
+                "clip_factor": clip.last_factor if clip is not None else 1.0,
+                "device_residuals": {k: r.detach().cpu().numpy().copy()
+                                     for k, r in self._staging.residuals.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a :meth:`state_dict` of the same model and settings (checked whole before
+        anything changes: version, keys and shapes)."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"PSModel state of version {state.get('version')!r}; expected "
+                             f"{STATE_VERSION}")
+        for key, r in state["device_residuals"].items():
+            n = self.plan.key(key).length if key in self.plan else None
+            if r.shape != (n,) or r.dtype != np.float32:
+                raise ValueError(f"device residual of key {key} is {r.dtype}{r.shape}; "
+                                 f"expected float32[{n}] (a key of this model's plan)")
+        self.synchronize()
+        self.encoder.load_state_dict(state["encoder"], clock=state["clock"])
+        if self._staging.clip is not None:
+            self._staging.clip.last_factor = float(state["clip_factor"])
+        for key, r in state["device_residuals"].items():
+            device = self._staging.slice([p for _, p in self.params], self.plan.key(key)).device
+            self._staging.residuals[key] = torch.from_numpy(r.copy()).to(device)
 
     def close(self) -> None:
         """Finish what is in flight, leave the shards and stop the client."""
