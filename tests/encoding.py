@@ -15,7 +15,7 @@ __all__ = ["EncodingClient"]
 _ENCODER = frozenset({"register", "push", "push_pull", "encode", "codec_at", "compresses",
                       "sum_squares", "clip_correct", "refuse_nonfinite", "residuals",
                       "load_residuals", "policy_state", "load_policy_state", "state_dict",
-                      "load_state_dict", "freeze_step", "policy", "pull_codec"})
+                      "load_state_dict", "chooses_codecs", "policy", "pull_codec"})
 
 
 class EncodingClient:

@@ -104,7 +104,7 @@ class LocalSGD:
         self._inflight: dict[int, tuple[object, int]] = {}  # fragment -> (handle, land step)
         copies = self._copies = dict(zip(self.keys, self._outs))
         self.encoder.register(self.plan, copies if client.cfg.rank == 0 else None, copies=copies)
-        if self.encoder.freeze_step:  # known once the shards answered: their rule has phases
+        if self.encoder.chooses_codecs:  # known once the shards answered their registration
             raise ValueError("local SGD pushes pseudo-gradients: run the shards with an outer "
                              "rule (e.g. --optimizer momentum --nesterov), not onebit_adam")
         self.clock = client.start_clock

@@ -22,6 +22,7 @@ used.
 from __future__ import annotations
 
 import numpy as np
+from prometheus_client.core import GaugeMetricFamily
 
 from bitps import native
 from bitps.native import casts, sign1
@@ -190,6 +191,7 @@ class _OneBitPush(PushPolicy):
     """bf16 gradients before ``freeze_step``, sign1 from it on, with the shard's chunk."""
 
     keeps_state = True
+    chooses_codecs = True
 
     def __init__(self, params: pb.OneBitParams) -> None:
         self.params = params
@@ -201,8 +203,10 @@ class _OneBitPush(PushPolicy):
         # the shard's chunk: one knob for both directions
         return Codec(pb.CODEC_SIGN1, self.params.chunk, configured.flags & MEAN_ABS)
 
-    def phase(self, clock):
-        return int(clock >= self.freeze_step)
+    def collect(self, clock):
+        yield GaugeMetricFamily("bitps_worker_onebit_phase",
+                                "1-bit Adam: 0 = warmup (bf16 pushes), 1 = compression",
+                                value=int(clock >= self.freeze_step))
 
 
 class SyncMomenta(_OneBitPush):

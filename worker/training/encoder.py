@@ -72,9 +72,10 @@ class Encoder:
         return self.client.plan
 
     @property
-    def freeze_step(self) -> int:
-        """The clock of the push policy's compression switch (1-bit Adam), or 0: none."""
-        return self.policy.freeze_step
+    def chooses_codecs(self) -> bool:
+        """Whether the push policy picks the codecs by clock (``PushPolicy.chooses_codecs``:
+        set once registered)."""
+        return self.policy.chooses_codecs
 
     def register(self, plan: KeyPlan, values: Mapping[int, np.ndarray] | None = None, *,
                  copies: Mapping[int, np.ndarray] | None = None) -> list[pb.RegisterReply]:
@@ -287,8 +288,8 @@ class Encoder:
             for (key, _), comp in list(self._compressors.items()):
                 shard = self.plan.key(key).shard
                 norms[shard] = float(np.hypot(norms.get(shard, 0.0), comp.residual_norm()))
-        return CodecSnapshot(residual_norms=norms, onebit_phase=self.policy.phase(
-            self.client.clock))
+        return CodecSnapshot(residual_norms=norms,
+                             families=tuple(self.policy.collect(self.client.clock)))
 
     # -- state --------------------------------------------------------------------------------
     def residuals(self, *, clock: int | None = None) -> dict[int, np.ndarray]:

@@ -117,7 +117,7 @@ class PSModel:
         # Clip the raw local gradient before error feedback adds the residual (DGC's local
         # clipping): clipping the compensated vector would eat the mass EF is carrying.
         if clip_norm > 0 and (not self.encoder.codec_at(self.clock).is_raw
-                              or bool(self.encoder.freeze_step)):
+                              or self.encoder.chooses_codecs):
             self._staging.clip = StepClip(clip_norm)
         self._overlap = Overlap(model, self.params, self.plan, self.encoder, self._staging,
                                 overlap or OverlapConfig(), clock=lambda: self.clock,
@@ -128,7 +128,7 @@ class PSModel:
         and bf16 pushes, outside 1-bit Adam (whose sync mode pushes momenta). ``True`` on CPU
         runs the same torch path on CPU tensors (it produces the bytes of the numba kernels)."""
         name = self.encoder.cfg.push_codec.name
-        possible = name in codec_torch.ENCODERS and not self.encoder.freeze_step
+        possible = name in codec_torch.ENCODERS and not self.encoder.chooses_codecs
         if asked and not possible:
             raise ValueError(f"device_codec needs a push codec with a device encoder "
                              f"({' or '.join(sorted(codec_torch.ENCODERS))}) and a shard "

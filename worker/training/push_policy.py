@@ -18,10 +18,11 @@ not the client.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+from prometheus_client import Metric
 
 from bitps import native
 from bitps.proto.codecs import Codec
@@ -41,8 +42,11 @@ length)``; a state of another version than the worker's copy is refused (``BAD_C
 class PushPolicy:
     """How one worker turns gradients into pushes; one per encoder, set at registration."""
 
-    freeze_step = 0
-    """The clock of a compression switch (1-bit Adam), or 0: none."""
+    chooses_codecs = False
+    """Whether the policy picks the push codec by clock itself (1-bit Adam: bf16, then sign1)
+    and may push something made from the gradients instead of them. Such pushes are clipped
+    even without a configured push codec, are encoded on the host (no device codec), and
+    cannot carry local SGD's pseudo-gradients."""
     keeps_state = False
     """Whether pushes fold the gradients into state (moments): a NaN must be refused first."""
     codes: CodeApplier = DECODE_ADD
@@ -73,9 +77,10 @@ class PushPolicy:
         push carried."""
         native.add_scaled(residual, grad, np.float32(exact - used))
 
-    def phase(self, clock: int) -> int:
-        """For metrics: 0 before a compression switch, 1 after, -1 without one."""
-        return -1
+    def collect(self, clock: int) -> Iterator[Metric]:
+        """The policy's own Prometheus metric families at the worker's ``clock``, read at
+        scrape time (``WorkerMetrics.watch_codecs``); none by default."""
+        return iter(())
 
     def state(self) -> dict:
         """State this policy keeps on the worker, to save beside the residuals (1-bit Adam's
