@@ -21,6 +21,8 @@ _EXPORTS = {
     "PSClient": "bitps.worker.transport.client",
     "PSModel": "bitps.worker.training.model",
     "ClientConfig": "bitps.worker.config",
+    "EncoderConfig": "bitps.worker.config",
+    "Encoder": "bitps.worker.training.encoder",
     "OverlapConfig": "bitps.worker.config",
     "PoolConfig": "bitps.worker.config",
     "ActivationPool": "bitps.worker.memory.pool",

@@ -49,21 +49,19 @@ def _digest(a) -> str:
 
 def _recording_client(cfg):
     """A ``PSClient`` that hashes every payload the communication thread sends, as sent."""
-    from bitps.worker.transport.client import PSClient
+    from bitps.worker.transport.client import Encoded, PSClient
 
     class Recording(PSClient):
         def __init__(self, cfg) -> None:
             super().__init__(cfg)
             self.sent: list[tuple[int, list[int], list[np.ndarray], list[str]]] = []
 
-        def push_pull(self, keys, grads, outs, *, clock, encoded=None, scale=None):
+        def push_pull(self, keys, grads, outs, *, clock):
             if threading.current_thread().name != "bitps-comm":
                 raise AssertionError("a bucket was pushed off the communication thread")
-            arrays = [encoded[k] if encoded and k in encoded else g
-                      for k, g in zip(keys, grads)]
+            arrays = list(grads.payloads if isinstance(grads, Encoded) else grads)
             self.sent.append((clock, list(keys), arrays, [_digest(a) for a in arrays]))
-            return super().push_pull(keys, grads, outs, clock=clock, encoded=encoded,
-                                     scale=scale)
+            return super().push_pull(keys, grads, outs, clock=clock)
 
     return Recording(cfg)
 
@@ -260,13 +258,13 @@ def clipped_sum_problems(server: str, *, device: str = "cpu", codec: str = "sign
     ps_model = PSModel(model, client, device_codec=device_codec,
                        overlap=OverlapConfig(mode=mode, bucket_bytes=8192))
     corrected = []
-    correct = client.clip_correct
+    correct = ps_model.encoder.clip_correct
 
     def counting(keys, grads, *, clock, used, exact):
         corrected.append(used != exact)
         correct(keys, grads, clock=clock, used=used, exact=exact)
 
-    client.clip_correct = counting
+    ps_model.encoder.clip_correct = counting
     gen = torch.Generator().manual_seed(1)
     clipped = [torch.zeros_like(p, dtype=torch.float64) for p in start]
     factors = []
@@ -280,7 +278,7 @@ def clipped_sum_problems(server: str, *, device: str = "cpu", codec: str = "sign
             acc += factors[-1] * g
         ps_model.step()
     ps_model.synchronize()
-    residual = {**client.residuals(),
+    residual = {**ps_model.encoder.residuals(),
                 **{k: r.cpu().numpy() for k, r in ps_model._staging.residuals.items()}}
     got = [p0 - p.detach().double().cpu() for p0, p in zip(start, model.parameters())]
     for k in ps_model.plan.keys:

@@ -155,7 +155,7 @@ def test_one_bit_adam_with_worker_moments_clips_under_overlap_and_stays_bit_iden
     finally:
         shard.stop(0)
     assert all(np.array_equal(ours[k], theirs[k]) for k in ours)
-    assert any(np.any(r) for r in client.residuals(clock=7).values())
+    assert any(np.any(r) for r in ps_model.encoder.residuals(clock=7).values())
 
 
 def _clipped_sync_run(mode: str, bucket_bytes: int, jitter: int | None = None

@@ -15,6 +15,7 @@ from bitps.proto.codecs import Codec, CodecConfig, Compressor
 from bitps.proto.keyplan import ParamSpec, make_plan
 from bitps.ps import OptimizerConfig, ServerConfig, create_server
 from bitps.worker import ClientConfig, PSClient
+from tests.encoding import EncodingClient
 
 STEPS = 50
 
@@ -35,7 +36,7 @@ def _train(servers, plan, rank, codec, results, barrier):
         copy = [np.zeros(k.length, np.float32) for k in plan.keys]
         target = [np.linspace(-1, 1, k.length, dtype=np.float32) for k in plan.keys]
         rng = np.random.default_rng(rank)
-        with PSClient(cfg) as client:
+        with EncodingClient(cfg) as client:
             client.register(plan, dict(zip(keys, copy)) if rank == 0 else None)
             barrier.wait()
             client.pull(keys, copy, clock=0).wait()
@@ -111,7 +112,7 @@ def test_a_pull_codec_of_its_own_and_mismatched_workers_are_refused():
         keys = [k.key for k in plan.keys]
         bf16 = ClientConfig(servers=servers, world_size=2, compress_min_bytes=0,
                             pull_codec=CodecConfig(name="bf16"))
-        with PSClient(bf16) as client:
+        with EncodingClient(bf16) as client:
             client.register(plan, {keys[0]: np.ones(4096, np.float32)})
             out = np.empty(4096, np.float32)
             client.pull(keys, [out], clock=0).wait()
@@ -126,7 +127,7 @@ def test_a_pull_codec_of_its_own_and_mismatched_workers_are_refused():
             assert np.array_equal(out, expect) and np.array_equal(shard.core.slots[0].param, out)
             other = ClientConfig(servers=servers, rank=1, world_size=2, compress_min_bytes=0,
                                  push_codec=CodecConfig(name="sign1"))
-            with PSClient(other) as second, pytest.raises(PSError) as err:
+            with EncodingClient(other) as second, pytest.raises(PSError) as err:
                 second.register(plan)
             assert err.value.code == pb.BAD_DTYPE and "pull" in str(err.value)
     finally:

@@ -14,6 +14,7 @@ from bitps.proto.codecs import CodecConfig
 from bitps.proto.keyplan import ParamSpec, make_plan
 from bitps.ps import OptimizerConfig, ServerConfig, create_server
 from bitps.worker import ClientConfig, PSClient
+from tests.encoding import EncodingClient
 
 LR = np.float32(0.5)  # a power of two: SGD's fma and numpy's two roundings agree
 
@@ -39,7 +40,7 @@ def test_sign1_push_applies_reference_decode_and_keeps_reference_residuals(shard
     keys = [k.key for k in plan.keys]
     views = [init[k.name][k.offset:k.offset + k.length] for k in plan.keys]
     rng = np.random.default_rng(0)
-    with PSClient(cfg) as client:
+    with EncodingClient(cfg) as client:
         client.register(plan, dict(zip(keys, views)))
         expected = [v.copy() for v in views]
         residuals = [np.zeros(k.length, np.float32) for k in plan.keys]
@@ -104,7 +105,7 @@ def test_other_codecs_train_a_key_through_the_shard(shards, name):
     grads = [np.random.default_rng(k.key).standard_normal(k.length).astype(np.float32)
              for k in plan.keys]
     outs = [np.empty(k.length, np.float32) for k in plan.keys]
-    with PSClient(cfg) as client:
+    with EncodingClient(cfg) as client:
         client.register(plan, zeros)
         client.push_pull(keys, grads, outs, clock=0).wait()
         kept = client.residuals()
@@ -167,7 +168,7 @@ def test_nonfinite_gradient_is_refused_on_the_worker_unless_it_arrives_encoded(s
                        push_codec=CodecConfig(name="sign1", chunk=64))
     keys = [k.key for k in plan.keys]
     init = np.zeros(2048, np.float32)
-    with PSClient(cfg) as client:
+    with EncodingClient(cfg) as client:
         client.register(plan, {k.key: init[k.offset:k.offset + k.length] for k in plan.keys})
         grads = [np.ones(k.length, np.float32) for k in plan.keys]
         client.push(keys, grads, clock=0).wait()
@@ -233,7 +234,7 @@ def test_every_key_of_a_tensor_over_compress_min_bytes_is_compressed_by_default(
                        push_codec=CodecConfig(name="sign1"))
     assert cfg.compress_min_bytes == 1 << 20
     keys = [k.key for k in plan.keys]
-    with PSClient(cfg) as client:
+    with EncodingClient(cfg) as client:
         client.register(plan, {k.key: np.zeros(k.length, np.float32) for k in plan.keys})
         assert [client.compresses(k, 0) for k in keys] == [n == "big" for n in names]
         grads = [np.ones(k.length, np.float32) for k in plan.keys]

@@ -15,6 +15,7 @@ from bitps.proto.keyplan import ParamSpec, make_plan, value_digest
 from bitps.proto.wire import PROTOCOL, PSError
 from bitps.ps import ServerConfig, create_server
 from bitps.worker import ClientConfig, PSClient
+from tests.encoding import EncodingClient
 
 torch = pytest.importorskip("torch")
 
@@ -45,7 +46,7 @@ def test_matching_copies_skip_the_first_pull_and_later_codes_apply_to_them():
                                push_codec=CodecConfig(name="sign1", chunk=256))
             mine = copies[rank]
             try:
-                with PSClient(cfg) as client:
+                with EncodingClient(cfg) as client:
                     client.register(plan, dict(zip(keys, mine)) if rank == 0 else None,
                                     copies=dict(zip(keys, mine)))
                     received = dict(client.versions)

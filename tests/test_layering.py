@@ -203,10 +203,13 @@ WORKER_ALLOWED = {
     "config": set(),
     "metrics": set(),
     "demo": set(),
+    # the push-policy interface and registry: the encoder holds a policy, the algorithms
+    # register theirs; it adds published codes through the transport's CodeApplier
+    "push_policy": {"transport"},
     "transport": _BASE,
     "memory": _BASE,
-    "training": {"transport", "memory"} | _BASE,
-    "algorithms": {"transport", "training"} | _BASE,
+    "training": {"transport", "memory", "push_policy"} | _BASE,
+    "algorithms": {"transport", "training", "push_policy"} | _BASE,
     "pipeline": {"transport", "training", "algorithms", "memory", "demo"} | _BASE,
     "launch": {"transport", "training", "algorithms", "memory", "pipeline", "demo"} | _BASE,
     "__main__": {"transport", "training", "algorithms", "memory", "pipeline", "launch",
@@ -287,8 +290,6 @@ PENDING_CYCLES = {
     frozenset({"ps.store", "ps.onebit", "ps.rules", "ps.publish"}),
     # the shard and its consistency modes
     frozenset({"ps.shard", "ps.consistency"}),
-    # the client and the push-policy interface it calls back into
-    frozenset({"worker.transport.client", "worker.transport.push_policy"}),
 }
 
 

@@ -22,7 +22,8 @@ from bitps.proto.keyplan import ParamSpec, make_plan
 from bitps.proto.schedule import LRSchedule
 from bitps.proto.wire import PSError
 from bitps.ps import OptimizerConfig, ServerConfig, create_server
-from bitps.worker import ClientConfig, PSClient
+from bitps.worker import ClientConfig
+from tests.encoding import EncodingClient
 
 N = 20_000
 FREEZE = 10
@@ -41,7 +42,7 @@ def _three_steps(shard):
                        partition_bytes=16384, compress_min_bytes=0)
     grads = [np.random.default_rng(k).standard_normal(len(o)).astype(np.float32)
              for k, o in zip(keys, outs)]
-    with PSClient(cfg) as client:
+    with EncodingClient(cfg) as client:
         client.register(plan, dict(zip(keys, outs)))
         for step in range(3):
             client.push_pull(keys, grads, outs, clock=step).wait()
@@ -63,7 +64,7 @@ def _train(servers, plan, rank: int, world: int, init, results, barrier, mode):
     outs = [copy[k.offset:k.offset + k.length] for k in plan.keys]
     rng = np.random.default_rng(rank)
     target = np.linspace(-1, 1, N, dtype=np.float32)
-    with PSClient(cfg) as client:
+    with EncodingClient(cfg) as client:
         client.register(plan, dict(zip(keys, outs)) if rank == 0 else None)
         client.pull(keys, outs, clock=0).wait()
         for step in range(STEPS):
@@ -150,7 +151,7 @@ def test_compressed_traffic_is_about_one_bit_per_element():
         copy = np.zeros(N, np.float32)
         cfg = ClientConfig(servers=(f"127.0.0.1:{shard.ports['grpc_port']}",),
                            compress_min_bytes=0)
-        with PSClient(cfg) as client:
+        with EncodingClient(cfg) as client:
             client.register(plan, {keys[0]: copy})
             grad = np.ones(N, np.float32)
             for step in range(4):
@@ -196,7 +197,7 @@ def test_error_feedback_state_saves_and_restores():
         core.load_codec_state(before)
         assert all(np.array_equal(before[k], r) for k, r in core.codec_state().items())
         servers = (f"127.0.0.1:{shard.ports['grpc_port']}",)
-        with PSClient(ClientConfig(servers=servers, partition_bytes=16384,
+        with EncodingClient(ClientConfig(servers=servers, partition_bytes=16384,
                                    compress_min_bytes=0, push_codec=CodecConfig(name="sign1")))\
                 as other:
             other.plan = plan
@@ -222,7 +223,7 @@ def test_worker_moments_save_restore_and_layout_settings():
         assert set(saved) == set(keys)
         assert all(t == 3 and np.any(m) and np.any(v) for t, m, v in saved.values())
         servers = (f"127.0.0.1:{shard.ports['grpc_port']}",)
-        with PSClient(ClientConfig(servers=servers, partition_bytes=16384)) as other:
+        with EncodingClient(ClientConfig(servers=servers, partition_bytes=16384)) as other:
             with pytest.raises(RuntimeError, match="register"):
                 other.load_policy_state(saved)
             other.register(plan, dict(zip(keys, outs)))  # a restarted rank 0
@@ -283,9 +284,9 @@ def test_a_late_warmup_push_after_the_switch_is_a_gradient_not_a_direction():
         servers = (f"127.0.0.1:{shard.ports['grpc_port']}",)
         copies = [np.zeros(N, np.float32), np.zeros(N, np.float32)]
         rng = np.random.default_rng(0)
-        with PSClient(ClientConfig(servers=servers, rank=0, world_size=2,
+        with EncodingClient(ClientConfig(servers=servers, rank=0, world_size=2,
                                    compress_min_bytes=0)) as fast, \
-                PSClient(ClientConfig(servers=servers, rank=1, world_size=2,
+                EncodingClient(ClientConfig(servers=servers, rank=1, world_size=2,
                                       compress_min_bytes=0)) as slow:
             registering = threading.Thread(target=slow.register, args=(plan,))
             registering.start()

@@ -414,6 +414,7 @@ import torch
 from bitps.proto.keyplan import ParamSpec, make_plan
 from bitps.worker import ClientConfig, PSClient, PSModel
 from bitps.worker.config import OverlapConfig
+from tests.encoding import EncodingClient
 
 rank, servers, out, steps = int(sys.argv[1]), tuple(sys.argv[2].split(",")), sys.argv[3], 3
 stage, replica = rank % 2, rank // 2
@@ -508,7 +509,8 @@ def test_stages_with_compressed_pushes_and_pulls_async(cluster):
     push and pull their own stage's keys; after a last pull every worker's copies equal the
     shards' parameters bit for bit, and each key was updated by its two pushers only."""
     from bitps.proto.codecs import CodecConfig
-    from bitps.worker import ClientConfig, PSClient
+    from bitps.worker import ClientConfig
+    from tests.encoding import EncodingClient
 
     shards = cluster(2, mode="async", metrics_port=-1, split_lr=True,
                      optimizer=OptimizerConfig(name="sgd", lr=0.01))
@@ -529,7 +531,7 @@ def test_stages_with_compressed_pushes_and_pulls_async(cluster):
         keys = [k.key for k in part.keys]
         mine = {k: init[k].copy() for k in keys}
         try:
-            with PSClient(cfg) as client:
+            with EncodingClient(cfg) as client:
                 client.register(part, mine if rank < 2 else None, copies=mine)
                 rng = np.random.default_rng(rank)
                 for step in range(steps):
@@ -561,7 +563,7 @@ def test_stages_with_compressed_pushes_and_pulls_async(cluster):
                            partition_bytes=4096, compress_min_bytes=1024, deadline_s=30,
                            pull_codec=CodecConfig(name="sign1", chunk=256))
         keys = [k.key for k in part.keys]
-        with PSClient(cfg) as client:
+        with EncodingClient(cfg) as client:
             client.register(part, None, copies=mine)
             client.pull(keys, [mine[k] for k in keys], clock=steps).wait()
         for k in keys:

@@ -90,7 +90,7 @@ def test_the_client_holds_no_algorithm_and_the_registration_picks_the_push_polic
     shards' registration replies call for (``worker.transport.push_policy``)."""
     from bitps.proto import bitps_pb2 as pb
     from bitps.worker.algorithms.onebit import MomentsPush, SyncMomenta
-    from bitps.worker.transport.push_policy import for_registration
+    from bitps.worker.push_policy import for_registration
 
     tree = ast.parse((ROOT / "worker" / "transport" / "client.py").read_text())
     modules = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}

@@ -437,7 +437,7 @@ def test_tls_refuses_plaintext_and_certificate_less_clients_with_an_error(cluste
         client, keys_ = _joined(shard, **cfg)
         assert client.status(0).initialized
         # a wrong token over TLS is refused as before
-        stub = client.stubs[0]
+        stub = client.control.stubs[0]
         with pytest.raises(grpc.RpcError) as err:
             stub.Status(pb.StatusRequest(token="wrong"), timeout=5,
                         metadata=(("bitps-token", "wrong"),))
@@ -486,7 +486,7 @@ def test_without_keys_nothing_changes(cluster):
     assert shard.curve is None and shard.data.zap is None
     assert shard.data.context is zmq.Context.instance()  # shared, as before
     client, keys_ = _joined(shard, token="")
-    assert client.curve is None and client._metadata is None
+    assert client.control.curve is None and client.control.metadata is None
     client.push(keys_, [np.ones(N, np.float32)], clock=0).wait()
     client.close()
     assert os.environ.get("BITPS_CURVE_SECRET_KEY") is None

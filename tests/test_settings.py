@@ -198,8 +198,8 @@ def test_pull_codec_shares_the_codec_flags(worker_cli):
     cfg, _ = worker_cli.parse_config(["--servers", "h:1", "--push-codec", "sparse",
                                       "--pull-codec", "sign1", "--codec-chunk", "256"],
                                      environ={})
-    assert cfg.client.push_codec == CodecConfig(name="sparse", chunk=256)
-    assert cfg.client.pull_codec == CodecConfig(name="sign1", chunk=256)
+    assert cfg.encoder.push_codec == CodecConfig(name="sparse", chunk=256)
+    assert cfg.encoder.pull_codec == CodecConfig(name="sign1", chunk=256)
 
 
 def test_build_parser_reads_no_environment(monkeypatch, worker_cli):
@@ -411,4 +411,4 @@ def test_documented_examples_are_valid_config_files(tmp_path, worker_cli):
     assert (cfg.mode, cfg.optimizer.name, cfg.lookahead) == ("ssp", "adamw", False)
     cfg, _ = worker_cli.parse_config(["--config", _write(tmp_path, gen.WORKER_EXAMPLE)],
                                      environ={})
-    assert cfg.run.activation_pool and cfg.client.push_codec.name == "sign1"
+    assert cfg.run.activation_pool and cfg.encoder.push_codec.name == "sign1"

@@ -40,6 +40,7 @@ from bitps.proto.settings import Program, from_field, option
 from bitps.worker.config import (
     AlgorithmConfig,
     ClientConfig,
+    EncoderConfig,
     OverlapConfig,
     PoolConfig,
     RunConfig,
@@ -117,12 +118,13 @@ def program() -> Program:
                         "multiple of 64; push and pull codecs"),
         from_field(_K, "scale", name="sign1-scale", help="sign1 scale rule"),
         from_field(_K, "values", name="sparse-values", help="sparse value encoding"),
-        from_field(_C, "compress_min_bytes",
+        from_field(EncoderConfig, "compress_min_bytes",
                    help="tensors smaller than this go uncompressed; every key of a larger one "
                         "is compressed"),
-        from_field(_C, "clip_norm", help="clip the local gradient to this L2 norm before error "
-                                         "feedback, when pushes are compressed (0 = off)"),
-        from_field(_C, "codec_seed", help="seed of sparse sampling and rounding"),
+        from_field(EncoderConfig, "clip_norm",
+                   help="clip the local gradient to this L2 norm before error feedback, when "
+                        "pushes are compressed (0 = off)"),
+        from_field(EncoderConfig, "codec_seed", help="seed of sparse sampling and rounding"),
         from_field(_O, "mode", name="overlap",
                    help="push buckets from backward hooks; auto = on when communication "
                         "exceeds --overlap-min-ratio of compute, measured over the first steps"),
@@ -167,6 +169,7 @@ class WorkerConfig:
     """Everything one ``bitps-worker`` run is configured with."""
 
     client: ClientConfig
+    encoder: EncoderConfig
     algorithm: AlgorithmConfig
     overlap: OverlapConfig
     pool: PoolConfig
@@ -187,8 +190,8 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     pull = None if r["pull-codec"] == "push" else dataclasses.replace(push, name=r["pull-codec"])
     servers = tuple(s for s in r["servers"].split(",") if s)
     cfg = WorkerConfig(
-        client=ClientConfig(**r.kwargs(ClientConfig), servers=servers, push_codec=push,
-                            pull_codec=pull),
+        client=ClientConfig(**r.kwargs(ClientConfig), servers=servers),
+        encoder=EncoderConfig(**r.kwargs(EncoderConfig), push_codec=push, pull_codec=pull),
         algorithm=AlgorithmConfig(**r.kwargs(AlgorithmConfig)),
         overlap=OverlapConfig(**r.kwargs(OverlapConfig)), pool=PoolConfig(**r.kwargs(PoolConfig)),
         run=RunConfig(**r.kwargs(RunConfig)), demo=DemoConfig(**r.kwargs(DemoConfig)))
@@ -347,7 +350,7 @@ def _train(cfg: WorkerConfig, client) -> int:
 def _ps_model(model, client, cfg: WorkerConfig):
     from bitps.worker.training.model import PSModel
 
-    return PSModel(model, client, overlap=cfg.overlap)
+    return PSModel(model, client, overlap=cfg.overlap, encoder=cfg.encoder)
 
 
 def _local_sgd(model, client, cfg: WorkerConfig):
@@ -359,7 +362,7 @@ def _local_sgd(model, client, cfg: WorkerConfig):
     inner = torch.optim.AdamW(model.parameters(), lr=a.inner_lr,
                               weight_decay=a.inner_weight_decay)
     return LocalSGD(model, client, inner, inner_steps=a.inner_steps, fragments=a.fragments,
-                    overlap_steps=a.fragment_overlap_steps)
+                    overlap_steps=a.fragment_overlap_steps, encoder=cfg.encoder)
 
 
 TRAINERS = {"ps": _ps_model, "diloco": _local_sgd}

@@ -8,14 +8,15 @@ fields into ``bitps-worker``'s flags, environment variables and config-file keys
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 from bitps.proto.codecs import CodecConfig
 from bitps.proto.keyplan import DEFAULT_PARTITION_BYTES
 from bitps.proto.settings import Setting, from_field
 
-__all__ = ["ALGORITHMS", "AlgorithmConfig", "ClientConfig", "OverlapConfig", "PoolConfig",
-           "RunConfig"]
+__all__ = ["ALGORITHMS", "AlgorithmConfig", "ClientConfig", "EncoderConfig", "OverlapConfig",
+           "PoolConfig", "RunConfig"]
 
 OVERLAP_MODES = ("auto", "on", "off")
 
@@ -61,27 +62,19 @@ class ClientConfig:
     keys share a message to amortise the per-message cost (~100 us of Python per side here),
     and a larger key travels alone, so the shard updates one key while the next arrives."""
 
+    # Deprecated: compression settings are the encoder's (EncoderConfig); these aliases keep
+    # ClientConfig(push_codec=...) working for one release (CHANGELOG.md). PSModel reads them
+    # only when it is given no EncoderConfig; the transport never does.
     push_codec: CodecConfig = field(default_factory=CodecConfig)
-    """How gradients are pushed (``proto.codecs``): ``raw`` float32 by default; ``bf16``,
-    ``fp16``, ``sign1`` or ``sparse`` compress each key with error feedback kept per key."""
+    """Deprecated: :attr:`EncoderConfig.push_codec`."""
     pull_codec: CodecConfig | None = None
-    """How the shards publish parameter updates for pulls (``ps.publish``): each update is
-    compressed with the shards' own error feedback and applied to their copy, a pull carries
-    the codes since the worker's version, and the worker applies them, so both hold the same
-    parameters bit for bit (a worker too far behind gets float32). ``None``: the push codec's
-    (``raw``: float32 parameters). Every worker must pull alike; a ``onebit_adam`` shard always
-    publishes its own sign1 codes. Tensors under ``compress_min_bytes`` pull float32."""
+    """Deprecated: :attr:`EncoderConfig.pull_codec`."""
     compress_min_bytes: int = 1 << 20
-    """Tensors smaller than this many (float32) bytes are pushed raw even with a push codec
-    (for small messages the per-message cost dominates and compressing gains nothing); every key
-    of a tensor at least this large is compressed, whatever size ``partition_bytes`` cut it to."""
+    """Deprecated: :attr:`EncoderConfig.compress_min_bytes`."""
     clip_norm: float = 1.0
-    """When pushes are compressed (a push codec, or 1-bit Adam), ``PSModel`` clips the local
-    gradient to this global L2 norm before error feedback (0 = no clipping; raw pushes are
-    never clipped)."""
+    """Deprecated: :attr:`EncoderConfig.clip_norm`."""
     codec_seed: int = 0
-    """Seed of the sparse codec's sampling and stochastic rounding (mixed with rank, key and
-    step, so runs repeat exactly)."""
+    """Deprecated: :attr:`EncoderConfig.codec_seed`."""
     curve_server_key: str = ""
     """The shards' CURVE public key, a ``.key`` file (``bitps-keygen``); with
     ``curve_client_key`` the data plane is encrypted and the shards authenticate this worker
@@ -135,6 +128,54 @@ class ClientConfig:
         if self.tls_cert_file and not self.tls_ca_file:
             raise ValueError(f"tls_cert_file {self.tls_cert_file!r} given without tls_ca_file; "
                              f"expected TLS on (tls_ca_file) to present a client certificate")
+
+
+_COMPRESSION_FIELDS = ("push_codec", "pull_codec", "compress_min_bytes", "clip_norm",
+                       "codec_seed")
+
+
+@dataclass(kw_only=True, frozen=True)
+class EncoderConfig:
+    """How a worker turns gradients into pushes (``worker.training.encoder.Encoder``)."""
+
+    push_codec: CodecConfig = field(default_factory=CodecConfig)
+    """How gradients are pushed (``proto.codecs``): ``raw`` float32 by default; ``bf16``,
+    ``fp16``, ``sign1`` or ``sparse`` compress each key with error feedback kept per key."""
+    pull_codec: CodecConfig | None = None
+    """How the shards publish parameter updates for pulls (``ps.publish``): each update is
+    compressed with the shards' own error feedback and applied to their copy, a pull carries
+    the codes since the worker's version, and the worker applies them, so both hold the same
+    parameters bit for bit (a worker too far behind gets float32). ``None``: the push codec's
+    (``raw``: float32 parameters). Every worker must pull alike; a ``onebit_adam`` shard always
+    publishes its own sign1 codes. Tensors under ``compress_min_bytes`` pull float32."""
+    compress_min_bytes: int = 1 << 20
+    """Tensors smaller than this many (float32) bytes are pushed raw even with a push codec
+    (for small messages the per-message cost dominates and compressing gains nothing); every key
+    of a tensor at least this large is compressed, whatever size ``partition_bytes`` cut it to."""
+    clip_norm: float = 1.0
+    """When pushes are compressed (a push codec, or 1-bit Adam), the encoder clips the local
+    gradient to this global L2 norm before error feedback (0 = no clipping; raw pushes are
+    never clipped)."""
+    codec_seed: int = 0
+    """Seed of the sparse codec's sampling and stochastic rounding (mixed with rank, key and
+    step, so runs repeat exactly)."""
+
+    def __post_init__(self) -> None:
+        if self.compress_min_bytes < 0 or self.clip_norm < 0:
+            raise ValueError(f"compress_min_bytes and clip_norm must be >= 0, got "
+                             f"{self.compress_min_bytes} and {self.clip_norm}")
+
+    @classmethod
+    def from_client(cls, cfg: ClientConfig) -> EncoderConfig:
+        """The compression settings a (deprecated) ``ClientConfig`` still carries; a
+        ``DeprecationWarning`` when any differs from its default."""
+        values = {name: getattr(cfg, name) for name in _COMPRESSION_FIELDS}
+        default = cls()
+        if changed := [n for n, v in values.items() if v != getattr(default, n)]:
+            warnings.warn(f"ClientConfig.{', '.join(changed)}: compression settings moved to "
+                          f"EncoderConfig (pass PSModel(..., encoder=EncoderConfig(...)))",
+                          DeprecationWarning, stacklevel=3)
+        return cls(**values)
 
 
 @dataclass(kw_only=True, frozen=True)

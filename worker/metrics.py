@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Metric
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -87,7 +87,7 @@ class WorkerMetrics:
 
     def watch_codecs(self, snapshot: Callable[[], CodecSnapshot]) -> None:
         """Export, read at scrape time from ``snapshot``: the push compression ratio, the
-        error-feedback residual norm per shard, and the 1-bit Adam phase."""
+        error-feedback residual norm per shard, and the push policy's own metrics."""
         self.registry.register(_CodecCollector(self, snapshot))
 
 
@@ -97,8 +97,8 @@ class CodecSnapshot:
 
     residual_norms: dict[int, float]
     """Shard -> L2 norm of this worker's residuals for that shard's keys."""
-    onebit_phase: int = -1
-    """1-bit Adam: 0 warmup, 1 compression; -1 when the shards run another rule."""
+    families: tuple[Metric, ...] = ()
+    """The push policy's own metric families (``PushPolicy.collect``)."""
 
 
 class _CodecCollector(Collector):
@@ -115,7 +115,4 @@ class _CodecCollector(Collector):
         yield labeled_gauge("bitps_worker_residual_norm",
                             "L2 norm of the error-feedback residuals, by shard", "shard",
                             snap.residual_norms)
-        if snap.onebit_phase >= 0:
-            yield GaugeMetricFamily("bitps_worker_onebit_phase",
-                                    "1-bit Adam: 0 = warmup (bf16 pushes), 1 = compression",
-                                    value=snap.onebit_phase)
+        yield from snap.families

@@ -41,6 +41,8 @@ import numpy as np
 import torch
 
 from bitps.proto.keyplan import KeyPlan, ParamSpec, make_plan
+from bitps.worker.config import EncoderConfig
+from bitps.worker.training.encoder import Encoder
 from bitps.worker.transport.client import PSClient
 
 __all__ = ["LocalSGD"]
@@ -51,7 +53,7 @@ class LocalSGD:
 
     def __init__(self, model: torch.nn.Module, client: PSClient,
                  inner: torch.optim.Optimizer, *, inner_steps: int, fragments: int = 1,
-                 overlap_steps: int = 0) -> None:
+                 overlap_steps: int = 0, encoder: EncoderConfig | None = None) -> None:
         if inner_steps < 1:
             raise ValueError(f"inner_steps is {inner_steps}; expected >= 1")
         if not 1 <= fragments <= inner_steps:
@@ -62,6 +64,8 @@ class LocalSGD:
                              f"{max(inner_steps // fragments - 1, 0)} (an exchange lands "
                              f"before the next fragment's starts)")
         self.model, self.client, self.inner = model, client, inner
+        self.encoder = Encoder(encoder or EncoderConfig.from_client(client.cfg), client)
+        """Encodes the pseudo-gradients (a push codec compresses them with error feedback)."""
         self.inner_steps, self.fragments, self.overlap_steps = inner_steps, fragments, \
             overlap_steps
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -99,8 +103,8 @@ class LocalSGD:
         self._offsets = [(f + 1) * inner_steps // fragments for f in range(fragments)]
         self._inflight: dict[int, tuple[object, int]] = {}  # fragment -> (handle, land step)
         copies = self._copies = dict(zip(self.keys, self._outs))
-        client.register(self.plan, copies if client.cfg.rank == 0 else None, copies=copies)
-        if client.freeze_step:  # known once the shards answered: their rule has phases
+        self.encoder.register(self.plan, copies if client.cfg.rank == 0 else None, copies=copies)
+        if self.encoder.chooses_codecs:  # known once the shards answered their registration
             raise ValueError("local SGD pushes pseudo-gradients: run the shards with an outer "
                              "rule (e.g. --optimizer momentum --nesterov), not onebit_adam")
         self.clock = client.start_clock
@@ -154,7 +158,7 @@ class LocalSGD:
             if self._sent is not None:
                 np.copyto(self._sent[i], now)
         idx = self._frag_keys[f]
-        handle = self.client.push_pull([self.keys[j] for j in idx],
+        handle = self.encoder.push_pull([self.keys[j] for j in idx],
                                        [self._grads[j] for j in idx],
                                        [self._outs[j] for j in idx], clock=self._rounds[f])
         self._rounds[f] += 1
@@ -183,18 +187,25 @@ class LocalSGD:
                 self.params[i][1].data.view(-1).copy_(torch.from_numpy(self._pulled[i]))
 
     def state_dict(self) -> dict:
-        """What this worker must keep to resume: the inner optimizer's state and where the
-        round stands (the parameters are the shards')."""
-        return {"inner": self.inner.state_dict(), "inner_step": self.inner_step,
-                "clock": self.clock}
+        """What this worker must keep to resume: the inner optimizer's state, where the round
+        stands and the encoder's error feedback (the parameters are the shards'):
+        ``{"version": 1, "inner": ..., "inner_step": int, "clock": int, "encoder":
+        Encoder.state_dict()}``."""
+        return {"version": 1, "inner": self.inner.state_dict(), "inner_step": self.inner_step,
+                "clock": self.clock, "encoder": self.encoder.state_dict(clock=self.clock)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` (same model and inner optimizer)."""
+        """Restore :meth:`state_dict` (same model and inner optimizer; a state without a
+        version, from before the encoder's was saved, restores the rest)."""
+        if state.get("version", 1) != 1:
+            raise ValueError(f"local SGD state of version {state['version']!r}; expected 1")
         if not 0 <= state["inner_step"] < self.inner_steps:
             raise ValueError(f"inner_step {state['inner_step']}; expected 0 .. "
                              f"{self.inner_steps - 1}")
         self.inner.load_state_dict(state["inner"])
         self.inner_step = state["inner_step"]
+        if "encoder" in state:
+            self.encoder.load_state_dict(state["encoder"], clock=state["clock"])
 
     def close(self) -> None:
         """Land what is in flight, leave the shards and stop the client."""

@@ -6,14 +6,14 @@ sync (DeepSpeed's compressed-allreduce math):
 
 After the warmup a worker keeps, per key, the momentum ``m`` (the last published one, the same on
 every replica) and the frozen second moment ``v`` it fetched once from the shard. It pushes its
-own momentum ``lerp(m, g, 1 - beta1)`` (the client compresses it with error feedback) and, for
+own momentum ``lerp(m, g, 1 - beta1)`` (the encoder compresses it with error feedback) and, for
 every published code in a pull reply, sets ``m = decode(code)`` and applies
 ``x -= lr * (m / (sqrt(v)/bc2 + eps) + wd * x)`` with the shard's kernel, so its copy stays
 bit-identical to the shard's.
 
 ``async``/``ssp`` with worker moments (the default): a worker keeps m and v of its own gradients
 for every key, advances them with each push from the first step on, and from the switch on
-pushes the Adam direction ``m/bc1 / (sqrt(v)/bc2 + eps)`` (the client compresses it with error
+pushes the Adam direction ``m/bc1 / (sqrt(v)/bc2 + eps)`` (the encoder compresses it with error
 feedback, or sends it raw below ``compress_min_bytes``). The shard publishes parameter updates
 that the channel adds, as with shard moments (``onebit_moments=shard``), where nothing here is
 used.
@@ -22,6 +22,7 @@ used.
 from __future__ import annotations
 
 import numpy as np
+from prometheus_client.core import GaugeMetricFamily
 
 from bitps import native
 from bitps.native import casts, sign1
@@ -29,7 +30,7 @@ from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import MEAN_ABS, Codec
 from bitps.proto.schedule import LRSchedule
 from bitps.proto.wire import PSError
-from bitps.worker.transport.push_policy import PushPolicy, register_policy
+from bitps.worker.push_policy import PushPolicy, register_policy
 
 __all__ = ["MomentsPush", "OneBitMomentum", "SyncMomenta", "WorkerMoments", "push_policy"]
 
@@ -183,13 +184,14 @@ class WorkerMoments:
         self._out[key] = np.empty_like(m)
 
 
-# -- push policies (``worker.transport.push_policy``)
+# -- push policies (``worker.push_policy``)
 # ------------------------------------------------------
 
 class _OneBitPush(PushPolicy):
     """bf16 gradients before ``freeze_step``, sign1 from it on, with the shard's chunk."""
 
     keeps_state = True
+    chooses_codecs = True
 
     def __init__(self, params: pb.OneBitParams) -> None:
         self.params = params
@@ -201,24 +203,28 @@ class _OneBitPush(PushPolicy):
         # the shard's chunk: one knob for both directions
         return Codec(pb.CODEC_SIGN1, self.params.chunk, configured.flags & MEAN_ABS)
 
-    def phase(self, clock):
-        return int(clock >= self.freeze_step)
+    def collect(self, clock):
+        yield GaugeMetricFamily("bitps_worker_onebit_phase",
+                                "1-bit Adam: 0 = warmup (bf16 pushes), 1 = compression",
+                                value=int(clock >= self.freeze_step))
 
 
 class SyncMomenta(_OneBitPush):
     """sync 1-bit Adam: from the switch on, push this worker's momentum (fetched once with the
-    frozen v through ``PSClient.load_optimizer_state``), and apply published momenta."""
+    frozen v through the encoder's rule-state fetch), and apply published momenta."""
 
     def __init__(self, params: pb.OneBitParams) -> None:
         super().__init__(params)
         self.momentum = OneBitMomentum(params)
         self.codes = self.momentum
 
-    def prepare(self, client, keys, grads, clock, clip):
+    def bind(self, fetch):
+        self._fetch = fetch
+
+    def prepare(self, keys, grads, clock, clip):
         if not grads or clock < self.freeze_step:
             return grads, clip, False
-        client.load_optimizer_state([k for k in keys if not self.momentum.loaded(k)],
-                                    self.momentum.load)
+        self._fetch([k for k in keys if not self.momentum.loaded(k)], self.momentum.load)
         # the clip factor goes into the momentum
         return [self.momentum.momentum(k, g, clip) for k, g in zip(keys, grads)], 1.0, True
 
@@ -239,7 +245,7 @@ class MomentsPush(_OneBitPush):
         super().__init__(params)
         self.worker_moments = WorkerMoments(params)
 
-    def prepare(self, client, keys, grads, clock, clip):
+    def prepare(self, keys, grads, clock, clip):
         if not grads:
             return grads, clip, False
         adam = [self.worker_moments.direction(k, g, clip) for k, g in zip(keys, grads)]

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 
 from bitps.proto.codecs import CodecConfig
 from bitps.proto.settings import Program, from_field, option
-from bitps.worker.config import ClientConfig, RunConfig, connection_settings
+from bitps.worker.config import ClientConfig, EncoderConfig, RunConfig, connection_settings
 from bitps.worker.pipeline.config import ParallelConfig
 
 __all__ = ["StageConfig", "StageProcessConfig", "check_plan", "parse_config", "program",
@@ -69,6 +69,7 @@ class StageProcessConfig:
     run: RunConfig
     parallel: ParallelConfig
     stage: StageConfig
+    encoder: EncoderConfig = dataclasses.field(default_factory=EncoderConfig)
 
     @property
     def replica(self) -> int:
@@ -127,7 +128,7 @@ def program() -> Program:
         from_field(_S, "global_batch", help="samples per step over all replicas; must equal D "
                                             "x micro-batch size x m (0 = not fixed)"),
         from_field(_K, "name", name="push-codec", help="gradient codec, with error feedback"),
-        from_field(_C, "compress_min_bytes",
+        from_field(EncoderConfig, "compress_min_bytes",
                    help="tensors smaller than this go uncompressed"),
         *connection_settings(),
         from_field(_R, "metrics_port", help="Prometheus port; 0 = any free port, -1 = off"),
@@ -145,8 +146,9 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     r = program().parse(argv, environ)
     servers = tuple(s for s in r["servers"].split(",") if s)
     return StageProcessConfig(
-        client=ClientConfig(**r.kwargs(ClientConfig), servers=servers,
-                            push_codec=CodecConfig(**r.kwargs(CodecConfig))),
+        client=ClientConfig(**r.kwargs(ClientConfig), servers=servers),
+        encoder=EncoderConfig(**r.kwargs(EncoderConfig),
+                              push_codec=CodecConfig(**r.kwargs(CodecConfig))),
         run=RunConfig(**r.kwargs(RunConfig)),
         parallel=ParallelConfig(**r.kwargs(ParallelConfig)),
         stage=StageConfig(**r.kwargs(StageConfig)))

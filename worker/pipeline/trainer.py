@@ -84,7 +84,7 @@ class _Stage:
         # Replica 0 of each stage sends its keys' initial values: one sender per key.
         self.client = PSClient(dataclasses.replace(cfg.client, initializes=self.replica == 0))
         plan = whole_plan(model, self.client.num_shards, self.client.cfg.partition_bytes)
-        self.ps_model = PSModel(self.module, self.client, plan=plan)
+        self.ps_model = PSModel(self.module, self.client, plan=plan, encoder=cfg.encoder)
         self.metrics = StageMetrics(self.stage, self.replica, registry=self.client.metrics.registry)
         self.metrics_port = -1
         if cfg.run.metrics_port >= 0:

@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from bitps.worker.training.encoder import Encoder
 from bitps.worker.transport.channel import Handle, PSTimeoutError
-from bitps.worker.transport.client import PSClient
 
 __all__ = ["CommThread", "Job", "Payload"]
 
@@ -110,10 +110,13 @@ class Job:
 class CommThread:
     """Sends queued jobs by priority under a credit window and completes them."""
 
-    def __init__(self, client: PSClient, *, inflight_bytes: int, hold_pulls: bool = False,
+    def __init__(self, encoder: Encoder, *, inflight_bytes: int, hold_pulls: bool = False,
                  on_inflight: Callable[[int], None] | None = None,
                  copies: Mapping[int, np.ndarray] | None = None) -> None:
-        self.client = client
+        self.encoder = encoder
+        """Encodes and pushes each bucket's gradients (``worker.training.encoder``)."""
+        self.client = encoder.client
+        """Pulls, receives and recovers (``worker.transport.client``)."""
         self.copies = copies
         """The worker's copies by key (``PSClient.complete``); ``None``: no recovery."""
         self.inflight_bytes = inflight_bytes
@@ -214,11 +217,11 @@ class CommThread:
                 p = job.prepare()
                 job.sent = time.perf_counter()
                 if self.hold_pulls:
-                    job.credit = self.client.push(p.keys, p.grads, clock=job.clock,
+                    job.credit = self.encoder.push(p.keys, p.grads, clock=job.clock,
                                                   encoded=p.encoded, scale=p.scale)
                     job.handle = self.client.pull(p.keys, p.outs, clock=job.clock + 1)
                 else:
-                    job.credit = job.handle = self.client.push_pull(
+                    job.credit = job.handle = self.encoder.push_pull(
                         p.keys, p.grads, p.outs, clock=job.clock, encoded=p.encoded,
                         scale=p.scale)
                 if p.then is not None:

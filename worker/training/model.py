@@ -40,19 +40,24 @@ import contextlib
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from bitps.proto.keyplan import KeyPlan, ParamSpec, make_plan
-from bitps.worker.config import OverlapConfig
+from bitps.worker.config import EncoderConfig, OverlapConfig
 from bitps.worker.training import codec_torch
 from bitps.worker.training.buckets import Bucket
 from bitps.worker.training.clip import StepClip
+from bitps.worker.training.encoder import Encoder
 from bitps.worker.training.overlap import Overlap
 from bitps.worker.training.staging import Staging
 from bitps.worker.training.utilization import Decision, StepStats
 from bitps.worker.transport.client import PSClient
 
-__all__ = ["PSModel"]
+__all__ = ["STATE_VERSION", "PSModel"]
+
+STATE_VERSION = 1
+"""Version of :meth:`PSModel.state_dict`'s layout."""
 
 
 class PSModel:
@@ -61,15 +66,22 @@ class PSModel:
     def __init__(self, model: torch.nn.Module, client: PSClient, *,
                  plan: KeyPlan | None = None,
                  device_codec: bool | None = None,
-                 overlap: OverlapConfig | None = None) -> None:
+                 overlap: OverlapConfig | None = None,
+                 encoder: EncoderConfig | None = None) -> None:
         """``plan``: the whole model's plan (``make_plan`` over every pipeline stage's
         parameter names, in one agreed order), of which ``model`` holds some parameters (one
         stage): they are bound to its keys by name (``KeyPlan.bind``: a name the plan lacks is
         ``UnknownParametersError``, another shape ``PlanMismatchError``) and only their keys
         are registered, pushed and pulled. ``None``: ``model`` is the whole model, planned
-        here."""
+        here.
+
+        ``encoder``: how gradients are pushed (codec, error feedback, clipping:
+        ``worker.training.encoder``); ``None``: raw float32 pushes, unless the client's
+        (deprecated) ``ClientConfig`` compression fields say otherwise."""
         self.model = model
         self.client = client
+        self.encoder = Encoder(encoder or EncoderConfig.from_client(client.cfg), client)
+        """Turns this model's gradients into pushes."""
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         for name, p in self.params:
             if p.dtype != torch.float32:
@@ -86,14 +98,14 @@ class PSModel:
         self.plan: KeyPlan = plan
         """The keys this model registers: the whole plan, or a stage's part of it."""
         self.keys = [k.key for k in self.plan.keys]
-        self._staging = Staging(self.params, self.plan, client)
+        self._staging = Staging(self.params, self.plan, self.encoder)
         self.cuda = self._staging.cuda
         # the host copies hold the model's values now: the initializing worker (rank 0, or
         # replica 0 of a stage) sends them, and every rank's digests let the shards say which
         # copies are current (one seed, one model)
         outs = self._staging.outs
         copies = self._copies = dict(zip(self.keys, outs))
-        client.register(self.plan, copies if client.initializes else None, copies=copies)
+        self.encoder.register(self.plan, copies if client.initializes else None, copies=copies)
         self.clock = client.start_clock
         self._staging.device_codec = self._wants_device_codec(device_codec)
         stale = [i for i, k in enumerate(self.keys) if k not in client.versions]
@@ -101,13 +113,13 @@ class PSModel:
             client.pull([self.keys[i] for i in stale], [outs[i] for i in stale],
                         clock=self.clock).wait()
         self._staging.copy_in()
-        clip_norm = client.cfg.clip_norm
+        clip_norm = self.encoder.cfg.clip_norm
         # Clip the raw local gradient before error feedback adds the residual (DGC's local
         # clipping): clipping the compensated vector would eat the mass EF is carrying.
-        if clip_norm > 0 and (not client.push_codec_at(self.clock).is_raw
-                              or bool(client.freeze_step)):
+        if clip_norm > 0 and (not self.encoder.codec_at(self.clock).is_raw
+                              or self.encoder.chooses_codecs):
             self._staging.clip = StepClip(clip_norm)
-        self._overlap = Overlap(model, self.params, self.plan, client, self._staging,
+        self._overlap = Overlap(model, self.params, self.plan, self.encoder, self._staging,
                                 overlap or OverlapConfig(), clock=lambda: self.clock,
                                 copies=copies)
 
@@ -115,8 +127,8 @@ class PSModel:
         """Compress where the gradients are (CUDA) with ``worker.training.codec_torch``: sign1
         and bf16 pushes, outside 1-bit Adam (whose sync mode pushes momenta). ``True`` on CPU
         runs the same torch path on CPU tensors (it produces the bytes of the numba kernels)."""
-        name = self.client.cfg.push_codec.name
-        possible = name in codec_torch.ENCODERS and not self.client.freeze_step
+        name = self.encoder.cfg.push_codec.name
+        possible = name in codec_torch.ENCODERS and not self.encoder.chooses_codecs
         if asked and not possible:
             raise ValueError(f"device_codec needs a push codec with a device encoder "
                              f"({' or '.join(sorted(codec_torch.ENCODERS))}) and a shard "
@@ -187,7 +199,7 @@ class PSModel:
                     payload = staging.payload(self.plan.keys, flat, self.clock)
             else:
                 payload = staging.payload(self.plan.keys, flat, self.clock)
-            handle = self.client.push_pull(payload.keys, payload.grads, payload.outs,
+            handle = self.encoder.push_pull(payload.keys, payload.grads, payload.outs,
                                            clock=self.clock, encoded=payload.encoded,
                                            scale=payload.scale)
             if payload.then is not None:
@@ -216,6 +228,41 @@ class PSModel:
         """Wait until every bucket in flight has its parameters back (overlap on): after this
         the module's parameters are the shards' values for :attr:`clock`."""
         self._overlap.synchronize()
+
+    # -- state --------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What this worker keeps beyond the parameters (which are the shards'), to resume it
+        where it stopped: ``{"version": 1, "clock": int, "encoder": Encoder.state_dict(),
+        "clip_factor": float, "device_residuals": {key: float32[length]}}``; the clip factor is
+        the last step's exact one (predictions under overlap start from it), the device
+        residuals the error feedback the device codec keeps. Call between steps (after
+        :meth:`synchronize` under overlap); arrays are copies."""
+        self.synchronize()
+        clip = self._staging.clip
+        return {"version": STATE_VERSION, "clock": self.clock,
+                "encoder": self.encoder.state_dict(clock=self.clock),
+                "clip_factor": clip.last_factor if clip is not None else 1.0,
+                "device_residuals": {k: r.detach().cpu().numpy().copy()
+                                     for k, r in self._staging.residuals.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a :meth:`state_dict` of the same model and settings (checked whole before
+        anything changes: version, keys and shapes)."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"PSModel state of version {state.get('version')!r}; expected "
+                             f"{STATE_VERSION}")
+        for key, r in state["device_residuals"].items():
+            n = self.plan.key(key).length if key in self.plan else None
+            if r.shape != (n,) or r.dtype != np.float32:
+                raise ValueError(f"device residual of key {key} is {r.dtype}{r.shape}; "
+                                 f"expected float32[{n}] (a key of this model's plan)")
+        self.synchronize()
+        self.encoder.load_state_dict(state["encoder"], clock=state["clock"])
+        if self._staging.clip is not None:
+            self._staging.clip.last_factor = float(state["clip_factor"])
+        for key, r in state["device_residuals"].items():
+            device = self._staging.slice([p for _, p in self.params], self.plan.key(key)).device
+            self._staging.residuals[key] = torch.from_numpy(r.copy()).to(device)
 
     def close(self) -> None:
         """Finish what is in flight, leave the shards and stop the client."""

@@ -26,10 +26,10 @@ from bitps.proto.keyplan import KeyPlan
 from bitps.worker.config import OverlapConfig
 from bitps.worker.training.buckets import Bucket, make_buckets
 from bitps.worker.training.comm import CommThread, Job, Payload
+from bitps.worker.training.encoder import Encoder
 from bitps.worker.training.readers import ReadTrace
 from bitps.worker.training.staging import Staging
 from bitps.worker.training.utilization import Decision, StepStats, StepTimer, decide
-from bitps.worker.transport.client import PSClient
 
 __all__ = ["Overlap"]
 
@@ -42,7 +42,7 @@ class Overlap:
     current step."""
 
     def __init__(self, model: torch.nn.Module, params: Sequence[tuple[str, torch.Tensor]],
-                 plan: KeyPlan, client: PSClient, staging: Staging, cfg: OverlapConfig, *,
+                 plan: KeyPlan, encoder: Encoder, staging: Staging, cfg: OverlapConfig, *,
                  clock: Callable[[], int],
                  copies: Mapping[int, np.ndarray] | None = None) -> None:
         self.cfg = cfg
@@ -51,7 +51,8 @@ class Overlap:
         ``None``: a lost shard fails the bucket."""
         self.params = params
         self.plan = plan
-        self.client = client
+        self.encoder = encoder
+        self.client = encoder.client
         self.staging = staging
         self.clock = clock
         self.buckets: list[Bucket] = make_buckets(plan, [n for n, _ in params], cfg.bucket_bytes)
@@ -95,7 +96,7 @@ class Overlap:
             if not math.isnan(decision.ratio):
                 m.comm_compute_ratio.set(decision.ratio)
         if decision.enabled:
-            self.comm = CommThread(self.client, inflight_bytes=self.cfg.inflight_bytes,
+            self.comm = CommThread(self.encoder, inflight_bytes=self.cfg.inflight_bytes,
                                    hold_pulls=self.client.holds_pulls,
                                    on_inflight=self._inflight_metric, copies=self.copies)
             self._comm_seen = 0.0

@@ -30,7 +30,7 @@ from bitps.proto.keyplan import Key, KeyPlan
 from bitps.worker.training import codec_torch
 from bitps.worker.training.clip import StepClip
 from bitps.worker.training.comm import Payload
-from bitps.worker.transport.client import PSClient
+from bitps.worker.training.encoder import Encoder
 
 __all__ = ["Staging"]
 
@@ -40,9 +40,9 @@ class Staging:
     into ``plan``'s keys, pushed and pulled through ``client``."""
 
     def __init__(self, params: Sequence[tuple[str, torch.Tensor]], plan: KeyPlan,
-                 client: PSClient) -> None:
+                 encoder: Encoder) -> None:
         self.params = params
-        self.client = client
+        self.encoder = encoder
         self.cuda = any(p.is_cuda for _, p in params)
         self.index = {n: i for i, (n, _) in enumerate(params)}
         """Each parameter's position in ``params`` by name."""
@@ -112,8 +112,9 @@ class Staging:
         (``worker.training.clip``), found from the gradients' sum of squares, which is also
         their NaN/Inf check: exact when the payload is ``whole`` (every gradient of the step),
         else predicted and corrected once the step's ``last`` payload is prepared."""
-        codec = self.client.push_codec_at(clock)
-        coded = {k.key for k in keys if self.device_codec and self.client.compresses(k.key, clock)}
+        codec = self.encoder.codec_at(clock)
+        coded = {k.key for k in keys if self.device_codec and self.encoder.compresses(k.key,
+                                                                           clock)}
         scale = None
         if self._clip_pending and self._clip_pending[0][0] != clock:
             # a refused step never pushed its last payload: forget its factors
@@ -140,7 +141,7 @@ class Staging:
         if self.cuda:
             self.stream.synchronize()
         if self.clip is not None and not self.device_codec:
-            scale = self.clip.factor(self.client.sum_squares([k.key for k in keys], grads),
+            scale = self.clip.factor(self.encoder.sum_squares([k.key for k in keys], grads),
                                      whole=whole)
         if self.clip is not None:
             self._clip_pending.append((clock, keys, grads, flat, coded, scale))
@@ -153,7 +154,7 @@ class Staging:
     def _check_device(self, keys: Sequence[Key], coded: set[int],
                       flat: Sequence[torch.Tensor]) -> float:
         """The device codec folds each gradient into a residual kept next to it: refuse NaN/Inf
-        before encoding (``NON_FINITE``, counted; residuals unchanged), as ``PSClient`` does for
+        before encoding (``NON_FINITE``, counted; residuals unchanged), as the encoder does for
         host codecs: one fused max-|g| per coded key (``torch._foreach_norm``, as
         ``clip_grad_norm_`` uses; the max cannot overflow). With clipping, also every key's
         L2 norm; returns their sum of squares. One device-to-host sync for all of it."""
@@ -166,7 +167,7 @@ class Staging:
         if not bool(finite.all()):
             first = int(torch.nonzero(~finite)[0])
             bad = [k for k in keys if k.key in coded] + list(keys)
-            raise self.client.refuse_nonfinite(bad[first].key)
+            raise self.encoder.refuse_nonfinite(bad[first].key)
         return float(values[len(peaks):].square().sum())
 
     def end_clipped_step(self) -> None:
@@ -186,7 +187,7 @@ class Staging:
                         self.residuals[k.key].add_(self.slice(flat, k) * alpha)
                 host = [(k.key, g) for k, g in zip(keys, grads) if k.key not in coded]
                 if host:
-                    self.client.clip_correct([key for key, _ in host], [g for _, g in host],
+                    self.encoder.clip_correct([key for key, _ in host], [g for _, g in host],
                                              clock=clock, used=used, exact=exact)
 
     def _encode(self, key: int, g: torch.Tensor, codec, scale: float) -> torch.Tensor:

@@ -1,11 +1,13 @@
 """Push policies: what a worker pushes for its gradients, chosen at registration.
 
-``PSClient`` sends and receives; the policy it registered with decides, per push, which codec the
-clock calls for (:meth:`PushPolicy.codec_at`), what is pushed for the gradients
-(:meth:`PushPolicy.prepare`: the gradients themselves, or a 1-bit Adam momentum or direction made
-from them), how an inexact clip factor is made good (:meth:`PushPolicy.correct`), and how the
-codes a shard publishes are added to the worker's copy (:attr:`PushPolicy.codes`, which the
-channels use). The client holds no algorithm's code.
+The encoder (``worker.training.encoder``) asks the policy the shards' registration replies call
+for, per push, which codec the clock calls for (:meth:`PushPolicy.codec_at`), what is pushed for
+the gradients (:meth:`PushPolicy.prepare`: the gradients themselves, or a 1-bit Adam momentum or
+direction made from them), how an inexact clip factor is made good (:meth:`PushPolicy.correct`),
+and how the codes a shard publishes are added to the worker's copy (:attr:`PushPolicy.codes`,
+which the transport's channels use). Neither the encoder nor the transport holds an algorithm's
+code; a policy that needs the shards' rule state gets a fetch function (:meth:`PushPolicy.bind`),
+not the client.
 
 - :class:`CodecPush` (every shard rule but ``onebit_adam``): the gradients, raw or through the
   configured push codec, with error feedback per key.
@@ -16,10 +18,11 @@ channels use). The client holds no algorithm's code.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+from prometheus_client import Metric
 
 from bitps import native
 from bitps.proto.codecs import Codec
@@ -27,17 +30,23 @@ from bitps.worker.transport.channel import DECODE_ADD, CodeApplier
 
 if TYPE_CHECKING:
     from bitps.proto import bitps_pb2 as pb
-    from bitps.worker.transport.client import PSClient
 
-__all__ = ["CODEC_PUSH", "POLICIES", "CodecPush", "PushPolicy", "for_registration",
-           "register_policy"]
+__all__ = ["CODEC_PUSH", "POLICIES", "CodecPush", "PushPolicy", "RuleStateFetch",
+           "for_registration", "register_policy"]
+
+RuleStateFetch = Callable[[Sequence[int], Callable[["pb.KeyOptimizerState", int], None]], None]
+"""``fetch(keys, load)``: each key's rule state from its shard, handed to ``load(message,
+length)``; a state of another version than the worker's copy is refused (``BAD_CLOCK``)."""
 
 
 class PushPolicy:
-    """How one worker turns gradients into pushes; one per client, set at registration."""
+    """How one worker turns gradients into pushes; one per encoder, set at registration."""
 
-    freeze_step = 0
-    """The clock of a compression switch (1-bit Adam), or 0: none."""
+    chooses_codecs = False
+    """Whether the policy picks the push codec by clock itself (1-bit Adam: bf16, then sign1)
+    and may push something made from the gradients instead of them. Such pushes are clipped
+    even without a configured push codec, are encoded on the host (no device codec), and
+    cannot carry local SGD's pseudo-gradients."""
     keeps_state = False
     """Whether pushes fold the gradients into state (moments): a NaN must be refused first."""
     codes: CodeApplier = DECODE_ADD
@@ -46,11 +55,15 @@ class PushPolicy:
     """Whether a registration again (a rejoin) keeps this policy and its state, or takes the
     fresh one the shards' replies call for."""
 
+    def bind(self, fetch: RuleStateFetch) -> None:
+        """Called once the policy is chosen: how to fetch the shards' rule state (the policies
+        that use it keep ``fetch``)."""
+
     def codec_at(self, clock: int, configured: Codec) -> Codec:
-        """The codec pushes for ``clock`` use (``configured``: the client's push codec)."""
+        """The codec pushes for ``clock`` use (``configured``: the encoder's push codec)."""
         return configured
 
-    def prepare(self, client: PSClient, keys: Sequence[int], grads: Sequence[np.ndarray],
+    def prepare(self, keys: Sequence[int], grads: Sequence[np.ndarray],
                 clock: int, clip: float) -> tuple[Sequence[np.ndarray], float, bool]:
         """What to push for ``grads`` of ``keys`` at ``clock``, with clip factor ``clip``:
         ``(arrays, clip factor still to apply, whether the arrays are this policy's own
@@ -64,9 +77,10 @@ class PushPolicy:
         push carried."""
         native.add_scaled(residual, grad, np.float32(exact - used))
 
-    def phase(self, clock: int) -> int:
-        """For metrics: 0 before a compression switch, 1 after, -1 without one."""
-        return -1
+    def collect(self, clock: int) -> Iterator[Metric]:
+        """The policy's own Prometheus metric families at the worker's ``clock``, read at
+        scrape time (``WorkerMetrics.watch_codecs``); none by default."""
+        return iter(())
 
     def state(self) -> dict:
         """State this policy keeps on the worker, to save beside the residuals (1-bit Adam's
@@ -105,7 +119,7 @@ def register_policy(factory: PolicyFactory) -> PolicyFactory:
 
 def for_registration(reply) -> PushPolicy | None:
     """The policy a shard's ``RegisterReply`` calls for (the first registered factory that
-    claims it, e.g. 1-bit Adam's), or ``None``: the client's codec push."""
+    claims it, e.g. 1-bit Adam's), or ``None``: the encoder's codec push."""
     for factory in POLICIES:
         policy = factory(reply)
         if policy is not None:

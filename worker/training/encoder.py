@@ -1,0 +1,354 @@
+"""``Encoder``: what a worker pushes for its gradients, and the state that takes.
+
+The transport (``worker.transport.client.PSClient``) moves bytes; the encoder decides them. Per
+push it owns:
+
+- the **codec per clock**: the configured push codec, or the one the push policy calls for
+  (1-bit Adam: bf16 during the warmup, then sign1), for every key of a tensor of at least
+  ``compress_min_bytes``; smaller tensors go raw;
+- **error feedback**: one ``proto.codecs.Compressor`` per key and codec, whose residual carries
+  what the last payload missed (``residual = u - decode(code(u))``);
+- **clipping** and its correction (``worker.training.clip``): a push's clip factor goes into the
+  encoding, and :meth:`Encoder.clip_correct` folds the difference to the step's exact factor
+  into the residuals;
+- the **finiteness check**: a NaN or Inf is refused before it reaches any residual or moment
+  (``NON_FINITE``, counted; nothing sent);
+- the **push policy** (``worker.push_policy``) that the shards' registration replies
+  call for, which may push something else than the gradients (1-bit Adam's momenta or Adam
+  directions) and adds published codes its own way.
+
+    encoder = Encoder(EncoderConfig(push_codec=CodecConfig(name="sign1")), client)
+    encoder.register(plan, values, copies=copies)     # the client's Register, with the pull codec
+    encoder.push_pull(keys, grads, outs, clock=0).wait()
+
+Its state (residuals and the policy's) is one ``state_dict()`` (layout in :meth:`state_dict`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from bitps import native
+from bitps.proto import bitps_pb2 as pb
+from bitps.proto.codecs import RAW, Codec, Compressor
+from bitps.proto.keyplan import KeyPlan
+from bitps.proto.wire import PSError
+from bitps.worker.config import EncoderConfig
+from bitps.worker.metrics import CodecSnapshot
+from bitps.worker.push_policy import CODEC_PUSH, PushPolicy, for_registration
+from bitps.worker.transport.client import Encoded, Handle, PSClient
+
+__all__ = ["STATE_VERSION", "Encoder"]
+
+_F32 = np.dtype("<f4")
+_U64 = (1 << 64) - 1
+STATE_VERSION = 1
+"""Version of :meth:`Encoder.state_dict`'s layout."""
+
+
+class Encoder:
+    """The push side of one worker: codecs, error feedback, clipping and the push policy, in
+    front of ``client``."""
+
+    def __init__(self, cfg: EncoderConfig, client: PSClient) -> None:
+        self.cfg = cfg
+        self.client = client
+        self.metrics = client.metrics
+        self._push_codec = Codec.from_config(cfg.push_codec)
+        self.pull_codec = Codec.from_config(cfg.pull_codec or cfg.push_codec)
+        """What the shards publish for this worker's pulls (registered; ``ps.publish``)."""
+        self._compressors: dict[tuple[int, int], Compressor] = {}
+        self._large: dict[int, bool] = {}
+        self._large_for: KeyPlan | None = None
+        self.policy: PushPolicy = CODEC_PUSH
+        """What pushes carry, set at registration: the gradients through the push codec,
+        unless the shards' rule calls for another (1-bit Adam)."""
+        self.metrics.watch_codecs(self._codec_snapshot)
+
+    @property
+    def plan(self) -> KeyPlan | None:
+        return self.client.plan
+
+    @property
+    def chooses_codecs(self) -> bool:
+        """Whether the push policy picks the codecs by clock (``PushPolicy.chooses_codecs``:
+        set once registered)."""
+        return self.policy.chooses_codecs
+
+    def register(self, plan: KeyPlan, values: Mapping[int, np.ndarray] | None = None, *,
+                 copies: Mapping[int, np.ndarray] | None = None) -> list[pb.RegisterReply]:
+        """``client.register`` with this encoder's pull codec for the keys it compresses, then
+        take the push policy the shards' replies call for (a policy that survives a rejoin and
+        is called for again keeps its state)."""
+        large = self._large_keys(plan)
+        compressed = frozenset(k for k, big in large.items() if big)
+        replies = self.client.register(plan, values, copies=copies, pull_codec=self.pull_codec,
+                                       compressed_pulls=compressed)
+        for reply in replies:
+            fresh = for_registration(reply)
+            if fresh is not None and not (type(fresh) is type(self.policy)
+                                          and self.policy.survives_rejoin):
+                self.policy = fresh
+        self.policy.bind(self._fetch_rule_state)
+        self.client.codes = self.policy.codes
+        return replies
+
+    # -- what a push is -----------------------------------------------------------------------
+    def codec_at(self, clock: int) -> Codec:
+        """The codec pushes for ``clock`` use: the configured push codec, or the push
+        policy's (1-bit Adam: bf16 during warmup, then sign1)."""
+        return self.policy.codec_at(clock, self._push_codec)
+
+    def compresses(self, key: int, clock: int) -> bool:
+        """Whether a push of ``key`` for ``clock`` goes compressed: a push codec is in force and
+        the key's tensor (all its keys together) has at least ``compress_min_bytes``."""
+        return not self.codec_at(clock).is_raw and self._large_keys(self.plan)[key]
+
+    def _large_keys(self, plan: KeyPlan) -> dict[int, bool]:
+        """By key id, per key of the plan: its tensor has at least ``compress_min_bytes``. The
+        problem statement's rule is about one communication's size, so every key of such a
+        tensor is compressed, however the plan cut it."""
+        if self._large_for is not plan:
+            tensor_bytes: dict[str, int] = {}
+            for k in plan.keys:
+                tensor_bytes[k.name] = tensor_bytes.get(k.name, 0) + k.nbytes
+            self._large = {k.key: tensor_bytes[k.name] >= self.cfg.compress_min_bytes
+                           for k in plan.keys}
+            self._large_for = plan
+        return self._large
+
+    def push(self, keys: Sequence[int], grads: Sequence[np.ndarray], *, clock: int,
+             encoded: Mapping[int, np.ndarray] | None = None,
+             scale: float | None = None) -> Handle:
+        """Encode the gradients of ``keys`` for step ``clock`` (:meth:`encode`) and push
+        them."""
+        return self.client.push(keys, self.encode(keys, grads, clock=clock, encoded=encoded,
+                                                  scale=scale), clock=clock)
+
+    def push_pull(self, keys: Sequence[int], grads: Sequence[np.ndarray],
+                  outs: Sequence[np.ndarray], *, clock: int,
+                  encoded: Mapping[int, np.ndarray] | None = None,
+                  scale: float | None = None) -> Handle:
+        """:meth:`push`, and pull the parameters for ``clock + 1`` into ``outs``."""
+        return self.client.push_pull(keys, self.encode(keys, grads, clock=clock,
+                                                       encoded=encoded, scale=scale),
+                                     outs, clock=clock)
+
+    def encode(self, keys: Sequence[int], grads: Sequence[np.ndarray], *, clock: int,
+               encoded: Mapping[int, np.ndarray] | None = None,
+               scale: float | None = None) -> Encoded | Sequence[np.ndarray]:
+        """What the client sends for ``grads`` (float32, one per key) at ``clock``: the
+        gradients themselves when nothing is compressed, clipped or made by the policy, else an
+        :class:`~bitps.worker.transport.client.Encoded` push.
+
+        ``encoded`` maps keys to payloads already compressed with :meth:`codec_at` (``clock``)
+        by the caller, who then keeps their error feedback (``PSModel``'s device codec); those
+        keys' ``grads`` are not read. ``scale``: a clip factor the gradients are multiplied by
+        before error feedback. Every key then keeps error feedback, raw ones too, so that
+        :meth:`clip_correct` can fold the difference to the step's exact factor into the next
+        push; the caller has checked the gradients with :meth:`sum_squares`."""
+        if self.plan is None:
+            raise RuntimeError("register() before push/pull")
+        if len(grads) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(grads)} grads")
+        codec = self.codec_at(clock)
+        if encoded:
+            self._check_encoded(encoded, codec, clock)
+        if scale is None and (not codec.is_raw or self.policy.keeps_state):
+            self._check_finite(keys, grads, skip=encoded or {})
+        grads, clip, own = self.policy.prepare(keys, grads, clock,
+                                               1.0 if scale is None else scale)
+        if codec.is_raw and scale is None and not own:
+            return grads  # as they are, zero-copy (the client checks them against the plan)
+        self._check_shapes(keys, grads)
+        large = self._large_keys(self.plan)
+        seed = (self.cfg.codec_seed * 1_000_003 + clock) * 65_537 + self.client.cfg.rank
+        payloads, codecs, owned, raw_bytes = [], [], [], 0
+        for key, grad in zip(keys, grads):
+            compressed = not codec.is_raw and large[key]
+            if compressed and encoded and key in encoded:
+                payload = memoryview(encoded[key]).cast("B")
+            elif compressed:
+                payload = self._compressor(key, clock, grad.shape[0]).encode(
+                    grad, seed=(seed * 131 + key) & _U64, scale=clip)
+            elif scale is not None:  # clipped raw keys: a raw compressor keeps their residual
+                payload = self._compressor(key, clock, grad.shape[0]).encode(grad, scale=clip)
+            else:
+                payload = grad
+            raw_bytes += grad.nbytes if compressed else 0
+            payloads.append(payload)
+            codecs.append(codec if compressed else RAW)
+            owned.append(compressed or own or scale is not None)
+        if raw_bytes:
+            wire = sum(p.nbytes for p, c in zip(payloads, codecs) if c is codec)
+            with self.metrics.lock:
+                self.metrics.codec_raw_bytes.labels(codec.name).inc(raw_bytes)
+                self.metrics.codec_wire_bytes.labels(codec.name).inc(wire)
+        return Encoded(payloads, codecs, owned)
+
+    def _check_shapes(self, keys: Sequence[int], grads: Sequence[np.ndarray]) -> None:
+        plan = self.plan
+        for k, g in zip(keys, grads):
+            if k not in plan:
+                raise PSError(pb.UNKNOWN_KEY, f"key {k} is not in the plan ({len(plan.keys)} "
+                              f"of the model's {plan.model_keys} keys)")
+            n = plan.key(k).length
+            if g.dtype != _F32 or g.size != n:
+                raise ValueError(f"key {k}: gradient is {g.dtype}[{g.size}]; expected "
+                                 f"float32[{n}]")
+
+    def _check_encoded(self, encoded: Mapping[int, np.ndarray], codec: Codec,
+                       clock: int) -> None:
+        for key, data in encoded.items():
+            if not self.compresses(key, clock):
+                raise ValueError(f"key {key} is pushed raw at clock {clock}; only keys the "
+                                 f"push codec compresses may come encoded")
+            problem = codec.check(data, self.plan.key(key).length)
+            if problem:
+                raise ValueError(f"encoded key {key}: {problem}")
+
+    def _compressor(self, key: int, clock: int, n: int) -> Compressor:
+        """The error feedback ``key``'s pushes for ``clock`` go through: the push codec's when
+        it compresses the key, else a raw one (only clipping adds to its residual)."""
+        codec = self.codec_at(clock) if self.compresses(key, clock) else RAW
+        comp = self._compressors.get((key, codec.id))
+        if comp is None or comp.codec != codec:
+            comp = self._compressors[key, codec.id] = Compressor(codec, n)
+        return comp
+
+    # -- checks and corrections ---------------------------------------------------------------
+    def sum_squares(self, keys: Sequence[int], grads: Sequence[np.ndarray]) -> float:
+        """The sum of the squares of ``grads`` (float64; a clip norm's share) in one read,
+        which is also the finiteness check: a NaN or Inf is refused here (``NON_FINITE``,
+        counted; nothing sent, no state touched)."""
+        total = 0.0
+        for key, grad in zip(keys, grads):
+            part = native.sum_squares(grad)
+            if not np.isfinite(part):
+                raise self.refuse_nonfinite(key)
+            total += part
+        return total
+
+    def _check_finite(self, keys: Sequence[int], grads: Sequence[np.ndarray],
+                      skip: Mapping[int, object]) -> None:
+        """Refuse the push here when a gradient holds NaN or Inf: error feedback and 1-bit Adam
+        moments would fold it into state that every later push carries (the shard refuses raw
+        pushes itself, with the same code). Keys in ``skip`` arrive encoded (device codec):
+        their host gradient is not read."""
+        for key, grad in zip(keys, grads):
+            if key in skip:
+                continue
+            if grad.dtype == _F32 and grad.flags.c_contiguous and not native.all_finite(grad):
+                raise self.refuse_nonfinite(key)
+
+    def refuse_nonfinite(self, key: int) -> PSError:
+        """Count a push refused on this worker because ``key``'s gradient holds NaN or Inf, and
+        return the error to raise (callers that keep their own error feedback, such as
+        ``PSModel``'s device codec, use it too)."""
+        with self.metrics.lock:
+            self.metrics.nonfinite.inc()
+        return PSError(pb.NON_FINITE, f"key {key}: gradient holds NaN or Inf; nothing sent, "
+                       f"error feedback and moments unchanged")
+
+    def clip_correct(self, keys: Sequence[int], grads: Sequence[np.ndarray], *, clock: int,
+                     used: float, exact: float) -> None:
+        """``grads`` of ``keys`` were pushed for ``clock`` with clip factor ``used`` and the
+        step's exact factor is ``exact`` (``worker.training.clip``): add what those pushes
+        missed, ``(exact - used) * grads`` in the units they carried, to the keys' error
+        feedback (and, with worker moments, move Adam's moments to what ``exact`` gives), so
+        the next push delivers it. Call before the keys are pushed again; ``grads`` unchanged
+        since."""
+        if used == exact:
+            return
+        for key, grad in zip(keys, grads):
+            residual = self._compressor(key, clock, grad.shape[0]).residual
+            self.policy.correct(key, grad, residual, clock=clock, used=used, exact=exact)
+
+    def _fetch_rule_state(self, keys: Sequence[int],
+                          load: Callable[[pb.KeyOptimizerState, int], None]) -> None:
+        """The policy's fetch (``PushPolicy.bind``): the rule state of ``keys``' shards, each
+        key's message handed to ``load(state, length)``; a state of another version than this
+        worker's copy is refused (``BAD_CLOCK``)."""
+        plan, versions = self.plan, self.client.versions
+
+        def take(shard: int, state: pb.KeyOptimizerState) -> None:
+            if state.version != versions.get(state.key):
+                raise PSError(pb.BAD_CLOCK, f"shard {shard} key {state.key}: optimizer "
+                              f"state of version {state.version}, parameters of "
+                              f"version {versions.get(state.key)}", shard=shard)
+            load(state, plan.key(state.key).length)
+
+        self.client.control.rule_state(sorted({plan.key(k).shard for k in keys}), take)
+
+    def _codec_snapshot(self) -> CodecSnapshot:
+        norms: dict[int, float] = {}
+        if self.plan is not None:
+            for (key, _), comp in list(self._compressors.items()):
+                shard = self.plan.key(key).shard
+                norms[shard] = float(np.hypot(norms.get(shard, 0.0), comp.residual_norm()))
+        return CodecSnapshot(residual_norms=norms,
+                             families=tuple(self.policy.collect(self.client.clock)))
+
+    # -- state --------------------------------------------------------------------------------
+    def residuals(self, *, clock: int | None = None) -> dict[int, np.ndarray]:
+        """Every key's error-feedback residual for the codec its pushes use at ``clock``
+        (default: the client's clock; raw keys' only when clipping gave them one). Arrays owned
+        by the encoder, updated by each push."""
+        clock = self.client.clock if clock is None else clock
+        codec = self.codec_at(clock)
+        return {k: c.residual for (k, _), c in self._compressors.items()
+                if c.codec == (codec if self.compresses(k, clock) else RAW)}
+
+    def load_residuals(self, residuals: Mapping[int, np.ndarray], *,
+                       clock: int | None = None) -> None:
+        """Restore residuals saved by :meth:`residuals` (same plan, same codec at ``clock``),
+        checked whole before any is copied."""
+        if self.plan is None:
+            raise RuntimeError("register() before load_residuals()")
+        clock = self.client.clock if clock is None else clock
+        if self.codec_at(clock).is_raw:
+            raise ValueError("raw pushes keep no residuals; set a push codec")
+        for key, r in residuals.items():
+            n = self.plan.key(key).length
+            if r.shape != (n,) or r.dtype != _F32:
+                raise ValueError(f"residual of key {key} is {r.dtype}{r.shape}; expected "
+                                 f"float32[{n}]")
+        for key, r in residuals.items():
+            np.copyto(self._compressor(key, clock, r.shape[0]).residual, r)
+
+    def policy_state(self) -> dict:
+        """The state the push policy keeps on this worker (async/ssp 1-bit Adam with worker
+        moments: every key's ``(step, m, v)`` pushed so far); empty for policies that keep
+        none."""
+        return self.policy.state()
+
+    def load_policy_state(self, state) -> None:
+        """Restore state saved by :meth:`policy_state` (same plan; after register()); a policy
+        that keeps none, or state that does not fit the plan, is refused with nothing loaded."""
+        if self.plan is None:
+            raise RuntimeError("register() before load_policy_state()")
+        self.policy.load_state(self.plan, state)
+
+    def state_dict(self, *, clock: int | None = None) -> dict:
+        """``{"version": 1, "residuals": {key: float32[length]}, "policy": {...}}``: the
+        residuals of the codec pushes use at ``clock`` (:meth:`residuals`, copied) and the push
+        policy's state (:meth:`policy_state`, copied)."""
+        copy = lambda a: a.copy() if isinstance(a, np.ndarray) else a  # noqa: E731
+        policy = {k: tuple(copy(a) for a in v) if isinstance(v, tuple) else copy(v)
+                  for k, v in self.policy_state().items()}
+        return {"version": STATE_VERSION,
+                "residuals": {k: r.copy() for k, r in self.residuals(clock=clock).items()},
+                "policy": policy}
+
+    def load_state_dict(self, state: Mapping, *, clock: int | None = None) -> None:
+        """Restore a :meth:`state_dict` (same plan, same codec at ``clock``; after
+        register())."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"encoder state of version {state.get('version')!r}; expected "
+                             f"{STATE_VERSION}")
+        if state["residuals"]:
+            self.load_residuals(state["residuals"], clock=clock)
+        if state["policy"]:
+            self.load_policy_state(state["policy"])

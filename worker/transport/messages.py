@@ -1,0 +1,72 @@
+"""What one data request becomes on the wire: :class:`Encoded` pushes and the cut into messages.
+
+A message goes to one shard and carries keys of one codec (its header names the codec for all
+of them); keys going to one shard are batched up to ``ClientConfig.message_bytes``, so small
+keys share a message and a large one travels alone (the shard updates one key while the next
+arrives).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from bitps.proto import bitps_pb2 as pb
+from bitps.proto.codecs import RAW, Codec
+from bitps.proto.keyplan import KeyPlan
+from bitps.proto.wire import PSError
+
+__all__ = ["Encoded", "messages"]
+
+_F32 = np.dtype("<f4")
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One push's payloads as they go on the wire, one per key of the request, in its order.
+
+    ``codecs[i]`` is the codec ``payloads[i]`` is in (``RAW``: float32 values, ``4 * length``
+    bytes; otherwise the codec's own layout, ``proto.codecs``). Keys of one codec travel in
+    messages of their own, each header naming it. ``owned[i]``: ``payloads[i]`` is a buffer its
+    encoder reuses for the next push, so its message goes by copy instead of zero-copy."""
+
+    payloads: Sequence[np.ndarray | memoryview]
+    codecs: Sequence[Codec]
+    owned: Sequence[bool]
+
+
+def messages(plan: KeyPlan, keys: Sequence[int], grads: Sequence[np.ndarray],
+             outs: Sequence[np.ndarray], codecs: Sequence[Codec] | None, *,
+             limit: int) -> list[tuple[int, Codec, list[int]]]:
+    """Split a request of ``keys`` into messages: per shard and codec, then at most ``limit``
+    bytes each (counted in float32 bytes; a larger key travels alone). Returns ``(shard,
+    codec, indices into keys)`` per message. ``grads`` (plain pushes) and ``outs`` are
+    checked against the plan here; an :class:`Encoded` push was checked by its encoder."""
+    by_shard: dict[tuple[int, Codec], list[int]] = {}
+    for i, k in enumerate(keys):
+        if k not in plan:
+            raise PSError(pb.UNKNOWN_KEY, f"key {k} is not in the plan ({len(plan.keys)} "
+                          f"of the model's {plan.model_keys} keys)")
+        spec = plan.key(k)
+        for arrays, kind in ((grads, "gradient"), (outs, "output")):
+            if arrays and (arrays[i].dtype != _F32 or arrays[i].size != spec.length):
+                raise ValueError(f"key {k}: {kind} is {arrays[i].dtype}[{arrays[i].size}]; "
+                                 f"expected float32[{spec.length}]")
+        if outs and not (outs[i].flags.c_contiguous and outs[i].flags.writeable):
+            raise ValueError(f"key {k}: output must be a writable contiguous array")
+        # One codec per message: the header names it for every key.
+        by_shard.setdefault((spec.shard, codecs[i] if codecs else RAW), []).append(i)
+    groups = []
+    for (shard, codec), idx in by_shard.items():
+        batch, size = [], 0
+        for i in idx:
+            n = plan.key(keys[i]).nbytes
+            if batch and size + n > limit:
+                groups.append((shard, codec, batch))
+                batch, size = [], 0
+            batch.append(i)
+            size += n
+        groups.append((shard, codec, batch))
+    return groups
