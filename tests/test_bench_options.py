@@ -1,0 +1,135 @@
+"""``bitps-bench``'s options are its scenarios' dataclasses (bench/config.py): every
+``bitps-bench SCENARIO --help`` lists exactly the fields with their defaults, and the flags
+parse back to the dataclass. No scenario runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import re
+
+import pytest
+
+from bitps.bench import config
+from bitps.bench.__main__ import _ALL, SCENARIOS, build_parser
+from bitps.bench.options import field_docs, from_args
+from bitps.proto.settings import format_value
+
+COMMON = {"-h", "--help", "--out"}  # every sub-command's, not a scenario's own
+MEASURED = ("pushpull", "volume", "convergence", "codec", "overlap", "memory", "e2e",
+            "pipeline")
+
+
+def _help_entries(text: str) -> dict[str, str]:
+    """``--help``'s options: flag -> its entry (invocation and help) on one line."""
+    body = text.split("\noptions:\n", 1)[1]
+    entries: list[str] = []
+    for line in body.splitlines():
+        if re.match(r"^  -", line):
+            entries.append(line.strip())
+        elif line.startswith("   ") and entries:  # a wrapped line of the entry above
+            entries[-1] += " " + line.strip()
+    return {e.split()[0].rstrip(","): " ".join(e.split()) for e in entries}
+
+
+def _help(name: str, capsys, monkeypatch) -> str:
+    monkeypatch.setenv("COLUMNS", "1000")  # no wrapping: hyphens may break lines
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args([name, "--help"])
+    assert done.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_help_lists_exactly_the_dataclass_fields_and_defaults(name, capsys, monkeypatch):
+    cls = SCENARIOS[name].config
+    entries = _help_entries(_help(name, capsys, monkeypatch))
+    fields = dataclasses.fields(cls)
+    assert [f for f in entries if f not in COMMON] == [
+        "--" + f.name.replace("_", "-") for f in fields]
+    for f in fields:
+        entry = entries["--" + f.name.replace("_", "-")]
+        shown = re.search(r"\(default: (.*)\)$", entry)
+        assert shown, entry
+        assert shown.group(1) == (format_value(f.default) or "none"), (f.name, entry)
+        assert entry[:shown.start()].rstrip().endswith(field_docs(cls)[f.name]), entry
+
+
+def test_every_sub_command_is_a_registered_scenario():
+    sub = next(a for a in build_parser()._actions if a.dest == "scenario")
+    assert list(sub.choices) == list(SCENARIOS)
+    assert set(MEASURED) | {"all", "report"} == set(SCENARIOS)
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_no_flags_parse_to_the_dataclass_defaults(name):
+    cls = SCENARIOS[name].config
+    assert from_args(cls, build_parser().parse_args([name])) == cls()
+
+
+def test_flags_parse_to_the_config_they_name():
+    args = build_parser().parse_args(["pipeline", "--t-ms", "5", "5", "5", "--parts", "a", "c",
+                                      "--ms", "2", "--quick", "--quiet-busy", "0.5"])
+    assert from_args(config.PipelineBench, args) == config.PipelineBench(
+        t_ms=(5.0, 5.0, 5.0), parts=("a", "c"), ms=(2,), quick=True, quiet_busy=0.5)
+    args = build_parser().parse_args(["e2e", "--cases", "DDP fp32", "bitps sync fp32",
+                                      "--straggler", "--model", "moe"])
+    assert from_args(config.E2EBench, args) == config.E2EBench(
+        cases=("DDP fp32", "bitps sync fp32"), straggler=True, model="moe")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["e2e", "--model", "huge"], "invalid choice: 'huge'"),
+    (["pipeline", "--parts", "d"], "invalid choice: 'd'"),
+    (["codec", "--mib", "lots"], "invalid int value: 'lots'"),
+    (["pipeline", "--t-ms", "5", "5"], "expected 3 arguments"),
+])
+def test_a_bad_flag_is_refused_naming_it(argv, message, capsys):
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args(argv)
+    assert done.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_dataclasses_refuse_values_outside_their_choices():
+    with pytest.raises(ValueError, match=r"E2EBench.placement: got 'far'; expected one of "
+                                         r"colocated, own"):
+        config.E2EBench(placement="far")
+    with pytest.raises(ValueError, match=r"PipelineBench.parts: got \('a', 'd'\); expected "
+                                         r"some of a, b, c"):
+        config.PipelineBench(parts=("a", "d"))
+
+
+def test_quick_sizes_each_scenario_as_the_help_says():
+    assert config.CodecBench(quick=True).sized() == config.CodecBench(mib=8, repeats=2,
+                                                                      quick=True)
+    assert config.ConvergenceBench(quick=True, seeds=(3, 4)).sized().seeds == (0,)
+    assert config.PipelineBench(quick=True, ms=(8, 4)).sized() == config.PipelineBench(
+        quick=True, ms=(4,), rounds=1, parts=("a",), quiet_wait_s=0.0)
+    assert config.PushPullBench(quick=True).sized() == config.PushPullBench(quick=True)
+    assert config.CodecBench().sized() == config.CodecBench()
+
+
+def test_e2e_names_its_results_and_bounds_the_sweep():
+    assert config.E2EBench().sized().name == "e2e-lm"
+    assert config.E2EBench(model="moe", straggler=True).sized().name == "e2e-moe-straggler"
+    quick = config.E2EBench(quick=True, model="moe").sized()
+    assert (quick.name, quick.model, quick.steps, quick.lrs) == ("e2e-tiny", "tiny", 30,
+                                                                  (3e-3,))
+    assert config.E2EBench(steps=20, sweep_steps=60).sized().sweep_steps == 20
+    assert config.E2EBench(name="mine").sized().name == "mine"
+
+
+def test_all_runs_registered_scenarios_with_their_own_options():
+    for name, options, _ in _ALL:
+        SCENARIOS[name].config(**options)
+    assert {name for name, _, _ in _ALL} == set(MEASURED)
+
+
+@pytest.mark.parametrize("name", MEASURED)
+def test_each_scenario_runs_from_its_config(name):
+    """``run(cfg, *, out)``: the config first (``None``: its defaults), the folder by name."""
+    params = list(inspect.signature(importlib.import_module(f"bitps.bench.{name}").run)
+                  .parameters.values())
+    assert [p.name for p in params] == ["cfg", "out"]
+    assert params[0].default is None and params[1].kind is inspect.Parameter.KEYWORD_ONLY
