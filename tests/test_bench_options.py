@@ -1,13 +1,14 @@
 """``bitps-bench``'s options are its scenarios' dataclasses (bench/config.py): every
-``bitps-bench SCENARIO --help`` lists exactly the fields with their defaults, and the flags
-parse back to the dataclass. No scenario runs."""
+``bitps-bench SCENARIO --help`` lists exactly the fields with their defaults, the flags parse
+back to the dataclass, and docs/benchmarks.md lists them as the code does. No scenario runs."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import importlib.util
 import inspect
 import re
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,7 @@ from bitps.bench.__main__ import _ALL, SCENARIOS, build_parser
 from bitps.bench.options import field_docs, from_args
 from bitps.proto.settings import format_value
 
+ROOT = Path(__file__).resolve().parents[1]
 COMMON = {"-h", "--help", "--out"}  # every sub-command's, not a scenario's own
 MEASURED = ("pushpull", "volume", "convergence", "codec", "overlap", "memory", "e2e",
             "pipeline")
@@ -133,3 +135,32 @@ def test_each_scenario_runs_from_its_config(name):
                   .parameters.values())
     assert [p.name for p in params] == ["cfg", "out"]
     assert params[0].default is None and params[1].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("gen_configuration",
+                                                  ROOT / "docs" / "gen_configuration.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmarks_page_lists_the_options_as_generated():
+    gen = _generator()
+    page = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    assert page == gen.render_benchmarks(page), (
+        "docs/benchmarks.md's options section is out of date: run `make docs`")
+    section = page.split(gen.BENCH_BEGIN, 1)[1]
+    for name, scenario in SCENARIOS.items():
+        part = section.split(f"#### `bitps-bench {name}`\n", 1)[1].split("\n#### ", 1)[0]
+        for f in dataclasses.fields(scenario.config):
+            row = next(line for line in part.splitlines()
+                       if line.startswith(f"| `--{f.name.replace('_', '-')}"))
+            assert row.split(" | ")[1] == (f"`{format_value(f.default)}`"
+                                           if format_value(f.default) else "—"), row
+
+
+def test_benchmarks_page_markers_are_required():
+    gen = _generator()
+    with pytest.raises(ValueError, match="found neither"):
+        gen.render_benchmarks("# Benchmarks\n")
