@@ -128,6 +128,38 @@ def test_all_runs_registered_scenarios_with_their_own_options():
     assert {name for name, _, _ in _ALL} == set(MEASURED)
 
 
+def test_all_runs_every_scenario_then_the_report(monkeypatch, tmp_path):
+    """``all`` goes through the registry: each scenario with its options (``--quick``: the
+    smoke-test size, one e2e run, under ``<out>/quick``), then the report; a failed check
+    anywhere fails it."""
+    import bitps.bench.__main__ as cli
+    import bitps.bench.summary as summary
+
+    calls, status = [], {"codec": 1}
+    for name in MEASURED:
+        def fake(cfg, out, name=name):
+            calls.append((name, cfg, out))
+            return status.get(name, 0)
+
+        monkeypatch.setitem(SCENARIOS, name, dataclasses.replace(SCENARIOS[name], run=fake))
+    monkeypatch.setattr(summary, "write_report",
+                        lambda out: calls.append(("report", None, out)) or out / "REPORT.md")
+    assert cli.main(["--out", str(tmp_path), "all", "--quick"]) == 1
+    assert [(n, out) for n, _, out in calls] == [(n, tmp_path / "quick") for n in (
+        "volume", "pushpull", "codec", "overlap", "memory", "convergence", "pipeline", "e2e",
+        "report")]
+    assert calls[0][1] == config.VolumeBench()
+    assert calls[7][1] == config.E2EBench(model="lm", quick=True)
+    assert all(cfg.quick for _, cfg, _ in calls[1:8])
+    calls.clear()
+    status.clear()
+    assert cli.main(["all", "--out", str(tmp_path)]) == 0
+    assert [cfg for n, cfg, _ in calls if n == "e2e"] == [
+        config.E2EBench(model="lm"), config.E2EBench(model="moe"),
+        config.E2EBench(model="lm", straggler=True)]
+    assert {out for _, _, out in calls} == {tmp_path}
+
+
 @pytest.mark.parametrize("name", MEASURED)
 def test_each_scenario_runs_from_its_config(name):
     """``run(cfg, *, out)``: the config first (``None``: its defaults), the folder by name."""
