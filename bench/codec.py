@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from bitps import native
+from bitps.bench.config import CodecBench
 from bitps.bench.report import check, median, write_results
 from bitps.native import casts, sign1, sparse
 
@@ -105,17 +106,39 @@ def _cases(grads: list[np.ndarray]) -> dict:
     }
 
 
-def run(*, mib: int = 64, repeats: int = 7, out: Path | None = None) -> dict:
-    """Run the scenario, write ``codec.json``/``.md`` under ``out``, return the document."""
+def run(cfg: CodecBench | None = None, *, out: Path | None = None) -> dict:
+    """Run the scenario (``None``: the defaults), write ``codec.json``/``.md`` under ``out``,
+    return the document."""
     import numba
     import torch
 
+    cfg = (cfg or CodecBench()).sized()
     torch.set_num_threads(1)
     numba.set_num_threads(1)
     rng = np.random.default_rng(0)
-    grads = [rng.standard_normal(mib * MIB // 4).astype(np.float32) for _ in range(2)]
-    grad = grads[0]
-    cases = _cases(grads)
+    grads = [rng.standard_normal(cfg.mib * MIB // 4).astype(np.float32) for _ in range(2)]
+    med = _medians(_cases(grads), cfg.repeats)
+    memcpy = med[("copy float32 gradient", "memcpy (np.copyto)")]
+    kernel = {op: t for (op, impl), t in med.items() if impl == "numba kernel"}
+    rows = [{"operation": op, "implementation": impl, "ms": t * 1e3,
+             "GBps": grads[0].nbytes / t / 1e9, "vs_memcpy": memcpy / t,
+             "kernel_speedup": t / kernel[op] if op in kernel else None}
+            for (op, impl), t in med.items()]
+    checks = _checks(rows, med)
+    notes = (f"{cfg.mib} MiB float32 gradients (standard normal, two in turn), one thread (numba "
+             f"and torch set to 1), medians of {cfg.repeats} round-robin calls. vs memcpy = "
+             "memcpy time / this time; kernel speedup = this time / the numba kernel's time.")
+    write_results("codec", config={"mib": cfg.mib, "repeats": cfg.repeats,
+                                   "chunk": sign1.DEFAULT_CHUNK, "threads": 1},
+                  rows=rows, checks=checks, out=out, notes=notes,
+                  columns=[("operation", "operation"), ("implementation", "implementation"),
+                           ("ms", "ms"), ("GBps", "GB/s (fp32 in)"),
+                           ("vs_memcpy", "vs memcpy"), ("kernel_speedup", "kernel speedup")])
+    return {"rows": rows, "checks": checks}
+
+
+def _medians(cases: dict, repeats: int) -> dict:
+    """Each case's median seconds over ``repeats`` calls, the cases called round robin."""
     for fn in cases.values():
         fn()  # compile and touch every buffer once
     times: dict = {key: [] for key in cases}
@@ -124,13 +147,10 @@ def run(*, mib: int = 64, repeats: int = 7, out: Path | None = None) -> dict:
             t0 = time.perf_counter()
             fn()
             times[key].append(time.perf_counter() - t0)
-    med = {key: median(ts) for key, ts in times.items()}
-    memcpy = med[("copy float32 gradient", "memcpy (np.copyto)")]
-    kernel = {op: t for (op, impl), t in med.items() if impl == "numba kernel"}
-    rows = [{"operation": op, "implementation": impl, "ms": t * 1e3,
-             "GBps": grad.nbytes / t / 1e9, "vs_memcpy": memcpy / t,
-             "kernel_speedup": t / kernel[op] if op in kernel else None}
-            for (op, impl), t in med.items()]
+    return {key: median(ts) for key, ts in times.items()}
+
+
+def _checks(rows: list[dict], med: dict) -> dict:
     by = {(r["operation"], r["implementation"]): r for r in rows}
 
     def ratio(op: str, impl: str, key: str) -> float:
@@ -149,15 +169,7 @@ def run(*, mib: int = 64, repeats: int = 7, out: Path | None = None) -> dict:
     }
     clip = [t for (op, _), t in med.items() if op == "clipped sign1 push"]
     checks["clipped_push_before_over_now"] = _goal(round(clip[0] / clip[1], 2), 1.1)
-    notes = (f"{mib} MiB float32 gradients (standard normal, two in turn), one thread (numba and "
-             f"torch set to 1), medians of {repeats} round-robin calls. vs memcpy = memcpy time "
-             "/ this time; kernel speedup = this time / the numba kernel's time.")
-    write_results("codec", config={"mib": mib, "repeats": repeats, "chunk": sign1.DEFAULT_CHUNK,
-                                   "threads": 1}, rows=rows, checks=checks, out=out, notes=notes,
-                  columns=[("operation", "operation"), ("implementation", "implementation"),
-                           ("ms", "ms"), ("GBps", "GB/s (fp32 in)"),
-                           ("vs_memcpy", "vs memcpy"), ("kernel_speedup", "kernel speedup")])
-    return {"rows": rows, "checks": checks}
+    return checks
 
 
 def _goal(value: float, at_least: float) -> dict:

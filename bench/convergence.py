@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bitps.bench.config import ConvergenceBench
 from bitps.bench.report import DEFAULT_OUT, check, moving_average, write_results
 
 __all__ = ["RUNS", "run"]
@@ -164,40 +165,78 @@ def _mean_runs(runs: list[dict]) -> dict:
                for k in ("push_bytes", "pull_bytes", "seconds")}}
 
 
-def run(*, steps: int = 600, freeze_fraction: float = 0.25, lr: float = 3e-3,
-        beta2: float = 0.99, seeds: tuple[int, ...] = (0, 1), target_factor: float = 1.1,
-        sweep_lrs: tuple[float, ...] = (1.5e-3, 3e-3, 6e-3), out: Path | None = None,
-        only: tuple[str, ...] = ()) -> dict:
+_COLUMNS = [("run", "run"), ("lr", "lr"), ("final_loss", "final loss"),
+            ("vs_fp32", "vs fp32 Adam (sync)"),
+            ("vs_same_mode_fp32", "vs fp32 Adam, same mode"),
+            ("steps_to_target", "steps to target"),
+            ("push_bytes_per_step", "push B/step"),
+            ("pull_bytes_per_step", "pull B/step"),
+            ("traffic_vs_fp32", "traffic reduction"), ("seconds", "seconds"),
+            ("best_lr", "best lr"), ("best_final_loss", "final loss at best lr"),
+            ("sweep", "lr sweep: final loss")]
+
+
+def run(cfg: ConvergenceBench | None = None, *, out: Path | None = None) -> dict:
     """Run every configuration once per seed (curves averaged over seeds), write
-    ``convergence.json``/``.md``/``.png`` under ``out``. ``only``: just these runs (and the
-    sync fp32 baseline, and the peers their checks need); checks whose runs are missing are
-    left out."""
+    ``convergence.json``/``.md``/``.png`` under ``out``. ``cfg.runs``: just these runs (and
+    the sync fp32 baseline, and the peers their checks need); checks whose runs are missing
+    are left out."""
+    cfg = (cfg or ConvergenceBench()).sized()
+    runs = _chosen(cfg.runs)
+    out = Path(out or DEFAULT_OUT)
+    out.mkdir(parents=True, exist_ok=True)
+    freeze = max(1, round(cfg.steps * cfg.freeze_fraction))
+    tail = max(1, cfg.steps // 10)
+    results, lrs, sweeps = _train_all(cfg, runs, freeze, tail)
+    target = float(results[BASELINE]["curve"][-tail:].mean()) * cfg.target_factor
+    rows = _rows(results, lrs, tail, target)
+    _plot({n: r["curve"] for n, r in results.items()}, out / "convergence.png", freeze)
+    by = {r["run"]: r for r in rows}
+    checks = {**_loss_checks(by), **_sweep_checks(by, sweeps), **_traffic_checks(by)}
+    config = {"steps": cfg.steps, "freeze_step": freeze, "lr": cfg.lr,
+              "sweep_lrs": list(cfg.sweep_lrs), "beta2": cfg.beta2, "seeds": list(cfg.seeds),
+              "target_loss": target,
+              "runs": {n: {"launch": a, "worker": w} for n, (a, w) in runs.items()}}
+    write_results("convergence", config=config, rows=rows, checks=checks, out=out,
+                  notes=_notes(cfg, freeze, tail, target), columns=_COLUMNS)
+    (out / "convergence_curves.json").write_text(json.dumps(
+        {n: [round(float(x), 5) for x in r["curve"]] for n, r in results.items()}))
+    return {"rows": rows, "checks": checks}
+
+
+def _chosen(only: tuple[str, ...]) -> dict:
+    """The runs to make: every one, or ``only`` with the baseline and their peers."""
     unknown = [n for n in only if n not in RUNS]
     if unknown:
         raise ValueError(f"unknown runs {unknown}; expected some of {list(RUNS)}")
     wanted = {BASELINE, *only, *(REPORTED.get(n, BASELINE) for n in only),
               *([LOCAL_SGD_RAW] if DILOCO_RUN in only else [])}
-    runs = {n: a for n, a in RUNS.items() if not only or n in wanted}
-    out = Path(out or DEFAULT_OUT)
-    out.mkdir(parents=True, exist_ok=True)
-    freeze = max(1, round(steps * freeze_fraction))
+    return {n: a for n, a in RUNS.items() if not only or n in wanted}
+
+
+def _train_all(cfg: ConvergenceBench, runs: dict, freeze: int,
+               tail: int) -> tuple[dict, dict, dict]:
+    """Every run at ``cfg.lr`` (the swept ones at every sweep point too), averaged over the
+    seeds: results and learning rates by run, and each swept run's final loss by lr."""
     results, lrs, sweeps = {}, {}, {}
-    tail = max(1, steps // 10)
     with tempfile.TemporaryDirectory(prefix="bitps-conv-") as tmp:
         for i, (name, (launch_args, worker_args)) in enumerate(runs.items()):
-            points = sorted({lr, *sweep_lrs}) if name in SWEPT else [lr]
+            points = sorted({cfg.lr, *cfg.sweep_lrs}) if name in SWEPT else [cfg.lr]
             for j, run_lr in enumerate(points):
                 r = _mean_runs([
-                    _launch(name, launch_args, worker_args, steps=steps, freeze=freeze,
-                            lr=run_lr, beta2=beta2, seed=seed,
+                    _launch(name, launch_args, worker_args, steps=cfg.steps, freeze=freeze,
+                            lr=run_lr, beta2=cfg.beta2, seed=seed,
                             run_dir=Path(tmp) / f"{i}-{j}-{seed}")
-                    for seed in seeds])
+                    for seed in cfg.seeds])
                 sweeps.setdefault(name, {})[str(run_lr)] = float(r["curve"][-tail:].mean())
-                if run_lr == lr:  # every comparison but the sweep's is at --lr
+                if run_lr == cfg.lr:  # every comparison but the sweep's is at --lr
                     results[name], lrs[name] = r, run_lr
+    return results, lrs, sweeps
+
+
+def _rows(results: dict, lrs: dict, tail: int, target: float) -> list[dict]:
     base = results[BASELINE]
     base_final = float(base["curve"][-tail:].mean())
-    target = base_final * target_factor
     fp32_bytes = base["push_bytes"] + base["pull_bytes"]
     rows = []
     for name, r in results.items():
@@ -210,87 +249,90 @@ def run(*, steps: int = 600, freeze_fraction: float = 0.25, lr: float = 3e-3,
                      # a run too short for one local-SGD round moved nothing
                      "traffic_vs_fp32": fp32_bytes / moved if moved else None,
                      "seconds": r["seconds"]})
-    _plot({n: r["curve"] for n, r in results.items()}, out / "convergence.png", freeze)
-    by = {r["run"]: r for r in rows}
-    checks = {}
-    def have(*names: str) -> bool:
-        return all(n in by for n in names)
+    return rows
 
+
+def _have(by: dict, *names: str) -> bool:
+    return all(n in by for n in names)
+
+
+def _loss_checks(by: dict) -> dict:
+    """Each 1-bit run against fp32 in its mode, and overlap on against off; the reported
+    runs get their ratio to their peer (``vs_same_mode_fp32``) in their rows."""
+    checks = {}
     for key, (name, peer) in PAIRS.items():
-        if not have(name, peer):
+        if not _have(by, name, peer):
             continue
         ratio = by[name]["final_loss"] / by[peer]["final_loss"]
         by[name]["vs_same_mode_fp32"] = ratio
         checks[f"{key}_final_loss_vs_fp32_same_mode"] = check(round(ratio, 4), "<= 1.01",
                                                               ratio <= 1.01)
     for name, peer in REPORTED.items():
-        if not have(name, peer):
+        if not _have(by, name, peer):
             continue
         by[name]["vs_same_mode_fp32"] = by[name]["final_loss"] / by[peer]["final_loss"]
     for key, pair in OVERLAP_PAIRS.items():
-        if not have(*pair):
+        if not _have(by, *pair):
             continue
         on, off = (by[n]["final_loss"] for n in pair)
         checks[f"{key}_overlap_on_final_loss_vs_off"] = check(round(on / off, 4), "<= 1.01",
                                                               on / off <= 1.01)
+    return checks
+
+
+def _sweep_checks(by: dict, sweeps: dict) -> dict:
+    """Asynchrony against sync, each at the best of its sweep (recorded in the rows)."""
     for name in SWEPT:
-        if not have(name):
+        if not _have(by, name):
             continue
         by[name]["sweep"] = sweeps[name]
         by[name]["best_lr"] = float(min(sweeps[name], key=sweeps[name].get))
         by[name]["best_final_loss"] = min(sweeps[name].values())
+    checks = {}
     for key, (name, peer) in ASYNC_PAIRS.items():
-        if not have(name, peer):
+        if not _have(by, name, peer):
             continue
         ratio = by[name]["best_final_loss"] / by[peer]["best_final_loss"]
         checks[f"fp32_{key}_vs_sync_final_loss_each_at_best_lr"] = check(
             round(ratio, 4), "<= 1.03", ratio <= 1.03)
-    if have(TRAFFIC_RUN):
+    return checks
+
+
+def _traffic_checks(by: dict) -> dict:
+    """Compressed pulls' traffic, and DiLoCo's loss and bytes against sync fp32."""
+    checks = {}
+    if _have(by, TRAFFIC_RUN):
         traffic = by[TRAFFIC_RUN]["traffic_vs_fp32"]
         checks["sign1_sync_traffic_reduction_vs_fp32"] = check(round(traffic, 2), ">= 20",
                                                                traffic >= 20)
-    if have(DILOCO_RUN):
-        d = by[DILOCO_RUN]
-        ratio = d["final_loss"] / by[BASELINE]["final_loss"]
-        d["vs_same_mode_fp32"] = ratio
-        checks["diloco_h8_sync_final_loss_vs_fp32_sync"] = check(round(ratio, 4), "<= 1.02",
-                                                                 ratio <= 1.02)
-        if have(LOCAL_SGD_RAW):  # local SGD without compression: what the codec is not to blame
-            bound = by[LOCAL_SGD_RAW]["final_loss"] / by[BASELINE]["final_loss"]
-            checks["local_sgd_h8_raw_final_loss_vs_fp32_sync"] = check(
-                round(bound, 4), "<= 1.02 (else the goal above is out of reach at H=8)",
-                bound <= 1.02)
-        # equal steps, so equal samples: bytes per step is bytes per sample times the batch
-        reduction = d["traffic_vs_fp32"] or 0.0
-        checks["diloco_h8_sync_bytes_per_sample_reduction_vs_fp32_sync"] = check(
-            round(reduction, 1), ">= 200", reduction >= 200)
-    notes = (f"{steps} steps, 2 shards x 2 workers, batch 8 x 128 bytes per rank, seeds "
-             f"{list(seeds)} (curves averaged), Adam lr {lr} (fp32 sync, async and ssp are also "
-             f"swept over {list(sweep_lrs)}: each point's final loss in the sweep column, and "
-             f"asynchrony is judged at each run's best), beta2 {beta2} (v's memory, "
-             f"1/(1-beta2) = {1 / (1 - beta2):.0f} steps, must be shorter than the warmup for "
-             f"a frozen v to mean anything), 1-bit Adam freeze_step {freeze} "
-             f"({freeze_fraction:.0%}); final loss = mean of the last {tail} steps of the 2-rank "
-             f"mean; vs fp32 Adam = against the sync fp32 run; checks compare each 1-bit run "
-             f"with fp32 Adam in the same mode; target = {target_factor} x sync fp32 Adam's "
-             f"final loss = {target:.3f}; bytes per worker per step (pushes on the wire, pulls "
-             f"as received); curves: convergence.png.")
-    write_results("convergence", config={"steps": steps, "freeze_step": freeze, "lr": lr,
-                                         "sweep_lrs": list(sweep_lrs),
-                                         "beta2": beta2, "seeds": list(seeds),
-                                         "target_loss": target, "runs": {
-                                             n: {"launch": a, "worker": w}
-                                             for n, (a, w) in runs.items()}},
-                  rows=rows, checks=checks, out=out, notes=notes,
-                  columns=[("run", "run"), ("lr", "lr"), ("final_loss", "final loss"),
-                           ("vs_fp32", "vs fp32 Adam (sync)"),
-                           ("vs_same_mode_fp32", "vs fp32 Adam, same mode"),
-                           ("steps_to_target", "steps to target"),
-                           ("push_bytes_per_step", "push B/step"),
-                           ("pull_bytes_per_step", "pull B/step"),
-                           ("traffic_vs_fp32", "traffic reduction"), ("seconds", "seconds"),
-                           ("best_lr", "best lr"), ("best_final_loss", "final loss at best lr"),
-                           ("sweep", "lr sweep: final loss")])
-    (out / "convergence_curves.json").write_text(json.dumps(
-        {n: [round(float(x), 5) for x in r["curve"]] for n, r in results.items()}))
-    return {"rows": rows, "checks": checks}
+    if not _have(by, DILOCO_RUN):
+        return checks
+    d = by[DILOCO_RUN]
+    ratio = d["final_loss"] / by[BASELINE]["final_loss"]
+    d["vs_same_mode_fp32"] = ratio
+    checks["diloco_h8_sync_final_loss_vs_fp32_sync"] = check(round(ratio, 4), "<= 1.02",
+                                                             ratio <= 1.02)
+    if _have(by, LOCAL_SGD_RAW):  # local SGD without compression: what the codec is not to blame
+        bound = by[LOCAL_SGD_RAW]["final_loss"] / by[BASELINE]["final_loss"]
+        checks["local_sgd_h8_raw_final_loss_vs_fp32_sync"] = check(
+            round(bound, 4), "<= 1.02 (else the goal above is out of reach at H=8)",
+            bound <= 1.02)
+    # equal steps, so equal samples: bytes per step is bytes per sample times the batch
+    reduction = d["traffic_vs_fp32"] or 0.0
+    checks["diloco_h8_sync_bytes_per_sample_reduction_vs_fp32_sync"] = check(
+        round(reduction, 1), ">= 200", reduction >= 200)
+    return checks
+
+
+def _notes(cfg: ConvergenceBench, freeze: int, tail: int, target: float) -> str:
+    return (f"{cfg.steps} steps, 2 shards x 2 workers, batch 8 x 128 bytes per rank, seeds "
+            f"{list(cfg.seeds)} (curves averaged), Adam lr {cfg.lr} (fp32 sync, async and ssp "
+            f"are also swept over {list(cfg.sweep_lrs)}: each point's final loss in the sweep "
+            f"column, and asynchrony is judged at each run's best), beta2 {cfg.beta2} (v's "
+            f"memory, 1/(1-beta2) = {1 / (1 - cfg.beta2):.0f} steps, must be shorter than the "
+            f"warmup for a frozen v to mean anything), 1-bit Adam freeze_step {freeze} "
+            f"({cfg.freeze_fraction:.0%}); final loss = mean of the last {tail} steps of the "
+            f"2-rank mean; vs fp32 Adam = against the sync fp32 run; checks compare each 1-bit "
+            f"run with fp32 Adam in the same mode; target = {cfg.target_factor} x sync fp32 "
+            f"Adam's final loss = {target:.3f}; bytes per worker per step (pushes on the wire, "
+            f"pulls as received); curves: convergence.png.")

@@ -37,12 +37,13 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from bitps.bench.cluster import Cluster, emulated_cluster
+from bitps.bench.config import E2EBench
 from bitps.bench.models import MODELS
 from bitps.bench.proc import ReadyProcess, machine_busy, process_cpu
 from bitps.bench.report import DEFAULT_OUT, check, moving_average, write_results
@@ -109,27 +110,7 @@ TARGET_RUN = "DDP fp32"
 SYNC_PAIRS = {"fp32": ("bitps async fp32", "bitps sync fp32")}
 
 
-@dataclass(frozen=True, kw_only=True)
-class Settings:
-    model: str = "lm"
-    steps: int = 150
-    sweep_steps: int = 60
-    lrs: tuple[float, ...] = (3e-4, 6e-4, 1.2e-3)
-    warmup_frac: float = 0.1
-    clip_norm: float = 1.0
-    seed: int = 0
-    rate: str = "1gbit"
-    placement: str = "colocated"
-    straggler: bool = False
-    freeze_frac: float = 0.2
-    """1-bit Adam: warm-up share of the steps (full Adam on bf16 pushes), ``--freeze-frac``."""
-    powersgd_start: int = 10
-    device: str = "cpu"
-    cases: tuple[str, ...] = field(default_factory=tuple)
-    """Run only these cases (empty: all)."""
-
-
-def _schedule(steps: int, s: Settings) -> dict:
+def _schedule(steps: int, s: E2EBench) -> dict:
     warm = round(steps * s.warmup_frac)
     return {"warmup_steps": warm, "decay_steps": steps, "min_ratio": 0.1}
 
@@ -184,13 +165,13 @@ class _Ranks:
                 proc.wait()
 
 
-def _shard_nodes(cluster: Cluster, case: Case, s: Settings) -> tuple:
+def _shard_nodes(cluster: Cluster, case: Case, s: E2EBench) -> tuple:
     """A shard beside each worker (colocated), or on nodes of their own."""
     n = case.workers
     return cluster.nodes[:n] if s.placement == "colocated" else cluster.nodes[n:2 * n]
 
 
-def _shards(cluster: Cluster, case: Case, s: Settings, lr: float, steps: int
+def _shards(cluster: Cluster, case: Case, s: E2EBench, lr: float, steps: int
             ) -> list[ReadyProcess]:
     sched = _schedule(steps, s)
     n, out = case.workers, []
@@ -213,7 +194,7 @@ def _shards(cluster: Cluster, case: Case, s: Settings, lr: float, steps: int
     return out
 
 
-def _train(cluster: Cluster, case: Case, s: Settings, lr: float, steps: int, tmp: Path,
+def _train(cluster: Cluster, case: Case, s: E2EBench, lr: float, steps: int, tmp: Path,
            port: int) -> dict:
     """One run: start shards (bitps) and ranks, collect per-step lines and counters."""
     shards = _shards(cluster, case, s, lr, steps) if case.kind == "bitps" else []
@@ -249,7 +230,7 @@ def _train(cluster: Cluster, case: Case, s: Settings, lr: float, steps: int, tmp
                     {k: wire1[k] - wire0.get(k, 0) for k in wire1})
 
 
-def _measure(case: Case, s: Settings, lines: list[list[dict]], shard_cpu: list[float],
+def _measure(case: Case, s: E2EBench, lines: list[list[dict]], shard_cpu: list[float],
              steps: int, wire: dict[int, int]) -> dict:
     spec = MODELS[s.model]
     per_rank = [[e for e in ls if e["event"] == "step"] for ls in lines]
@@ -286,62 +267,60 @@ def _final(loss: list[float]) -> float:
     return v if math.isfinite(v) else float("inf")
 
 
-def run(*, model: str = "lm", steps: int = 150, sweep_steps: int = 60,
-        lrs: tuple[float, ...] = (3e-4, 6e-4, 1.2e-3), rate: str = "1gbit",
-        placement: str = "colocated", straggler: bool = False, cases: tuple[str, ...] = (),
-        device: str = "cpu", seed: int = 0, warmup_frac: float = 0.1, clip_norm: float = 1.0,
-        freeze_frac: float = 0.2,
-        out: Path | None = None,
-        quick: bool = False, name: str = "e2e") -> dict:
-    """Run every case (``cases``: a subset by name), write ``<name>.json``/``.md`` under
-    ``out``; ``quick``: the demo model, few steps, one learning rate."""
-    if quick:
-        model, steps, sweep_steps, lrs = "tiny", 30, 30, (3e-3,)
-    if placement not in ("colocated", "own"):
-        raise ValueError(f"placement {placement!r}; expected colocated or own")
-    every = CASES + STRAGGLER_CASES
-    known = {c.name for c in every}
-    if unknown := set(cases) - known:
-        raise ValueError(f"unknown cases {sorted(unknown)}; expected some of {sorted(known)}")
-    s = Settings(model=model, steps=steps, sweep_steps=min(sweep_steps, steps), lrs=tuple(lrs),
-                 rate=rate, placement=placement, straggler=straggler, device=device, seed=seed,
-                 warmup_frac=warmup_frac, clip_norm=clip_norm, freeze_frac=freeze_frac,
-                 cases=tuple(cases))
-    chosen = [c for c in (every if cases else CASES) if not cases or c.name in cases]
-    if straggler and not cases:
-        chosen = [c for c in every if c.name in STRAGGLER_DEFAULT]
+def run(cfg: E2EBench | None = None, *, out: Path | None = None) -> dict:
+    """Run every case (``cfg.cases``: a subset by name), write ``<cfg.name>.json``/``.md``
+    under ``out``; ``cfg.quick``: the demo model, few steps, one learning rate."""
+    s = (cfg or E2EBench()).sized()
+    chosen = _chosen(s)
     busy = machine_busy()
-    nodes = 2 if placement == "colocated" else 4
+    nodes = 2 if s.placement == "colocated" else 4
     results: dict[str, dict] = {}
     # a fresh rendezvous port for every DDP run (a closed one may linger in TIME_WAIT)
     ports = itertools.count(29500 + os.getpid() % 1000 * 20)
-    with emulated_cluster(nodes, rate=rate) as cluster, \
+    with emulated_cluster(nodes, rate=s.rate) as cluster, \
             tempfile.TemporaryDirectory(prefix="bitps-e2e-") as tmp:
         for i, case in enumerate(chosen):
             run_dir = Path(tmp) / str(i)
             run_dir.mkdir()
-            if not case.learns:
-                results[case.name] = {**_train(cluster, case, s, s.lrs[0], steps, run_dir,
-                                               next(ports)), "lr": None, "sweep": {}}
-                continue
-            sweep, best = {}, None
-            for lr in s.lrs:
-                r = _train(cluster, case, s, lr, s.sweep_steps, run_dir, next(ports))
-                sweep[lr] = _final(r["loss"])
-                print(f"{case.name} lr {lr:g}: loss {sweep[lr]:.4f}", file=sys.stderr)
-                if best is None or sweep[lr] < sweep[best[0]]:
-                    best = (lr, r)
-            lr = best[0]
-            full = best[1] if s.sweep_steps == steps else _train(cluster, case, s, lr, steps,
-                                                                 run_dir, next(ports))
-            results[case.name] = {**full, "lr": lr, "sweep": {str(k): v for k, v in
-                                                               sweep.items()}}
-            print(f"{case.name}: lr {lr:g}, final {_final(full['loss']):.4f}, "
-                  f"{full['samples_per_s']:.2f} samples/s", file=sys.stderr)
+            results[case.name] = _case_result(cluster, case, s, run_dir, ports)
         link_note, link_kind = cluster.note, cluster.kind
         raw_link = _raw_link(cluster) if cluster.kind == "netns" else None
     return _report(results, s, busy=busy, link_note=link_note, link_kind=link_kind,
-                   raw_link=raw_link, out=out, name=name)
+                   raw_link=raw_link, out=out)
+
+
+def _chosen(s: E2EBench) -> list[Case]:
+    """The cases ``s.cases`` names, else every case (with ``s.straggler``, its own set)."""
+    every = CASES + STRAGGLER_CASES
+    known = {c.name for c in every}
+    if unknown := set(s.cases) - known:
+        raise ValueError(f"unknown cases {sorted(unknown)}; expected some of {sorted(known)}")
+    if s.cases:
+        return [c for c in every if c.name in s.cases]
+    if s.straggler:
+        return [c for c in every if c.name in STRAGGLER_DEFAULT]
+    return list(CASES)
+
+
+def _case_result(cluster: Cluster, case: Case, s: E2EBench, run_dir: Path, ports) -> dict:
+    """One case: a learning case at the best learning rate of its sweep (each point recorded),
+    a speed-only one (compute-only, the ceiling) once."""
+    if not case.learns:
+        return {**_train(cluster, case, s, s.lrs[0], s.steps, run_dir, next(ports)),
+                "lr": None, "sweep": {}}
+    sweep, best = {}, None
+    for lr in s.lrs:
+        r = _train(cluster, case, s, lr, s.sweep_steps, run_dir, next(ports))
+        sweep[lr] = _final(r["loss"])
+        print(f"{case.name} lr {lr:g}: loss {sweep[lr]:.4f}", file=sys.stderr)
+        if best is None or sweep[lr] < sweep[best[0]]:
+            best = (lr, r)
+    lr = best[0]
+    full = best[1] if s.sweep_steps == s.steps else _train(cluster, case, s, lr, s.steps,
+                                                           run_dir, next(ports))
+    print(f"{case.name}: lr {lr:g}, final {_final(full['loss']):.4f}, "
+          f"{full['samples_per_s']:.2f} samples/s", file=sys.stderr)
+    return {**full, "lr": lr, "sweep": {str(k): v for k, v in sweep.items()}}
 
 
 def _raw_link(cluster: Cluster) -> dict:
@@ -374,88 +353,125 @@ def _memcpy_gbps() -> float:
     return a.nbytes / best / 1e9
 
 
-def _report(results: dict[str, dict], s: Settings, *, busy: float, link_note: str,
-            link_kind: str, raw_link: dict | None, out: Path | None, name: str) -> dict:
+_COLUMNS = [("run", "run"), ("lr", "lr"), ("samples_per_s", "samples/s"),
+            ("vs_ceiling", "vs ceiling"), ("step_ms", "step ms"),
+            ("exposed_ms", "exposed ms"), ("wire_mb_per_step", "wire MB/step"),
+            ("wire_vs_fp32", "wire vs DDP fp32"),
+            ("final_loss", "final loss"),
+            ("loss_at_equal_time", "loss at equal time"),
+            ("steps_to_target", "steps to target"),
+            ("time_to_target_s", "s to target"),
+            ("rank_cpu_ms", "rank CPU ms/step"),
+            ("shard_cpu_ms", "shard CPU ms/step")]
+
+
+@dataclass(frozen=True)
+class _Marks:
+    """What every row is measured against: the smoothing window, the target loss (the
+    target run's, ``None`` without it), the equal wall time (the shortest learning run's),
+    and the peers' results and fp32 wire bytes (``None`` without them)."""
+
+    window: int
+    target: float | None
+    equal_time: float | None
+    ceiling: dict | None
+    compute: dict | None
+    fp32_wire: float | None
+
+    @classmethod
+    def of(cls, results: dict[str, dict], s: E2EBench) -> _Marks:
+        window = max(5, s.steps // 15)
+        target = None
+        if TARGET_RUN in results:
+            target = float(moving_average(results[TARGET_RUN]["loss"], window)[-1])
+        learners = [n for n, r in results.items() if r["lr"] is not None]
+        return cls(window=window, target=target,
+                   equal_time=min((results[n]["time"][-1] for n in learners), default=None),
+                   ceiling=results.get("ceiling (no traffic)"),
+                   compute=results.get("compute-only"),
+                   fp32_wire=(results.get(TARGET_RUN) or {}).get("wire_bytes_per_step"))
+
+
+def _report(results: dict[str, dict], s: E2EBench, *, busy: float, link_note: str,
+            link_kind: str, raw_link: dict | None, out: Path | None) -> dict:
     spec = MODELS[s.model]
-    window = max(5, s.steps // 15)
-    target = None
-    if TARGET_RUN in results:
-        target = float(moving_average(results[TARGET_RUN]["loss"], window)[-1])
-    ceiling = results.get("ceiling (no traffic)")
-    compute = results.get("compute-only")
-    learners = [n for n, r in results.items() if r["lr"] is not None]
-    equal_time = min((results[n]["time"][-1] for n in learners), default=None)
-    fp32_wire = (results.get(TARGET_RUN) or {}).get("wire_bytes_per_step")
-    rows = []
-    for case_name, r in results.items():
-        row = {"run": case_name, "lr": r["lr"], "samples_per_s": r["samples_per_s"],
-               "step_ms": r["step_s"] * 1e3, "exposed_ms": r["exposed_s"] * 1e3,
-               "wire_mb_per_step": (r["wire_bytes_per_step"] / 1e6
-                                    if r["wire_bytes_per_step"] is not None else None),
-               "rank_cpu_ms": [round(c * 1e3) for c in r["rank_cpu_s_per_step"]],
-               "shard_cpu_ms": [round(c * 1e3) for c in r["shard_cpu_s_per_step"]],
-               "sweep": r["sweep"]}
-        if ceiling is not None:
-            row["vs_ceiling"] = r["samples_per_s"] / ceiling["samples_per_s"]
-            if r["lr"] is not None and case_name.startswith("DDP"):
-                row["exposed_ms"] = max(r["step_s"] - ceiling["step_s"], 0.0) * 1e3
-        if compute is not None:
-            row["vs_compute_only"] = r["samples_per_s"] / compute["samples_per_s"]
-        if fp32_wire and r["wire_bytes_per_step"]:
-            row["wire_vs_fp32"] = fp32_wire / r["wire_bytes_per_step"]
-        if r["lr"] is not None:
-            smooth = moving_average(r["loss"], window)
-            row["final_loss"] = _final(r["loss"])
-            row["diverged"] = bool(not math.isfinite(row["final_loss"])
-                                   or row["final_loss"] > math.log(256) + 0.5)
-            if target is not None:
-                hit = np.nonzero(smooth <= target + 1e-12)[0]
-                k = int(hit[0]) + window - 1 if hit.size else None
-                row["steps_to_target"] = None if k is None else k + 1
-                row["samples_to_target"] = None if k is None else (k + 1) * spec.batch * 2
-                row["time_to_target_s"] = None if k is None else r["time"][k]
-            if equal_time is not None:
-                k = int(np.searchsorted(r["time"], equal_time, side="right")) - 1
-                lo = max(0, k + 1 - window)
-                row["loss_at_equal_time"] = float(np.mean(r["loss"][lo:k + 1]))
-        rows.append(row)
-    by = {row["run"]: row for row in rows}
-    checks = _checks(by, s)
-    config = {**asdict(s), "target_loss": target, "smoothing_window": window,
-              "equal_time_s": equal_time, "link": link_kind, "link_note": link_note,
+    marks = _Marks.of(results, s)
+    rows = [_row(case_name, r, marks, spec.batch) for case_name, r in results.items()]
+    checks = _checks({row["run"]: row for row in rows}, s)
+    settings = {k: v for k, v in asdict(s).items() if k not in ("name", "quick")}
+    config = {**settings, "target_loss": marks.target, "smoothing_window": marks.window,
+              "equal_time_s": marks.equal_time, "link": link_kind, "link_note": link_note,
               "raw_link": raw_link, "memcpy_gbps": _memcpy_gbps(), "machine_busy_before": busy,
               "model_description": spec.description, "batch_per_worker": spec.batch,
               "seq_len": spec.seq_len}
-    warm = _schedule(s.steps, s)["warmup_steps"]
-    notes = (f"Model: {spec.description}, batch {spec.batch} x {spec.seq_len} per worker, 2 "
-             f"workers, {s.steps} steps, Adam with linear warm-up ({warm} steps) then cosine "
-             f"to 0.1x, clip {s.clip_norm}; learning rate "
-             f"of each run = best of {list(s.lrs)} at {s.sweep_steps} steps. Cluster: "
-             f"{link_note}; placement {s.placement}"
-             + (f"; raw link {raw_link['mbit_per_s']:.0f} Mbit/s (one TCP stream)"
-                if raw_link else "")
-             + f". Target loss = {TARGET_RUN}'s final {window}-step average"
-             + (f" = {target:.4f}" if target is not None else "")
-             + (f"; equal wall time = {equal_time:.1f} s" if equal_time else "")
-             + f". Wire MB/step: bytes sent + received per worker node (bridge counters). "
-             f"Machine busy before the run: {busy:.0%}."
-             + (" Straggler: worker 1 computes 1.5x slower." if s.straggler else ""))
-    write_results(name, config=config, rows=rows, checks=checks, out=out, notes=notes,
-                  columns=[("run", "run"), ("lr", "lr"), ("samples_per_s", "samples/s"),
-                           ("vs_ceiling", "vs ceiling"), ("step_ms", "step ms"),
-                           ("exposed_ms", "exposed ms"), ("wire_mb_per_step", "wire MB/step"),
-                           ("wire_vs_fp32", "wire vs DDP fp32"),
-                           ("final_loss", "final loss"),
-                           ("loss_at_equal_time", "loss at equal time"),
-                           ("steps_to_target", "steps to target"),
-                           ("time_to_target_s", "s to target"),
-                           ("rank_cpu_ms", "rank CPU ms/step"),
-                           ("shard_cpu_ms", "shard CPU ms/step")])
+    write_results(s.name, config=config, rows=rows, checks=checks, out=out,
+                  notes=_notes(s, marks, link_note, raw_link, busy), columns=_COLUMNS)
     curves = {n: {"loss": r["loss"], "time": r["time"]} for n, r in results.items()
               if r["lr"] is not None}
     out_dir = Path(out or DEFAULT_OUT)
-    (out_dir / f"{name}_curves.json").write_text(json.dumps(curves))
+    (out_dir / f"{s.name}_curves.json").write_text(json.dumps(curves))
     return {"rows": rows, "checks": checks}
+
+
+def _row(case_name: str, r: dict, marks: _Marks, batch: int) -> dict:
+    row = {"run": case_name, "lr": r["lr"], "samples_per_s": r["samples_per_s"],
+           "step_ms": r["step_s"] * 1e3, "exposed_ms": r["exposed_s"] * 1e3,
+           "wire_mb_per_step": (r["wire_bytes_per_step"] / 1e6
+                                if r["wire_bytes_per_step"] is not None else None),
+           "rank_cpu_ms": [round(c * 1e3) for c in r["rank_cpu_s_per_step"]],
+           "shard_cpu_ms": [round(c * 1e3) for c in r["shard_cpu_s_per_step"]],
+           "sweep": r["sweep"]}
+    if marks.ceiling is not None:
+        row["vs_ceiling"] = r["samples_per_s"] / marks.ceiling["samples_per_s"]
+        if r["lr"] is not None and case_name.startswith("DDP"):
+            row["exposed_ms"] = max(r["step_s"] - marks.ceiling["step_s"], 0.0) * 1e3
+    if marks.compute is not None:
+        row["vs_compute_only"] = r["samples_per_s"] / marks.compute["samples_per_s"]
+    if marks.fp32_wire and r["wire_bytes_per_step"]:
+        row["wire_vs_fp32"] = marks.fp32_wire / r["wire_bytes_per_step"]
+    if r["lr"] is not None:
+        row.update(_learning(r, marks, batch))
+    return row
+
+
+def _learning(r: dict, marks: _Marks, batch: int) -> dict:
+    """A learning run's loss figures: final, diverged, to the target, at equal time."""
+    window = marks.window
+    smooth = moving_average(r["loss"], window)
+    final = _final(r["loss"])
+    row = {"final_loss": final,
+           "diverged": bool(not math.isfinite(final) or final > math.log(256) + 0.5)}
+    if marks.target is not None:
+        hit = np.nonzero(smooth <= marks.target + 1e-12)[0]
+        k = int(hit[0]) + window - 1 if hit.size else None
+        row["steps_to_target"] = None if k is None else k + 1
+        row["samples_to_target"] = None if k is None else (k + 1) * batch * 2
+        row["time_to_target_s"] = None if k is None else r["time"][k]
+    if marks.equal_time is not None:
+        k = int(np.searchsorted(r["time"], marks.equal_time, side="right")) - 1
+        lo = max(0, k + 1 - window)
+        row["loss_at_equal_time"] = float(np.mean(r["loss"][lo:k + 1]))
+    return row
+
+
+def _notes(s: E2EBench, marks: _Marks, link_note: str, raw_link: dict | None,
+           busy: float) -> str:
+    spec = MODELS[s.model]
+    warm = _schedule(s.steps, s)["warmup_steps"]
+    target, equal_time = marks.target, marks.equal_time
+    return (f"Model: {spec.description}, batch {spec.batch} x {spec.seq_len} per worker, 2 "
+            f"workers, {s.steps} steps, Adam with linear warm-up ({warm} steps) then cosine "
+            f"to 0.1x, clip {s.clip_norm}; learning rate "
+            f"of each run = best of {list(s.lrs)} at {s.sweep_steps} steps. Cluster: "
+            f"{link_note}; placement {s.placement}"
+            + (f"; raw link {raw_link['mbit_per_s']:.0f} Mbit/s (one TCP stream)"
+               if raw_link else "")
+            + f". Target loss = {TARGET_RUN}'s final {marks.window}-step average"
+            + (f" = {target:.4f}" if target is not None else "")
+            + (f"; equal wall time = {equal_time:.1f} s" if equal_time else "")
+            + f". Wire MB/step: bytes sent + received per worker node (bridge counters). "
+            f"Machine busy before the run: {busy:.0%}."
+            + (" Straggler: worker 1 computes 1.5x slower." if s.straggler else ""))
 
 
 def best_run(rows) -> dict | None:
@@ -468,7 +484,7 @@ def best_run(rows) -> dict | None:
     return max(bitps, key=lambda r: r["samples_per_s"], default=None)
 
 
-def _checks(by: dict[str, dict], s: Settings) -> dict:
+def _checks(by: dict[str, dict], s: E2EBench) -> dict:
     checks = {}
     bitps = [r for n, r in by.items() if n.startswith("bitps") and r.get("lr") is not None]
     ddp = [r for n, r in by.items() if n.startswith("DDP")]

@@ -32,8 +32,10 @@ import heapq
 import random
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from bitps.bench.config import MemoryBench
 from bitps.bench.report import check, write_results
 
 __all__ = ["run"]
@@ -264,51 +266,114 @@ def _paired(cfg, steps: int, micro: int, in_flight: int, seed: int):
     return t_off, t_on, same, on.pool
 
 
-def run(*, trace_steps: int = 12, train_steps: int = 18, micro: int = 8,
-        in_flight: int = 4, scale: int = 1024, seed: int = 0, out: Path | None = None,
-        quick: bool = False) -> dict:
-    """Run the scenario, write ``memory.json``/``.md`` under ``out``, return the document."""
+_COLUMNS = [("part", "part"), ("config", "config"), ("capacity", "capacity"),
+            ("capacity_mib", "MiB"),
+            ("budget", "budget"), ("fallbacks", "fallbacks"),
+            ("fallback_rate", "fallback rate"), ("internal", "internal"),
+            ("internal_at_peak", "internal at peak"),
+            ("external", "external"),
+            ("external_at_failures", "external at failures"),
+            ("overhead", "overhead"), ("step_ms", "step ms"),
+            ("vs_off", "x pool off"),
+            ("evicted_mib_per_step", "evicted MiB/step"),
+            ("fetched_mib_per_step", "fetched MiB/step"),
+            ("stall_ms_per_step", "stall ms/step"),
+            ("grads_identical", "grads identical")]
+_BUDGETS = (0.75, 0.5, 0.1)
+"""Pool capacities in training, as shares of the activation peak (and infinity)."""
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """The problem statement's sizes (4 MiB min block, 2 GiB max, 1 MiB min tensor) scaled
+    by ``1/scale``."""
+
+    min_block: int
+    max_block: int
+    min_tensor: int
+
+    @classmethod
+    def scaled(cls, scale: int) -> _Sizes:
+        return cls((4 * MIB) // scale, (2 << 30) // scale, MIB // scale)
+
+    def pool(self, capacity: int, **kw):
+        from bitps.worker.config import PoolConfig
+
+        return PoolConfig(capacity_bytes=capacity, min_block=self.min_block,
+                          max_block=self.max_block, min_tensor_bytes=self.min_tensor, **kw)
+
+
+def run(cfg: MemoryBench | None = None, *, out: Path | None = None) -> dict:
+    """Run the scenario (``None``: the defaults), write ``memory.json``/``.md`` under ``out``,
+    return the document."""
     import torch
 
-    from bitps.native.bestfit import BestFitAllocator
-    from bitps.native.buddy import BuddyAllocator
-    from bitps.worker.config import PoolConfig
-
+    cfg = (cfg or MemoryBench()).sized()
     torch.set_num_threads(1)
-    if quick:
-        trace_steps, train_steps = 4, 2
-    min_block, max_block = (4 * MIB) // scale, (2 << 30) // scale
-    min_tensor = MIB // scale
-    trace = _record_trace(trace_steps, micro, in_flight, seed, min_tensor)
-    allocators = {
-        "buddy": lambda cap: BuddyAllocator(cap, min_block=min_block, max_block=max_block),
-        "buddy+trim": lambda cap: BuddyAllocator(cap, min_block=min_block,
-                                                 max_block=max_block, trim=True),
-        "best-fit (default)": lambda cap: BestFitAllocator(cap, align=512),
-    }
+    sizes = _Sizes.scaled(cfg.scale)
+    trace = _record_trace(cfg.trace_steps, cfg.micro, cfg.in_flight, cfg.seed, sizes.min_tensor)
+    peak = _peak_live(trace)
+    rows, checks = _replay_rows(trace, peak, sizes)
+    cached = _caching_allocator(trace)
+    if cached is not None:
+        rows.append({"part": "replay", "config": "torch CUDA caching allocator",
+                     "capacity": "grows", "allocs": sum(e[0] == "alloc" for e in trace),
+                     "fallbacks": 0, "overhead": cached["overhead"]})
+    training, moved, optimum, act_peak = _training_rows(cfg, sizes, checks)
+    rows += training
+    ratios = _eviction_checks(moved, optimum, checks)
+    config = {"trace_steps": cfg.trace_steps, "batch": "1..16", "seq_len": "32/64/96/128",
+              "in_flight": cfg.in_flight, **ratios,
+              "scale": f"1/{cfg.scale}", "min_block": sizes.min_block,
+              "max_block": sizes.max_block, "min_tensor_bytes": sizes.min_tensor,
+              "trace_allocs": sum(e[0] == "alloc" for e in trace),
+              "trace_peak_live_bytes": peak, "train_steps": cfg.train_steps,
+              "micro_batches": cfg.micro,
+              "schedule": f"1F1B, {cfg.in_flight} in flight", "activation_peak_bytes": act_peak,
+              "seed": cfg.seed, "caching_allocator": cached, "quick": cfg.quick}
+    write_results("memory", config=config, rows=rows, checks=checks, out=out,
+                  notes=_notes(cfg, sizes, config), columns=_COLUMNS)
+    return {"rows": rows, "checks": checks}
+
+
+def _peak_live(trace) -> int:
+    """The peak of live bytes, allocator-free."""
     live = peak = 0
     sizes = {}
-    for ev in trace:  # the peak of live bytes, allocator-free
+    for ev in trace:
         if ev[0] == "alloc":
             sizes[ev[1]] = ev[2]
             live += ev[2]
             peak = max(peak, live)
         else:
             live -= sizes.pop(ev[1])
+    return peak
+
+
+def _replay_rows(trace, peak: int, sizes: _Sizes) -> tuple[list[dict], dict]:
+    """Part 2: every allocator at the arena it needs and at 1x, 1.1x and 1.25x the peak."""
+    from bitps.native.bestfit import BestFitAllocator
+    from bitps.native.buddy import BuddyAllocator
+
+    lo, hi = sizes.min_block, sizes.max_block
+    allocators = {
+        "buddy": lambda cap: BuddyAllocator(cap, min_block=lo, max_block=hi),
+        "buddy+trim": lambda cap: BuddyAllocator(cap, min_block=lo, max_block=hi, trim=True),
+        "best-fit (default)": lambda cap: BestFitAllocator(cap, align=512),
+    }
     rows, checks = [], {}
     for name, make in allocators.items():
+        default = name.endswith("(default)")
         needed = _arena_needed(trace, make, peak)
-        at_needed = _replay(trace, make(needed))
+        r = _replay(trace, make(needed))
         rows.append({"part": "replay", "config": name, "capacity": "needed",
-                     "capacity_mib": needed / MIB, "allocs": at_needed["allocs"],
-                     "fallbacks": 0, "fallback_rate": 0.0, "internal": at_needed["internal"],
-                     "internal_at_peak": at_needed["internal_at_peak"],
-                     "external": at_needed["external_at_peak"],
-                     "overhead": needed / peak - 1})
-        if name.endswith("(default)"):
+                     "capacity_mib": needed / MIB, "allocs": r["allocs"],
+                     "fallbacks": 0, "fallback_rate": 0.0, "internal": r["internal"],
+                     "internal_at_peak": r["internal_at_peak"],
+                     "external": r["external_at_peak"], "overhead": needed / peak - 1})
+        if default:
             checks["default_external_fragmentation_at_peak"] = check(
-                round(at_needed["external_at_peak"], 4), "<= 0.032",
-                at_needed["external_at_peak"] <= 0.032)
+                round(r["external_at_peak"], 4), "<= 0.032", r["external_at_peak"] <= 0.032)
         for factor in (1.0, 1.1, 1.25):
             capacity = int(peak * factor)
             r = _replay(trace, make(capacity))
@@ -318,64 +383,76 @@ def run(*, trace_steps: int = 12, train_steps: int = 18, micro: int = 8,
                          "internal": r["internal"], "internal_at_peak": r["internal_at_peak"],
                          "external": r["external_at_peak"],
                          "external_at_failures": r["external_at_failures"]})
-            if name.endswith("(default)") and factor == 1.1:
+            if default and factor == 1.1:
                 checks["default_fallbacks_at_1.1x_peak"] = check(
                     round(r["fallback_rate"], 4), "<= 0.001", r["fallback_rate"] <= 0.001)
-    cached = _caching_allocator(trace)
-    if cached is not None:
-        rows.append({"part": "replay", "config": "torch CUDA caching allocator",
-                     "capacity": "grows", "allocs": sum(e[0] == "alloc" for e in trace),
-                     "fallbacks": 0, "overhead": cached["overhead"]})
-    # 3. training at budgets: every configuration steps in alternation with a pool-off model
-    # on the same batches; its ratio is the median of the per-step ratios (the machine drifts)
+    return rows, checks
+
+
+def _training_rows(cfg: MemoryBench, sizes: _Sizes, checks: dict) -> tuple[list, dict, dict, int]:
+    """Part 3: the pool at every budget and policy, each beside a pool-off model on the same
+    batches, its ratio the median of the per-step ratios (the machine drifts). Its rows (pool
+    off first), its checks (added to ``checks``), the bytes evicted per step by (budget,
+    policy), the optimum's by budget, and the activation peak."""
+    from bitps.worker.config import PoolConfig
+
     step_trace: list[tuple] = []  # one training step: every step stores the same tensors
-    _, _, probe = _train(1, PoolConfig(capacity_bytes=256 * MIB, min_block=min_block,
-                                       max_block=max_block, min_tensor_bytes=min_tensor),
-                         micro, in_flight, seed, trace=step_trace)
+    _, _, probe = _train(1, sizes.pool(256 * MIB), cfg.micro, cfg.in_flight, cfg.seed,
+                         trace=step_trace)
     act_peak = probe.stats().peak_requested
-    offs: list[float] = []
-    moved, optimum = {}, {}
-    for budget in (None, 0.75, 0.5, 0.1):
+    rows, offs, moved, optimum = [], [], {}, {}
+    for budget in (None, *_BUDGETS):
         for policy in ("lru", "schedule"):
             capacity = 256 * MIB if budget is None else int(act_peak * budget)
-            cfg = PoolConfig(capacity_bytes=capacity, policy=policy, min_block=min_block,
-                             max_block=max_block, min_tensor_bytes=min_tensor)
-            t_off, t_on, same, pool = _paired(cfg, train_steps, micro, in_flight, seed)
+            row, t_off, same, evicted = _training_row(cfg, sizes.pool(capacity, policy=policy),
+                                                      budget)
+            rows.append(row)
             offs += t_off
-            ratio = statistics.median(b / a for a, b in zip(t_off, t_on))
-            s = pool.stats()
-            done = train_steps + 1  # the pool counted the warm-up step too
-            moved[budget, policy] = s.evicted_bytes / done
-            rows.append({"part": "training", "config": f"pool {policy}",
-                         "budget": "inf" if budget is None else f"{budget:.0%}",
-                         "step_ms": statistics.median(t_on) * 1e3, "vs_off": ratio,
-                         "evicted_mib_per_step": s.evicted_bytes / done / MIB,
-                         "fetched_mib_per_step": s.fetched_bytes / done / MIB,
-                         "fallbacks": s.fallbacks, "stall_ms_per_step":
-                             s.stall_s / done * 1e3,
-                         "grads_identical": same})
+            moved[budget, policy] = evicted
             if budget is not None and policy == "schedule":
-                fewest = _fewest_evicted(step_trace, capacity)
-                optimum[budget] = fewest
+                optimum[budget] = _fewest_evicted(step_trace, capacity)
                 rows.append({"part": "training", "config": "optimum (Belady bound)",
                              "budget": f"{budget:.0%}",
-                             "evicted_mib_per_step": fewest / MIB})
+                             "evicted_mib_per_step": optimum[budget] / MIB})
             if budget == 0.5 and policy == PoolConfig().policy:
-                checks["step_at_50pct_vs_pool_off"] = check(round(ratio, 3), "<= 1.3",
-                                                            ratio <= 1.3)
+                checks["step_at_50pct_vs_pool_off"] = check(round(row["vs_off"], 3), "<= 1.3",
+                                                            row["vs_off"] <= 1.3)
             checks.setdefault("gradients_identical", check(True, "True", True))
             if not same:
                 checks["gradients_identical"] = check(False, "True", False)
-    first = next(i for i, r in enumerate(rows) if r["part"] == "training")
-    rows.insert(first, {"part": "training", "config": "pool off", "budget": "-",
-                        "step_ms": statistics.median(offs) * 1e3, "vs_off": 1.0})
+    off = {"part": "training", "config": "pool off", "budget": "-",
+           "step_ms": statistics.median(offs) * 1e3, "vs_off": 1.0}
+    return [off, *rows], moved, optimum, act_peak
+
+
+def _training_row(cfg: MemoryBench, pool_cfg, budget: float | None):
+    """One pool configuration trained beside the pool off: its row, the pool-off step
+    seconds, whether the gradients are identical, and the bytes evicted per step."""
+    t_off, t_on, same, pool = _paired(pool_cfg, cfg.train_steps, cfg.micro, cfg.in_flight,
+                                      cfg.seed)
+    ratio = statistics.median(b / a for a, b in zip(t_off, t_on))
+    s = pool.stats()
+    done = cfg.train_steps + 1  # the pool counted the warm-up step too
+    row = {"part": "training", "config": f"pool {pool_cfg.policy}",
+           "budget": "inf" if budget is None else f"{budget:.0%}",
+           "step_ms": statistics.median(t_on) * 1e3, "vs_off": ratio,
+           "evicted_mib_per_step": s.evicted_bytes / done / MIB,
+           "fetched_mib_per_step": s.fetched_bytes / done / MIB,
+           "fallbacks": s.fallbacks, "stall_ms_per_step": s.stall_s / done * 1e3,
+           "grads_identical": same}
+    return row, t_off, same, s.evicted_bytes / done
+
+
+def _eviction_checks(moved: dict, optimum: dict, checks: dict) -> dict:
+    """The schedule-aware policy's bytes against LRU's and the optimum's (added to
+    ``checks``); the ratios by budget, as the config records them."""
 
     def ratio_of(a: dict, b: dict) -> dict:
-        return {k: a[k] / b[k] if b[k] else 0.0 for k in (0.75, 0.5, 0.1)}
+        return {k: a[k] / b[k] if b[k] else 0.0 for k in _BUDGETS}
 
-    lru = {b: moved[b, "lru"] for b in (0.75, 0.5, 0.1)}
-    ratios = ratio_of({b: moved[b, "schedule"] for b in lru}, lru)
-    vs_optimum = ratio_of({b: moved[b, "schedule"] for b in lru}, optimum)
+    lru = {b: moved[b, "lru"] for b in _BUDGETS}
+    schedule = {b: moved[b, "schedule"] for b in _BUDGETS}
+    ratios, vs_optimum = ratio_of(schedule, lru), ratio_of(schedule, optimum)
     optimum_vs_lru = ratio_of(optimum, lru)
     # The issue's goal; no policy can meet it where the optimum itself is above 0.5x LRU.
     checks["schedule_vs_lru_bytes_at_50pct"] = check(round(ratios[0.5], 3), "<= 0.5",
@@ -388,50 +465,30 @@ def run(*, trace_steps: int = 12, train_steps: int = 18, micro: int = 8,
                                                      ratios[0.75] <= 0.45)
     checks["schedule_vs_optimum_bytes_at_50pct"] = check(
         round(vs_optimum[0.5], 3), "<= 1.1", vs_optimum[0.5] <= 1.1)
-    config = {"trace_steps": trace_steps, "batch": "1..16", "seq_len": "32/64/96/128",
-              "in_flight": in_flight,
-              "schedule_vs_lru_bytes": {f"{b:.0%}": round(r, 3) for b, r in ratios.items()},
-              "schedule_vs_optimum_bytes": {f"{b:.0%}": round(r, 3)
-                                            for b, r in vs_optimum.items()},
-              "optimum_vs_lru_bytes": {f"{b:.0%}": round(r, 3)
-                                       for b, r in optimum_vs_lru.items()},
-              "scale": f"1/{scale}", "min_block": min_block, "max_block": max_block,
-              "min_tensor_bytes": min_tensor, "trace_allocs": sum(e[0] == "alloc" for e in trace),
-              "trace_peak_live_bytes": peak, "train_steps": train_steps,
-              "micro_batches": micro,
-              "schedule": f"1F1B, {in_flight} in flight", "activation_peak_bytes": act_peak,
-              "seed": seed, "caching_allocator": cached, "quick": quick}
-    notes = (f"Trace: demo model, {trace_steps} steps of {micro} micro-batches in 1F1B order "
-             f"({in_flight} in flight, as on the first stage of a {in_flight}-stage pipeline), "
-             f"each micro-batch with its own batch size (1-16) and sequence length (32-128): "
-             f"{config['trace_allocs']} stored activations, peak live {peak / MIB:.2f} MiB. "
-             f"Sizes scaled by 1/{scale}: min block {min_block >> 10} KiB, max block "
-             f"{max_block >> 20} MiB, tensors under {min_tensor} B pass through. Replay has no "
-             f"eviction: a request with no room is a fallback. internal = 1 - requested / "
-             f"allocated over every allocation (and at the peak); external = 1 - largest free / "
-             f"total free below the high-water mark at the peak, and at failed allocations; "
-             f"overhead = arena needed / peak live - 1. Training: the same schedule with "
-             f"micro-batches of 8 x 128, budgets of the activation peak "
-             f"({act_peak / MIB:.2f} MiB), best-fit; each configuration trains beside a pool-off "
-             f"model on the same batches, their steps alternating ({train_steps} timed "
-             f"steps after one warm-up step each): step ms = median step, x pool off = "
-             f"median over steps of (pool-on step / the pool-off step beside it); "
-             f"evicted/fetched = bytes offloaded / copied back per step. "
-             f"optimum = the fewest bytes any eviction policy must offload at that budget "
-             f"(Belady's rule on the byte-splittable relaxation of one step's trace: a lower "
-             f"bound).")
-    write_results("memory", config=config, rows=rows, checks=checks, out=out, notes=notes,
-                  columns=[("part", "part"), ("config", "config"), ("capacity", "capacity"),
-                           ("capacity_mib", "MiB"),
-                           ("budget", "budget"), ("fallbacks", "fallbacks"),
-                           ("fallback_rate", "fallback rate"), ("internal", "internal"),
-                           ("internal_at_peak", "internal at peak"),
-                           ("external", "external"),
-                           ("external_at_failures", "external at failures"),
-                           ("overhead", "overhead"), ("step_ms", "step ms"),
-                           ("vs_off", "x pool off"),
-                           ("evicted_mib_per_step", "evicted MiB/step"),
-                           ("fetched_mib_per_step", "fetched MiB/step"),
-                           ("stall_ms_per_step", "stall ms/step"),
-                           ("grads_identical", "grads identical")])
-    return {"rows": rows, "checks": checks}
+    return {key: {f"{b:.0%}": round(r, 3) for b, r in by.items()}
+            for key, by in (("schedule_vs_lru_bytes", ratios),
+                            ("schedule_vs_optimum_bytes", vs_optimum),
+                            ("optimum_vs_lru_bytes", optimum_vs_lru))}
+
+
+def _notes(cfg: MemoryBench, sizes: _Sizes, config: dict) -> str:
+    peak, act_peak = config["trace_peak_live_bytes"], config["activation_peak_bytes"]
+    return (f"Trace: demo model, {cfg.trace_steps} steps of {cfg.micro} micro-batches in 1F1B "
+            f"order ({cfg.in_flight} in flight, as on the first stage of a "
+            f"{cfg.in_flight}-stage pipeline), each micro-batch with its own batch size (1-16) "
+            f"and sequence length (32-128): {config['trace_allocs']} stored activations, peak "
+            f"live {peak / MIB:.2f} MiB. Sizes scaled by 1/{cfg.scale}: min block "
+            f"{sizes.min_block >> 10} KiB, max block {sizes.max_block >> 20} MiB, tensors "
+            f"under {sizes.min_tensor} B pass through. Replay has no eviction: a request with "
+            f"no room is a fallback. internal = 1 - requested / allocated over every "
+            f"allocation (and at the peak); external = 1 - largest free / total free below the "
+            f"high-water mark at the peak, and at failed allocations; overhead = arena needed "
+            f"/ peak live - 1. Training: the same schedule with micro-batches of 8 x 128, "
+            f"budgets of the activation peak ({act_peak / MIB:.2f} MiB), best-fit; each "
+            f"configuration trains beside a pool-off model on the same batches, their steps "
+            f"alternating ({cfg.train_steps} timed steps after one warm-up step each): step ms "
+            f"= median step, x pool off = median over steps of (pool-on step / the pool-off "
+            f"step beside it); evicted/fetched = bytes offloaded / copied back per step. "
+            f"optimum = the fewest bytes any eviction policy must offload at that budget "
+            f"(Belady's rule on the byte-splittable relaxation of one step's trace: a lower "
+            f"bound).")

@@ -34,8 +34,11 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from bitps.bench.config import OverlapBench
 from bitps.bench.link import Link, shaped_link
 from bitps.bench.proc import ReadyProcess, machine_busy, process_cpu, thread_cpu
 from bitps.bench.report import check, write_results
@@ -237,119 +240,156 @@ def _row(case: str, target, measured, batch: int, r: dict, base: dict) -> dict:
             "cpu_other_ms": r["cpu_other_s"] * ms, "shard_cpu_ms": r["shard_cpu_s"] * ms}
 
 
-def run(*, rate: str = "1gbit", width: int = 512, depth: int = 16,
-        comm_ratios: tuple[float, ...] = (0.6, 0.8, 1.0), steps: int = 12, warmup: int = 3,
-        probe_batch: int = 64, bucket_bytes: int = 1 << 20, partition_bytes: int = 128 << 10,
-        inflight_bytes: int = 2 << 20, device: str = "auto", out: Path | None = None,
-        quick: bool = False) -> dict:
+_COLUMNS = [("case", "case"), ("target", "comm/compute target"), ("measured", "measured"),
+            ("batch", "batch"), ("step_ms", "step ms"), ("vs_compute_only", "x compute-only"),
+            ("utilization", "utilization"), ("exposed_ms", "exposed ms"),
+            ("comm_ms", "comm ms"), ("overlap", "overlap"), ("cpu_ms", "worker CPU ms"),
+            ("beyond_compute_cpu_ms", "beyond compute"), ("cpu_comm_ms", "comm thread"),
+            ("cpu_zmq_ms", "zmq I/O"), ("shard_cpu_ms", "shard CPU ms")]
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What every case of one run shares: the link, the options, the device and the client
+    settings (``wire``: the dict ``client_config`` and ``bench.overlap_peer`` read)."""
+
+    link: Link
+    cfg: OverlapBench
+    dev: Any
+    wire: dict
+
+    def model(self):
+        return make_model(self.cfg.width, self.cfg.depth, self.dev)
+
+    def ps_run(self, batch: int, steps: int, warmup: int, mode: str, **kw) -> dict:
+        return _ps_run(self.link, self.model(), batch, steps, warmup, self.dev, mode, self.wire,
+                       **kw)
+
+    def size_batch(self, comm_ratio: float, comm_s: float, per_sample_s: float):
+        c = self.cfg
+        return _size_batch(c.width, c.depth, comm_ratio, comm_s, per_sample_s, c.steps,
+                           c.warmup, self.dev)
+
+
+def run(cfg: OverlapBench | None = None, *, out: Path | None = None) -> dict:
     """Run the three cases, write ``overlap.json``/``.md`` under ``out``, return the document.
     Every target of case 1 gets the two checks (utilization >= 0.9, step <= 1.1x
     compute-only); case 2 must finish and be no slower with overlap on; case 3 must decide
     overlap on and be no slower with it."""
     import torch
 
+    cfg = (cfg or OverlapBench()).sized()
     torch.set_num_threads(1)
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       "cpu" if device == "auto" else device)
-    if quick:
-        steps, warmup = 3, 1
+    dev = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
+                       "cpu" if cfg.device == "auto" else cfg.device)
     busy = machine_busy(2.0)
-    cfg = {"bucket_bytes": bucket_bytes, "partition_bytes": partition_bytes,
-           "inflight_bytes": inflight_bytes}
-    rows, checks, batches = [], {}, {}
-    with shaped_link(rate) as link:
+    wire = {"bucket_bytes": cfg.bucket_bytes, "partition_bytes": cfg.partition_bytes,
+            "inflight_bytes": cfg.inflight_bytes}
+    probe_steps = max(cfg.steps // 2, 2)
+    with shaped_link(cfg.rate) as link:
         print(f"link: {link.kind}: {link.note}", file=sys.stderr)
-        param_bytes = sum(p.numel() * 4 for p in make_model(width, depth, dev).parameters())
-        probe = train_steps(make_model(width, depth, dev), probe_batch, max(steps // 2, 2), warmup,
-                            dev)
-        comm = _ps_run(link, make_model(width, depth, dev), probe_batch, max(steps // 2, 2),
-                       warmup, dev, "off", cfg)
-        per_sample = probe["step_s"] / probe_batch
-        for target in comm_ratios:
-            batch, base = _size_batch(width, depth, target, comm["exposed_s"], per_sample,
-                                      steps, warmup, dev)
-            results = {mode: _ps_run(link, make_model(width, depth, dev), batch, steps, warmup,
-                                     dev, mode, cfg) for mode in ("off", "on")}
-            measured = results["off"]["exposed_s"] / base["step_s"]
-            batches[f"{target:g}"] = {"batch": batch, "measured_ratio": round(measured, 3)}
-            rows.append(_row("1 worker: compute-only", target, measured, batch, base, base))
-            for mode, r in results.items():
-                rows.append(_row(f"1 worker: overlap {mode}", target, measured, batch, r, base))
-            on = results["on"]
-            checks[f"overlap_on_utilization_at_ratio_{target:g}"] = check(
-                round(on["utilization"], 3), ">= 0.9", on["utilization"] >= 0.9)
-            checks[f"overlap_on_step_vs_compute_only_at_ratio_{target:g}"] = check(
-                round(on["step_s"] / base["step_s"], 3), "<= 1.1",
-                on["step_s"] / base["step_s"] <= 1.1)
-        # case 2: two workers, sync, at the last target's batch
-        pair = {}
-        for mode in ("off", "on"):
-            try:
-                pair[mode] = _two_workers(link, width, depth, batch, steps, warmup, dev, mode,
-                                          cfg)
-            except Exception as err:  # a wedge shows as a deadline: report it, do not crash
-                print(f"two workers, overlap {mode}: {err}", file=sys.stderr)
-                pair[mode] = None
-        for mode, r in pair.items():
-            if r is not None:
-                rows.append(_row(f"2 workers sync: overlap {mode}", comm_ratios[-1], None,
-                                 batch, r, base))
-        done = pair["on"] is not None and pair["off"] is not None
-        checks["two_workers_sync_overlap_on_completes"] = check(done, "true", done)
-        ratio = pair["on"]["step_s"] / pair["off"]["step_s"] if done else None
-        checks["two_workers_sync_overlap_on_vs_off"] = check(
-            round(ratio, 3) if done else None, "< 1", done and ratio < 1)
-        # case 3: sign1 with default clipping, the norm ~3 so that clipping is in force
-        scale = 3.0 / _grad_norm(width, depth, probe_batch, dev)
-        sign = _ps_run(link, make_model(width, depth, dev), probe_batch, max(steps // 2, 2), warmup,
-                       dev, "off", cfg, codec="sign1", loss_scale=scale)
-        target = comm_ratios[0]
-        cbatch, cbase = _size_batch(width, depth, target, sign["exposed_s"], per_sample,
-                                    steps, warmup, dev)
-        # auto decides after one warm-up and three probe steps: measure after that
-        coded = {mode: _ps_run(link, make_model(width, depth, dev), cbatch, steps,
-                               warmup + (4 if mode == "auto" else 0), dev, mode, cfg,
-                               codec="sign1", loss_scale=scale) for mode in ("off", "auto")}
-        cmeasured = coded["off"]["exposed_s"] / cbase["step_s"]
-        rows.append(_row("sign1 + clip: compute-only", target, cmeasured, cbatch, cbase, cbase))
-        for mode, r in coded.items():
-            rows.append(_row(f"sign1 + clip: overlap {mode}", target, cmeasured, cbatch, r,
-                             cbase))
-        checks["compressed_clip_auto_turns_overlap_on"] = check(
-            coded["auto"]["overlap"], "true", coded["auto"]["overlap"])
-        cratio = coded["auto"]["step_s"] / coded["off"]["step_s"]
-        checks["compressed_clip_overlap_on_vs_off"] = check(round(cratio, 3), "< 1", cratio < 1)
-    config = {"link": link.kind, "rate": link.rate, "link_note": link.note, "width": width,
-              "depth": depth, "param_bytes": param_bytes, "comm_ratios": list(comm_ratios),
-              "batches": batches, "comm_ms_overlap_off_probe": round(comm["exposed_s"] * 1e3, 2),
-              "sign1_comm_ms_overlap_off_probe": round(sign["exposed_s"] * 1e3, 2),
-              "sign1_batch": cbatch, "sign1_loss_scale": round(scale, 3),
-              "bucket_bytes": bucket_bytes, "partition_bytes": partition_bytes,
-              "inflight_bytes": inflight_bytes, "mode": "sync", "optimizer": "sgd",
-              "device": str(dev), "steps": steps, "warmup": warmup, "torch_threads": 1,
-              "machine_busy_before": round(busy, 3), "quick": quick}
-    notes = (f"Link: {link.kind} ({link.note}). Model: {depth} x Linear({width}, {width}) + "
-             f"ReLU, {param_bytes / 2**20:.1f} MiB of float32 parameters. Case 1 sizes the "
-             f"batch so communication / compute = target (measured: overlap-off exposed time / "
-             f"compute-only step); one worker (1 torch thread), one sync shard (sgd). Case 2: two "
-             f"workers, a shard beside each (half of each worker's traffic crosses the link), "
-             f"at the last target's batch; step = the slower worker's. Case 3: sign1 pushes "
-             f"and pulls, clip_norm 1.0 with the loss scaled x{scale:.3g} (gradient norm ~3), "
-             f"the batch sized for the first target from sign1's own communication; auto "
-             f"measured after its decision. Buckets {bucket_bytes >> 10} KiB, credit window "
-             f"{inflight_bytes >> 10} KiB, partitions {partition_bytes >> 10} KiB. step ms = "
-             f"wall / steps over {steps} steps after {warmup}; utilization = (wall - exposed "
-             f"communication) / wall as PSModel measures it; exposed and comm ms are medians "
-             f"per step. CPU ms per step from /proc: the worker process (beyond compute = less "
-             f"the compute-only run's), its communication and ZeroMQ I/O threads, and the "
-             f"shards. Machine busy before the run: {busy:.0%} of all cores.")
-    write_results("overlap", config=config, rows=rows, checks=checks, out=out, notes=notes,
-                  columns=[("case", "case"), ("target", "comm/compute target"),
-                           ("measured", "measured"), ("batch", "batch"), ("step_ms", "step ms"),
-                           ("vs_compute_only", "x compute-only"), ("utilization", "utilization"),
-                           ("exposed_ms", "exposed ms"), ("comm_ms", "comm ms"),
-                           ("overlap", "overlap"), ("cpu_ms", "worker CPU ms"),
-                           ("beyond_compute_cpu_ms", "beyond compute"),
-                           ("cpu_comm_ms", "comm thread"), ("cpu_zmq_ms", "zmq I/O"),
-                           ("shard_cpu_ms", "shard CPU ms")])
+        s = _Setup(link, cfg, dev, wire)
+        param_bytes = sum(p.numel() * 4 for p in s.model().parameters())
+        probe = train_steps(s.model(), cfg.probe_batch, probe_steps, cfg.warmup, dev)
+        comm = s.ps_run(cfg.probe_batch, probe_steps, cfg.warmup, "off")
+        per_sample = probe["step_s"] / cfg.probe_batch
+        rows, checks, batches, batch, base = _one_worker(s, per_sample, comm["exposed_s"])
+        pair_rows, pair_checks = _two_worker_rows(s, batch, base)
+        clip_rows, clip_checks, clip_config, scale = _clipped_rows(s, per_sample)
+    config = {"link": link.kind, "rate": link.rate, "link_note": link.note, "width": cfg.width,
+              "depth": cfg.depth, "param_bytes": param_bytes,
+              "comm_ratios": list(cfg.comm_ratios), "batches": batches,
+              "comm_ms_overlap_off_probe": round(comm["exposed_s"] * 1e3, 2), **clip_config,
+              "bucket_bytes": cfg.bucket_bytes, "partition_bytes": cfg.partition_bytes,
+              "inflight_bytes": cfg.inflight_bytes, "mode": "sync", "optimizer": "sgd",
+              "device": str(dev), "steps": cfg.steps, "warmup": cfg.warmup, "torch_threads": 1,
+              "machine_busy_before": round(busy, 3), "quick": cfg.quick}
+    rows += pair_rows + clip_rows
+    checks.update(pair_checks)
+    checks.update(clip_checks)
+    write_results("overlap", config=config, rows=rows, checks=checks, out=out,
+                  notes=_notes(cfg, link, param_bytes, scale, busy), columns=_COLUMNS)
     return {"rows": rows, "checks": checks}
+
+
+def _one_worker(s: _Setup, per_sample: float, comm_s: float):
+    """Case 1 at every target: its rows, checks, batches by target, and the last target's
+    batch and compute-only run (case 2 runs at them)."""
+    rows, checks, batches = [], {}, {}
+    for target in s.cfg.comm_ratios:
+        batch, base = s.size_batch(target, comm_s, per_sample)
+        results = {mode: s.ps_run(batch, s.cfg.steps, s.cfg.warmup, mode) for mode in ("off", "on")}
+        measured = results["off"]["exposed_s"] / base["step_s"]
+        batches[f"{target:g}"] = {"batch": batch, "measured_ratio": round(measured, 3)}
+        rows.append(_row("1 worker: compute-only", target, measured, batch, base, base))
+        for mode, r in results.items():
+            rows.append(_row(f"1 worker: overlap {mode}", target, measured, batch, r, base))
+        on = results["on"]
+        checks[f"overlap_on_utilization_at_ratio_{target:g}"] = check(
+            round(on["utilization"], 3), ">= 0.9", on["utilization"] >= 0.9)
+        checks[f"overlap_on_step_vs_compute_only_at_ratio_{target:g}"] = check(
+            round(on["step_s"] / base["step_s"], 3), "<= 1.1",
+            on["step_s"] / base["step_s"] <= 1.1)
+    return rows, checks, batches, batch, base
+
+
+def _two_worker_rows(s: _Setup, batch: int, base: dict) -> tuple[list[dict], dict]:
+    """Case 2: two workers, sync, at the last target's batch."""
+    c, pair = s.cfg, {}
+    for mode in ("off", "on"):
+        try:
+            pair[mode] = _two_workers(s.link, c.width, c.depth, batch, c.steps, c.warmup, s.dev,
+                                      mode, s.wire)
+        except Exception as err:  # a wedge shows as a deadline: report it, do not crash
+            print(f"two workers, overlap {mode}: {err}", file=sys.stderr)
+            pair[mode] = None
+    rows = [_row(f"2 workers sync: overlap {mode}", c.comm_ratios[-1], None, batch, r, base)
+            for mode, r in pair.items() if r is not None]
+    done = pair["on"] is not None and pair["off"] is not None
+    ratio = pair["on"]["step_s"] / pair["off"]["step_s"] if done else None
+    return rows, {"two_workers_sync_overlap_on_completes": check(done, "true", done),
+                  "two_workers_sync_overlap_on_vs_off": check(
+                      round(ratio, 3) if done else None, "< 1", done and ratio < 1)}
+
+
+def _clipped_rows(s: _Setup, per_sample: float) -> tuple[list[dict], dict, dict, float]:
+    """Case 3: sign1 with default clipping, the norm ~3 so that clipping is in force; its
+    rows, checks, the figures the config records, and the loss scale."""
+    c = s.cfg
+    scale = 3.0 / _grad_norm(c.width, c.depth, c.probe_batch, s.dev)
+    sign = s.ps_run(c.probe_batch, max(c.steps // 2, 2), c.warmup, "off", codec="sign1",
+                    loss_scale=scale)
+    target = c.comm_ratios[0]
+    cbatch, cbase = s.size_batch(target, sign["exposed_s"], per_sample)
+    # auto decides after one warm-up and three probe steps: measure after that
+    coded = {mode: s.ps_run(cbatch, c.steps, c.warmup + (4 if mode == "auto" else 0), mode,
+                            codec="sign1", loss_scale=scale) for mode in ("off", "auto")}
+    cmeasured = coded["off"]["exposed_s"] / cbase["step_s"]
+    rows = [_row("sign1 + clip: compute-only", target, cmeasured, cbatch, cbase, cbase)]
+    for mode, r in coded.items():
+        rows.append(_row(f"sign1 + clip: overlap {mode}", target, cmeasured, cbatch, r, cbase))
+    cratio = coded["auto"]["step_s"] / coded["off"]["step_s"]
+    checks = {"compressed_clip_auto_turns_overlap_on": check(
+                  coded["auto"]["overlap"], "true", coded["auto"]["overlap"]),
+              "compressed_clip_overlap_on_vs_off": check(round(cratio, 3), "< 1", cratio < 1)}
+    return rows, checks, {"sign1_comm_ms_overlap_off_probe": round(sign["exposed_s"] * 1e3, 2),
+                          "sign1_batch": cbatch, "sign1_loss_scale": round(scale, 3)}, scale
+
+
+def _notes(cfg: OverlapBench, link: Link, param_bytes: int, scale: float, busy: float) -> str:
+    return (f"Link: {link.kind} ({link.note}). Model: {cfg.depth} x Linear({cfg.width}, "
+            f"{cfg.width}) + ReLU, {param_bytes / 2**20:.1f} MiB of float32 parameters. Case 1 "
+            f"sizes the batch so communication / compute = target (measured: overlap-off "
+            f"exposed time / compute-only step); one worker (1 torch thread), one sync shard "
+            f"(sgd). Case 2: two workers, a shard beside each (half of each worker's traffic "
+            f"crosses the link), at the last target's batch; step = the slower worker's. Case "
+            f"3: sign1 pushes and pulls, clip_norm 1.0 with the loss scaled x{scale:.3g} "
+            f"(gradient norm ~3), the batch sized for the first target from sign1's own "
+            f"communication; auto measured after its decision. Buckets "
+            f"{cfg.bucket_bytes >> 10} KiB, credit window {cfg.inflight_bytes >> 10} KiB, "
+            f"partitions {cfg.partition_bytes >> 10} KiB. step ms = wall / steps over "
+            f"{cfg.steps} steps after {cfg.warmup}; utilization = (wall - exposed "
+            f"communication) / wall as PSModel measures it; exposed and comm ms are medians "
+            f"per step. CPU ms per step from /proc: the worker process (beyond compute = less "
+            f"the compute-only run's), its communication and ZeroMQ I/O threads, and the "
+            f"shards. Machine busy before the run: {busy:.0%} of all cores.")

@@ -55,6 +55,7 @@ import sys
 import time
 from pathlib import Path
 
+from bitps.bench.config import PipelineBench
 from bitps.bench.proc import machine_busy
 from bitps.bench.report import DEFAULT_OUT, check, write_results
 
@@ -355,95 +356,115 @@ def _checks(rows: list[dict], p: int, ms: tuple[int, ...], cases: tuple[str, ...
     return checks
 
 
-def run(*, p: int = 4, ms: tuple[int, ...] = (4, 8, 16), t_f: float = 0.04,
-        t_b: float = 0.04, t_w: float = 0.04, rounds: int = 3, warmup: int = 1,
-        rows_per_mb: int = 2, width: int = 8, cases: tuple[str, ...] | None = None,
-        flush_free_steps: int = 6, timeout_s: float = 600.0, quiet_busy: float = 0.3,
-        quiet_wait_s: float = 120.0, parts: tuple[str, ...] = ("a", "b", "c"),
-        deep_steps: int = 24, dp_pp_steps: int = 150, nice: int = -15,
-        out: Path | None = None, quick: bool = False) -> dict:
-    """Run ``parts`` (part (a) always), write ``pipeline.json``/``.md`` under ``out``, return
-    the document. Part (a) starts once the machine is at most ``quiet_busy`` busy (or after
-    ``quiet_wait_s``); (b) and (c) follow, their rows under ``deep_rows`` / ``dp_pp_rows``."""
-    import tempfile
-
-    from bitps.bench.pipeline_rank import CASES, OUR_CASES
-
-    cases = tuple(cases or CASES)
-    busy, waited = quiet_window(quiet_busy, 0.0 if quick else quiet_wait_s)
-    settings = {"p": p, "ms": list(ms), "t_f": t_f, "t_b": t_b, "t_w": t_w, "rows": rows_per_mb,
-                "width": width, "rounds": rounds, "warmup": warmup, "cases": list(cases),
-                "flush_free_steps": flush_free_steps, "nice": nice, "timeout_s": timeout_s}
-    docs, load = _launch("bitps.bench.pipeline_rank", settings, p, timeout_s + 60)
-    refused = {k: v for d in docs for k, v in d["refused"].items()}
-    comm_s = max(d["comm_s"] for d in docs)
-    link_s = max(d["link_s"] for d in docs)
-    rows = [_our_row(r, docs, p, flush_free_steps) if r["case"] in OUR_CASES
-            else _torch_row(r, p) for r in summarize(docs, p)]
-    order = {c: i for i, c in enumerate(cases)}
-    rows.sort(key=lambda r: (r["m"], order[r["case"]]))
-    checks = _checks(rows, p, ms, cases, refused)
-    other = load["other_load_share"]
-    checks["quiet_window"] = check(
-        f"{busy:.2f} busy before, {other:.2f} other load during", f"<= {quiet_busy} both "
-        "(else the figures measure the machine)", busy <= quiet_busy and other <= quiet_busy)
-    config = {"p": p, "ms": list(ms), "t_f_s": t_f, "t_b_s": t_b, "t_w_s": t_w,
-              "rounds": rounds, "warmup": warmup, "micro_batch_shape": [rows_per_mb, width],
-              "backend": "gloo", "transport": "127.0.0.1", "cases": list(cases),
-              "flush_free_steps": flush_free_steps, "refused": refused,
-              "rank_nice": sorted({str(d["nice"]) for d in docs}),
-              "comm_one_way_ms": round(comm_s * 1e3, 4),
-              "stage_link_one_way_ms": round(link_s * 1e3, 4),
-              "machine_busy_before": round(busy, 3),
-              "quiet_waited_s": round(waited, 1),
-              "load_during": load, "quick": quick}
-    notes = (f"Part (a): p = {p} gloo ranks over 127.0.0.1, each stage a SleepStage "
-             f"(F {t_f * 1e3:g} ms, B {t_b * 1e3:g} ms, W {t_w * 1e3:g} ms; a rank with two "
-             f"stages runs each at half). Per case and m: {warmup} warm-up step, then "
-             f"{rounds} timed step(s), the cases alternated round by round in one run. "
-             f"bubble = 1 - busy / wall per rank (busy: the stage's recorded F/B/W sleeps; "
-             f"wall: barrier release to the last rank's end); max and mean over ranks, median "
-             f"over the timed steps. simulated: our event simulator on the same plan with each "
-             f"stage's measured mean F/B/W and, as the transfer cost, the case's measured hop "
-             f"(median over micro-batches and stages of F start on s + 1 - F end on s where "
-             f"s + 1 was idle; zb-v takes zb-h1's at the same m, its V not pairing s with "
-             f"s + 1; ping-pong probes before the run: StageLink "
-             f"{link_s * 1e3:.3f} ms, raw gloo {comm_s * 1e3:.3f} ms one way) less the "
-             f"per-action overhead, and that overhead (the case's median gap between a rank's "
-             f"compute intervals), paid before every compute action as idle time; "
-             f"excess = measured step - simulated makespan. The "
-             f"flush-free 2bw runs {flush_free_steps} steps as one plan per timed step (its "
-             f"bubble and step are those of the whole plan; steady state: steps 1.."
-             f"{flush_free_steps - 2}). Peak in-flight: micro-batches whose forward ended and "
-             f"input-backward did not, per rank; held: until the weight-backward (torch's first "
-             f"stage runs its B inside W). The rank processes run at nice "
-             f"{', '.join(sorted({str(d['nice']) for d in docs}))} so that other work on the "
-             f"machine delays their wake-ups less. Load: {busy:.0%} of all cores busy before "
-             f"the run; during it, other work took {load['other_load_share']:.0%} of all cores."
-             + (f" Refused: {refused}." if refused else ""))
-    config["parts"] = list(parts)
+def run(cfg: PipelineBench | None = None, *, out: Path | None = None) -> dict:
+    """Run ``cfg.parts`` (part (a) always), write ``pipeline.json``/``.md`` under ``out``,
+    return the document. Part (a) starts once the machine is at most ``quiet_busy`` busy (or
+    after ``quiet_wait_s``); (b) and (c) follow, their rows under ``deep_rows`` /
+    ``dp_pp_rows``."""
+    cfg = (cfg or PipelineBench()).sized()
+    rows, checks, config, notes = _part_a(cfg)
     # (a) is on disk before (b) and (c) start: a failure there keeps it
     write_results("pipeline", config=config, rows=rows, checks=checks, columns=_COLUMNS,
                   out=out, notes=notes)
-    sections = []
-    with tempfile.TemporaryDirectory(prefix="bitps-bench-pipeline-") as tmp:
-        if "b" in parts:
-            deep, deep_checks = run_deep(p=p, steps=deep_steps, run_root=Path(tmp),
-                                         timeout_s=timeout_s)
-            checks.update(deep_checks)
-            sections.append(("deep_rows", _DEEP_TITLE, deep, _DEEP_COLUMNS,
-                             _deep_notes(deep_steps)))
-        if "c" in parts:
-            dppp, dppp_checks = run_dp_pp(steps=dp_pp_steps, run_root=Path(tmp),
-                                          timeout_s=timeout_s)
-            checks.update(dppp_checks)
-            sections.append(("dp_pp_rows", _DPPP_TITLE, dppp, _DPPP_COLUMNS,
-                             _dp_pp_notes(dp_pp_steps)))
+    sections = _parts_b_c(cfg, checks)
     write_results("pipeline", config=config, rows=rows, checks=checks, columns=_COLUMNS,
                   out=out, notes=notes)
     for section in sections:
         append_section(Path(out or DEFAULT_OUT), *section)
     return {"rows": rows + [r for s in sections for r in s[2]], "checks": checks}
+
+
+def _part_a(cfg: PipelineBench) -> tuple[list[dict], dict, dict, str]:
+    """Part (a): every case at every m on sleep-based stages; its rows, checks, config and
+    notes."""
+    from bitps.bench.pipeline_rank import CASES, OUR_CASES
+
+    cases = tuple(cfg.cases or CASES)
+    t_f, t_b, t_w = (t / 1e3 for t in cfg.t_ms)
+    busy, waited = quiet_window(cfg.quiet_busy, cfg.quiet_wait_s)
+    settings = {"p": cfg.p, "ms": list(cfg.ms), "t_f": t_f, "t_b": t_b, "t_w": t_w,
+                "rows": cfg.rows_per_mb, "width": cfg.width, "rounds": cfg.rounds,
+                "warmup": cfg.warmup, "cases": list(cases),
+                "flush_free_steps": cfg.flush_free_steps, "nice": cfg.nice,
+                "timeout_s": cfg.timeout_s}
+    docs, load = _launch("bitps.bench.pipeline_rank", settings, cfg.p, cfg.timeout_s + 60)
+    refused = {k: v for d in docs for k, v in d["refused"].items()}
+    rows = [_our_row(r, docs, cfg.p, cfg.flush_free_steps) if r["case"] in OUR_CASES
+            else _torch_row(r, cfg.p) for r in summarize(docs, cfg.p)]
+    order = {c: i for i, c in enumerate(cases)}
+    rows.sort(key=lambda r: (r["m"], order[r["case"]]))
+    checks = _checks(rows, cfg.p, cfg.ms, cases, refused)
+    other = load["other_load_share"]
+    checks["quiet_window"] = check(
+        f"{busy:.2f} busy before, {other:.2f} other load during", f"<= {cfg.quiet_busy} both "
+        "(else the figures measure the machine)",
+        busy <= cfg.quiet_busy and other <= cfg.quiet_busy)
+    config = {"p": cfg.p, "ms": list(cfg.ms), "t_f_s": t_f, "t_b_s": t_b, "t_w_s": t_w,
+              "rounds": cfg.rounds, "warmup": cfg.warmup,
+              "micro_batch_shape": [cfg.rows_per_mb, cfg.width],
+              "backend": "gloo", "transport": "127.0.0.1", "cases": list(cases),
+              "flush_free_steps": cfg.flush_free_steps, "refused": refused,
+              "rank_nice": sorted({str(d["nice"]) for d in docs}),
+              "comm_one_way_ms": round(max(d["comm_s"] for d in docs) * 1e3, 4),
+              "stage_link_one_way_ms": round(max(d["link_s"] for d in docs) * 1e3, 4),
+              "machine_busy_before": round(busy, 3),
+              "quiet_waited_s": round(waited, 1),
+              "load_during": load, "quick": cfg.quick, "parts": list(cfg.parts)}
+    return rows, checks, config, _notes_a(cfg, docs, load, busy, refused)
+
+
+def _notes_a(cfg: PipelineBench, docs: list[dict], load: dict, busy: float,
+             refused: dict) -> str:
+    t_f, t_b, t_w = (t / 1e3 for t in cfg.t_ms)
+    comm_s = max(d["comm_s"] for d in docs)
+    link_s = max(d["link_s"] for d in docs)
+    steps = cfg.flush_free_steps
+    return (f"Part (a): p = {cfg.p} gloo ranks over 127.0.0.1, each stage a SleepStage "
+            f"(F {t_f * 1e3:g} ms, B {t_b * 1e3:g} ms, W {t_w * 1e3:g} ms; a rank with two "
+            f"stages runs each at half). Per case and m: {cfg.warmup} warm-up step, then "
+            f"{cfg.rounds} timed step(s), the cases alternated round by round in one run. "
+            f"bubble = 1 - busy / wall per rank (busy: the stage's recorded F/B/W sleeps; "
+            f"wall: barrier release to the last rank's end); max and mean over ranks, median "
+            f"over the timed steps. simulated: our event simulator on the same plan with each "
+            f"stage's measured mean F/B/W and, as the transfer cost, the case's measured hop "
+            f"(median over micro-batches and stages of F start on s + 1 - F end on s where "
+            f"s + 1 was idle; zb-v takes zb-h1's at the same m, its V not pairing s with "
+            f"s + 1; ping-pong probes before the run: StageLink "
+            f"{link_s * 1e3:.3f} ms, raw gloo {comm_s * 1e3:.3f} ms one way) less the "
+            f"per-action overhead, and that overhead (the case's median gap between a rank's "
+            f"compute intervals), paid before every compute action as idle time; "
+            f"excess = measured step - simulated makespan. The "
+            f"flush-free 2bw runs {steps} steps as one plan per timed step (its "
+            f"bubble and step are those of the whole plan; steady state: steps 1.."
+            f"{steps - 2}). Peak in-flight: micro-batches whose forward ended and "
+            f"input-backward did not, per rank; held: until the weight-backward (torch's first "
+            f"stage runs its B inside W). The rank processes run at nice "
+            f"{', '.join(sorted({str(d['nice']) for d in docs}))} so that other work on the "
+            f"machine delays their wake-ups less. Load: {busy:.0%} of all cores busy before "
+            f"the run; during it, other work took {load['other_load_share']:.0%} of all cores."
+            + (f" Refused: {refused}." if refused else ""))
+
+
+def _parts_b_c(cfg: PipelineBench, checks: dict) -> list[tuple]:
+    """Parts (b) and (c) as ``cfg.parts`` asks, their checks added to ``checks``; the
+    sections :func:`append_section` writes."""
+    import tempfile
+
+    sections = []
+    with tempfile.TemporaryDirectory(prefix="bitps-bench-pipeline-") as tmp:
+        if "b" in cfg.parts:
+            deep, deep_checks = run_deep(p=cfg.p, steps=cfg.deep_steps, run_root=Path(tmp),
+                                         timeout_s=cfg.timeout_s)
+            checks.update(deep_checks)
+            sections.append(("deep_rows", _DEEP_TITLE, deep, _DEEP_COLUMNS,
+                             _deep_notes(cfg.deep_steps)))
+        if "c" in cfg.parts:
+            dppp, dppp_checks = run_dp_pp(steps=cfg.dp_pp_steps, run_root=Path(tmp),
+                                          timeout_s=cfg.timeout_s)
+            checks.update(dppp_checks)
+            sections.append(("dp_pp_rows", _DPPP_TITLE, dppp, _DPPP_COLUMNS,
+                             _dp_pp_notes(cfg.dp_pp_steps)))
+    return sections
 
 
 # -- parts (b) and (c): real pipelines through bitps-launch ---------------------------------

@@ -19,10 +19,11 @@ from pathlib import Path
 import numpy as np
 import zmq
 
+from bitps.bench.config import PushPullBench
 from bitps.bench.floor import FloorClient
 from bitps.bench.proc import ReadyProcess
 from bitps.bench.report import check, median, write_results
-from bitps.proto.keyplan import DEFAULT_PARTITION_BYTES, ParamSpec, make_plan
+from bitps.proto.keyplan import ParamSpec, make_plan
 from bitps.worker.config import ClientConfig
 from bitps.worker.transport.client import PSClient
 
@@ -119,55 +120,43 @@ def _time(fn, iters: int) -> list[float]:
     return out
 
 
-def run(*, sizes_mib=(1, 16, 64), rounds: int = 7, small_bytes: int = 1024,
-        partition_bytes: int = DEFAULT_PARTITION_BYTES, out: Path | None = None,
-        quick: bool = False) -> dict:
-    """Run the scenario, write ``pushpull.json``/``.md`` under ``out``, return the document."""
+_SHARD = ["-m", "bitps.ps", "--mode", "async", "--optimizer", "sgd", "--lr", "1e-3",
+          "--metrics-port", "-1"]
+_NOTES = ("bitps: `PSClient.push_pull` of all keys to one `bitps-server` process (async, sgd, "
+          "default key plan and message size); raw: pyzmq DEALER -> ROUTER echo of the same "
+          "bytes in the same frames, zero-copy, preallocated replies. GB/s counts bytes both "
+          "ways (2 x payload) per round trip. ratio = median over alternating rounds of "
+          "bitps / raw throughput (round trip: bitps / raw time); ms = medians of all samples. "
+          "floor: `bench.floor`, a shard and client of a few lines each doing only the work "
+          "one key's push+pull cannot skip (protobuf header, zero-copy send, NaN check + SGD, "
+          "copy of the reply into the caller's buffer), alternating with the same rounds; "
+          "floor ratio = raw / floor time. Where the floor misses a goal, the work itself "
+          "does on this machine.")
+_COLUMNS = [("case", "case"), ("frames", "frames"), ("bitps_ms", "bitps ms"),
+            ("raw_ms", "raw pyzmq ms"), ("bitps_GBps", "bitps GB/s"),
+            ("raw_GBps", "raw GB/s"), ("ratio", "ratio"),
+            ("floor_ms", "floor ms"), ("floor_ratio", "floor ratio"),
+            ("samples", "samples")]
+
+
+def run(cfg: PushPullBench | None = None, *, out: Path | None = None) -> dict:
+    """Run the scenario (``None``: the defaults), write ``pushpull.json``/``.md`` under
+    ``out``, return the document."""
+    cfg = (cfg or PushPullBench()).sized()
     py = sys.executable
-    shard_argv = [py, "-m", "bitps.ps", "--mode", "async", "--optimizer", "sgd", "--lr", "1e-3",
-                  "--metrics-port", "-1"]
     raw_peer = ReadyProcess([py, "-m", "bitps.bench.rawzmq"])
     raw = _Raw(raw_peer.ready["port"])
     rows, checks, shard, floor_peer = [], {}, None, None
-    cases = [(f"push+pull {mib:g} MiB", int(mib * MIB)) for mib in sizes_mib]
-    cases.append((f"round trip {small_bytes} B", small_bytes))
+    cases = [(f"push+pull {mib:g} MiB", int(mib * MIB)) for mib in cfg.sizes_mib]
+    cases.append((f"round trip {cfg.small_bytes} B", cfg.small_bytes))
     try:
         floor_peer = ReadyProcess([py, "-m", "bitps.bench.floor"])
         for case, nbytes in cases:
-            small = nbytes == small_bytes
-            shard = _fresh(shard, shard_argv)  # a shard holds one model: a new one per case
-            ps = _Bitps(shard.ready["grpc_port"], nbytes, partition_bytes)
-            if quick:
-                iters = 20 if small else 3
-            else:
-                # About 0.1-0.3 s per side and round: short rounds let one burst of machine
-                # noise decide a ratio.
-                iters = 200 if small else max(4, min(100, int(256 * MIB / nbytes)))
-            # The floor speaks for one key: it runs where bitps sends a single frame.
-            floor = FloorClient(floor_peer.ready["port"], ps.grads[0]) \
-                if len(ps.grads) == 1 and not small else None
-            t_ps, t_raw, t_floor, ratios, floor_ratios = _compare(ps, raw.round_trip, iters,
-                                                                   rounds, floor)
-            ps.close()
-            row = {"case": case, "payload_bytes": nbytes, "frames": len(ps.grads),
-                   "bitps_ms": median(t_ps) * 1e3, "raw_ms": median(t_raw) * 1e3,
-                   "samples": len(t_ps)}
-            if floor is not None:
-                floor.close()
-                row.update(floor_ms=median(t_floor) * 1e3, floor_ratio=median(floor_ratios))
-            if small:
-                # Time ratio bitps / raw, the median over rounds measured side by side.
-                ratio = median(1 / r for r in ratios)
-                row["ratio"] = ratio
-                checks["small_round_trip_vs_raw"] = check(round(ratio, 3), "<= 2.0 (time ratio)",
-                                                          ratio <= 2.0)
-            else:
-                ratio = median(ratios)
-                row.update(bitps_GBps=2 * nbytes / median(t_ps) / 1e9,
-                           raw_GBps=2 * nbytes / median(t_raw) / 1e9, ratio=ratio)
-                checks[f"throughput_{nbytes / MIB:g}MiB_vs_raw"] = check(
-                    round(ratio, 3), ">= 0.8", ratio >= 0.8)
+            shard = _fresh(shard, [py, *_SHARD])  # a shard holds one model: a new one per case
+            row, name, goal = _case(cfg, case, nbytes, shard.ready["grpc_port"],
+                                    floor_peer.ready["port"], raw)
             rows.append(row)
+            checks[name] = goal
     finally:
         raw.close()
         raw_peer.stop()
@@ -175,23 +164,47 @@ def run(*, sizes_mib=(1, 16, 64), rounds: int = 7, small_bytes: int = 1024,
             floor_peer.stop()
         if shard is not None:
             shard.stop()
-    config = {"sizes_mib": list(sizes_mib), "rounds": rounds, "small_bytes": small_bytes,
-              "partition_bytes": partition_bytes, "mode": "async", "optimizer": "sgd",
-              "transport": "tcp loopback", "quick": quick}
-    notes = ("bitps: `PSClient.push_pull` of all keys to one `bitps-server` process (async, sgd, "
-             "default key plan and message size); raw: pyzmq DEALER -> ROUTER echo of the same "
-             "bytes in the same frames, zero-copy, preallocated replies. GB/s counts bytes both "
-             "ways (2 x payload) per round trip. ratio = median over alternating rounds of "
-             "bitps / raw throughput (round trip: bitps / raw time); ms = medians of all samples. "
-             "floor: `bench.floor`, a shard and client of a few lines each doing only the work "
-             "one key's push+pull cannot skip (protobuf header, zero-copy send, NaN check + SGD, "
-             "copy of the reply into the caller's buffer), alternating with the same rounds; "
-             "floor ratio = raw / floor time. Where the floor misses a goal, the work itself "
-             "does on this machine.")
-    write_results("pushpull", config=config, rows=rows, checks=checks, out=out, notes=notes,
-                  columns=[("case", "case"), ("frames", "frames"), ("bitps_ms", "bitps ms"),
-                           ("raw_ms", "raw pyzmq ms"), ("bitps_GBps", "bitps GB/s"),
-                           ("raw_GBps", "raw GB/s"), ("ratio", "ratio"),
-                           ("floor_ms", "floor ms"), ("floor_ratio", "floor ratio"),
-                           ("samples", "samples")])
+    config = {"sizes_mib": list(cfg.sizes_mib), "rounds": cfg.rounds,
+              "small_bytes": cfg.small_bytes, "partition_bytes": cfg.partition_bytes,
+              "mode": "async", "optimizer": "sgd", "transport": "tcp loopback",
+              "quick": cfg.quick}
+    write_results("pushpull", config=config, rows=rows, checks=checks, out=out, notes=_NOTES,
+                  columns=_COLUMNS)
     return {"rows": rows, "checks": checks}
+
+
+def _iters(nbytes: int, small: bool, quick: bool) -> int:
+    if quick:
+        return 20 if small else 3
+    # About 0.1-0.3 s per side and round: short rounds let one burst of machine noise decide
+    # a ratio.
+    return 200 if small else max(4, min(100, int(256 * MIB / nbytes)))
+
+
+def _case(cfg: PushPullBench, case: str, nbytes: int, grpc_port: int, floor_port: int,
+          raw: _Raw) -> tuple[dict, str, dict]:
+    """One payload: bitps, raw pyzmq and (one key) the floor in alternating rounds; its row,
+    and its check's name and result."""
+    small = nbytes == cfg.small_bytes
+    ps = _Bitps(grpc_port, nbytes, cfg.partition_bytes)
+    # The floor speaks for one key: it runs where bitps sends a single frame.
+    floor = FloorClient(floor_port, ps.grads[0]) if len(ps.grads) == 1 and not small else None
+    t_ps, t_raw, t_floor, ratios, floor_ratios = _compare(
+        ps, raw.round_trip, _iters(nbytes, small, cfg.quick), cfg.rounds, floor)
+    ps.close()
+    row = {"case": case, "payload_bytes": nbytes, "frames": len(ps.grads),
+           "bitps_ms": median(t_ps) * 1e3, "raw_ms": median(t_raw) * 1e3, "samples": len(t_ps)}
+    if floor is not None:
+        floor.close()
+        row.update(floor_ms=median(t_floor) * 1e3, floor_ratio=median(floor_ratios))
+    if small:
+        # Time ratio bitps / raw, the median over rounds measured side by side.
+        ratio = median(1 / r for r in ratios)
+        row["ratio"] = ratio
+        return row, "small_round_trip_vs_raw", check(round(ratio, 3), "<= 2.0 (time ratio)",
+                                                      ratio <= 2.0)
+    ratio = median(ratios)
+    row.update(bitps_GBps=2 * nbytes / median(t_ps) / 1e9,
+               raw_GBps=2 * nbytes / median(t_raw) / 1e9, ratio=ratio)
+    return row, f"throughput_{nbytes / MIB:g}MiB_vs_raw", check(round(ratio, 3), ">= 0.8",
+                                                                 ratio >= 0.8)

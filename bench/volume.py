@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from bitps.bench.config import VolumeBench
 from bitps.native import sign1, sparse
 from bitps.proto.keyplan import DEFAULT_PARTITION_BYTES, ParamSpec, make_plan
 from bitps.ps.config import OptimizerConfig
@@ -78,7 +79,9 @@ def _count(lengths: list[int], codec: str) -> int:
     return sum(c * key_bytes(codec, n) for n, c in sizes.items())
 
 
-def run(*, out: Path | None = None) -> dict:
+def run(cfg: VolumeBench | None = None, *, out: Path | None = None) -> dict:
+    """Compute the table (``cfg``: no options), write ``volume.json``/``.md`` under ``out``,
+    return the document."""
     from bitps.bench.report import check, write_results
 
     models = {"demo (tiny Qwen3-MoE)": _demo_key_lengths(),

@@ -221,7 +221,8 @@ def test_e2e_quick_and_report_figures_equal_the_json(tmp_path):
 def test_straggler_checks_measure_the_bound_a_staleness_bound_sets():
     """With a persistent straggler a staleness bound holds every worker to the slow one's
     pace: the checks report that bound from the ceiling run's slowest rank beside the ratios."""
-    from bitps.bench.e2e import Settings, _checks
+    from bitps.bench.config import E2EBench
+    from bitps.bench.e2e import _checks
 
     by = {"ceiling (no traffic)": {"run": "ceiling (no traffic)", "lr": None, "step_ms": 1500.0,
                                    "samples_per_s": 6.9, "rank_cpu_ms": [980, 980]},
@@ -231,7 +232,7 @@ def test_straggler_checks_measure_the_bound_a_staleness_bound_sets():
                               "time_to_target_s": 80.0},
           "bitps async sign1": {"run": "bitps async sign1", "lr": 4e-4, "samples_per_s": 6.0,
                                 "time_to_target_s": None}}
-    checks = _checks(by, Settings(model="lm", straggler=True))
+    checks = _checks(by, E2EBench(model="lm", straggler=True))
     # 2 workers x batch 4 at one step per 1.5 s = 5.333 samples/s, against sync's 4.0
     assert checks["straggler_ssp_limit_vs_sync_samples_per_s"]["value"] == 1.333
     assert checks["straggler_ssp_vs_sync_samples_per_s"]["value"] == "bitps ssp sign1: 1.300"
