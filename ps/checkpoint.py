@@ -4,7 +4,8 @@
 ``keep``; :func:`load_latest` finds the newest valid one and :func:`restore` puts it into a fresh
 core, which then continues exactly as the original would have. :class:`Checkpointer` is what a
 server drives (periodic saves, a final save on SIGTERM). ``bitps-export`` (``ps.export``) turns the
-shards' checkpoints into one state dict of the model. No torch, no pickle.
+shards' checkpoints into one state dict of the model. No torch, no pickle. Writing, listing,
+pruning and verified reading of the files are ``ps.checkpoint_files`` (re-exported here).
 
 On-disk layout, one directory per shard::
 
@@ -19,10 +20,11 @@ On-disk layout, one directory per shard::
 
 ``state.safetensors``, per key:
 
-    ``<key>/rule/<name>``   the update rule's ``save_state`` arrays (step, moments; 1-bit Adam's
-                            switch flag, frozen bias correction and m code)
+    ``<key>/rule/<name>``   the update rule's ``save_state`` arrays (step, moments; a rule's
+                            own, e.g. 1-bit Adam's switch flag, frozen bias correction and m code)
     ``<key>/residual``      the shard's error feedback of the codes it publishes
-                            (``ShardCore.codec_state``; keys with compressed pulls, 1-bit Adam)
+                            (``ShardCore.codec_state``; keys with compressed pulls, rules that
+                            publish codes of their own)
     ``<key>/history``       the published payloads still kept, concatenated (uint8; their
                             versions and sizes are in the manifest)
     ``<key>/last_delta``    lookahead pulls: the key's last update
@@ -63,25 +65,33 @@ restored workers count as seen at the restore and have ``heartbeat_timeout_s`` t
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
-import re
-import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-import safetensors.numpy
 
 from bitps import __version__
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.wire import PROTOCOL, PSError
+from bitps.ps.checkpoint_files import (  # the files: re-exported, part of this module's API
+    FORMAT,
+    FORMAT_VERSION,
+    Checkpoint,
+    CheckpointError,
+    Snapshot,
+    checkpoints,
+    load,
+    load_latest,
+    prune,
+    write,
+)
+from bitps.ps.checkpoint_files import _digest as _digest  # a manifest's sha256, re-exported
 from bitps.ps.clocks import WorkerClock
 
 if TYPE_CHECKING:
@@ -94,44 +104,10 @@ __all__ = ["Checkpoint", "CheckpointError", "Checkpointer", "Snapshot", "checkpo
 
 log = logging.getLogger("bitps.checkpoint")
 
-FORMAT, FORMAT_VERSION = "bitps-shard-checkpoint", 1
-MANIFEST, PARAMS, STATE = "manifest.json", "params.safetensors", "state.safetensors"
-_NAME = re.compile(r"^ckpt-(\d{12})-(\d{19})$")
-_TMP = ".tmp-"
 _MUST_MATCH = ("shard_id", "num_shards", "mode", "lookahead", "optimizer")
 """Config a checkpoint is only valid under: which keys, the state's layout and its arithmetic.
 ``staleness``, ``split_lr`` and ``staleness_damping`` are recorded but may change at a restart
 (the continuation is then bit for bit only where they are equal)."""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: ``path`` names the file or directory, ``problem`` what
-    was wrong (with the value found and what was expected)."""
-
-    def __init__(self, path: str | os.PathLike, problem: str) -> None:
-        self.path, self.problem = Path(path), problem
-        super().__init__(f"checkpoint {self.path}: {problem}")
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """A shard's state copied out under its lock, ready to be written without it."""
-
-    manifest: dict
-    params: dict[str, np.ndarray]
-    state: dict[str, np.ndarray]
-
-    @property
-    def updates(self) -> int:
-        return int(self.manifest["core"]["updates_applied"])
-
-
-@dataclass(frozen=True)
-class Checkpoint(Snapshot):
-    """One verified checkpoint read back: a snapshot and the directory it was read from (see
-    the module docstring for the names)."""
-
-    path: Path
 
 
 # -- taking the state ---------------------------------------------------------------------------
@@ -207,65 +183,6 @@ def snapshot(core: ShardCore) -> Snapshot:
     return Snapshot(manifest, params, state)
 
 
-# -- writing ------------------------------------------------------------------------------------
-def _digest(obj: dict) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-                          ).hexdigest()
-
-
-def _file_sha256(path: Path) -> tuple[str, int]:
-    h, size = hashlib.sha256(), 0
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-            size += len(chunk)
-    return h.hexdigest(), size
-
-
-def _fsync(path: Path) -> None:
-    """fsync a file or a directory (a rename is durable once its directory is)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write(snap: Snapshot, directory: str | os.PathLike, *, keep: int) -> Path:
-    """Write ``snap`` as a new checkpoint in ``directory`` (created if needed), atomically, then
-    keep the newest ``keep`` checkpoints (:func:`prune`). Returns the checkpoint's directory.
-    One writer per directory: leftovers of an interrupted write are removed first."""
-    if keep < 1:
-        raise ValueError(f"keep must be >= 1 checkpoints, got {keep}")
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    for leftover in directory.glob(f"{_TMP}*"):
-        shutil.rmtree(leftover, ignore_errors=True)
-    stamp = time.time_ns()
-    while (directory / (name := f"ckpt-{snap.updates:012d}-{stamp:019d}")).exists():
-        stamp += 1  # two checkpoints within one nanosecond's resolution
-    tmp = directory / f"{_TMP}{name}"
-    tmp.mkdir()
-    files = {}
-    for fname, arrays in ((PARAMS, snap.params), (STATE, snap.state)):
-        safetensors.numpy.save_file(arrays, str(tmp / fname))
-        _fsync(tmp / fname)
-        digest, size = _file_sha256(tmp / fname)
-        files[fname] = {"sha256": digest, "bytes": size}
-    manifest = {**snap.manifest, "files": files}
-    manifest["manifest_sha256"] = _digest(manifest)
-    with (tmp / MANIFEST).open("w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync(tmp)
-    final = directory / name
-    os.rename(tmp, final)
-    _fsync(directory)
-    prune(directory, keep)
-    return final
-
-
 def save(core: ShardCore, directory: str | os.PathLike, *, keep: int) -> Path:
     """Checkpoint ``core`` into ``directory`` (:func:`snapshot` under its lock, then
     :func:`write` without it) and keep the newest ``keep``. Returns the new checkpoint's path.
@@ -275,96 +192,27 @@ def save(core: ShardCore, directory: str | os.PathLike, *, keep: int) -> Path:
     return write(snapshot(core), directory, keep=keep)
 
 
-def checkpoints(directory: str | os.PathLike) -> list[Path]:
-    """The checkpoint directories in ``directory``, newest first (by updates applied, then by
-    time written); nothing being written or deleted is listed."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    found = [(int(m[1]), int(m[2]), p) for p in directory.iterdir()
-             if p.is_dir() and (m := _NAME.match(p.name))]
-    return [p for *_, p in sorted(found, reverse=True)]
-
-
-def prune(directory: str | os.PathLike, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` checkpoints; returns those deleted. Each is renamed
-    out of the checkpoint names first, so a crash mid-delete leaves no half checkpoint."""
-    gone = checkpoints(directory)[keep:]
-    for path in gone:
-        doomed = path.with_name(f"{_TMP}del-{path.name}")
-        os.rename(path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
-    return gone
-
-
-# -- reading ------------------------------------------------------------------------------------
-def _read_manifest(path: Path) -> dict:
-    mpath = path / MANIFEST
-    if not mpath.is_file():
-        raise CheckpointError(mpath, "no manifest: an incomplete or damaged checkpoint")
-    try:
-        manifest = json.loads(mpath.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(mpath, f"manifest is not readable JSON ({err})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
-            or manifest.get("version") != FORMAT_VERSION:
-        found = (manifest.get("format"), manifest.get("version")) \
-            if isinstance(manifest, dict) else type(manifest).__name__
-        raise CheckpointError(mpath, f"format {found}; expected ({FORMAT!r}, {FORMAT_VERSION})")
-    recorded = manifest.pop("manifest_sha256", None)
-    if recorded != (digest := _digest(manifest)):
-        raise CheckpointError(mpath, f"manifest sha256 {digest}; it records {recorded} "
-                              f"(edited or corrupt)")
-    return manifest
-
-
-def load(path: str | os.PathLike) -> Checkpoint:
-    """Read and verify the checkpoint in ``path``: the manifest's own sha256, then each file's
-    size and sha256 against the manifest. Raises :class:`CheckpointError` naming the file and
-    what was wrong (missing, truncated, corrupt, not safetensors)."""
-    path = Path(path)
-    manifest = _read_manifest(path)
-    arrays = {}
-    for fname in (PARAMS, STATE):
-        fpath, entry = path / fname, manifest.get("files", {}).get(fname)
-        if entry is None:
-            raise CheckpointError(path / MANIFEST, f"records no {fname}")
-        if not fpath.is_file():
-            raise CheckpointError(fpath, "missing")
-        digest, size = _file_sha256(fpath)
-        if size != entry["bytes"]:
-            raise CheckpointError(fpath, f"{size} bytes; the manifest records "
-                                  f"{entry['bytes']} (truncated)")
-        if digest != entry["sha256"]:
-            raise CheckpointError(fpath, f"sha256 {digest}; the manifest records "
-                                  f"{entry['sha256']} (corrupt)")
-        try:
-            arrays[fname] = safetensors.numpy.load_file(str(fpath))
-        except Exception as err:  # safetensors raises its own SafetensorError
-            raise CheckpointError(fpath, f"not a safetensors file ({err})") from None
-    return Checkpoint(manifest=manifest, params=arrays[PARAMS], state=arrays[STATE], path=path)
-
-
-def load_latest(directory: str | os.PathLike) -> Checkpoint | None:
-    """The newest valid checkpoint in ``directory``; ``None`` when it holds none at all. An
-    invalid one is logged and skipped for the one before; when every one is invalid, raises
-    :class:`CheckpointError` listing why (starting afresh would silently lose the training)."""
-    problems = []
-    for path in checkpoints(directory):
-        try:
-            return load(path)
-        except CheckpointError as err:
-            log.warning("skipping %s", err)
-            problems.append(str(err))
-    if problems:
-        raise CheckpointError(directory, f"no valid checkpoint among {len(problems)}: "
-                              + "; ".join(problems))
-    return None
-
-
 # -- restoring ----------------------------------------------------------------------------------
+def _saved_optimizer(core: ShardCore, saved: dict) -> dict:
+    """A saved optimizer config in today's layout. Checkpoints written before rules had config
+    sections of their own (no ``rule_config``) kept every rule's settings at the top level under
+    their flag names (``onebit_chunk``): the running rule's become its section, the others'
+    are dropped."""
+    if "rule_config" in saved:
+        return saved
+    rule = type(core.rule)
+    fields = {s.dest: s.field for s in rule.settings}
+    out = {k: v for k, v in saved.items() if k not in fields}
+    out = {k: v for k, v in out.items() if k in _config(core.cfg)["optimizer"]}
+    out["rule_config"] = None if rule.config is None else {
+        fields[k]: v for k, v in saved.items() if k in fields}
+    return out
+
+
 def _check_config(core: ShardCore, ckpt: Checkpoint) -> None:
-    saved, live = ckpt.manifest["config"], _config(core.cfg)
+    saved, live = dict(ckpt.manifest["config"]), _config(core.cfg)
+    if isinstance(saved.get("optimizer"), dict):
+        saved["optimizer"] = _saved_optimizer(core, saved["optimizer"])
     for name in _MUST_MATCH:
         if saved.get(name) != live[name]:
             raise CheckpointError(ckpt.path, f"was saved with {name} {saved.get(name)!r}; this "

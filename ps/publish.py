@@ -1,6 +1,7 @@
 """Compressed pulls: a shard publishes each key's updates as codes, and workers apply them.
 
-Per key, every update the shard makes (any rule; 1-bit Adam's own in ``ps.onebit``) becomes::
+Per key, every update the shard makes (any rule, through ``ps.rules.publish_update``; a rule
+may publish codes of its own) becomes::
 
     delta   = rule(x) - x                        what the optimizer would add
     payload = encode(delta + server residual)    residual = what the payload did not carry
@@ -16,22 +17,22 @@ A worker gets the float32 parameters instead (``CODEC_RAW``) when it holds no co
 request has no versions), when it is behind the history (a warmup update without a payload,
 more than ``delta_history`` versions, or codes that together outweigh the parameters: the
 history keeps at most the key's float32 size in codes), or ahead of it.
+
+The key store holds one :class:`Publisher` per key whose pulls are compressed
+(``Slot.publisher``); the rules update through it and the shard's replies read it
+(``ps.replies``). This module imports nothing else of the shard.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import Codec, Compressor
 
-if TYPE_CHECKING:
-    from bitps.ps.store import Slot
-
-__all__ = ["Publisher", "publish_update", "reply_frames"]
+__all__ = ["Publisher"]
 
 
 class Publisher:
@@ -58,8 +59,8 @@ class Publisher:
             self._nbytes -= len(self.history.popleft()[1])
 
     def forget(self) -> None:
-        """An update without a payload (1-bit Adam's warmup): workers behind it need the
-        parameters."""
+        """An update without a payload (a rule's warmup step, say): workers behind it need
+        the parameters."""
         self.history.clear()
         self._nbytes = 0
 
@@ -73,29 +74,3 @@ class Publisher:
                 or self.history[-1][0] != version:
             return pb.CODEC_RAW, None
         return self.codec.id, b"".join(p for v, p in self.history if v > base)
-
-
-def publish_update(slot: Slot, apply, seed: int) -> None:
-    """Make one update of ``slot`` through its publisher: ``apply(dst)`` writes the parameters
-    the rule would give into ``dst``; their difference to the current ones is compressed, added
-    to the parameters and published as the next version."""
-    pub = slot.publisher
-    apply(pub.delta)
-    np.subtract(pub.delta, slot.param, out=pub.delta)
-    payload = pub.server.encode(pub.delta, seed=seed)
-    pub.codec.decode_add(payload, slot.length, slot.writable())
-    slot.version += 1
-    pub.publish(slot.version, payload)
-
-
-def reply_frames(header: pb.DataHeader, slots: list[Slot]) -> tuple[list, list[int]]:
-    """Per key of a pull: ``(frame, buffer to track)`` and its frame codec: the codes since the
-    version the request names, or the parameters (also for keys that publish nothing)."""
-    bases = header.versions if len(header.versions) == len(slots) else [-1] * len(slots)
-    frames, codecs = [], []
-    for base, slot in zip(bases, slots):
-        codec, data = (pb.CODEC_RAW, None) if slot.publisher is None or base < 0 else \
-            slot.publisher.reply_frame(int(base), slot.version)
-        frames.append(slot.reply_frame() if data is None else (data, None))
-        codecs.append(codec)
-    return frames, codecs

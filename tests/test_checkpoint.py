@@ -29,6 +29,7 @@ from bitps.ps.checkpoint import (
     save,
 )
 from bitps.ps.config import OptimizerConfig, ServerConfig
+from bitps.ps.onebit import OneBitConfig
 from bitps.ps.shard import ShardCore
 
 # two tensors, three keys: "w" (24, 50) cut in two, "b" (300,)
@@ -129,21 +130,31 @@ CASES = [(mode, OptimizerConfig(name=rule, lr=1e-2, momentum=0.9,
                                 weight_decay=0.01 if rule == "adamw" else 0.0), False)
          for rule in ("sgd", "momentum", "adam", "adamw") for mode in ("sync", "async", "ssp")]
 CASES += [
-    ("sync", OptimizerConfig(name="onebit_adam", lr=1e-2, freeze_step=3), False),
-    ("sync", OptimizerConfig(name="onebit_adam", lr=1e-2, freeze_step=6,
-                             onebit_warmup_codes=True), False),
-    ("async", OptimizerConfig(name="onebit_adam", lr=1e-2, freeze_step=3), False),
-    ("ssp", OptimizerConfig(name="onebit_adam", lr=1e-2, freeze_step=3,
-                            onebit_moments="shard", weight_decay=0.01), False),
+    ("sync", OptimizerConfig(name="onebit_adam", lr=1e-2,
+                             rule_config=OneBitConfig(freeze_step=3)), False),
+    ("sync", OptimizerConfig(name="onebit_adam", lr=1e-2,
+                             rule_config=OneBitConfig(freeze_step=6, warmup_codes=True)), False),
+    ("async", OptimizerConfig(name="onebit_adam", lr=1e-2,
+                              rule_config=OneBitConfig(freeze_step=3)), False),
+    ("ssp", OptimizerConfig(name="onebit_adam", lr=1e-2, weight_decay=0.01,
+                            rule_config=OneBitConfig(freeze_step=3, moments="shard")), False),
     ("async", OptimizerConfig(name="adam", lr=1e-2), True),   # compressed pulls
     ("sync", OptimizerConfig(name="momentum", lr=1e-2), True),
 ]
 
 
-@pytest.mark.parametrize("mode,optimizer,compressed", CASES, ids=[
-    f"{m}-{o.name}{'-shard' if o.onebit_moments == 'shard' else ''}"
-    f"{'-warmupcodes' if o.onebit_warmup_codes else ''}{'-sign1pull' if c else ''}"
-    f"-f{o.freeze_step}" for m, o, c in CASES])
+_ONEBIT_DEFAULTS = OneBitConfig()
+
+
+def _case_id(m: str, o: OptimizerConfig, c: bool) -> str:
+    r = o.rule_config or _ONEBIT_DEFAULTS
+    return (f"{m}-{o.name}{'-shard' if r.moments == 'shard' else ''}"
+            f"{'-warmupcodes' if r.warmup_codes else ''}{'-sign1pull' if c else ''}"
+            f"-f{r.freeze_step}")
+
+
+@pytest.mark.parametrize("mode,optimizer,compressed", CASES,
+                         ids=[_case_id(m, o, c) for m, o, c in CASES])
 def test_a_restored_shard_continues_bit_for_bit(tmp_path, mode, optimizer, compressed):
     """Three workers train 4 clocks and workers 0 and 2 push the 5th (a sync step part in:
     rank 0's push summed, rank 2's kept aside for rank 1's); the shard is checkpointed and
@@ -260,6 +271,40 @@ def test_a_checkpoint_without_a_window_restores_an_empty_one(tmp_path):
     b = ShardCore(a.core.cfg, now=lambda: 0.0)
     restore(b, load(path))
     assert b.dedup_state() == {} and b.updates_applied == a.core.updates_applied
+
+
+def _old_optimizer_layout(path, **rule_keys) -> None:
+    """Rewrite ``path``'s manifest as a checkpoint of before rule config sections: every rule's
+    settings at the top level of ``config.optimizer`` under their flag names."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    opt = manifest["config"]["optimizer"]
+    opt.pop("rule_config", None)
+    opt.update({"freeze_step": 100, "onebit_chunk": 256, "onebit_scale": "auto",
+                "onebit_moments": "auto", "onebit_warmup_codes": False, **rule_keys})
+    manifest.pop("manifest_sha256")
+    manifest["manifest_sha256"] = ckpt_mod._digest(manifest)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("optimizer", [
+    OptimizerConfig(name="adam", lr=1e-2),
+    OptimizerConfig(name="onebit_adam", lr=1e-2, rule_config=OneBitConfig(freeze_step=3))])
+def test_a_checkpoint_of_the_flat_optimizer_layout_restores(tmp_path, optimizer):
+    """A manifest written before update rules had config sections of their own (1-bit Adam's
+    settings were fields of every optimizer config) restores into today's config, and one of
+    other settings is still refused."""
+    a = Driver(_core(_cfg("sync", optimizer), world=1), world=1)
+    a.steps(range(4))
+    path = save(a.core, tmp_path, keep=1)
+    freeze = optimizer.rule_config.freeze_step if optimizer.rule_config else 100
+    _old_optimizer_layout(path, freeze_step=freeze)
+    b = ShardCore(a.core.cfg, now=lambda: 0.0)
+    restore(b, load(path))
+    assert _state(b) == _state(a.core)
+    if optimizer.rule_config is not None:
+        _old_optimizer_layout(path, freeze_step=freeze + 1)
+        with pytest.raises(CheckpointError, match="optimizer"):
+            restore(ShardCore(a.core.cfg, now=lambda: 0.0), load(path))
 
 
 # -- on disk ------------------------------------------------------------------------------------

@@ -10,7 +10,12 @@ import pytest
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.wire import PROTOCOL, PSError
 from bitps.ps.config import OPTIMIZERS, OptimizerConfig, ServerConfig
-from bitps.ps.onebit import OneBitAdamShardMoments, OneBitAdamSync, OneBitAdamWorkerMoments
+from bitps.ps.onebit import (
+    OneBitAdamShardMoments,
+    OneBitAdamSync,
+    OneBitAdamWorkerMoments,
+    OneBitConfig,
+)
 from bitps.ps.rules import RULES, UpdateRule, make_rule
 from bitps.ps.shard import ShardCore
 
@@ -43,7 +48,7 @@ def test_every_optimizer_is_a_registered_rule_and_layouts_follow_the_mode():
     layouts = {"sync": OneBitAdamSync, "async": OneBitAdamWorkerMoments}
     for mode, cls in layouts.items():
         assert type(make_rule(onebit, ServerConfig(mode=mode, optimizer=onebit))) is cls
-    shard_m = OptimizerConfig(name="onebit_adam", onebit_moments="shard")
+    shard_m = OptimizerConfig(name="onebit_adam", rule_config=OneBitConfig(moments="shard"))
     assert type(make_rule(shard_m, ServerConfig(mode="ssp", optimizer=shard_m))) \
         is OneBitAdamShardMoments
 
@@ -51,9 +56,10 @@ def test_every_optimizer_is_a_registered_rule_and_layouts_follow_the_mode():
 @pytest.mark.parametrize("mode,optimizer", [
     ("async", OptimizerConfig(name="adam", lr=1e-2)),
     ("async", OptimizerConfig(name="momentum", lr=1e-2, momentum=0.9, nesterov=True)),
-    ("sync", OptimizerConfig(name="onebit_adam", lr=1e-2, freeze_step=3)),
-    ("async", OptimizerConfig(name="onebit_adam", lr=1e-2, freeze_step=3,
-                              onebit_moments="shard")),
+    ("sync", OptimizerConfig(name="onebit_adam", lr=1e-2,
+                             rule_config=OneBitConfig(freeze_step=3))),
+    ("async", OptimizerConfig(name="onebit_adam", lr=1e-2,
+                              rule_config=OneBitConfig(freeze_step=3, moments="shard"))),
 ])
 def test_a_restored_key_continues_bit_for_bit(mode, optimizer):
     """Train, save the rule's state (and the parameters and codec residuals, as a checkpoint

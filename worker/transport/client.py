@@ -454,11 +454,12 @@ class PSClient:
                        f"error feedback and moments unchanged")
 
     def load_optimizer_state(self, keys: Sequence[int], load) -> None:
-        """Fetch the optimizer state of ``keys`` from their shards (the OptimizerState RPC,
+        """Fetch the optimizer state of ``keys`` from their shards (the RuleState call,
         one stream per shard) and hand each key's message to ``load(state, length)``; a state
         of another version than this worker's copy is refused (``BAD_CLOCK``)."""
         for shard in sorted({self.plan.key(k).shard for k in keys}):
-            stream = self._stubs[shard].OptimizerState(pb.OptimizerStateRequest(
+            # the update rule's state (the RuleState call): whatever its rule lays out
+            stream = self._stubs[shard].RuleState(pb.RuleStateRequest(
                 rank=self.cfg.rank, token=self.cfg.token), timeout=self.cfg.deadline_s,
                 metadata=self._metadata)
             try:
