@@ -18,13 +18,21 @@ On-disk layout, one directory per shard::
       .tmp-...                a checkpoint being written or deleted: never read; the next save
                               removes it
 
+The checkpoint composes the state dicts of the shard's parts (``proto.state.Stateful``: each
+``state_dict()`` carries its layout ``"version"``, recorded in the manifest's ``"layouts"``):
+each key's rule state (``Slot.rule_state``: ``ps.rules.KeyState``, or a rule's own such as
+``ps.onebit.OneBitState``; local SGD's outer rule is one of them), the published codes
+(``ShardCore.codecs``, ``ps.publish.PublishedCodes`` of ``Publisher`` state dicts) and the
+exactly-once window (``ShardCore.dedup``, ``ps.dedup.ExactlyOnce``); the key store's own arrays
+(parameters, lookahead, the sync step's pushes) it copies itself.
+
 ``state.safetensors``, per key:
 
-    ``<key>/rule/<name>``   the update rule's ``save_state`` arrays (step, moments; a rule's
-                            own, e.g. 1-bit Adam's switch flag, frozen bias correction and m code)
-    ``<key>/residual``      the shard's error feedback of the codes it publishes
-                            (``ShardCore.codec_state``; keys with compressed pulls, rules that
-                            publish codes of their own)
+    ``<key>/rule/<name>``   the rule state dict's arrays (step, moments; a rule's own, e.g.
+                            1-bit Adam's switch flag, frozen bias correction and m code)
+    ``<key>/residual``      the shard's error feedback of the codes it publishes (the
+                            publisher state dict's ``residual``; keys with compressed pulls,
+                            rules that publish codes of their own)
     ``<key>/history``       the published payloads still kept, concatenated (uint8; their
                             versions and sizes are in the manifest)
     ``<key>/last_delta``    lookahead pulls: the key's last update
@@ -45,8 +53,10 @@ On-disk layout, one directory per shard::
               "pushers": [ranks whose plan has the key], "initialized"}},   (partial plans:
               each key's pushers; absent from older checkpoints: every registered rank)
      "dedup": {"<rank>": [[incarnation, request_id], ...]},   the exactly-once window
-              (ShardCore.dedup_state), oldest first: a push applied before the checkpoint
+              (ShardCore.dedup's "ids"), oldest first: a push applied before the checkpoint
               and replayed after a restore is answered and not applied again
+     "layouts": {"rule", "codec", "codecs", "dedup"},   the state-dict version of each part
+              (absent from older checkpoints: every part of version 1)
      "files": {"params.safetensors": {"sha256", "bytes"}, "state.safetensors": {...}},
      "manifest_sha256": "<sha256 of this object without this field, sorted, compact>"}
 
@@ -126,10 +136,15 @@ def _spec_dict(spec: pb.KeySpec) -> dict:
             "shape": list(spec.shape.dims) if spec.HasField("shape") else None}
 
 
-def _key_state(core: ShardCore, key: int, slot: Slot, params: dict, state: dict) -> dict:
-    """Copy one key's arrays into ``params`` and ``state``; returns its manifest entry."""
+def _key_state(key: int, slot: Slot, codes: dict | None, params: dict, state: dict,
+               layouts: dict) -> dict:
+    """Copy one key's arrays into ``params`` and ``state`` (its rule state's and its codes'
+    state dicts laid out by name, their versions into ``layouts``); returns its manifest
+    entry."""
     params[str(key)] = slot.param.copy()
-    for name, arr in core.rule.save_state(slot).items():
+    rule = slot.rule_state.state_dict()
+    layouts["rule"] = rule.pop("version")
+    for name, arr in rule.items():
         state[f"{key}/rule/{name}"] = arr
     if slot.last_delta is not None:
         state[f"{key}/last_delta"] = slot.last_delta.copy()
@@ -137,7 +152,11 @@ def _key_state(core: ShardCore, key: int, slot: Slot, params: dict, state: dict)
         state[f"{key}/acc"] = slot.acc.copy()
     for rank, grad in slot.held.items():
         state[f"{key}/held/{rank}"] = np.array(grad, np.float32, copy=True)
-    history = list(slot.publisher.history) if slot.publisher is not None else []
+    history = []
+    if codes is not None:
+        layouts["codec"] = codes["version"]
+        state[f"{key}/residual"] = codes["residual"]
+        history = codes["history"]
     if history:
         state[f"{key}/history"] = np.frombuffer(b"".join(p for _, p in history),
                                                 np.uint8).copy()
@@ -155,10 +174,11 @@ def snapshot(core: ShardCore) -> Snapshot:
             raise ValueError(f"shard {core.cfg.shard_id} holds no keys yet (no worker has "
                              f"registered): nothing to checkpoint")
         params, state = {}, {}
-        keys = {str(key): _key_state(core, key, slot, params, state)
+        codecs, dedup = core.codecs.state_dict(), core.dedup.state_dict()
+        layouts = {"codecs": codecs["version"], "dedup": dedup["version"]}
+        keys = {str(key): _key_state(key, slot, codecs["keys"].get(key), params, state,
+                                     layouts)
                 for key, slot in sorted(core.slots.items())}
-        for key, residual in core.codec_state().items():
-            state[f"{key}/residual"] = residual
         clocks = core.clocks
         codec = core.pull_codec
         manifest = {
@@ -178,7 +198,10 @@ def snapshot(core: ShardCore) -> Snapshot:
             # the exactly-once window: a push applied before this checkpoint and replayed
             # after a restart is answered, not applied again
             "dedup": {str(w): [list(pid) for pid in ids]
-                      for w, ids in sorted(core.dedup_state().items())},
+                      for w, ids in sorted(dedup["ids"].items())},
+            # the state-dict versions of the parts (proto.state): absent from older
+            # checkpoints, whose parts are all of version 1
+            "layouts": layouts,
         }
     return Snapshot(manifest, params, state)
 
@@ -270,10 +293,10 @@ def _restore_key(core: ShardCore, ckpt: Checkpoint, key: int) -> None:
     slot.initialized = bool(info.get("initialized", m["core"]["initialized"]))
     prefix = f"{key}/rule/"
     try:
-        core.rule.load_state(slot, {k[len(prefix):]: v for k, v in st.items()
-                                    if k.startswith(prefix)})
+        slot.rule_state.load_state_dict({"version": _layout(ckpt, "rule"), **{
+            k[len(prefix):]: v for k, v in st.items() if k.startswith(prefix)}})
     except PSError as err:
-        raise CheckpointError(ckpt.path, err.message) from None
+        raise CheckpointError(ckpt.path, f"key {key}: {err.message}") from None
     if slot.last_delta is not None:
         np.copyto(slot.last_delta, _array(ckpt, st, f"{key}/last_delta", (n,), f32))
     slot.folded, slot.pushed = info["folded"], set(info["pushed"])
@@ -282,17 +305,25 @@ def _restore_key(core: ShardCore, ckpt: Checkpoint, key: int) -> None:
     held = f"{key}/held/"
     slot.held = {int(k[len(held):]): _array(ckpt, st, k, (n,), f32).copy() for k in st
                  if k.startswith(held)}
-    if slot.publisher is not None:
-        sizes = [size for _, size in info["history"]]
-        payloads = _array(ckpt, st, f"{key}/history", (sum(sizes),), np.uint8).tobytes() \
-            if sizes else b""
-        slot.publisher.forget()
-        # republishing the kept payloads in order rebuilds the same history: they fit its
-        # limits when saved, and so does every prefix
-        start = 0
-        for (version, _), size in zip(info["history"], sizes):
-            slot.publisher.publish(version, memoryview(payloads[start:start + size]))
-            start += size
+
+
+def _layout(ckpt: Checkpoint, part: str) -> int:
+    """The state-dict version a part was saved in (1 in checkpoints that predate them)."""
+    return ckpt.manifest.get("layouts", {}).get(part, 1)
+
+
+def _codes(ckpt: Checkpoint, key: int, n: int) -> dict:
+    """One key's published-codes state dict (``Publisher.state_dict``), from its residual,
+    its concatenated history and the history's sizes in the manifest."""
+    st, info = ckpt.state, ckpt.manifest["keys"][str(key)]
+    sizes = [size for _, size in info["history"]]
+    payloads = _array(ckpt, st, f"{key}/history", (sum(sizes),), np.uint8).tobytes() \
+        if sizes else b""
+    starts = np.cumsum([0, *sizes])
+    return {"version": _layout(ckpt, "codec"),
+            "residual": _array(ckpt, st, f"{key}/residual", (n,), np.float32),
+            "history": [[version, payloads[a:b]] for (version, _), a, b
+                        in zip(info["history"], starts[:-1], starts[1:])]}
 
 
 def restore(core: ShardCore, ckpt: Checkpoint) -> None:
@@ -313,9 +344,12 @@ def restore(core: ShardCore, ckpt: Checkpoint) -> None:
         _plan_slots(core, ckpt)
         for key in sorted(core.slots):
             _restore_key(core, ckpt, key)
-        residuals = {k: _array(ckpt, ckpt.state, f"{k}/residual", (s.length,), np.float32)
-                     for k, s in core.slots.items() if s.publisher is not None}
-        core.load_codec_state(residuals)
+        try:
+            core.codecs.load_state_dict({"version": _layout(ckpt, "codecs"), "keys": {
+                k: _codes(ckpt, k, s.length) for k, s in core.slots.items()
+                if s.publisher is not None}})
+        except PSError as err:
+            raise CheckpointError(ckpt.path, err.message) from None
         core.updates_applied = m["core"]["updates_applied"]
         # a Leave the old process had not yet applied: the next tick applies it here
         core._membership_changed = m["core"]["membership_changed"]
@@ -329,8 +363,8 @@ def restore(core: ShardCore, ckpt: Checkpoint) -> None:
         core._check_partial()
         core.check_initialized()
         # absent from checkpoints written before the window was saved: an empty window
-        core.load_dedup_state({int(w): [tuple(pid) for pid in ids]
-                               for w, ids in m.get("dedup", {}).items()})
+        core.dedup.load_state_dict({"version": _layout(ckpt, "dedup"), "ids": {
+            int(w): [tuple(pid) for pid in ids] for w, ids in m.get("dedup", {}).items()}})
 
 
 # -- what a server drives -----------------------------------------------------------------------

@@ -13,13 +13,14 @@ from __future__ import annotations
 from collections import deque
 
 from bitps.proto import bitps_pb2 as pb
+from bitps.proto.wire import PSError
 
 __all__ = ["ExactlyOnce"]
 
 
 class ExactlyOnce:
-    """Per worker, the ids of its last ``window`` applied pushes, oldest first. The caller
-    serializes access (the shard core's lock)."""
+    """Per worker, the ids of its last ``window`` applied pushes, oldest first; a
+    ``proto.state.Stateful``. The caller serializes access (the shard core's lock)."""
 
     def __init__(self, window: int) -> None:
         self.window = window
@@ -41,18 +42,22 @@ class ExactlyOnce:
         if len(order) > self.window:
             ids.discard(order.popleft())
 
-    def ids(self) -> dict[int, list[tuple[int, int]]]:
-        """Per worker, the ``(incarnation, request id)`` of its last applied pushes, oldest
-        first (copies)."""
-        return {w: list(order) for w, (order, _) in self._ids.items()}
+    def state_dict(self) -> dict:
+        """Layout version 1: ``{"version": 1, "ids": {worker: [(incarnation, request id),
+        ...]}}``, each worker's ids oldest first (copies)."""
+        return {"version": 1, "ids": {w: list(order) for w, (order, _) in self._ids.items()}}
 
-    def load_ids(self, window: dict[int, list[tuple[int, int]]]) -> None:
-        """Replace the window with :meth:`ids`' ``window``; a worker's oldest ids beyond
-        :attr:`window` are dropped (all of them at 0)."""
-        keep = self.window
-        self._ids = {}
-        for worker, ids in window.items():
+    def load_state_dict(self, state: dict) -> None:
+        """Replace the window with :meth:`state_dict`'s; a worker's oldest ids beyond
+        :attr:`window` are dropped (all of them at 0). ``PSError`` (nothing changed) for
+        another layout."""
+        if state.get("version") != 1 or not isinstance(state.get("ids"), dict):
+            raise PSError(pb.BAD_HEADER, f"exactly-once window of layout version "
+                          f"{state.get('version')!r}; expected 1 with ids by worker")
+        keep, loaded = self.window, {}
+        for worker, ids in state["ids"].items():
             order = deque((int(inc), int(rid)) for inc, rid in ids[max(len(ids) - keep, 0):]) \
                 if keep else deque()
             if order:
-                self._ids[int(worker)] = (order, set(order))
+                loaded[int(worker)] = (order, set(order))
+        self._ids = loaded

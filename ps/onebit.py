@@ -189,7 +189,7 @@ class OneBitState(KeyState):
 
     def __init__(self, adam: KeyState, *, chunk: int, history: int, mean_abs: bool,
                  sync: bool, warmup_codes: bool = False) -> None:
-        super().__init__(adam.step, adam.buf1, adam.buf2)
+        super().__init__(adam.step, adam.buf1, adam.buf2, adam.buffers)
         self.n = n = adam.buf1.size
         self.codec = Codec(pb.CODEC_SIGN1, chunk, MEAN_ABS if mean_abs else 0)
         self.sync = sync
@@ -249,6 +249,27 @@ class OneBitState(KeyState):
         msg.fields.update({"bias_correction2_sqrt": self.bias_correction2_sqrt,
                            "step": self.step})
         return msg
+
+    def state_dict(self) -> dict:
+        """``KeyState``'s layout (version 1) and ``compressing`` (int64[1]),
+        ``bias_correction2_sqrt`` (float64[1]) and ``m_code`` (uint8: sign1 bytes, or none
+        before sync's switch). The published codes and their residual are the publisher's
+        (``ps.publish.Publisher.state_dict``)."""
+        out = super().state_dict()
+        out["compressing"] = np.array([self.compressing], np.int64)
+        out["bias_correction2_sqrt"] = np.array([self.bias_correction2_sqrt], np.float64)
+        out["m_code"] = np.frombuffer(self.m_code, np.uint8).copy()
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        size = self.codec.max_bytes(self.n)
+        # the switch flags: one value each; m's code: none yet, or one code of the key
+        self.check_state(state, {"compressing": ((1,),), "bias_correction2_sqrt": ((1,),),
+                                 "m_code": ((0,), (size,))})
+        self._load(state)
+        self.compressing = bool(state["compressing"][0])
+        self.bias_correction2_sqrt = float(state["bias_correction2_sqrt"][0])
+        self.m_code = np.asarray(state["m_code"], np.uint8).tobytes()
 
     def publish(self, version: int, payload: memoryview) -> None:
         """Keep the payload that took the key to ``version`` (sync: the code m decodes from)."""
@@ -347,34 +368,6 @@ class OneBitAdam(AdamW):
                                 "L2 norm of the shard's error-feedback residuals",
                                 value=float(np.sqrt(sum(st.server.residual_norm() ** 2
                                                         for st in states))))
-
-    def save_state(self, slot):
-        out = super().save_state(slot)
-        ob = slot.rule_state
-        if isinstance(ob, OneBitState):
-            out["compressing"] = np.array([ob.compressing], np.int64)
-            out["bias_correction2_sqrt"] = np.array([ob.bias_correction2_sqrt], np.float64)
-            out["m_code"] = np.frombuffer(ob.m_code, np.uint8).copy()
-        return out
-
-    def load_state(self, slot, arrays):
-        ob = slot.rule_state if isinstance(slot.rule_state, OneBitState) else None
-        extra = ("compressing", "bias_correction2_sqrt", "m_code") if ob is not None else ()
-        if missing := [k for k in extra if k not in arrays]:
-            raise PSError(pb.BAD_HEADER, f"key {slot.spec.key}: onebit_adam state lacks "
-                          f"{missing}")
-        if ob is not None:
-            m_code, size = arrays["m_code"], ob.codec.max_bytes(ob.n)
-            if m_code.size not in (0, size) or arrays["compressing"].shape != (1,) \
-                    or arrays["bias_correction2_sqrt"].shape != (1,):
-                raise PSError(pb.BAD_LENGTH, f"key {slot.spec.key}: onebit_adam state of "
-                              f"m code {m_code.size} bytes (expected 0 or {size}) and flags "
-                              f"{arrays['compressing'].shape}; expected one value each")
-        super().load_state(slot, {k: v for k, v in arrays.items() if k not in extra})
-        if ob is not None:
-            ob.compressing = bool(arrays["compressing"][0])
-            ob.bias_correction2_sqrt = float(arrays["bias_correction2_sqrt"][0])
-            ob.m_code = arrays["m_code"].tobytes()
 
     # -- arithmetic of the compression stage --------------------------------------------------
     def delta(self, param: np.ndarray, grad: np.ndarray, state: KeyState, out: np.ndarray, *,

@@ -2,22 +2,21 @@
 ``OptimizerConfig.name``.
 
 A rule owns no arrays. It makes a key's state (:meth:`UpdateRule.setup` puts it in
-``Slot.rule_state``, which nothing but the rule looks inside; :meth:`UpdateRule.new_state` is
-the moments and step count of the rules here), does the arithmetic (:meth:`UpdateRule.apply`
-updates ``param`` from a gradient and that state, over the kernels in ``native``), and runs a
-key's updates on the shard (:meth:`UpdateRule.update`, with the phase hooks
-:meth:`~UpdateRule.arrived` and :meth:`~UpdateRule.aggregated`), including what the key
-publishes for compressed pulls. It also saves and restores a key's state
-(:meth:`~UpdateRule.save_state`), says what workers need to know of it at registration
-(:meth:`~UpdateRule.rule_params`) and what its state is (:meth:`~UpdateRule.rule_state`, the
-RuleState call), and exports its own metrics (:meth:`~UpdateRule.collect`). A rule with
-settings of its own names their section (:attr:`UpdateRule.config`, a
-``ps.config.RuleConfig``) and their flags (:attr:`UpdateRule.settings`). Rules with layouts
-and phases of their own are plug-ins in modules of their own (``ps/__init__.py`` imports
-them); the shard core calls rules only through this interface.
+``Slot.rule_state``, which nothing but the rule looks inside; :meth:`UpdateRule.new_state` is the
+moments and step count of the rules here), does the arithmetic (:meth:`UpdateRule.apply` updates
+``param`` from a gradient and that state, over the kernels in ``native``), and runs a key's updates
+on the shard (:meth:`UpdateRule.update`, with the phase hooks :meth:`~UpdateRule.arrived` and
+:meth:`~UpdateRule.aggregated`), including what the key publishes for compressed pulls. A key's
+state saves and restores itself (a ``proto.state.Stateful``: :class:`KeyState`'s state dict). The
+rule says what workers need to know of it at registration (:meth:`~UpdateRule.rule_params`) and what
+its state is (:meth:`~UpdateRule.rule_state`, the RuleState call), and exports its own metrics
+(:meth:`~UpdateRule.collect`). A rule with settings of its own names their section
+(:attr:`UpdateRule.config`, a ``ps.config.RuleConfig``) and their flags
+(:attr:`UpdateRule.settings`). Rules with layouts and phases of their own are plug-ins in modules of
+their own (``ps/__init__.py`` imports them); the shard core calls rules only through this interface.
 
-Each key is a partition of one tensor and is updated once per optimizer step, so per-key step
-counts equal torch's per-parameter ones.
+Each key is a partition of one tensor and is updated once per optimizer step, so per-key step counts
+equal torch's per-parameter ones.
 """
 
 from __future__ import annotations
@@ -49,11 +48,58 @@ _EMPTY = np.empty(0, dtype=np.float32)
 
 @dataclass
 class KeyState:
-    """Optimizer state of one key: step count and moment buffers (empty when unused)."""
+    """Optimizer state of one key: step count and moment buffers (empty when unused), the
+    ``Slot.rule_state`` of the rules here. A ``proto.state.Stateful``; its state dict, layout
+    version 1::
+
+        {"version": 1, "step": int64[1], "buf1": float32[n], "buf2": float32[n]}
+
+    with ``buf1`` and ``buf2`` only as far as :attr:`buffers` goes (SGD: neither; momentum and
+    nesterov: ``buf1``, the momentum buffer; Adam: ``buf1`` = m, ``buf2`` = v). A checkpoint
+    keeps them as ``<key>/rule/<name>``."""
 
     step: int = 0
     buf1: np.ndarray = field(default_factory=lambda: _EMPTY)
     buf2: np.ndarray = field(default_factory=lambda: _EMPTY)
+    buffers: int = 0
+    """How many of ``buf1``, ``buf2`` the rule uses (``UpdateRule.buffers``)."""
+
+    LAYOUTS: ClassVar[tuple[int, ...]] = (1,)
+    """The state-dict versions :meth:`load_state_dict` takes."""
+
+    def state_dict(self) -> dict:
+        out = {"version": 1, "step": np.array([self.step], np.int64)}
+        for i, buf in enumerate((self.buf1, self.buf2)[:self.buffers], 1):
+            out[f"buf{i}"] = buf.copy()
+        return out
+
+    def check_state(self, state: dict, extra: dict[str, tuple] | None = None) -> None:
+        """Refuse (:class:`PSError`) a state dict that does not fit: another version, other
+        names than :meth:`state_dict`'s and ``extra``'s (name -> allowed shapes), a shape that
+        differs. Subclasses that add entries check them through ``extra``."""
+        if state.get("version") not in self.LAYOUTS:
+            raise PSError(pb.BAD_HEADER, f"{type(self).__name__} state layout version "
+                          f"{state.get('version')!r}; expected one of {list(self.LAYOUTS)}")
+        want = {name: (np.shape(a),) for name, a in self.state_dict().items() if name != "version"}
+        want.update(extra or {})
+        if set(state) - {"version"} != set(want):
+            raise PSError(pb.BAD_HEADER, f"{type(self).__name__} state has {sorted(want)}; got "
+                          f"{sorted(set(state) - {'version'})}")
+        for name, shapes in want.items():
+            if np.shape(state[name]) not in shapes:
+                raise PSError(pb.BAD_LENGTH, f"{type(self).__name__} state {name} of shape "
+                              f"{np.shape(state[name])}; expected {' or '.join(map(str, shapes))}")
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; :class:`PSError` (nothing changed) when a name, a shape
+        or the version does not match."""
+        self.check_state(state)
+        self._load(state)
+
+    def _load(self, state: dict) -> None:
+        self.step = int(state["step"][0])
+        for i, buf in enumerate((self.buf1, self.buf2)[:self.buffers], 1):
+            np.copyto(buf, state[f"buf{i}"], casting="same_kind")
 
 
 def publish_update(slot: Slot, apply: Callable[[np.ndarray], None], seed: int) -> None:
@@ -111,7 +157,7 @@ class UpdateRule:
     def new_state(self, length: int) -> KeyState:
         """Fresh state for a key of ``length`` elements (zeros, as torch initialises it)."""
         bufs = [np.zeros(length, np.float32) for _ in range(self.buffers)]
-        return KeyState(*([0] + bufs))
+        return KeyState(0, *bufs, buffers=self.buffers)
 
     def apply(self, param: np.ndarray, grad: np.ndarray, state: KeyState, *,
               grad_scale: float = 1.0, lr_scale: float = 1.0,
@@ -192,31 +238,6 @@ class UpdateRule:
         """The rule's own Prometheus metric families over the shard's keys ``slots``, read at
         scrape time (``ps.metrics``); none by default."""
         return ()
-
-    def save_state(self, slot: Slot) -> dict[str, np.ndarray]:
-        """The key's optimizer state as named arrays (a checkpoint's; parameters, version and
-        codec residuals are saved by the shard). :meth:`load_state` restores it."""
-        st = slot.rule_state
-        out = {"step": np.array([st.step], np.int64)}
-        for i, buf in enumerate((st.buf1, st.buf2)[:self.buffers], 1):
-            out[f"buf{i}"] = buf.copy()
-        return out
-
-    def load_state(self, slot: Slot, arrays: dict[str, np.ndarray]) -> None:
-        """Restore :meth:`save_state`; :class:`PSError` (nothing changed) when a name or a
-        shape does not match."""
-        want = UpdateRule.save_state(self, slot)  # this class's arrays; subclasses add theirs
-        if set(arrays) != set(want):
-            raise PSError(pb.BAD_HEADER, f"key {slot.spec.key}: {self.name} state has "
-                          f"{sorted(want)}; got {sorted(arrays)}")
-        for name, value in arrays.items():
-            if value.shape != want[name].shape:
-                raise PSError(pb.BAD_LENGTH, f"key {slot.spec.key}: {self.name} state {name} "
-                              f"of shape {value.shape}; expected {want[name].shape}")
-        st = slot.rule_state
-        st.step = int(arrays["step"][0])
-        for i, buf in enumerate((st.buf1, st.buf2)[:self.buffers], 1):
-            np.copyto(buf, arrays[f"buf{i}"], casting="same_kind")
 
     # -- shared scalars -----------------------------------------------------------------------
     def neg_lr(self, lr_scale: float = 1.0) -> np.float32:

@@ -35,6 +35,7 @@ from bitps.ps.consistency import key_pushers, make_consistency
 from bitps.ps.dedup import ExactlyOnce
 from bitps.ps.held import HeldPulls
 from bitps.ps.metrics import ClockSnapshot, ShardMetrics
+from bitps.ps.publish import PublishedCodes
 from bitps.ps.registration import Registration
 from bitps.ps.replies import Admission, Reply, reply_frames
 from bitps.ps.rules import make_rule
@@ -72,7 +73,10 @@ class ShardCore(Registration):
         self.updates_applied = 0
         self._changes = 0  # pushes taken and membership changes: versions may have moved
         self.dedup = ExactlyOnce(cfg.dedup_window)
-        """The ids of each worker's last applied pushes (``ps.dedup``)."""
+        """The ids of each worker's last applied pushes (``ps.dedup``; a ``Stateful``)."""
+        self.codecs = PublishedCodes(lambda: self.slots, self.lock)
+        """Every key's published codes and their residuals (``ps.publish``; a ``Stateful``):
+        the codec state a checkpoint saves beside parameters and rule state."""
         self._membership_changed = False
         self._changed_ranks: set[int] | None = set()  # whose change; None: unknown
         self.pull_codec: Codec | None = self.rule.published_codec()
@@ -105,31 +109,6 @@ class ShardCore(Registration):
             # a partial plan's worker gets the state of its own keys only
             return self.rule.rule_state({k: s for k, s in self.slots.items()
                                          if rank in s.pushers})
-
-    def codec_state(self) -> dict[int, np.ndarray]:
-        """The shard's error-feedback residuals by key (copies; keys that publish codes:
-        compressed pulls, or a rule's own): the codec state a checkpoint saves beside
-        parameters and rule state."""
-        with self.lock:
-            return {k: s.publisher.server.residual.copy() for k, s in self.slots.items()
-                    if s.publisher is not None}
-
-    def load_codec_state(self, residuals: dict[int, np.ndarray]) -> None:
-        """Restore :meth:`codec_state`; raises :class:`PSError` (nothing changed) when a key or
-        a length does not match."""
-        with self.lock:
-            for key, r in residuals.items():
-                slot = self.slots.get(key)
-                if slot is None or slot.publisher is None:
-                    raise PSError(pb.UNKNOWN_KEY, f"key {key} has no codec state on shard "
-                                  f"{self.cfg.shard_id}")
-                if r.shape != (slot.length,):
-                    raise PSError(pb.BAD_LENGTH, f"key {key}: residual of shape {r.shape}; "
-                                  f"expected ({slot.length},)")
-            for key, r in residuals.items():
-                np.copyto(self.slots[key].publisher.server.residual, r, casting="same_kind")
-
-
 
     def leave(self, rank: int) -> None:
         """``rank`` left cleanly: it stops counting for sync aggregates and SSP bounds. Called
@@ -191,18 +170,6 @@ class ShardCore(Registration):
         grads, codec = checks.decode_push(cfg, header, payload, slots)
         self.consistency.check_push(header, slots)
         return slots, grads, codec, clock
-
-    def dedup_state(self) -> dict[int, list[tuple[int, int]]]:
-        """The exactly-once window (``ps.dedup``): per worker, the ``(incarnation, request
-        id)`` of its last applied pushes, oldest first, as a checkpoint saves it."""
-        with self.lock:
-            return self.dedup.ids()
-
-    def load_dedup_state(self, window: dict[int, list[tuple[int, int]]]) -> None:
-        """Replace the exactly-once window with :meth:`dedup_state`'s ``window``; a worker's
-        oldest ids beyond this shard's ``dedup_window`` are dropped (all of them at 0)."""
-        with self.lock:
-            self.dedup.load_ids(window)
 
     def _push(self, header: pb.DataHeader, payload: list, grads: list[np.ndarray],
               codec: Codec, slots: list[Slot], min_clock: int):

@@ -110,16 +110,23 @@ class Driver:
                 self.pull(w, clock + 1)
 
 
+def _window(core: ShardCore) -> dict:
+    """The exactly-once window's ids by worker (``ShardCore.dedup``'s state dict)."""
+    return core.dedup.state_dict()["ids"]
+
+
 def _state(core: ShardCore) -> dict:
     """Everything a continuation could differ in, as comparable values."""
     out = {"updates": core.updates_applied, "signature": core.signature,
            "clocks": {r: (w.clock, w.registered, w.left, w.dropped)
                       for r, w in core.clocks.workers.items()},
-           "codec": {k: v.tobytes() for k, v in core.codec_state().items()},
-           "dedup": core.dedup_state()}
+           "codec": {k: c["residual"].tobytes()
+                     for k, c in core.codecs.state_dict()["keys"].items()},
+           "dedup": _window(core)}
     for k, s in core.slots.items():
         out[k] = {"param": s.param.tobytes(), "version": s.version,
-                  "rule": {n: a.tobytes() for n, a in core.rule.save_state(s).items()},
+                  "rule": {n: np.asarray(a).tobytes()
+                           for n, a in s.rule_state.state_dict().items()},
                   "delta": None if s.last_delta is None else s.last_delta.tobytes(),
                   "history": None if s.publisher is None else list(s.publisher.history),
                   "pushed": sorted(s.pushed), "folded": s.folded}
@@ -237,13 +244,13 @@ def test_a_push_applied_before_the_checkpoint_is_not_applied_again_after_the_res
     for rid in (5, 6, 7):
         assert _push(a, rid).op == pb.REPLY
     window = {0: [(77, 5), (77, 6), (77, 7)]}
-    assert a.dedup_state() == window
+    assert _window(a) == window
     path = save(a, tmp_path, keep=1)
     assert load(path).manifest["dedup"] == {"0": [[77, 5], [77, 6], [77, 7]]}
 
     b = ShardCore(cfg, now=lambda: 0.0)
     restore(b, load(path))
-    assert b.dedup_state() == window
+    assert _window(b) == window
     before = _state(b)
     replay = _push(b, 6)
     assert replay.op == pb.REPLY and replay.request_id == 6
@@ -253,10 +260,10 @@ def test_a_push_applied_before_the_checkpoint_is_not_applied_again_after_the_res
 
     small = ShardCore(dataclasses.replace(cfg, dedup_window=2), now=lambda: 0.0)
     restore(small, load(path))
-    assert small.dedup_state() == {0: [(77, 6), (77, 7)]}
+    assert _window(small) == {0: [(77, 6), (77, 7)]}
     off = ShardCore(dataclasses.replace(cfg, dedup_window=0), now=lambda: 0.0)
     restore(off, load(path))
-    assert off.dedup_state() == {}
+    assert _window(off) == {}
 
 
 def test_a_checkpoint_without_a_window_restores_an_empty_one(tmp_path):
@@ -270,7 +277,7 @@ def test_a_checkpoint_without_a_window_restores_an_empty_one(tmp_path):
     (path / "manifest.json").write_text(json.dumps(manifest))
     b = ShardCore(a.core.cfg, now=lambda: 0.0)
     restore(b, load(path))
-    assert b.dedup_state() == {} and b.updates_applied == a.core.updates_applied
+    assert _window(b) == {} and b.updates_applied == a.core.updates_applied
 
 
 def _old_optimizer_layout(path, **rule_keys) -> None:

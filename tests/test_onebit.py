@@ -186,18 +186,28 @@ def test_error_feedback_state_saves_and_restores():
             saved = {k: r.copy() for k, r in client.residuals(clock=2).items()}
             assert set(saved) == set(keys) and all(np.any(r) for r in saved.values())
         core = shard.core
-        server = core.codec_state()
+
+        def residuals() -> dict:  # the shard's codec state (ShardCore.codecs), residuals only
+            return {k: c["residual"] for k, c in core.codecs.state_dict()["keys"].items()}
+
+        def load(by_key: dict) -> None:
+            history = {k: c["history"] for k, c in core.codecs.state_dict()["keys"].items()}
+            core.codecs.load_state_dict({"version": 1, "keys": {
+                k: {"version": 1, "residual": r, "history": history[k]}
+                for k, r in by_key.items()}})
+
+        server = residuals()
         assert set(server) == set(keys) and all(np.any(r) for r in server.values())
         before = {k: r.copy() for k, r in server.items()}
-        for r in core.codec_state().values():
+        for r in residuals().values():
             r[:] = 7  # copies: the shard's state is untouched
-        assert all(np.array_equal(before[k], r) for k, r in core.codec_state().items())
+        assert all(np.array_equal(before[k], r) for k, r in residuals().items())
         zeroed = {k: np.zeros_like(r) for k, r in before.items()}
         with pytest.raises(PSError, match="expected"):
-            core.load_codec_state({**zeroed, keys[-1]: np.zeros(3, np.float32)})
-        assert all(np.array_equal(before[k], r) for k, r in core.codec_state().items())
-        core.load_codec_state(before)
-        assert all(np.array_equal(before[k], r) for k, r in core.codec_state().items())
+            load({**zeroed, keys[-1]: np.zeros(3, np.float32)})
+        assert all(np.array_equal(before[k], r) for k, r in residuals().items())
+        load(before)
+        assert all(np.array_equal(before[k], r) for k, r in residuals().items())
         servers = (f"127.0.0.1:{shard.ports['grpc_port']}",)
         with PSClient(ClientConfig(servers=servers, partition_bytes=16384,
                                    compress_min_bytes=0, push_codec=CodecConfig(name="sign1")))\
