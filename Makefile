@@ -31,12 +31,16 @@ bench-quick: venv  # every scenario at smoke-test size, under bench/results/quic
 	$(VENV)/bin/bitps-bench all --quick
 
 # The stubs must import as bitps.proto.*: compile from a staging tree laid out as installed.
+# onebit.proto is 1-bit Adam's own section of the wire (messages only, no service).
 proto: venv
-	rm -rf build/proto && mkdir -p build/proto/bitps/proto && cp proto/bitps.proto build/proto/bitps/proto/
+	rm -rf build/proto && mkdir -p build/proto/bitps/proto && cp proto/bitps.proto proto/onebit.proto build/proto/bitps/proto/
 	$(VPY) -m grpc_tools.protoc -Ibuild/proto --python_out=build/proto --pyi_out=build/proto \
 		--grpc_python_out=build/proto bitps/proto/bitps.proto
+	$(VPY) -m grpc_tools.protoc -Ibuild/proto --python_out=build/proto --pyi_out=build/proto \
+		bitps/proto/onebit.proto
 	cp build/proto/bitps/proto/bitps_pb2.py build/proto/bitps/proto/bitps_pb2.pyi \
-		build/proto/bitps/proto/bitps_pb2_grpc.py proto/
+		build/proto/bitps/proto/bitps_pb2_grpc.py build/proto/bitps/proto/onebit_pb2.py \
+		build/proto/bitps/proto/onebit_pb2.pyi proto/
 
 .PHONY: docs
 docs: venv  # docs/configuration.md from the settings tables and parsers of every program

@@ -10,7 +10,7 @@ threshold keeps on Gaussian data, 2*median(|u|) -> P(|u| > 1.349 sigma) = 0.177.
 Directions: push = gradients worker -> shard; pull = parameters, or the codes of the shard's
 update (compressed pulls, ``ps.publish``; one code per step, as in sync), shard -> worker. The
 pull codec defaults to the push codec's; the "(pull fp32)" rows set it to raw. sign1 uses its
-default chunk (2048); 1-bit Adam its own default (``onebit_chunk``, 256).
+default chunk (2048); 1-bit Adam its own default (``OneBitConfig.chunk``, 256).
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from pathlib import Path
 from bitps.bench.config import VolumeBench
 from bitps.native import sign1, sparse
 from bitps.proto.keyplan import DEFAULT_PARTITION_BYTES, ParamSpec, make_plan
-from bitps.ps.config import OptimizerConfig
+from bitps.ps.onebit import OneBitConfig
 
 __all__ = ["run"]
 
 SPARSE_DENSITY = 0.177
-ONEBIT_CHUNK = OptimizerConfig().onebit_chunk
+ONEBIT_CHUNK = OneBitConfig().chunk
 _KEY_ELEMS = DEFAULT_PARTITION_BYTES // 4
 # name -> (push codec, pull codec)
 SCHEMES = {

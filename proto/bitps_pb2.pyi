@@ -1,3 +1,5 @@
+from google.protobuf import any_pb2 as _any_pb2
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -163,7 +165,7 @@ class RegisterMessage(_message.Message):
     def __init__(self, request: _Optional[_Union[RegisterRequest, _Mapping]] = ..., values: _Optional[_Union[KeyValues, _Mapping]] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("shard_id", "num_shards", "data_port", "metrics_port", "mode", "staleness", "start_clock", "max_frame_bytes", "onebit", "holds_pulls", "current_keys", "current_versions")
+    __slots__ = ("shard_id", "num_shards", "data_port", "metrics_port", "mode", "staleness", "start_clock", "max_frame_bytes", "holds_pulls", "current_keys", "current_versions", "rule", "rule_params")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -172,10 +174,11 @@ class RegisterReply(_message.Message):
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     START_CLOCK_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
-    ONEBIT_FIELD_NUMBER: _ClassVar[int]
     HOLDS_PULLS_FIELD_NUMBER: _ClassVar[int]
     CURRENT_KEYS_FIELD_NUMBER: _ClassVar[int]
     CURRENT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    RULE_FIELD_NUMBER: _ClassVar[int]
+    RULE_PARAMS_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     num_shards: int
     data_port: int
@@ -184,43 +187,14 @@ class RegisterReply(_message.Message):
     staleness: int
     start_clock: int
     max_frame_bytes: int
-    onebit: OneBitParams
     holds_pulls: bool
     current_keys: _containers.RepeatedScalarFieldContainer[int]
     current_versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., data_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., start_clock: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., onebit: _Optional[_Union[OneBitParams, _Mapping]] = ..., holds_pulls: _Optional[bool] = ..., current_keys: _Optional[_Iterable[int]] = ..., current_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    rule: str
+    rule_params: _any_pb2.Any
+    def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., data_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., start_clock: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., holds_pulls: _Optional[bool] = ..., current_keys: _Optional[_Iterable[int]] = ..., current_versions: _Optional[_Iterable[int]] = ..., rule: _Optional[str] = ..., rule_params: _Optional[_Union[_any_pb2.Any, _Mapping]] = ...) -> None: ...
 
-class OneBitParams(_message.Message):
-    __slots__ = ("freeze_step", "chunk", "codec_flags", "lr", "beta1", "eps", "weight_decay", "ratio_clip", "beta2", "worker_moments", "lr_warmup_steps", "lr_decay_steps", "lr_min_ratio")
-    FREEZE_STEP_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_FIELD_NUMBER: _ClassVar[int]
-    CODEC_FLAGS_FIELD_NUMBER: _ClassVar[int]
-    LR_FIELD_NUMBER: _ClassVar[int]
-    BETA1_FIELD_NUMBER: _ClassVar[int]
-    EPS_FIELD_NUMBER: _ClassVar[int]
-    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
-    RATIO_CLIP_FIELD_NUMBER: _ClassVar[int]
-    BETA2_FIELD_NUMBER: _ClassVar[int]
-    WORKER_MOMENTS_FIELD_NUMBER: _ClassVar[int]
-    LR_WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
-    LR_DECAY_STEPS_FIELD_NUMBER: _ClassVar[int]
-    LR_MIN_RATIO_FIELD_NUMBER: _ClassVar[int]
-    freeze_step: int
-    chunk: int
-    codec_flags: int
-    lr: float
-    beta1: float
-    eps: float
-    weight_decay: float
-    ratio_clip: float
-    beta2: float
-    worker_moments: bool
-    lr_warmup_steps: int
-    lr_decay_steps: int
-    lr_min_ratio: float
-    def __init__(self, freeze_step: _Optional[int] = ..., chunk: _Optional[int] = ..., codec_flags: _Optional[int] = ..., lr: _Optional[float] = ..., beta1: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., ratio_clip: _Optional[float] = ..., beta2: _Optional[float] = ..., worker_moments: _Optional[bool] = ..., lr_warmup_steps: _Optional[int] = ..., lr_decay_steps: _Optional[int] = ..., lr_min_ratio: _Optional[float] = ...) -> None: ...
-
-class OptimizerStateRequest(_message.Message):
+class RuleStateRequest(_message.Message):
     __slots__ = ("rank", "token")
     RANK_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -228,21 +202,35 @@ class OptimizerStateRequest(_message.Message):
     token: str
     def __init__(self, rank: _Optional[int] = ..., token: _Optional[str] = ...) -> None: ...
 
-class KeyOptimizerState(_message.Message):
-    __slots__ = ("key", "version", "exp_avg", "exp_avg_sq", "bias_correction2_sqrt", "compact")
+class StateArray(_message.Message):
+    __slots__ = ("name", "dtype", "codec", "codec_chunk", "codec_flags", "length", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    CODEC_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FLAGS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: DType
+    codec: Codec
+    codec_chunk: int
+    codec_flags: int
+    length: int
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., codec_chunk: _Optional[int] = ..., codec_flags: _Optional[int] = ..., length: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class KeyRuleState(_message.Message):
+    __slots__ = ("key", "version", "arrays", "fields")
     KEY_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
-    EXP_AVG_FIELD_NUMBER: _ClassVar[int]
-    EXP_AVG_SQ_FIELD_NUMBER: _ClassVar[int]
-    BIAS_CORRECTION2_SQRT_FIELD_NUMBER: _ClassVar[int]
-    COMPACT_FIELD_NUMBER: _ClassVar[int]
+    ARRAYS_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
     key: int
     version: int
-    exp_avg: bytes
-    exp_avg_sq: bytes
-    bias_correction2_sqrt: float
-    compact: bool
-    def __init__(self, key: _Optional[int] = ..., version: _Optional[int] = ..., exp_avg: _Optional[bytes] = ..., exp_avg_sq: _Optional[bytes] = ..., bias_correction2_sqrt: _Optional[float] = ..., compact: _Optional[bool] = ...) -> None: ...
+    arrays: _containers.RepeatedCompositeFieldContainer[StateArray]
+    fields: _struct_pb2.Struct
+    def __init__(self, key: _Optional[int] = ..., version: _Optional[int] = ..., arrays: _Optional[_Iterable[_Union[StateArray, _Mapping]]] = ..., fields: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("rank", "clock", "token")

@@ -58,10 +58,10 @@ class ControlStub:
                 request_serializer=bitps_dot_proto_dot_bitps__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=bitps_dot_proto_dot_bitps__pb2.LeaveReply.FromString,
                 _registered_method=True)
-        self.OptimizerState = channel.unary_stream(
-                '/bitps.Control/OptimizerState',
-                request_serializer=bitps_dot_proto_dot_bitps__pb2.OptimizerStateRequest.SerializeToString,
-                response_deserializer=bitps_dot_proto_dot_bitps__pb2.KeyOptimizerState.FromString,
+        self.RuleState = channel.unary_stream(
+                '/bitps.Control/RuleState',
+                request_serializer=bitps_dot_proto_dot_bitps__pb2.RuleStateRequest.SerializeToString,
+                response_deserializer=bitps_dot_proto_dot_bitps__pb2.KeyRuleState.FromString,
                 _registered_method=True)
 
 
@@ -103,9 +103,11 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def OptimizerState(self, request, context):
-        """sync 1-bit Adam after warmup: the momentum and frozen second moment of every key of this
-        shard, one message per key (FAILED_PRECONDITION before the freeze).
+    def RuleState(self, request, context):
+        """The update rule's state of the asking worker's keys on this shard, one message per key, as
+        the rule lays it out (KeyRuleState). A rule that keeps none sends keys without arrays; a
+        rule that cannot share it now, or in this mode, answers a typed error (bitps-error-code
+        trailer), e.g. BAD_CLOCK while its keys are in a warmup.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -134,10 +136,10 @@ def add_ControlServicer_to_server(servicer, server):
                     request_deserializer=bitps_dot_proto_dot_bitps__pb2.LeaveRequest.FromString,
                     response_serializer=bitps_dot_proto_dot_bitps__pb2.LeaveReply.SerializeToString,
             ),
-            'OptimizerState': grpc.unary_stream_rpc_method_handler(
-                    servicer.OptimizerState,
-                    request_deserializer=bitps_dot_proto_dot_bitps__pb2.OptimizerStateRequest.FromString,
-                    response_serializer=bitps_dot_proto_dot_bitps__pb2.KeyOptimizerState.SerializeToString,
+            'RuleState': grpc.unary_stream_rpc_method_handler(
+                    servicer.RuleState,
+                    request_deserializer=bitps_dot_proto_dot_bitps__pb2.RuleStateRequest.FromString,
+                    response_serializer=bitps_dot_proto_dot_bitps__pb2.KeyRuleState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,7 +265,7 @@ class Control:
             _registered_method=True)
 
     @staticmethod
-    def OptimizerState(request,
+    def RuleState(request,
             target,
             options=(),
             channel_credentials=None,
@@ -276,9 +278,9 @@ class Control:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/bitps.Control/OptimizerState',
-            bitps_dot_proto_dot_bitps__pb2.OptimizerStateRequest.SerializeToString,
-            bitps_dot_proto_dot_bitps__pb2.KeyOptimizerState.FromString,
+            '/bitps.Control/RuleState',
+            bitps_dot_proto_dot_bitps__pb2.RuleStateRequest.SerializeToString,
+            bitps_dot_proto_dot_bitps__pb2.KeyRuleState.FromString,
             options,
             channel_credentials,
             insecure,

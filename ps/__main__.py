@@ -3,7 +3,8 @@
 Every setting is a flag with an environment twin (``--grpc-port`` <- ``BITPS_GRPC_PORT``) and a
 key of the ``--config`` TOML file (``grpc-port = 50051``): flag > environment > file > default
 (``bitps.proto.settings``). Defaults and allowed values come from the dataclasses of
-``ps/config.py`` (and ``LRSchedule``); :data:`PROGRAM` below adds only names and help.
+``ps/config.py`` (and ``LRSchedule``, and each update rule's own section, whose flags the
+rule lists: ``UpdateRule.settings``); :data:`PROGRAM` below adds only names and help.
 ``docs/configuration.md`` is rendered from it.
 """
 
@@ -18,14 +19,25 @@ from collections.abc import Mapping, Sequence
 
 from bitps.proto.keys import KeyFileError
 from bitps.proto.schedule import LRSchedule
-from bitps.proto.settings import Program, from_field, option
+from bitps.proto.settings import Program, Setting, from_field, option
 from bitps.ps.checkpoint import CheckpointError
-from bitps.ps.config import OptimizerConfig, ServerConfig
+from bitps.ps.config import RULES, OptimizerConfig, ServerConfig
 from bitps.ps.server import ShardFailure, create_server
 
 __all__ = ["PROGRAM", "build_parser", "main", "parse_config"]
 
 _S, _O, _L = ServerConfig, OptimizerConfig, LRSchedule
+
+
+def rule_settings() -> list[Setting]:
+    """The flags of every registered update rule's own config section
+    (``UpdateRule.settings``), in registration order, each once (a rule registered as a
+    subclass of another shares its flags)."""
+    out: list[Setting] = []
+    for rule in RULES.values():
+        out += [s for s in rule.settings if not any(s is seen for seen in out)]
+    return out
+
 
 PROGRAM = Program("bitps-server", "Run one bitps PS shard.", (
     from_field(_S, "shard_id", help="this shard's index, 0 .. num-shards - 1"),
@@ -58,18 +70,7 @@ PROGRAM = Program("bitps-server", "Run one bitps PS shard.", (
     from_field(_O, "eps", help="Adam denominator epsilon"),
     from_field(_O, "weight_decay", help="L2 penalty (sgd, momentum, adam) or decoupled decay "
                                         "(adamw, onebit_adam)"),
-    from_field(_O, "freeze_step", help="onebit_adam: warmup clocks of full Adam on bf16 pushes "
-                                       "before traffic goes 1-bit"),
-    from_field(_O, "onebit_chunk", help="onebit_adam: elements per scale of every sign1 code, "
-                                        "pushed and published"),
-    from_field(_O, "onebit_scale", help="onebit_adam: scale rule of the published sign1 codes; "
-                                        "auto = rms in sync, mean_abs in async/ssp"),
-    from_field(_O, "onebit_moments",
-               help="onebit_adam in async/ssp: Adam's moments on each worker (worker; auto) or "
-                    "on the shard (shard); sync accepts only auto"),
-    from_field(_O, "onebit_warmup_codes",
-               help="onebit_adam: warmup pulls carry sign1 codes of the Adam updates, not "
-                    "float32"),
+    *rule_settings(),
     from_field(_O, "delta_history",
                help="compressed pulls and onebit_adam: published codes kept per key; a worker "
                     "further behind gets the parameters"),
@@ -145,7 +146,11 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     a bad variable, file or combination raises ``ValueError`` (``SettingError`` when a single
     value is unreadable)."""
     r = PROGRAM.parse(argv, environ)
-    opt = OptimizerConfig(**r.kwargs(OptimizerConfig), schedule=LRSchedule(**r.kwargs(LRSchedule)))
+    section = RULES.lookup(r["optimizer"]).config
+    # every rule's section is read and checked; the running rule's is kept
+    sections = {cls: cls(**r.kwargs(cls)) for cls in {s.owner for s in rule_settings()}}
+    opt = OptimizerConfig(**r.kwargs(OptimizerConfig), schedule=LRSchedule(**r.kwargs(LRSchedule)),
+                          rule_config=sections.get(section) if section is not None else None)
     return ServerConfig(**r.kwargs(ServerConfig), optimizer=opt), r.namespace()
 
 

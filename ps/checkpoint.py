@@ -4,7 +4,8 @@
 ``keep``; :func:`load_latest` finds the newest valid one and :func:`restore` puts it into a fresh
 core, which then continues exactly as the original would have. :class:`Checkpointer` is what a
 server drives (periodic saves, a final save on SIGTERM). ``bitps-export`` (``ps.export``) turns the
-shards' checkpoints into one state dict of the model. No torch, no pickle.
+shards' checkpoints into one state dict of the model. No torch, no pickle. Writing, listing,
+pruning and verified reading of the files are ``ps.checkpoint_files`` (re-exported here).
 
 On-disk layout, one directory per shard::
 
@@ -17,12 +18,21 @@ On-disk layout, one directory per shard::
       .tmp-...                a checkpoint being written or deleted: never read; the next save
                               removes it
 
+The checkpoint composes the state dicts of the shard's parts (``proto.state.Stateful``: each
+``state_dict()`` carries its layout ``"version"``, recorded in the manifest's ``"layouts"``):
+each key's rule state (``Slot.rule_state``: ``ps.rules.KeyState``, or a rule's own such as
+``ps.onebit.OneBitState``; local SGD's outer rule is one of them), the published codes
+(``ShardCore.codecs``, ``ps.publish.PublishedCodes`` of ``Publisher`` state dicts) and the
+exactly-once window (``ShardCore.dedup``, ``ps.dedup.ExactlyOnce``); the key store's own arrays
+(parameters, lookahead, the sync step's pushes) it copies itself.
+
 ``state.safetensors``, per key:
 
-    ``<key>/rule/<name>``   the update rule's ``save_state`` arrays (step, moments; 1-bit Adam's
-                            switch flag, frozen bias correction and m code)
-    ``<key>/residual``      the shard's error feedback of the codes it publishes
-                            (``ShardCore.codec_state``; keys with compressed pulls, 1-bit Adam)
+    ``<key>/rule/<name>``   the rule state dict's arrays (step, moments; a rule's own, e.g.
+                            1-bit Adam's switch flag, frozen bias correction and m code)
+    ``<key>/residual``      the shard's error feedback of the codes it publishes (the
+                            publisher state dict's ``residual``; keys with compressed pulls,
+                            rules that publish codes of their own)
     ``<key>/history``       the published payloads still kept, concatenated (uint8; their
                             versions and sizes are in the manifest)
     ``<key>/last_delta``    lookahead pulls: the key's last update
@@ -43,8 +53,10 @@ On-disk layout, one directory per shard::
               "pushers": [ranks whose plan has the key], "initialized"}},   (partial plans:
               each key's pushers; absent from older checkpoints: every registered rank)
      "dedup": {"<rank>": [[incarnation, request_id], ...]},   the exactly-once window
-              (ShardCore.dedup_state), oldest first: a push applied before the checkpoint
+              (ShardCore.dedup's "ids"), oldest first: a push applied before the checkpoint
               and replayed after a restore is answered and not applied again
+     "layouts": {"rule", "codec", "codecs", "dedup"},   the state-dict version of each part
+              (absent from older checkpoints: every part of version 1)
      "files": {"params.safetensors": {"sha256", "bytes"}, "state.safetensors": {...}},
      "manifest_sha256": "<sha256 of this object without this field, sorted, compact>"}
 
@@ -63,25 +75,33 @@ restored workers count as seen at the restore and have ``heartbeat_timeout_s`` t
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
-import re
-import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-import safetensors.numpy
 
 from bitps import __version__
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.wire import PROTOCOL, PSError
+from bitps.ps.checkpoint_files import (  # the files: re-exported, part of this module's API
+    FORMAT,
+    FORMAT_VERSION,
+    Checkpoint,
+    CheckpointError,
+    Snapshot,
+    checkpoints,
+    load,
+    load_latest,
+    prune,
+    write,
+)
+from bitps.ps.checkpoint_files import _digest as _digest  # a manifest's sha256, re-exported
 from bitps.ps.clocks import WorkerClock
 
 if TYPE_CHECKING:
@@ -94,44 +114,10 @@ __all__ = ["Checkpoint", "CheckpointError", "Checkpointer", "Snapshot", "checkpo
 
 log = logging.getLogger("bitps.checkpoint")
 
-FORMAT, FORMAT_VERSION = "bitps-shard-checkpoint", 1
-MANIFEST, PARAMS, STATE = "manifest.json", "params.safetensors", "state.safetensors"
-_NAME = re.compile(r"^ckpt-(\d{12})-(\d{19})$")
-_TMP = ".tmp-"
 _MUST_MATCH = ("shard_id", "num_shards", "mode", "lookahead", "optimizer")
 """Config a checkpoint is only valid under: which keys, the state's layout and its arithmetic.
 ``staleness``, ``split_lr`` and ``staleness_damping`` are recorded but may change at a restart
 (the continuation is then bit for bit only where they are equal)."""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: ``path`` names the file or directory, ``problem`` what
-    was wrong (with the value found and what was expected)."""
-
-    def __init__(self, path: str | os.PathLike, problem: str) -> None:
-        self.path, self.problem = Path(path), problem
-        super().__init__(f"checkpoint {self.path}: {problem}")
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """A shard's state copied out under its lock, ready to be written without it."""
-
-    manifest: dict
-    params: dict[str, np.ndarray]
-    state: dict[str, np.ndarray]
-
-    @property
-    def updates(self) -> int:
-        return int(self.manifest["core"]["updates_applied"])
-
-
-@dataclass(frozen=True)
-class Checkpoint(Snapshot):
-    """One verified checkpoint read back: a snapshot and the directory it was read from (see
-    the module docstring for the names)."""
-
-    path: Path
 
 
 # -- taking the state ---------------------------------------------------------------------------
@@ -150,10 +136,15 @@ def _spec_dict(spec: pb.KeySpec) -> dict:
             "shape": list(spec.shape.dims) if spec.HasField("shape") else None}
 
 
-def _key_state(core: ShardCore, key: int, slot: Slot, params: dict, state: dict) -> dict:
-    """Copy one key's arrays into ``params`` and ``state``; returns its manifest entry."""
+def _key_state(key: int, slot: Slot, codes: dict | None, params: dict, state: dict,
+               layouts: dict) -> dict:
+    """Copy one key's arrays into ``params`` and ``state`` (its rule state's and its codes'
+    state dicts laid out by name, their versions into ``layouts``); returns its manifest
+    entry."""
     params[str(key)] = slot.param.copy()
-    for name, arr in core.rule.save_state(slot).items():
+    rule = slot.rule_state.state_dict()
+    layouts["rule"] = rule.pop("version")
+    for name, arr in rule.items():
         state[f"{key}/rule/{name}"] = arr
     if slot.last_delta is not None:
         state[f"{key}/last_delta"] = slot.last_delta.copy()
@@ -161,7 +152,11 @@ def _key_state(core: ShardCore, key: int, slot: Slot, params: dict, state: dict)
         state[f"{key}/acc"] = slot.acc.copy()
     for rank, grad in slot.held.items():
         state[f"{key}/held/{rank}"] = np.array(grad, np.float32, copy=True)
-    history = list(slot.publisher.history) if slot.publisher is not None else []
+    history = []
+    if codes is not None:
+        layouts["codec"] = codes["version"]
+        state[f"{key}/residual"] = codes["residual"]
+        history = codes["history"]
     if history:
         state[f"{key}/history"] = np.frombuffer(b"".join(p for _, p in history),
                                                 np.uint8).copy()
@@ -179,10 +174,11 @@ def snapshot(core: ShardCore) -> Snapshot:
             raise ValueError(f"shard {core.cfg.shard_id} holds no keys yet (no worker has "
                              f"registered): nothing to checkpoint")
         params, state = {}, {}
-        keys = {str(key): _key_state(core, key, slot, params, state)
+        codecs, dedup = core.codecs.state_dict(), core.dedup.state_dict()
+        layouts = {"codecs": codecs["version"], "dedup": dedup["version"]}
+        keys = {str(key): _key_state(key, slot, codecs["keys"].get(key), params, state,
+                                     layouts)
                 for key, slot in sorted(core.slots.items())}
-        for key, residual in core.codec_state().items():
-            state[f"{key}/residual"] = residual
         clocks = core.clocks
         codec = core.pull_codec
         manifest = {
@@ -202,68 +198,12 @@ def snapshot(core: ShardCore) -> Snapshot:
             # the exactly-once window: a push applied before this checkpoint and replayed
             # after a restart is answered, not applied again
             "dedup": {str(w): [list(pid) for pid in ids]
-                      for w, ids in sorted(core.dedup_state().items())},
+                      for w, ids in sorted(dedup["ids"].items())},
+            # the state-dict versions of the parts (proto.state): absent from older
+            # checkpoints, whose parts are all of version 1
+            "layouts": layouts,
         }
     return Snapshot(manifest, params, state)
-
-
-# -- writing ------------------------------------------------------------------------------------
-def _digest(obj: dict) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-                          ).hexdigest()
-
-
-def _file_sha256(path: Path) -> tuple[str, int]:
-    h, size = hashlib.sha256(), 0
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-            size += len(chunk)
-    return h.hexdigest(), size
-
-
-def _fsync(path: Path) -> None:
-    """fsync a file or a directory (a rename is durable once its directory is)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write(snap: Snapshot, directory: str | os.PathLike, *, keep: int) -> Path:
-    """Write ``snap`` as a new checkpoint in ``directory`` (created if needed), atomically, then
-    keep the newest ``keep`` checkpoints (:func:`prune`). Returns the checkpoint's directory.
-    One writer per directory: leftovers of an interrupted write are removed first."""
-    if keep < 1:
-        raise ValueError(f"keep must be >= 1 checkpoints, got {keep}")
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    for leftover in directory.glob(f"{_TMP}*"):
-        shutil.rmtree(leftover, ignore_errors=True)
-    stamp = time.time_ns()
-    while (directory / (name := f"ckpt-{snap.updates:012d}-{stamp:019d}")).exists():
-        stamp += 1  # two checkpoints within one nanosecond's resolution
-    tmp = directory / f"{_TMP}{name}"
-    tmp.mkdir()
-    files = {}
-    for fname, arrays in ((PARAMS, snap.params), (STATE, snap.state)):
-        safetensors.numpy.save_file(arrays, str(tmp / fname))
-        _fsync(tmp / fname)
-        digest, size = _file_sha256(tmp / fname)
-        files[fname] = {"sha256": digest, "bytes": size}
-    manifest = {**snap.manifest, "files": files}
-    manifest["manifest_sha256"] = _digest(manifest)
-    with (tmp / MANIFEST).open("w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync(tmp)
-    final = directory / name
-    os.rename(tmp, final)
-    _fsync(directory)
-    prune(directory, keep)
-    return final
 
 
 def save(core: ShardCore, directory: str | os.PathLike, *, keep: int) -> Path:
@@ -275,96 +215,27 @@ def save(core: ShardCore, directory: str | os.PathLike, *, keep: int) -> Path:
     return write(snapshot(core), directory, keep=keep)
 
 
-def checkpoints(directory: str | os.PathLike) -> list[Path]:
-    """The checkpoint directories in ``directory``, newest first (by updates applied, then by
-    time written); nothing being written or deleted is listed."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    found = [(int(m[1]), int(m[2]), p) for p in directory.iterdir()
-             if p.is_dir() and (m := _NAME.match(p.name))]
-    return [p for *_, p in sorted(found, reverse=True)]
-
-
-def prune(directory: str | os.PathLike, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` checkpoints; returns those deleted. Each is renamed
-    out of the checkpoint names first, so a crash mid-delete leaves no half checkpoint."""
-    gone = checkpoints(directory)[keep:]
-    for path in gone:
-        doomed = path.with_name(f"{_TMP}del-{path.name}")
-        os.rename(path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
-    return gone
-
-
-# -- reading ------------------------------------------------------------------------------------
-def _read_manifest(path: Path) -> dict:
-    mpath = path / MANIFEST
-    if not mpath.is_file():
-        raise CheckpointError(mpath, "no manifest: an incomplete or damaged checkpoint")
-    try:
-        manifest = json.loads(mpath.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(mpath, f"manifest is not readable JSON ({err})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
-            or manifest.get("version") != FORMAT_VERSION:
-        found = (manifest.get("format"), manifest.get("version")) \
-            if isinstance(manifest, dict) else type(manifest).__name__
-        raise CheckpointError(mpath, f"format {found}; expected ({FORMAT!r}, {FORMAT_VERSION})")
-    recorded = manifest.pop("manifest_sha256", None)
-    if recorded != (digest := _digest(manifest)):
-        raise CheckpointError(mpath, f"manifest sha256 {digest}; it records {recorded} "
-                              f"(edited or corrupt)")
-    return manifest
-
-
-def load(path: str | os.PathLike) -> Checkpoint:
-    """Read and verify the checkpoint in ``path``: the manifest's own sha256, then each file's
-    size and sha256 against the manifest. Raises :class:`CheckpointError` naming the file and
-    what was wrong (missing, truncated, corrupt, not safetensors)."""
-    path = Path(path)
-    manifest = _read_manifest(path)
-    arrays = {}
-    for fname in (PARAMS, STATE):
-        fpath, entry = path / fname, manifest.get("files", {}).get(fname)
-        if entry is None:
-            raise CheckpointError(path / MANIFEST, f"records no {fname}")
-        if not fpath.is_file():
-            raise CheckpointError(fpath, "missing")
-        digest, size = _file_sha256(fpath)
-        if size != entry["bytes"]:
-            raise CheckpointError(fpath, f"{size} bytes; the manifest records "
-                                  f"{entry['bytes']} (truncated)")
-        if digest != entry["sha256"]:
-            raise CheckpointError(fpath, f"sha256 {digest}; the manifest records "
-                                  f"{entry['sha256']} (corrupt)")
-        try:
-            arrays[fname] = safetensors.numpy.load_file(str(fpath))
-        except Exception as err:  # safetensors raises its own SafetensorError
-            raise CheckpointError(fpath, f"not a safetensors file ({err})") from None
-    return Checkpoint(manifest=manifest, params=arrays[PARAMS], state=arrays[STATE], path=path)
-
-
-def load_latest(directory: str | os.PathLike) -> Checkpoint | None:
-    """The newest valid checkpoint in ``directory``; ``None`` when it holds none at all. An
-    invalid one is logged and skipped for the one before; when every one is invalid, raises
-    :class:`CheckpointError` listing why (starting afresh would silently lose the training)."""
-    problems = []
-    for path in checkpoints(directory):
-        try:
-            return load(path)
-        except CheckpointError as err:
-            log.warning("skipping %s", err)
-            problems.append(str(err))
-    if problems:
-        raise CheckpointError(directory, f"no valid checkpoint among {len(problems)}: "
-                              + "; ".join(problems))
-    return None
-
-
 # -- restoring ----------------------------------------------------------------------------------
+def _saved_optimizer(core: ShardCore, saved: dict) -> dict:
+    """A saved optimizer config in today's layout. Checkpoints written before rules had config
+    sections of their own (no ``rule_config``) kept every rule's settings at the top level under
+    their flag names (``onebit_chunk``): the running rule's become its section, the others'
+    are dropped."""
+    if "rule_config" in saved:
+        return saved
+    rule = type(core.rule)
+    fields = {s.dest: s.field for s in rule.settings}
+    out = {k: v for k, v in saved.items() if k not in fields}
+    out = {k: v for k, v in out.items() if k in _config(core.cfg)["optimizer"]}
+    out["rule_config"] = None if rule.config is None else {
+        fields[k]: v for k, v in saved.items() if k in fields}
+    return out
+
+
 def _check_config(core: ShardCore, ckpt: Checkpoint) -> None:
-    saved, live = ckpt.manifest["config"], _config(core.cfg)
+    saved, live = dict(ckpt.manifest["config"]), _config(core.cfg)
+    if isinstance(saved.get("optimizer"), dict):
+        saved["optimizer"] = _saved_optimizer(core, saved["optimizer"])
     for name in _MUST_MATCH:
         if saved.get(name) != live[name]:
             raise CheckpointError(ckpt.path, f"was saved with {name} {saved.get(name)!r}; this "
@@ -422,10 +293,10 @@ def _restore_key(core: ShardCore, ckpt: Checkpoint, key: int) -> None:
     slot.initialized = bool(info.get("initialized", m["core"]["initialized"]))
     prefix = f"{key}/rule/"
     try:
-        core.rule.load_state(slot, {k[len(prefix):]: v for k, v in st.items()
-                                    if k.startswith(prefix)})
+        slot.rule_state.load_state_dict({"version": _layout(ckpt, "rule"), **{
+            k[len(prefix):]: v for k, v in st.items() if k.startswith(prefix)}})
     except PSError as err:
-        raise CheckpointError(ckpt.path, err.message) from None
+        raise CheckpointError(ckpt.path, f"key {key}: {err.message}") from None
     if slot.last_delta is not None:
         np.copyto(slot.last_delta, _array(ckpt, st, f"{key}/last_delta", (n,), f32))
     slot.folded, slot.pushed = info["folded"], set(info["pushed"])
@@ -434,17 +305,25 @@ def _restore_key(core: ShardCore, ckpt: Checkpoint, key: int) -> None:
     held = f"{key}/held/"
     slot.held = {int(k[len(held):]): _array(ckpt, st, k, (n,), f32).copy() for k in st
                  if k.startswith(held)}
-    if slot.publisher is not None:
-        sizes = [size for _, size in info["history"]]
-        payloads = _array(ckpt, st, f"{key}/history", (sum(sizes),), np.uint8).tobytes() \
-            if sizes else b""
-        slot.publisher.forget()
-        # republishing the kept payloads in order rebuilds the same history: they fit its
-        # limits when saved, and so does every prefix
-        start = 0
-        for (version, _), size in zip(info["history"], sizes):
-            slot.publisher.publish(version, memoryview(payloads[start:start + size]))
-            start += size
+
+
+def _layout(ckpt: Checkpoint, part: str) -> int:
+    """The state-dict version a part was saved in (1 in checkpoints that predate them)."""
+    return ckpt.manifest.get("layouts", {}).get(part, 1)
+
+
+def _codes(ckpt: Checkpoint, key: int, n: int) -> dict:
+    """One key's published-codes state dict (``Publisher.state_dict``), from its residual,
+    its concatenated history and the history's sizes in the manifest."""
+    st, info = ckpt.state, ckpt.manifest["keys"][str(key)]
+    sizes = [size for _, size in info["history"]]
+    payloads = _array(ckpt, st, f"{key}/history", (sum(sizes),), np.uint8).tobytes() \
+        if sizes else b""
+    starts = np.cumsum([0, *sizes])
+    return {"version": _layout(ckpt, "codec"),
+            "residual": _array(ckpt, st, f"{key}/residual", (n,), np.float32),
+            "history": [[version, payloads[a:b]] for (version, _), a, b
+                        in zip(info["history"], starts[:-1], starts[1:])]}
 
 
 def restore(core: ShardCore, ckpt: Checkpoint) -> None:
@@ -465,9 +344,12 @@ def restore(core: ShardCore, ckpt: Checkpoint) -> None:
         _plan_slots(core, ckpt)
         for key in sorted(core.slots):
             _restore_key(core, ckpt, key)
-        residuals = {k: _array(ckpt, ckpt.state, f"{k}/residual", (s.length,), np.float32)
-                     for k, s in core.slots.items() if s.publisher is not None}
-        core.load_codec_state(residuals)
+        try:
+            core.codecs.load_state_dict({"version": _layout(ckpt, "codecs"), "keys": {
+                k: _codes(ckpt, k, s.length) for k, s in core.slots.items()
+                if s.publisher is not None}})
+        except PSError as err:
+            raise CheckpointError(ckpt.path, err.message) from None
         core.updates_applied = m["core"]["updates_applied"]
         # a Leave the old process had not yet applied: the next tick applies it here
         core._membership_changed = m["core"]["membership_changed"]
@@ -481,8 +363,8 @@ def restore(core: ShardCore, ckpt: Checkpoint) -> None:
         core._check_partial()
         core.check_initialized()
         # absent from checkpoints written before the window was saved: an empty window
-        core.load_dedup_state({int(w): [tuple(pid) for pid in ids]
-                               for w, ids in m.get("dedup", {}).items()})
+        core.dedup.load_state_dict({"version": _layout(ckpt, "dedup"), "ids": {
+            int(w): [tuple(pid) for pid in ids] for w, ids in m.get("dedup", {}).items()}})
 
 
 # -- what a server drives -----------------------------------------------------------------------

@@ -9,26 +9,36 @@ into ``bitps-server``'s flags, environment variables and config-file keys throug
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Any
 
-from bitps.proto.codecs import chunk_problem
 from bitps.proto.registry import Registry
 from bitps.proto.schedule import LRSchedule
 from bitps.proto.wire import MAX_FRAME_BYTES
 
-__all__ = ["CONSISTENCY", "MODES", "ONEBIT_MOMENTS", "ONEBIT_SCALES", "OPTIMIZERS",
-           "OptimizerConfig", "RULES", "ServerConfig"]
+__all__ = ["CONSISTENCY", "MODES", "OPTIMIZERS", "OptimizerConfig", "RULES", "RuleConfig",
+           "ServerConfig"]
 
 RULES = Registry("update rule")
-"""Every update rule by ``OptimizerConfig.name`` (``ps.rules``, ``ps.onebit``, ``ps.outer``
-register theirs; so may any module imported before the config is made)."""
+"""Every update rule by ``OptimizerConfig.name`` (``ps.rules`` and the rule plug-ins register
+theirs; so may any module imported before the config is made)."""
 CONSISTENCY = Registry("consistency mode")
 """Every consistency mode by ``ServerConfig.mode`` (``ps.consistency``)."""
 OPTIMIZERS = RULES.keys()
 """The ``--optimizer`` choices: a live view of :data:`RULES`."""
 MODES = CONSISTENCY.keys()
 """The ``--mode`` choices: a live view of :data:`CONSISTENCY`."""
-ONEBIT_MOMENTS = ("auto", "worker", "shard")
-ONEBIT_SCALES = ("auto", "mean_abs", "rms")
+
+
+@dataclass(kw_only=True, frozen=True)
+class RuleConfig:
+    """The base of an update rule's own config section: a keyword-only dataclass with a
+    docstring per field, which the rule names as its ``UpdateRule.config`` (and whose settings
+    it lists in ``UpdateRule.settings``, for ``bitps-server``). ``OptimizerConfig.rule_config``
+    holds the running rule's section."""
+
+    def check(self, server: ServerConfig) -> None:
+        """Refuse (``ValueError`` naming the values) a combination with the shard's other
+        settings that the rule cannot run; called by ``ServerConfig`` on creation."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -56,40 +66,15 @@ class OptimizerConfig:
     eps: float = 1e-8
     """Adam denominator epsilon."""
     weight_decay: float = 0.0
-    """L2 penalty (``sgd``/``momentum``/``adam``) or decoupled decay (``adamw``,
-    ``onebit_adam``)."""
-    freeze_step: int = 100
-    """``onebit_adam``: warmup steps of full Adam on bf16 gradients; from this clock on, pushes
-    are sign1 and the shard publishes sign1-compressed updates, and v is frozen in ``sync`` and
-    with shard moments (DeepSpeed suggests 15-25 % of the run)."""
-    onebit_chunk: int = 256
-    """``onebit_adam``: elements per scale of every sign1 code, pushed and published (1 +
-    32/256 = 1.125 bits per element). 2048 cost the demo model 1.8 % in final loss against fp32
-    Adam, 256 cost 0.5 % (docs/benchmarks.md, 1-bit Adam notes)."""
-    onebit_scale: str = field(default="auto", metadata={"choices": ONEBIT_SCALES})
-    """``onebit_adam``: scale rule of the shard's sign1 codes, ``rms``, ``mean_abs`` or ``auto``
-    (``rms`` in sync mode, where the codes are momenta as in DeepSpeed; ``mean_abs``, the
-    least-squares scale that never overshoots, for the heavy-tailed parameter updates of
-    async/ssp). Both choices trained the demo model best in their mode (docs/benchmarks.md,
-    1-bit Adam notes)."""
-    onebit_moments: str = field(default="auto", metadata={"choices": ONEBIT_MOMENTS})
-    """``onebit_adam`` in ``async``/``ssp``: where Adam's moments live after the warmup.
-    ``worker``: each worker keeps m and v of its own gradients in float32 and pushes its
-    sign1-compressed Adam direction ``m/(1-beta1^t) / (sqrt(v/(1-beta2^t)) + eps)``; the shard
-    applies ``-lr * (direction + wd * x)`` (Efficient-Adam's two-way compressed update; v is
-    never frozen). ``shard``: the shard keeps m and freezes v at the switch, workers push
-    sign1 gradients. ``auto`` = ``worker``; it trained the demo model within 1 % of fp32 Adam
-    in ssp, ``shard`` 9-18 % worse (docs/benchmarks.md, 1-bit Adam notes). ``sync`` always
-    uses DeepSpeed's layout and accepts only ``auto``."""
-    onebit_warmup_codes: bool = False
-    """``onebit_adam``: during the warmup, pull replies carry sign1 codes of the shard's Adam
-    updates (error feedback on the shard, ``ps.publish``) instead of the float32 parameters, so
-    both directions are compressed from the first step: bf16 pushes, about one bit per element
-    pulled. In sync mode the shard's residual of those updates is dropped at the switch (the
-    same on shard and workers, whose copies stay bit-identical)."""
+    """L2 penalty (``sgd``/``momentum``/``adam``) or decoupled decay (``adamw`` and the rules
+    built on it)."""
     delta_history: int = 16
-    """``onebit_adam``: compressed updates kept per key; a worker further behind gets the full
-    parameters instead."""
+    """Published codes kept per key (compressed pulls, and rules that publish their own): a
+    worker further behind gets the full parameters instead."""
+    rule_config: Any = None
+    """The rule's own section: an instance of the :class:`RuleConfig` subclass the rule names
+    as its ``config`` (1-bit Adam's ``ps.onebit.OneBitConfig``); ``None`` is that class's
+    defaults (and stays ``None`` for a rule without a section)."""
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -106,17 +91,18 @@ class OptimizerConfig:
             raise ValueError(f"eps must be > 0, got {self.eps}")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        if self.freeze_step < 1 or self.delta_history < 1:
-            raise ValueError(f"freeze_step and delta_history must be >= 1, got "
-                             f"{self.freeze_step} and {self.delta_history}")
-        if self.onebit_scale not in ONEBIT_SCALES:
-            raise ValueError(f"onebit_scale {self.onebit_scale!r}; expected one of "
-                             f"{ONEBIT_SCALES}")
-        if self.onebit_moments not in ONEBIT_MOMENTS:
-            raise ValueError(f"onebit_moments {self.onebit_moments!r}; expected one of "
-                             f"{ONEBIT_MOMENTS}")
-        if problem := chunk_problem(self.onebit_chunk):
-            raise ValueError(f"onebit_{problem}")
+        if self.delta_history < 1:
+            raise ValueError(f"delta_history must be >= 1, got {self.delta_history}")
+        section = getattr(RULES.lookup(self.name), "config", None)
+        if section is None:
+            if self.rule_config is not None:
+                raise ValueError(f"optimizer {self.name} has no config section; got "
+                                 f"rule_config {self.rule_config!r}")
+        elif self.rule_config is None:
+            object.__setattr__(self, "rule_config", section())  # frozen: set once, here
+        elif type(self.rule_config) is not section:
+            raise ValueError(f"optimizer {self.name} takes rule_config {section.__name__}; got "
+                             f"{type(self.rule_config).__name__}")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -280,9 +266,8 @@ class ServerConfig:
             raise ValueError(f"dedup_window must be >= 0, got {self.dedup_window}")
         self._check_checkpoints()
         self._check_security()
-        if self.mode == "sync" and self.optimizer.onebit_moments != "auto":
-            raise ValueError(f"onebit_moments {self.optimizer.onebit_moments!r} applies to "
-                             f"async/ssp; sync 1-bit Adam keeps DeepSpeed's layout (use auto)")
+        if self.optimizer.rule_config is not None:
+            self.optimizer.rule_config.check(self)
 
     def _check_security(self) -> None:
         """Settings that only work together: given alone they would leave a plane open (or

@@ -1,7 +1,8 @@
 """Consistency modes as objects: when a push is applied and when a pull is answered.
 
 One class per mode, registered by its ``ServerConfig.mode`` name; :class:`~bitps.ps.shard.
-ShardCore` holds one (:func:`make_consistency`) and asks it, never comparing mode names:
+ShardCore` holds one (:func:`make_consistency`) and asks it, never comparing mode names (a mode
+sees the core through :class:`Core`):
 
 - :class:`Sync` (BSP): the pushes of one clock are averaged and applied once, when every live
   worker's push of that clock is in; a pull for step ``c`` waits until its keys reach version
@@ -21,7 +22,7 @@ every live worker pushes every key, as before.
 
 Async and SSP apply each push with the learning rate split over the key's live pushers
 (``ServerConfig.split_lr``), optionally damped by the push's version gap, and answer float32
-pulls ahead (``ServerConfig.lookahead``). How a push is applied (the update rule, 1-bit Adam's
+pulls ahead (``ServerConfig.lookahead``). How a push is applied (the update rule and its
 phases) is the core's business; a mode only decides when and at what learning-rate scale.
 
 Everything here runs under the core's lock, from the data loop's thread.
@@ -30,7 +31,9 @@ Everything here runs under the core's lock, from the data loop's thread.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+import numpy as np
 
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.wire import PSError
@@ -38,12 +41,31 @@ from bitps.ps.clocks import ClockTable
 from bitps.ps.config import CONSISTENCY, ServerConfig
 from bitps.ps.store import Slot
 
-if TYPE_CHECKING:  # the core calls in here; no import at run time
+if TYPE_CHECKING:
     from bitps.ps.metrics import ShardMetrics
-    from bitps.ps.shard import ShardCore
 
-__all__ = ["CONSISTENCY", "SSP", "Async", "Consistency", "Sync", "key_pushers",
+__all__ = ["CONSISTENCY", "SSP", "Async", "Consistency", "Core", "Sync", "key_pushers",
            "make_consistency", "register"]
+
+
+class Core(Protocol):
+    """What a mode asks of the shard core (``ps.shard.ShardCore`` is one; the core calls in
+    here, so this module does not import it)."""
+
+    clocks: ClockTable
+    slots: dict[int, Slot]
+
+    def key_pushers(self, slot: Slot, live: list[int]) -> list[int]:
+        """``slot``'s live pushers among ``live``."""
+
+    def try_aggregate(self, slot: Slot, live: list[int]) -> bool:
+        """sync: apply ``slot``'s step once every one of ``live`` has pushed."""
+
+    def apply_arrived(self, slot: Slot, grad: np.ndarray, clock: int, lr_scale: float) -> None:
+        """Apply one push on arrival at ``lr_scale`` times the learning rate."""
+
+    def applied(self, clock_gap: int, version_gap: int) -> None:
+        """Count one applied update and its staleness."""
 
 
 def key_pushers(clocks: ClockTable, slots: Sequence[Slot],
@@ -114,12 +136,12 @@ class Consistency:
     def check_push(self, header: pb.DataHeader, slots: list[Slot]) -> None:
         """Refuse (:class:`PSError`) a push this mode cannot take; nothing has changed yet."""
 
-    def push(self, core: ShardCore, header: pb.DataHeader, slots: list[Slot], grads: list,
+    def push(self, core: Core, header: pb.DataHeader, slots: list[Slot], grads: list,
              live: list[int], min_clock: int) -> None:
         """Take one validated push of ``grads`` (decoded, one per slot)."""
         raise NotImplementedError
 
-    def membership_changed(self, core: ShardCore, live: list[int],
+    def membership_changed(self, core: Core, live: list[int],
                            ranks: Collection[int] | None = None) -> None:
         """The live set changed (``ranks`` left, expired or registered a plan without some
         keys; ``None``: unknown): finish what waited for them."""

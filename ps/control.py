@@ -1,4 +1,4 @@
-"""The shard's gRPC control service: Register, Heartbeat, Status, Leave, OptimizerState.
+"""The shard's gRPC control service: Register, Heartbeat, Status, Leave, RuleState.
 
 Failures are gRPC status codes whose details read ``"<ERROR_CODE>: <message>"`` and whose trailing
 metadata carries ``bitps-error-code``, so clients re-raise the same typed ``PSError``.
@@ -226,10 +226,12 @@ class ControlServicer(pb_grpc.ControlServicer):
                 heartbeat_timeout_s=core.cfg.heartbeat_timeout_s, held_pulls=len(core.held),
                 held_shown=HELD_SHOWN, uninitialized_keys=core.uninitialized_keys())
 
-    def OptimizerState(self, request, context):
+    def RuleState(self, request, context):
+        """The update rule's state of the asking worker's keys (``UpdateRule.rule_state``),
+        or its typed refusal."""
         self._check_token(request.token, context)
         try:
-            states = self.core.optimizer_state(request.rank)
+            states = self.core.rule_state(request.rank)
         except PSError as err:
             _abort(context, err)
         yield from states

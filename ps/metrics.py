@@ -3,11 +3,12 @@ in tests). Names are ``bitps_*`` with unit suffixes; docs/metrics.md lists them 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from bitps.proto.metrics import MetricSet, labeled_gauge
@@ -59,6 +60,11 @@ class ShardMetrics:
         cost): per-worker clock, min live clock, live workers and held pulls."""
         self.registry.register(_ClockCollector(snapshot))
 
+    def watch_rule(self, collect: Callable[[], Iterable[Metric]]) -> None:
+        """Export the update rule's own metric families, read at scrape time from ``collect``
+        (``UpdateRule.collect`` over the shard's keys); this module names no rule."""
+        self.registry.register(_Collect(collect))
+
 
 @dataclass(frozen=True)
 class ClockSnapshot:
@@ -68,10 +74,6 @@ class ClockSnapshot:
     min_clock: int
     live: int
     held: int
-    onebit_keys: int = -1
-    """Keys past the 1-bit Adam warmup (-1: the shard runs another rule)."""
-    onebit_residual_norm: float = 0.0
-    """L2 norm of the server's error-feedback residuals over all keys."""
 
 
 class _ClockCollector(Collector):
@@ -88,10 +90,11 @@ class _ClockCollector(Collector):
         yield GaugeMetricFamily("bitps_live_workers", "Workers counted as live", value=snap.live)
         yield GaugeMetricFamily("bitps_pending_pulls", "Pulls held by the consistency policy",
                                 value=snap.held)
-        if snap.onebit_keys >= 0:
-            yield GaugeMetricFamily("bitps_onebit_compressing_keys",
-                                    "Keys past the 1-bit Adam warmup (v frozen, 1-bit traffic)",
-                                    value=snap.onebit_keys)
-            yield GaugeMetricFamily("bitps_onebit_residual_norm",
-                                    "L2 norm of the shard's error-feedback residuals",
-                                    value=snap.onebit_residual_norm)
+
+
+class _Collect(Collector):
+    def __init__(self, collect: Callable[[], Iterable[Metric]]) -> None:
+        self._collect = collect
+
+    def collect(self):
+        yield from self._collect()

@@ -24,7 +24,7 @@ This is Efficient-Adam's two-way compressed update. With the moments on the shar
 ``sign1(lerp(m, g_i, 1 - beta1) + worker residual)``; the shard averages the decoded pushes,
 publishes ``payload = sign1(mean + server residual)`` and sets ``m = decode(payload)``; the shard
 and every worker then apply ``x -= lr * (m / (sqrt(v)/bc2 + eps) + wd * x)`` with the same
-kernel and the same frozen v (workers fetch m and v once, with the OptimizerState RPC).
+kernel and the same frozen v (workers fetch m and v once, with the RuleState call).
 
 A worker whose copy of the key is at version ``b`` gets, in its pull reply, the payloads of
 versions ``b+1 .. now`` (``frame_codecs`` = CODEC_SIGN1) and adds each to its copy exactly as the
@@ -33,93 +33,164 @@ history (or behind a warmup update, which has no payload) gets the float32 param
 (CODEC_RAW). Both directions carry about one bit per element. docs/design.md (1-bit Adam) sets out
 the shard-moment and sync layouts. With a frozen v, coordinates whose v is 0 never move
 (``native.onebit_adam_delta``).
+
+This module is the whole of 1-bit Adam on a shard, a plug-in: its settings
+(:class:`OneBitConfig`, the ``OptimizerConfig.rule_config`` of ``onebit_adam``, and their
+``bitps-server`` flags), a key's state (:class:`OneBitState`, ``Slot.rule_state``), what
+workers are told at registration (``proto/onebit.proto`` ``OneBitParams``, packed into
+``RegisterReply.rule_params``), its RuleState answer (sync: m and the frozen v) and its gauges
+(``bitps_onebit_compressing_keys``, ``bitps_onebit_residual_norm``). The worker's half is
+``worker.algorithms.onebit``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
+from prometheus_client.core import GaugeMetricFamily
 
 from bitps import native
 from bitps.native import casts
 from bitps.proto import bitps_pb2 as pb
-from bitps.proto.codecs import MEAN_ABS, Codec, Compressor
+from bitps.proto import onebit_pb2
+from bitps.proto.codecs import MEAN_ABS, Codec, Compressor, chunk_problem
+from bitps.proto.settings import from_field
 from bitps.proto.wire import PSError
-from bitps.ps.config import ServerConfig
-from bitps.ps.publish import Publisher, publish_update
-from bitps.ps.rules import AdamW, make_rule, register
+from bitps.ps.config import RuleConfig, ServerConfig
+from bitps.ps.publish import Publisher
+from bitps.ps.rules import AdamW, KeyState, publish_update, raw_array, register
 
 if TYPE_CHECKING:
-    from bitps.ps.rules import KeyState
     from bitps.ps.store import Slot
 
-__all__ = ["OneBitAdam", "OneBitAdamShardMoments", "OneBitAdamSync", "OneBitAdamWorkerMoments",
-           "OneBitState", "key_states", "new_state", "params", "published_codec",
-           "uses_worker_moments"]
+__all__ = ["MOMENTS", "SCALES", "OneBitAdam", "OneBitAdamShardMoments", "OneBitAdamSync",
+           "OneBitAdamWorkerMoments", "OneBitConfig", "OneBitState", "SETTINGS", "new_state",
+           "params", "published_codec", "uses_worker_moments"]
+
+MOMENTS = ("auto", "worker", "shard")
+SCALES = ("auto", "mean_abs", "rms")
+
+
+@dataclass(kw_only=True, frozen=True)
+class OneBitConfig(RuleConfig):
+    """1-bit Adam's settings (``OptimizerConfig.rule_config`` of ``onebit_adam``); the flags
+    keep their ``onebit_`` spelling (``--onebit-chunk``, :data:`SETTINGS`)."""
+
+    freeze_step: int = 100
+    """Warmup steps of full Adam on bf16 gradients; from this clock on, pushes are sign1 and
+    the shard publishes sign1-compressed updates, and v is frozen in ``sync`` and with shard
+    moments (DeepSpeed suggests 15-25 % of the run)."""
+    chunk: int = 256
+    """Elements per scale of every sign1 code, pushed and published (1 + 32/256 = 1.125 bits
+    per element). 2048 cost the demo model 1.8 % in final loss against fp32 Adam, 256 cost
+    0.5 % (docs/benchmarks.md, 1-bit Adam notes)."""
+    scale: str = field(default="auto", metadata={"choices": SCALES})
+    """Scale rule of the shard's sign1 codes, ``rms``, ``mean_abs`` or ``auto`` (``rms`` in sync
+    mode, where the codes are momenta as in DeepSpeed; ``mean_abs``, the least-squares scale
+    that never overshoots, for the heavy-tailed parameter updates of async/ssp). Both choices
+    trained the demo model best in their mode (docs/benchmarks.md, 1-bit Adam notes)."""
+    moments: str = field(default="auto", metadata={"choices": MOMENTS})
+    """``async``/``ssp``: where Adam's moments live after the warmup. ``worker``: each worker
+    keeps m and v of its own gradients in float32 and pushes its sign1-compressed Adam
+    direction ``m/(1-beta1^t) / (sqrt(v/(1-beta2^t)) + eps)``; the shard applies ``-lr *
+    (direction + wd * x)`` (Efficient-Adam's two-way compressed update; v is never frozen).
+    ``shard``: the shard keeps m and freezes v at the switch, workers push sign1 gradients.
+    ``auto`` = ``worker``; it trained the demo model within 1 % of fp32 Adam in ssp, ``shard``
+    9-18 % worse (docs/benchmarks.md, 1-bit Adam notes). ``sync`` always uses DeepSpeed's
+    layout and accepts only ``auto``."""
+    warmup_codes: bool = False
+    """During the warmup, pull replies carry sign1 codes of the shard's Adam updates (error
+    feedback on the shard, ``ps.publish``) instead of the float32 parameters, so both
+    directions are compressed from the first step: bf16 pushes, about one bit per element
+    pulled. In sync mode the shard's residual of those updates is dropped at the switch (the
+    same on shard and workers, whose copies stay bit-identical)."""
+
+    def __post_init__(self) -> None:
+        if self.freeze_step < 1:
+            raise ValueError(f"freeze_step must be >= 1, got {self.freeze_step}")
+        if self.scale not in SCALES:
+            raise ValueError(f"onebit_scale {self.scale!r}; expected one of {SCALES}")
+        if self.moments not in MOMENTS:
+            raise ValueError(f"onebit_moments {self.moments!r}; expected one of {MOMENTS}")
+        if problem := chunk_problem(self.chunk):
+            raise ValueError(f"onebit_{problem}")
+
+    def check(self, server: ServerConfig) -> None:
+        if server.mode == "sync" and self.moments != "auto":
+            raise ValueError(f"onebit_moments {self.moments!r} applies to async/ssp; sync 1-bit "
+                             f"Adam keeps DeepSpeed's layout (use auto)")
+
+
+_C = OneBitConfig
+SETTINGS = (
+    from_field(_C, "freeze_step", help="onebit_adam: warmup clocks of full Adam on bf16 pushes "
+                                       "before traffic goes 1-bit"),
+    from_field(_C, "chunk", name="onebit-chunk",
+               help="onebit_adam: elements per scale of every sign1 code, pushed and published"),
+    from_field(_C, "scale", name="onebit-scale",
+               help="onebit_adam: scale rule of the published sign1 codes; auto = rms in sync, "
+                    "mean_abs in async/ssp"),
+    from_field(_C, "moments", name="onebit-moments",
+               help="onebit_adam in async/ssp: Adam's moments on each worker (worker; auto) or "
+                    "on the shard (shard); sync accepts only auto"),
+    from_field(_C, "warmup_codes", name="onebit-warmup-codes",
+               help="onebit_adam: warmup pulls carry sign1 codes of the Adam updates, not "
+                    "float32"),
+)
+"""``bitps-server``'s flags of :class:`OneBitConfig` (``OneBitAdam.settings``)."""
+
+
+def _opts(cfg: ServerConfig) -> OneBitConfig:
+    return cfg.optimizer.rule_config
 
 
 def uses_mean_abs(cfg: ServerConfig) -> bool:
     """The scale rule of the published codes (``onebit_scale``; ``auto`` = RMS in sync)."""
-    scale = cfg.optimizer.onebit_scale
+    scale = _opts(cfg).scale
     return scale == "mean_abs" or (scale == "auto" and cfg.mode != "sync")
 
 
-def params(cfg: ServerConfig) -> pb.OneBitParams | None:
-    """What a RegisterReply tells workers (``None`` unless the shard runs onebit_adam)."""
-    o = cfg.optimizer
-    if o.name != "onebit_adam":
-        return None
-    return pb.OneBitParams(freeze_step=o.freeze_step, chunk=o.onebit_chunk,
-                           codec_flags=MEAN_ABS if uses_mean_abs(cfg) else 0, lr=o.lr,
-                           beta1=o.beta1, beta2=o.beta2, eps=o.eps,
-                           weight_decay=o.weight_decay, ratio_clip=make_rule(o).ratio_clip,
-                           worker_moments=uses_worker_moments(cfg),
-                           lr_warmup_steps=o.schedule.warmup_steps,
-                           lr_decay_steps=o.schedule.decay_steps,
-                           lr_min_ratio=o.schedule.min_ratio)
+def params(cfg: ServerConfig, ratio_clip: float) -> onebit_pb2.OneBitParams:
+    """What a RegisterReply tells workers (``RegisterReply.rule_params``)."""
+    o, opts = cfg.optimizer, _opts(cfg)
+    return onebit_pb2.OneBitParams(
+        freeze_step=opts.freeze_step, chunk=opts.chunk,
+        codec_flags=MEAN_ABS if uses_mean_abs(cfg) else 0, lr=o.lr, beta1=o.beta1,
+        beta2=o.beta2, eps=o.eps, weight_decay=o.weight_decay, ratio_clip=ratio_clip,
+        worker_moments=uses_worker_moments(cfg), lr_warmup_steps=o.schedule.warmup_steps,
+        lr_decay_steps=o.schedule.decay_steps, lr_min_ratio=o.schedule.min_ratio)
 
 
 def uses_worker_moments(cfg: ServerConfig) -> bool:
     """async/ssp with ``onebit_moments`` auto or worker: workers keep Adam's moments."""
-    return cfg.mode != "sync" and cfg.optimizer.onebit_moments != "shard"
+    return cfg.mode != "sync" and _opts(cfg).moments != "shard"
 
 
 def published_codec(cfg: ServerConfig) -> Codec:
     """The sign1 codec of every code a 1-bit Adam shard publishes (and workers push)."""
-    return Codec(pb.CODEC_SIGN1, cfg.optimizer.onebit_chunk,
-                 MEAN_ABS if uses_mean_abs(cfg) else 0)
+    return Codec(pb.CODEC_SIGN1, _opts(cfg).chunk, MEAN_ABS if uses_mean_abs(cfg) else 0)
 
 
-def new_state(n: int, cfg: ServerConfig) -> OneBitState:
-    """A key's 1-bit Adam state, as ``cfg`` sets it up."""
-    o = cfg.optimizer
-    return OneBitState(n, chunk=o.onebit_chunk, history=o.delta_history,
+def new_state(adam: KeyState, cfg: ServerConfig) -> OneBitState:
+    """A key's 1-bit Adam state around its Adam moments ``adam``, as ``cfg`` sets it up."""
+    opts = cfg.optimizer.rule_config
+    return OneBitState(adam, chunk=opts.chunk, history=cfg.optimizer.delta_history,
                        mean_abs=uses_mean_abs(cfg), sync=cfg.mode == "sync",
-                       warmup_codes=o.onebit_warmup_codes)
+                       warmup_codes=opts.warmup_codes)
 
 
-def key_states(slots: dict[int, Slot], cfg: ServerConfig) -> list[pb.KeyOptimizerState]:
-    """sync 1-bit Adam: every key's momentum and frozen v (the OptimizerState RPC); raises
-    :class:`PSError` for another rule or mode, or while a key is still in warmup."""
-    if cfg.optimizer.name != "onebit_adam" or cfg.mode != "sync":
-        raise PSError(pb.BAD_HEADER, f"shard {cfg.shard_id} runs {cfg.optimizer.name} in "
-                      f"{cfg.mode} mode; optimizer state is only shared by sync onebit_adam")
-    out = []
-    for key, slot in sorted(slots.items()):
-        if not slot.onebit.compressing:
-            raise PSError(pb.BAD_CLOCK, f"key {key} is still in warmup (version {slot.version}, "
-                          f"freeze_step {cfg.optimizer.freeze_step})")
-        out.append(slot.onebit.state_message(key, slot.version, slot.state))
-    return out
+class OneBitState(KeyState):
+    """One key's 1-bit Adam state (``Slot.rule_state``): the Adam moments and step count of
+    ``KeyState``, and the switch, the frozen bias correction, m's code and the published
+    codes."""
 
-
-class OneBitState:
-    """One key's 1-bit Adam state beyond the Adam moments (which live in ``KeyState``)."""
-
-    def __init__(self, n: int, *, chunk: int, history: int, mean_abs: bool,
+    def __init__(self, adam: KeyState, *, chunk: int, history: int, mean_abs: bool,
                  sync: bool, warmup_codes: bool = False) -> None:
-        self.n = n
+        super().__init__(adam.step, adam.buf1, adam.buf2, adam.buffers)
+        self.n = n = adam.buf1.size
         self.codec = Codec(pb.CODEC_SIGN1, chunk, MEAN_ABS if mean_abs else 0)
         self.sync = sync
         """Momentum lives on the workers (DeepSpeed's math): pushes are worker momenta, the
@@ -137,7 +208,7 @@ class OneBitState:
         """The published codes (``ps.publish``): what pull replies carry."""
         self.server, self.delta = self.pub.server, self.pub.delta
 
-    def freeze(self, bias_correction2_sqrt: float, state: KeyState) -> None:
+    def freeze(self, bias_correction2_sqrt: float) -> None:
         """Enter the compression stage: v and its bias correction stop changing.
 
         In sync mode the published codes become momenta, so the residual of the warmup's
@@ -151,26 +222,54 @@ class OneBitState:
             return
         self.server.residual.fill(0.0)
         if self.warmup_codes:
-            self.m_code = bytes(Compressor(self.codec, self.n).encode(state.buf1))
-            state.buf1.fill(0.0)
-            self.codec.decode_add(self.m_code, self.n, state.buf1)
+            self.m_code = bytes(Compressor(self.codec, self.n).encode(self.buf1))
+            self.buf1.fill(0.0)
+            self.codec.decode_add(self.m_code, self.n, self.buf1)
             bits = np.empty(self.n, np.uint16)
-            casts.bf16_encode(state.buf2, None, bits)
-            state.buf2.fill(0.0)
-            casts.bf16_decode_add(bits, self.n, state.buf2)
+            casts.bf16_encode(self.buf2, None, bits)
+            self.buf2.fill(0.0)
+            casts.bf16_decode_add(bits, self.n, self.buf2)
 
-    def state_message(self, key: int, version: int, state: KeyState) -> pb.KeyOptimizerState:
-        """The key's m and frozen v as the OptimizerState RPC sends them (``compact`` with
+    def state_message(self, key: int, version: int) -> pb.KeyRuleState:
+        """The key's m and frozen v as the RuleState call sends them (``compact`` with
         ``onebit_warmup_codes``: m's sign1 code and v in bf16, exact since v was rounded)."""
+        msg = pb.KeyRuleState(key=key, version=version)
         if not self.warmup_codes:
-            return pb.KeyOptimizerState(key=key, version=version, exp_avg=state.buf1.tobytes(),
-                                        exp_avg_sq=state.buf2.tobytes(),
-                                        bias_correction2_sqrt=self.bias_correction2_sqrt)
-        bits = np.empty(self.n, np.uint16)
-        casts.bf16_encode(state.buf2, None, bits)
-        return pb.KeyOptimizerState(key=key, version=version, exp_avg=self.m_code,
-                                    exp_avg_sq=bits.tobytes(), compact=True,
-                                    bias_correction2_sqrt=self.bias_correction2_sqrt)
+            msg.arrays.extend([raw_array("exp_avg", self.buf1), raw_array("exp_avg_sq",
+                                                                          self.buf2)])
+        else:
+            bits = np.empty(self.n, np.uint16)
+            casts.bf16_encode(self.buf2, None, bits)
+            _, chunk, flags = self.codec.wire_fields()
+            msg.arrays.extend([
+                pb.StateArray(name="exp_avg", codec=pb.CODEC_SIGN1, codec_chunk=chunk,
+                              codec_flags=flags, length=self.n, data=self.m_code),
+                pb.StateArray(name="exp_avg_sq", dtype=pb.BFLOAT16, codec=pb.CODEC_RAW,
+                              length=self.n, data=bits.tobytes())])
+        msg.fields.update({"bias_correction2_sqrt": self.bias_correction2_sqrt,
+                           "step": self.step})
+        return msg
+
+    def state_dict(self) -> dict:
+        """``KeyState``'s layout (version 1) and ``compressing`` (int64[1]),
+        ``bias_correction2_sqrt`` (float64[1]) and ``m_code`` (uint8: sign1 bytes, or none
+        before sync's switch). The published codes and their residual are the publisher's
+        (``ps.publish.Publisher.state_dict``)."""
+        out = super().state_dict()
+        out["compressing"] = np.array([self.compressing], np.int64)
+        out["bias_correction2_sqrt"] = np.array([self.bias_correction2_sqrt], np.float64)
+        out["m_code"] = np.frombuffer(self.m_code, np.uint8).copy()
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        size = self.codec.max_bytes(self.n)
+        # the switch flags: one value each; m's code: none yet, or one code of the key
+        self.check_state(state, {"compressing": ((1,),), "bias_correction2_sqrt": ((1,),),
+                                 "m_code": ((0,), (size,))})
+        self._load(state)
+        self.compressing = bool(state["compressing"][0])
+        self.bias_correction2_sqrt = float(state["bias_correction2_sqrt"][0])
+        self.m_code = np.asarray(state["m_code"], np.uint8).tobytes()
 
     def publish(self, version: int, payload: memoryview) -> None:
         """Keep the payload that took the key to ``version`` (sync: the code m decodes from)."""
@@ -191,6 +290,11 @@ class OneBitAdam(AdamW):
     (async/ssp). This class alone is the arithmetic, for tests; a shard gets a layout."""
 
     name = "onebit_adam"
+    config, settings = OneBitConfig, SETTINGS
+
+    def __init__(self, cfg, server=None):
+        super().__init__(cfg, server)
+        self.opts: OneBitConfig = cfg.rule_config
 
     @classmethod
     def create(cls, cfg, server=None):
@@ -204,21 +308,20 @@ class OneBitAdam(AdamW):
 
     # -- a key on a shard ---------------------------------------------------------------------
     def setup(self, slot):
-        slot.onebit = new_state(slot.length, self.server)
-        slot.publisher = slot.onebit.pub
+        slot.rule_state = new_state(self.new_state(slot.length), self.server)
+        slot.publisher = slot.rule_state.pub
 
     def update(self, slot, grad, *, clock, grad_scale=1.0, lr_scale=1.0):
         """Full Adam during the warmup; then the compressed update, added to the parameters
         exactly as workers will add it, and published."""
-        ob = slot.onebit
+        ob = slot.rule_state
         if not ob.compressing or self._warmup_push(clock):
             if ob.warmup_codes:
                 # full Adam, published as the sign1 code of the parameter change
                 return publish_update(slot, lambda dst: self.apply(
-                    slot.param, grad, slot.state, grad_scale=grad_scale, lr_scale=lr_scale,
+                    slot.param, grad, ob, grad_scale=grad_scale, lr_scale=lr_scale,
                     dst=dst), seed=0)
-            self.apply(slot.writable(), grad, slot.state, grad_scale=grad_scale,
-                       lr_scale=lr_scale)
+            self.apply(slot.writable(), grad, ob, grad_scale=grad_scale, lr_scale=lr_scale)
             slot.version += 1
             ob.forget()
             return
@@ -238,54 +341,33 @@ class OneBitAdam(AdamW):
 
     def arrived(self, slot, clock):
         # async/ssp: pushes for clocks >= freeze_step are compression-stage pushes
-        if clock >= self.cfg.freeze_step and not slot.onebit.compressing:
-            slot.onebit.freeze(self.bias_correction2_sqrt(slot.state), slot.state)
+        ob = slot.rule_state
+        if clock >= self.opts.freeze_step and not ob.compressing:
+            ob.freeze(self.bias_correction2_sqrt(ob))
 
     def aggregated(self, slot):
-        ob = slot.onebit
-        if not ob.compressing and slot.version >= self.cfg.freeze_step:
-            # the warmup is complete: workers now fetch m and v (OptimizerState) and push momenta
-            ob.freeze(self.bias_correction2_sqrt(slot.state), slot.state)
+        ob = slot.rule_state
+        if not ob.compressing and slot.version >= self.opts.freeze_step:
+            # the warmup is complete: workers now fetch m and v (RuleState) and push momenta
+            ob.freeze(self.bias_correction2_sqrt(ob))
 
     def published_codec(self):
         return published_codec(self.server)
 
-    def register_params(self):
-        return params(self.server)
+    def rule_params(self):
+        return params(self.server, self.ratio_clip)
 
-    def optimizer_state(self, slots):
-        return key_states(slots, self.server)
-
-    def compressing_keys(self, slots):
-        return sum(s.onebit.compressing for s in slots.values())
-
-    def save_state(self, slot):
-        out = super().save_state(slot)
-        ob = slot.onebit
-        if ob is not None:
-            out["compressing"] = np.array([ob.compressing], np.int64)
-            out["bias_correction2_sqrt"] = np.array([ob.bias_correction2_sqrt], np.float64)
-            out["m_code"] = np.frombuffer(ob.m_code, np.uint8).copy()
-        return out
-
-    def load_state(self, slot, arrays):
-        ob = slot.onebit
-        extra = ("compressing", "bias_correction2_sqrt", "m_code") if ob is not None else ()
-        if missing := [k for k in extra if k not in arrays]:
-            raise PSError(pb.BAD_HEADER, f"key {slot.spec.key}: onebit_adam state lacks "
-                          f"{missing}")
-        if ob is not None:
-            m_code, size = arrays["m_code"], ob.codec.max_bytes(ob.n)
-            if m_code.size not in (0, size) or arrays["compressing"].shape != (1,) \
-                    or arrays["bias_correction2_sqrt"].shape != (1,):
-                raise PSError(pb.BAD_LENGTH, f"key {slot.spec.key}: onebit_adam state of "
-                              f"m code {m_code.size} bytes (expected 0 or {size}) and flags "
-                              f"{arrays['compressing'].shape}; expected one value each")
-        super().load_state(slot, {k: v for k, v in arrays.items() if k not in extra})
-        if ob is not None:
-            ob.compressing = bool(arrays["compressing"][0])
-            ob.bias_correction2_sqrt = float(arrays["bias_correction2_sqrt"][0])
-            ob.m_code = arrays["m_code"].tobytes()
+    def collect(self, slots: Sequence[Slot]):
+        states = [s.rule_state for s in slots]
+        yield GaugeMetricFamily("bitps_onebit_compressing_keys",
+                                "Keys past the 1-bit Adam warmup (v frozen, 1-bit traffic)",
+                                value=sum(st.compressing for st in states))
+        # a pass over every residual, at scrape time: a residual updated meanwhile only moves
+        # the reading
+        yield GaugeMetricFamily("bitps_onebit_residual_norm",
+                                "L2 norm of the shard's error-feedback residuals",
+                                value=float(np.sqrt(sum(st.server.residual_norm() ** 2
+                                                        for st in states))))
 
     # -- arithmetic of the compression stage --------------------------------------------------
     def delta(self, param: np.ndarray, grad: np.ndarray, state: KeyState, out: np.ndarray, *,
@@ -325,15 +407,26 @@ class OneBitAdamSync(OneBitAdam):
     replica applies it with the frozen v (DeepSpeed's compressed allreduce)."""
 
     def _compressed(self, slot, grad, grad_scale, lr_scale):
-        ob = slot.onebit
+        ob = slot.rule_state
         # grad is the sum of the workers' momenta: publish their compressed mean as m
         np.multiply(grad, np.float32(grad_scale), out=ob.delta)
         payload = ob.server.encode(ob.delta)
-        slot.state.buf1.fill(0.0)
-        ob.codec.decode_add(payload, slot.length, slot.state.buf1)
-        self.apply_momentum(slot.writable(), slot.state, lr_scale=lr_scale,
+        ob.buf1.fill(0.0)
+        ob.codec.decode_add(payload, slot.length, ob.buf1)
+        self.apply_momentum(slot.writable(), ob, lr_scale=lr_scale,
                             bias_correction2_sqrt=ob.bias_correction2_sqrt)
         return payload
+
+    def rule_state(self, slots):
+        """Every key's m and frozen v, for workers at the switch; ``BAD_CLOCK`` while a key
+        is still in its warmup."""
+        out = []
+        for key, slot in sorted(slots.items()):
+            if not slot.rule_state.compressing:
+                raise PSError(pb.BAD_CLOCK, f"key {key} is still in warmup (version "
+                              f"{slot.version}, freeze_step {self.opts.freeze_step})")
+            out.append(slot.rule_state.state_message(key, slot.version))
+        return out
 
 
 class OneBitAdamWorkerMoments(OneBitAdam):
@@ -342,10 +435,15 @@ class OneBitAdamWorkerMoments(OneBitAdam):
     def _warmup_push(self, clock):
         # a push computed before the switch holds a gradient, not a direction: a late one (a
         # slower async worker's) gets a warmup step even after the switch
-        return clock < self.cfg.freeze_step
+        return clock < self.opts.freeze_step
+
+    def rule_state(self, slots):
+        raise PSError(pb.BAD_HEADER, f"shard {self.server.shard_id} runs onebit_adam in "
+                      f"{self.server.mode} mode with the moments on the workers: it keeps no "
+                      f"Adam state to share")
 
     def _compressed(self, slot, grad, grad_scale, lr_scale):
-        ob = slot.onebit
+        ob = slot.rule_state
         self.direction_delta(slot.param, grad, ob.delta, grad_scale=grad_scale,
                              lr_scale=lr_scale)
         payload = ob.server.encode(ob.delta)
@@ -357,8 +455,8 @@ class OneBitAdamShardMoments(OneBitAdam):
     """async/ssp, moments on the shard: pushes are gradients; m is updated and v frozen."""
 
     def _compressed(self, slot, grad, grad_scale, lr_scale):
-        ob = slot.onebit
-        self.delta(slot.param, grad, slot.state, ob.delta, grad_scale=grad_scale,
+        ob = slot.rule_state
+        self.delta(slot.param, grad, ob, ob.delta, grad_scale=grad_scale,
                    lr_scale=lr_scale, bias_correction2_sqrt=ob.bias_correction2_sqrt)
         payload = ob.server.encode(ob.delta)
         ob.codec.decode_add(payload, slot.length, slot.writable())

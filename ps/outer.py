@@ -29,7 +29,7 @@ __all__ = ["Nesterov"]
 class Nesterov(UpdateRule):
     """SGD with Nesterov momentum, for pseudo-gradients (see the module docstring)."""
 
-    name, buffers = "nesterov", 1
+    name, buffers, state_names = "nesterov", 1, ("momentum_buffer",)
 
     @classmethod
     def create(cls, cfg: OptimizerConfig, server: ServerConfig | None = None) -> UpdateRule:

@@ -1,6 +1,7 @@
 """Compressed pulls: a shard publishes each key's updates as codes, and workers apply them.
 
-Per key, every update the shard makes (any rule; 1-bit Adam's own in ``ps.onebit``) becomes::
+Per key, every update the shard makes (any rule, through ``ps.rules.publish_update``; a rule
+may publish codes of its own) becomes::
 
     delta   = rule(x) - x                        what the optimizer would add
     payload = encode(delta + server residual)    residual = what the payload did not carry
@@ -16,22 +17,28 @@ A worker gets the float32 parameters instead (``CODEC_RAW``) when it holds no co
 request has no versions), when it is behind the history (a warmup update without a payload,
 more than ``delta_history`` versions, or codes that together outweigh the parameters: the
 history keeps at most the key's float32 size in codes), or ahead of it.
+
+The key store holds one :class:`Publisher` per key whose pulls are compressed
+(``Slot.publisher``); the rules update through it and the shard's replies read it
+(``ps.replies``). Both are ``proto.state.Stateful``: a publisher's state is its residual and
+history, :class:`PublishedCodes` is every key's (what a checkpoint saves). This module imports
+nothing else of the shard.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import Codec, Compressor
+from bitps.proto.wire import PSError
 
-if TYPE_CHECKING:
-    from bitps.ps.store import Slot
-
-__all__ = ["Publisher", "publish_update", "reply_frames"]
+__all__ = ["PublishedCodes", "Publisher"]
 
 
 class Publisher:
@@ -58,8 +65,8 @@ class Publisher:
             self._nbytes -= len(self.history.popleft()[1])
 
     def forget(self) -> None:
-        """An update without a payload (1-bit Adam's warmup): workers behind it need the
-        parameters."""
+        """An update without a payload (a rule's warmup step, say): workers behind it need
+        the parameters."""
         self.history.clear()
         self._nbytes = 0
 
@@ -74,28 +81,70 @@ class Publisher:
             return pb.CODEC_RAW, None
         return self.codec.id, b"".join(p for v, p in self.history if v > base)
 
+    def state_dict(self) -> dict:
+        """The codec state, layout version 1: ``{"version": 1, "residual": float32[n] (the
+        shard's error feedback), "history": [[version, payload bytes], ...] (oldest first)}``
+        (copies)."""
+        return {"version": 1, "residual": self.server.residual.copy(),
+                "history": [[v, p] for v, p in self.history]}
 
-def publish_update(slot: Slot, apply, seed: int) -> None:
-    """Make one update of ``slot`` through its publisher: ``apply(dst)`` writes the parameters
-    the rule would give into ``dst``; their difference to the current ones is compressed, added
-    to the parameters and published as the next version."""
-    pub = slot.publisher
-    apply(pub.delta)
-    np.subtract(pub.delta, slot.param, out=pub.delta)
-    payload = pub.server.encode(pub.delta, seed=seed)
-    pub.codec.decode_add(payload, slot.length, slot.writable())
-    slot.version += 1
-    pub.publish(slot.version, payload)
+    def check_state(self, state: Mapping[str, Any]) -> None:
+        """Refuse (:class:`PSError`) a state dict :meth:`load_state_dict` cannot take."""
+        n = self._raw_bytes // 4
+        if state.get("version") != 1 or set(state) != {"version", "residual", "history"}:
+            raise PSError(pb.BAD_HEADER, f"published-codes state of version "
+                          f"{state.get('version')!r} with {sorted(state)}; expected version 1 "
+                          f"with history, residual")
+        if np.shape(state["residual"]) != (n,):
+            raise PSError(pb.BAD_LENGTH, f"residual of shape {np.shape(state['residual'])}; "
+                          f"expected ({n},)")
+        versions = [v for v, _ in state["history"]]
+        if versions != sorted(set(versions)) or not all(
+                isinstance(p, (bytes, bytearray, memoryview)) for _, p in state["history"]):
+            raise PSError(pb.BAD_HEADER, f"history of versions {versions}; expected ascending "
+                          f"versions, each with its payload bytes")
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (nothing changed when it is refused)."""
+        self.check_state(state)
+        np.copyto(self.server.residual, state["residual"], casting="same_kind")
+        self.forget()
+        # republishing the kept payloads in order rebuilds the same history: they fit its
+        # limits when saved, and so does every prefix
+        for version, payload in state["history"]:
+            self.publish(int(version), memoryview(bytes(payload)))
 
 
-def reply_frames(header: pb.DataHeader, slots: list[Slot]) -> tuple[list, list[int]]:
-    """Per key of a pull: ``(frame, buffer to track)`` and its frame codec: the codes since the
-    version the request names, or the parameters (also for keys that publish nothing)."""
-    bases = header.versions if len(header.versions) == len(slots) else [-1] * len(slots)
-    frames, codecs = [], []
-    for base, slot in zip(bases, slots):
-        codec, data = (pb.CODEC_RAW, None) if slot.publisher is None or base < 0 else \
-            slot.publisher.reply_frame(int(base), slot.version)
-        frames.append(slot.reply_frame() if data is None else (data, None))
-        codecs.append(codec)
-    return frames, codecs
+class PublishedCodes:
+    """Every key's published codes on a shard, as one ``proto.state.Stateful``: ``slots()``
+    gives the shard's keys (objects with a ``publisher``, ``None`` for keys that publish
+    nothing), ``lock`` the lock their updates hold. Layout version 1: ``{"version": 1, "keys":
+    {key: Publisher.state_dict()}}`` for the keys that publish."""
+
+    def __init__(self, slots: Callable[[], Mapping[int, Any]], lock: threading.RLock) -> None:
+        self._slots, self._lock = slots, lock
+
+    def state_dict(self) -> dict:
+        with self._lock:
+            return {"version": 1, "keys": {k: s.publisher.state_dict()
+                                           for k, s in self._slots().items()
+                                           if s.publisher is not None}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`: every key of it must publish here; checked whole
+        (:class:`PSError`, nothing changed) before any key is loaded."""
+        with self._lock:
+            slots = self._slots()
+            if state.get("version") != 1:
+                raise PSError(pb.BAD_HEADER, f"published codes of layout version "
+                              f"{state.get('version')!r}; expected 1")
+            for key, one in state["keys"].items():
+                slot = slots.get(key)
+                if slot is None or slot.publisher is None:
+                    raise PSError(pb.UNKNOWN_KEY, f"key {key} publishes no codes here")
+                try:
+                    slot.publisher.check_state(one)
+                except PSError as err:
+                    raise PSError(err.code, f"key {key}: {err.message}") from None
+            for key, one in state["keys"].items():
+                slots[key].publisher.load_state_dict(one)

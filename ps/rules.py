@@ -1,20 +1,27 @@
 """Update rules: the optimizer a shard runs on each key, one class per rule, registered by its
 ``OptimizerConfig.name``.
 
-A rule owns no arrays. It makes a key's state (:meth:`UpdateRule.new_state`: moments, step
-count), does the arithmetic (:meth:`UpdateRule.apply` updates ``param`` from a gradient and that
-state, over the kernels in ``native``), and runs a key's updates on the shard
-(:meth:`UpdateRule.update`, with the phase hooks :meth:`~UpdateRule.arrived` and
-:meth:`~UpdateRule.aggregated`), including what the key publishes for compressed pulls. It also
-saves and restores a key's state (:meth:`~UpdateRule.save_state`). 1-bit Adam's rule, with its
-layouts and phases, is in ``ps.onebit``; the shard core calls rules only through this interface.
+A rule owns no arrays. It makes a key's state (:meth:`UpdateRule.setup` puts it in
+``Slot.rule_state``, which nothing but the rule looks inside; :meth:`UpdateRule.new_state` is the
+moments and step count of the rules here), does the arithmetic (:meth:`UpdateRule.apply` updates
+``param`` from a gradient and that state, over the kernels in ``native``), and runs a key's updates
+on the shard (:meth:`UpdateRule.update`, with the phase hooks :meth:`~UpdateRule.arrived` and
+:meth:`~UpdateRule.aggregated`), including what the key publishes for compressed pulls. A key's
+state saves and restores itself (a ``proto.state.Stateful``: :class:`KeyState`'s state dict). The
+rule says what workers need to know of it at registration (:meth:`~UpdateRule.rule_params`) and what
+its state is (:meth:`~UpdateRule.rule_state`, the RuleState call), and exports its own metrics
+(:meth:`~UpdateRule.collect`). A rule with settings of its own names their section
+(:attr:`UpdateRule.config`, a ``ps.config.RuleConfig``) and their flags
+(:attr:`UpdateRule.settings`). Rules with layouts and phases of their own are plug-ins in modules of
+their own (``ps/__init__.py`` imports them); the shard core calls rules only through this interface.
 
-Each key is a partition of one tensor and is updated once per optimizer step, so per-key step
-counts equal torch's per-parameter ones.
+Each key is a partition of one tensor and is updated once per optimizer step, so per-key step counts
+equal torch's per-parameter ones.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -23,26 +30,95 @@ import numpy as np
 from bitps import native
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.wire import PSError
-from bitps.ps.config import RULES, OptimizerConfig, ServerConfig
-from bitps.ps.publish import publish_update
+from bitps.ps.config import RULES, OptimizerConfig, RuleConfig, ServerConfig
 
 if TYPE_CHECKING:
+    from google.protobuf.message import Message
+    from prometheus_client.metrics_core import Metric
+
     from bitps.proto.codecs import Codec
+    from bitps.proto.settings import Setting
     from bitps.ps.store import Slot
 
 __all__ = ["RULES", "Adam", "AdamW", "KeyState", "Momentum", "SGD", "UpdateRule", "make_rule",
-           "register"]
+           "publish_update", "raw_array", "register"]
 
 _EMPTY = np.empty(0, dtype=np.float32)
 
 
 @dataclass
 class KeyState:
-    """Optimizer state of one key: step count and moment buffers (empty when unused)."""
+    """Optimizer state of one key: step count and moment buffers (empty when unused), the
+    ``Slot.rule_state`` of the rules here. A ``proto.state.Stateful``; its state dict, layout
+    version 1::
+
+        {"version": 1, "step": int64[1], "buf1": float32[n], "buf2": float32[n]}
+
+    with ``buf1`` and ``buf2`` only as far as :attr:`buffers` goes (SGD: neither; momentum and
+    nesterov: ``buf1``, the momentum buffer; Adam: ``buf1`` = m, ``buf2`` = v). A checkpoint
+    keeps them as ``<key>/rule/<name>``."""
 
     step: int = 0
     buf1: np.ndarray = field(default_factory=lambda: _EMPTY)
     buf2: np.ndarray = field(default_factory=lambda: _EMPTY)
+    buffers: int = 0
+    """How many of ``buf1``, ``buf2`` the rule uses (``UpdateRule.buffers``)."""
+
+    LAYOUTS: ClassVar[tuple[int, ...]] = (1,)
+    """The state-dict versions :meth:`load_state_dict` takes."""
+
+    def state_dict(self) -> dict:
+        out = {"version": 1, "step": np.array([self.step], np.int64)}
+        for i, buf in enumerate((self.buf1, self.buf2)[:self.buffers], 1):
+            out[f"buf{i}"] = buf.copy()
+        return out
+
+    def check_state(self, state: dict, extra: dict[str, tuple] | None = None) -> None:
+        """Refuse (:class:`PSError`) a state dict that does not fit: another version, other
+        names than :meth:`state_dict`'s and ``extra``'s (name -> allowed shapes), a shape that
+        differs. Subclasses that add entries check them through ``extra``."""
+        if state.get("version") not in self.LAYOUTS:
+            raise PSError(pb.BAD_HEADER, f"{type(self).__name__} state layout version "
+                          f"{state.get('version')!r}; expected one of {list(self.LAYOUTS)}")
+        want = {name: (np.shape(a),) for name, a in self.state_dict().items() if name != "version"}
+        want.update(extra or {})
+        if set(state) - {"version"} != set(want):
+            raise PSError(pb.BAD_HEADER, f"{type(self).__name__} state has {sorted(want)}; got "
+                          f"{sorted(set(state) - {'version'})}")
+        for name, shapes in want.items():
+            if np.shape(state[name]) not in shapes:
+                raise PSError(pb.BAD_LENGTH, f"{type(self).__name__} state {name} of shape "
+                              f"{np.shape(state[name])}; expected {' or '.join(map(str, shapes))}")
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; :class:`PSError` (nothing changed) when a name, a shape
+        or the version does not match."""
+        self.check_state(state)
+        self._load(state)
+
+    def _load(self, state: dict) -> None:
+        self.step = int(state["step"][0])
+        for i, buf in enumerate((self.buf1, self.buf2)[:self.buffers], 1):
+            np.copyto(buf, state[f"buf{i}"], casting="same_kind")
+
+
+def publish_update(slot: Slot, apply: Callable[[np.ndarray], None], seed: int) -> None:
+    """Make one update of ``slot`` through its publisher (``ps.publish``): ``apply(dst)``
+    writes the parameters the rule would give into ``dst``; their difference to the current
+    ones is compressed, added to the parameters and published as the next version."""
+    pub = slot.publisher
+    apply(pub.delta)
+    np.subtract(pub.delta, slot.param, out=pub.delta)
+    payload = pub.server.encode(pub.delta, seed=seed)
+    pub.codec.decode_add(payload, slot.length, slot.writable())
+    slot.version += 1
+    pub.publish(slot.version, payload)
+
+
+def raw_array(name: str, values: np.ndarray) -> pb.StateArray:
+    """A float32 array of a key's rule state as the RuleState call sends it."""
+    return pb.StateArray(name=name, dtype=pb.FLOAT32, codec=pb.CODEC_RAW, length=values.size,
+                         data=np.ascontiguousarray(values, np.float32).tobytes())
 
 
 class UpdateRule:
@@ -53,6 +129,12 @@ class UpdateRule:
     name: ClassVar[str]
     buffers: ClassVar[int] = 0
     """Moment buffers per key (``KeyState.buf1``, ``buf2``)."""
+    state_names: ClassVar[tuple[str, ...]] = ()
+    """What the RuleState call names the buffers (torch's names: ``exp_avg``, ...)."""
+    config: ClassVar[type[RuleConfig] | None] = None
+    """The rule's own config section (``OptimizerConfig.rule_config``); ``None``: none."""
+    settings: ClassVar[Sequence[Setting]] = ()
+    """``bitps-server``'s flags for :attr:`config`'s fields (``proto.settings.from_field``)."""
 
     def __init__(self, cfg: OptimizerConfig, server: ServerConfig | None = None) -> None:
         self.cfg = cfg
@@ -75,7 +157,7 @@ class UpdateRule:
     def new_state(self, length: int) -> KeyState:
         """Fresh state for a key of ``length`` elements (zeros, as torch initialises it)."""
         bufs = [np.zeros(length, np.float32) for _ in range(self.buffers)]
-        return KeyState(*([0] + bufs))
+        return KeyState(0, *bufs, buffers=self.buffers)
 
     def apply(self, param: np.ndarray, grad: np.ndarray, state: KeyState, *,
               grad_scale: float = 1.0, lr_scale: float = 1.0,
@@ -99,7 +181,9 @@ class UpdateRule:
 
     # -- a key on a shard ---------------------------------------------------------------------
     def setup(self, slot: Slot) -> None:
-        """A new key's extra state on this shard (none by default)."""
+        """A new key's state on this shard: ``slot.rule_state`` (by default
+        :meth:`new_state`), and its publisher when the rule publishes codes of its own."""
+        slot.rule_state = self.new_state(slot.length)
 
     def update(self, slot: Slot, grad: np.ndarray, *, clock: int, grad_scale: float = 1.0,
                lr_scale: float = 1.0) -> None:
@@ -110,13 +194,13 @@ class UpdateRule:
         if slot.publisher is not None:
             # the version number seeds sparse's sampling: every update draws afresh
             return publish_update(slot, lambda dst: self.apply(
-                slot.param, grad, slot.state, grad_scale=grad_scale, lr_scale=lr_scale,
+                slot.param, grad, slot.rule_state, grad_scale=grad_scale, lr_scale=lr_scale,
                 dst=dst), seed=(slot.spec.key << 32) + slot.version)
         target = slot.writable()
         delta = slot.last_delta
         if delta is not None:
             np.copyto(delta, target)
-        self.apply(target, grad, slot.state, grad_scale=grad_scale, lr_scale=lr_scale)
+        self.apply(target, grad, slot.rule_state, grad_scale=grad_scale, lr_scale=lr_scale)
         if delta is not None:
             np.subtract(target, delta, out=delta)
         slot.version += 1
@@ -132,42 +216,28 @@ class UpdateRule:
         codec is then the first registration's."""
         return None
 
-    def register_params(self) -> pb.OneBitParams | None:
-        """What a RegisterReply tells workers about this rule (1-bit Adam's parameters)."""
+    def rule_params(self) -> Message | None:
+        """What a RegisterReply tells workers about this rule: the rule's own protobuf
+        message, which the shard packs into ``RegisterReply.rule_params``; ``None``: nothing."""
         return None
 
-    def optimizer_state(self, slots: dict[int, Slot]) -> list[pb.KeyOptimizerState]:
-        """The state workers fetch (the OptimizerState RPC); only sync 1-bit Adam has one."""
-        mode = self.server.mode if self.server is not None else "?"
-        raise PSError(pb.BAD_HEADER, f"shard runs {self.cfg.name} in {mode} mode; optimizer "
-                      f"state is only shared by sync onebit_adam")
-
-    def compressing_keys(self, slots: dict[int, Slot]) -> int:
-        """Keys past a compression switch, for metrics (-1: the rule has none)."""
-        return -1
-
-    def save_state(self, slot: Slot) -> dict[str, np.ndarray]:
-        """The key's optimizer state as named arrays (a checkpoint's; parameters, version and
-        codec residuals are saved by the shard). :meth:`load_state` restores it."""
-        out = {"step": np.array([slot.state.step], np.int64)}
-        for i, buf in enumerate((slot.state.buf1, slot.state.buf2)[:self.buffers], 1):
-            out[f"buf{i}"] = buf.copy()
+    def rule_state(self, slots: dict[int, Slot]) -> list[pb.KeyRuleState]:
+        """The state of ``slots`` as the RuleState call sends it, one message per key: the
+        rule's buffers under :attr:`state_names` (float32) and its step count (field
+        ``step``). A rule that cannot share its state now raises :class:`PSError`."""
+        out = []
+        for key, slot in sorted(slots.items()):
+            st = slot.rule_state
+            msg = pb.KeyRuleState(key=key, version=slot.version, arrays=[
+                raw_array(name, buf) for name, buf in zip(self.state_names, (st.buf1, st.buf2))])
+            msg.fields.update({"step": st.step})
+            out.append(msg)
         return out
 
-    def load_state(self, slot: Slot, arrays: dict[str, np.ndarray]) -> None:
-        """Restore :meth:`save_state`; :class:`PSError` (nothing changed) when a name or a
-        shape does not match."""
-        want = UpdateRule.save_state(self, slot)  # this class's arrays; subclasses add theirs
-        if set(arrays) != set(want):
-            raise PSError(pb.BAD_HEADER, f"key {slot.spec.key}: {self.name} state has "
-                          f"{sorted(want)}; got {sorted(arrays)}")
-        for name, value in arrays.items():
-            if value.shape != want[name].shape:
-                raise PSError(pb.BAD_LENGTH, f"key {slot.spec.key}: {self.name} state {name} "
-                              f"of shape {value.shape}; expected {want[name].shape}")
-        slot.state.step = int(arrays["step"][0])
-        for i, buf in enumerate((slot.state.buf1, slot.state.buf2)[:self.buffers], 1):
-            np.copyto(buf, arrays[f"buf{i}"], casting="same_kind")
+    def collect(self, slots: Sequence[Slot]) -> Iterable[Metric]:
+        """The rule's own Prometheus metric families over the shard's keys ``slots``, read at
+        scrape time (``ps.metrics``); none by default."""
+        return ()
 
     # -- shared scalars -----------------------------------------------------------------------
     def neg_lr(self, lr_scale: float = 1.0) -> np.float32:
@@ -203,7 +273,7 @@ class SGD(UpdateRule):
 
 @register
 class Momentum(UpdateRule):
-    name, buffers = "momentum", 1
+    name, buffers, state_names = "momentum", 1, ("momentum_buffer",)
 
     def _step(self, param, grad, state, scale, lr, lr_scale):
         native.momentum_step(param, grad, state.buf1, scale, lr, self._momentum,
@@ -214,7 +284,7 @@ class Momentum(UpdateRule):
 class Adam(UpdateRule):
     """Adam with L2 weight decay (``decoupled`` False) or AdamW's decoupled decay."""
 
-    name, buffers = "adam", 2
+    name, buffers, state_names = "adam", 2, ("exp_avg", "exp_avg_sq")
     decoupled: ClassVar[bool] = False
 
     def _step(self, param, grad, state, scale, lr, lr_scale):

@@ -146,7 +146,7 @@ class ServerShard:
         log.info("shard %d restored %s: %d updates applied, %d keys, world size %d, clocks %s, "
                  "%d push ids in the exactly-once window", self.cfg.shard_id, ckpt.path,
                  ckpt.updates, len(core.slots), core.clocks.world_size, clocks,
-                 sum(map(len, core.dedup_state().values())))
+                 sum(map(len, core.dedup.state_dict()["ids"].values())))
 
     def workers_done(self) -> bool:
         """Whether every rank of the registered world has registered and then left (never

@@ -1,4 +1,4 @@
-"""The key store: each key's parameters, optimizer state and version, copy-on-write.
+"""The key store: each key's parameters, update-rule state and version, copy-on-write.
 
 Replies are sent zero-copy: a parameter buffer handed to ZeroMQ must not change until ZeroMQ is
 done with it. So a key's parameters live in a :class:`Buffer` that records the sends still using
@@ -8,20 +8,23 @@ a copy in a spare buffer, which then becomes the key's parameters; retired buffe
 once their sends complete, so steady state allocates nothing and a pull never copies in
 Python. Keys under :data:`ZERO_COPY_MIN_BYTES` are sent by a copying send instead (ZeroMQ's one
 copy is cheaper than tracking a frame that small).
+
+The store knows no update rule: a key's rule state (``Slot.rule_state``) is whatever the rule's
+``setup`` put there, and only the rule looks inside (``ps.rules``, which imports this module,
+not the other way round).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from bitps import native
 from bitps.proto import bitps_pb2 as pb
-from bitps.ps.onebit import OneBitState
 from bitps.ps.publish import Publisher
-from bitps.ps.rules import KeyState, UpdateRule
 
 __all__ = ["ZERO_COPY_MIN_BYTES", "Buffer", "Slot"]
 
@@ -55,7 +58,9 @@ class Slot:
 
     spec: pb.KeySpec
     buffer: Buffer
-    state: KeyState
+    rule_state: Any = None
+    """The update rule's state of this key, opaque to the store and the core: what the rule's
+    ``setup`` made (``ps.rules.KeyState`` for the rules of ``ps.rules``)."""
     version: int = 0
     pushers: set[int] = field(default_factory=set)
     """Ranks whose registered plan has this key (a pipeline stage's workers register only
@@ -72,11 +77,9 @@ class Slot:
     folded: int = 0
     """Sync mode: pushes added to ``acc`` so far this step."""
     spare: list[Buffer] = field(default_factory=list)
-    onebit: OneBitState | None = None
-    """1-bit Adam state (``onebit_adam`` shards only)."""
     publisher: Publisher | None = None
-    """The codes pull replies carry (``ps.publish``): set for keys whose pulls are compressed
-    (1-bit Adam: every key, its state's publisher)."""
+    """The codes pull replies carry (``ps.publish``): set for keys whose pulls are compressed,
+    and for every key of a rule that publishes its own (the rule's ``setup`` sets it)."""
     decoded: np.ndarray = field(default_factory=lambda: _EMPTY)
     """Where compressed pushes are decoded to (allocated on the first one)."""
     last_delta: np.ndarray | None = None
@@ -86,8 +89,14 @@ class Slot:
     """Lookahead pulls: the last parameters handed out ahead (reused once ZeroMQ is done)."""
 
     @classmethod
-    def zeros(cls, spec: pb.KeySpec, state: KeyState) -> Slot:
-        return cls(spec=spec, buffer=Buffer(np.zeros(spec.length, np.float32)), state=state)
+    def zeros(cls, spec: pb.KeySpec, rule_state: Any = None) -> Slot:
+        return cls(spec=spec, buffer=Buffer(np.zeros(spec.length, np.float32)),
+                   rule_state=rule_state)
+
+    @property
+    def state(self) -> Any:
+        """Deprecated alias of :attr:`rule_state` (kept for one release, CHANGELOG.md)."""
+        return self.rule_state
 
     @property
     def param(self) -> np.ndarray:
@@ -167,12 +176,15 @@ class Slot:
                 return
             self._add(self.held.pop(rank))
 
-    def apply_aggregate(self, rule: UpdateRule, *, lr_scale: float = 1.0) -> None:
-        """Sync mode: apply the mean of the accumulated pushes."""
+    def step_sum(self) -> tuple[np.ndarray, int]:
+        """Sync mode, the step complete: the sum of its pushes (every kept one added, in rank
+        order) and how many there are; the caller applies their mean, then calls
+        :meth:`end_step`."""
         self._add_held(None)
-        n = len(self.pushed)
-        # the step being applied is clock self.version
-        rule.update(self, self.acc, clock=self.version, grad_scale=1.0 / n, lr_scale=lr_scale)
+        return self.acc, len(self.pushed)
+
+    def end_step(self) -> None:
+        """Sync mode: the step's mean was applied; the next step starts empty."""
         self.pushed.clear()
         self.folded = 0
 

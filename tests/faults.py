@@ -251,7 +251,7 @@ class DataProxy:
 
 # -- control plane ---------------------------------------------------------------------------------
 _KINDS = {"/bitps.Control/Register": "stream_unary",
-          "/bitps.Control/OptimizerState": "unary_stream",
+          "/bitps.Control/RuleState": "unary_stream",
           "/grpc.health.v1.Health/Watch": "unary_stream"}
 
 

@@ -29,6 +29,7 @@ from bitps.ps.checkpoint import (
     save,
 )
 from bitps.ps.config import OptimizerConfig, ServerConfig
+from bitps.ps.onebit import OneBitConfig
 from bitps.ps.shard import ShardCore
 
 # two tensors, three keys: "w" (24, 50) cut in two, "b" (300,)
@@ -109,16 +110,23 @@ class Driver:
                 self.pull(w, clock + 1)
 
 
+def _window(core: ShardCore) -> dict:
+    """The exactly-once window's ids by worker (``ShardCore.dedup``'s state dict)."""
+    return core.dedup.state_dict()["ids"]
+
+
 def _state(core: ShardCore) -> dict:
     """Everything a continuation could differ in, as comparable values."""
     out = {"updates": core.updates_applied, "signature": core.signature,
            "clocks": {r: (w.clock, w.registered, w.left, w.dropped)
                       for r, w in core.clocks.workers.items()},
-           "codec": {k: v.tobytes() for k, v in core.codec_state().items()},
-           "dedup": core.dedup_state()}
+           "codec": {k: c["residual"].tobytes()
+                     for k, c in core.codecs.state_dict()["keys"].items()},
+           "dedup": _window(core)}
     for k, s in core.slots.items():
         out[k] = {"param": s.param.tobytes(), "version": s.version,
-                  "rule": {n: a.tobytes() for n, a in core.rule.save_state(s).items()},
+                  "rule": {n: np.asarray(a).tobytes()
+                           for n, a in s.rule_state.state_dict().items()},
                   "delta": None if s.last_delta is None else s.last_delta.tobytes(),
                   "history": None if s.publisher is None else list(s.publisher.history),
                   "pushed": sorted(s.pushed), "folded": s.folded}
@@ -129,21 +137,31 @@ CASES = [(mode, OptimizerConfig(name=rule, lr=1e-2, momentum=0.9,
                                 weight_decay=0.01 if rule == "adamw" else 0.0), False)
          for rule in ("sgd", "momentum", "adam", "adamw") for mode in ("sync", "async", "ssp")]
 CASES += [
-    ("sync", OptimizerConfig(name="onebit_adam", lr=1e-2, freeze_step=3), False),
-    ("sync", OptimizerConfig(name="onebit_adam", lr=1e-2, freeze_step=6,
-                             onebit_warmup_codes=True), False),
-    ("async", OptimizerConfig(name="onebit_adam", lr=1e-2, freeze_step=3), False),
-    ("ssp", OptimizerConfig(name="onebit_adam", lr=1e-2, freeze_step=3,
-                            onebit_moments="shard", weight_decay=0.01), False),
+    ("sync", OptimizerConfig(name="onebit_adam", lr=1e-2,
+                             rule_config=OneBitConfig(freeze_step=3)), False),
+    ("sync", OptimizerConfig(name="onebit_adam", lr=1e-2,
+                             rule_config=OneBitConfig(freeze_step=6, warmup_codes=True)), False),
+    ("async", OptimizerConfig(name="onebit_adam", lr=1e-2,
+                              rule_config=OneBitConfig(freeze_step=3)), False),
+    ("ssp", OptimizerConfig(name="onebit_adam", lr=1e-2, weight_decay=0.01,
+                            rule_config=OneBitConfig(freeze_step=3, moments="shard")), False),
     ("async", OptimizerConfig(name="adam", lr=1e-2), True),   # compressed pulls
     ("sync", OptimizerConfig(name="momentum", lr=1e-2), True),
 ]
 
 
-@pytest.mark.parametrize("mode,optimizer,compressed", CASES, ids=[
-    f"{m}-{o.name}{'-shard' if o.onebit_moments == 'shard' else ''}"
-    f"{'-warmupcodes' if o.onebit_warmup_codes else ''}{'-sign1pull' if c else ''}"
-    f"-f{o.freeze_step}" for m, o, c in CASES])
+_ONEBIT_DEFAULTS = OneBitConfig()
+
+
+def _case_id(m: str, o: OptimizerConfig, c: bool) -> str:
+    r = o.rule_config or _ONEBIT_DEFAULTS
+    return (f"{m}-{o.name}{'-shard' if r.moments == 'shard' else ''}"
+            f"{'-warmupcodes' if r.warmup_codes else ''}{'-sign1pull' if c else ''}"
+            f"-f{r.freeze_step}")
+
+
+@pytest.mark.parametrize("mode,optimizer,compressed", CASES,
+                         ids=[_case_id(m, o, c) for m, o, c in CASES])
 def test_a_restored_shard_continues_bit_for_bit(tmp_path, mode, optimizer, compressed):
     """Three workers train 4 clocks and workers 0 and 2 push the 5th (a sync step part in:
     rank 0's push summed, rank 2's kept aside for rank 1's); the shard is checkpointed and
@@ -226,13 +244,13 @@ def test_a_push_applied_before_the_checkpoint_is_not_applied_again_after_the_res
     for rid in (5, 6, 7):
         assert _push(a, rid).op == pb.REPLY
     window = {0: [(77, 5), (77, 6), (77, 7)]}
-    assert a.dedup_state() == window
+    assert _window(a) == window
     path = save(a, tmp_path, keep=1)
     assert load(path).manifest["dedup"] == {"0": [[77, 5], [77, 6], [77, 7]]}
 
     b = ShardCore(cfg, now=lambda: 0.0)
     restore(b, load(path))
-    assert b.dedup_state() == window
+    assert _window(b) == window
     before = _state(b)
     replay = _push(b, 6)
     assert replay.op == pb.REPLY and replay.request_id == 6
@@ -242,10 +260,10 @@ def test_a_push_applied_before_the_checkpoint_is_not_applied_again_after_the_res
 
     small = ShardCore(dataclasses.replace(cfg, dedup_window=2), now=lambda: 0.0)
     restore(small, load(path))
-    assert small.dedup_state() == {0: [(77, 6), (77, 7)]}
+    assert _window(small) == {0: [(77, 6), (77, 7)]}
     off = ShardCore(dataclasses.replace(cfg, dedup_window=0), now=lambda: 0.0)
     restore(off, load(path))
-    assert off.dedup_state() == {}
+    assert _window(off) == {}
 
 
 def test_a_checkpoint_without_a_window_restores_an_empty_one(tmp_path):
@@ -259,7 +277,41 @@ def test_a_checkpoint_without_a_window_restores_an_empty_one(tmp_path):
     (path / "manifest.json").write_text(json.dumps(manifest))
     b = ShardCore(a.core.cfg, now=lambda: 0.0)
     restore(b, load(path))
-    assert b.dedup_state() == {} and b.updates_applied == a.core.updates_applied
+    assert _window(b) == {} and b.updates_applied == a.core.updates_applied
+
+
+def _old_optimizer_layout(path, **rule_keys) -> None:
+    """Rewrite ``path``'s manifest as a checkpoint of before rule config sections: every rule's
+    settings at the top level of ``config.optimizer`` under their flag names."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    opt = manifest["config"]["optimizer"]
+    opt.pop("rule_config", None)
+    opt.update({"freeze_step": 100, "onebit_chunk": 256, "onebit_scale": "auto",
+                "onebit_moments": "auto", "onebit_warmup_codes": False, **rule_keys})
+    manifest.pop("manifest_sha256")
+    manifest["manifest_sha256"] = ckpt_mod._digest(manifest)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("optimizer", [
+    OptimizerConfig(name="adam", lr=1e-2),
+    OptimizerConfig(name="onebit_adam", lr=1e-2, rule_config=OneBitConfig(freeze_step=3))])
+def test_a_checkpoint_of_the_flat_optimizer_layout_restores(tmp_path, optimizer):
+    """A manifest written before update rules had config sections of their own (1-bit Adam's
+    settings were fields of every optimizer config) restores into today's config, and one of
+    other settings is still refused."""
+    a = Driver(_core(_cfg("sync", optimizer), world=1), world=1)
+    a.steps(range(4))
+    path = save(a.core, tmp_path, keep=1)
+    freeze = optimizer.rule_config.freeze_step if optimizer.rule_config else 100
+    _old_optimizer_layout(path, freeze_step=freeze)
+    b = ShardCore(a.core.cfg, now=lambda: 0.0)
+    restore(b, load(path))
+    assert _state(b) == _state(a.core)
+    if optimizer.rule_config is not None:
+        _old_optimizer_layout(path, freeze_step=freeze + 1)
+        with pytest.raises(CheckpointError, match="optimizer"):
+            restore(ShardCore(a.core.cfg, now=lambda: 0.0), load(path))
 
 
 # -- on disk ------------------------------------------------------------------------------------

@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import CodecConfig
 from bitps.ps import OptimizerConfig, ServerConfig, create_server
+from bitps.ps.onebit import OneBitConfig
 from bitps.worker import ClientConfig, PSClient
 from bitps.worker.config import OverlapConfig
 from bitps.worker.training.clip import StepClip
@@ -44,9 +44,9 @@ def test_worker_moments_correction_equals_the_exact_factor():
     """1-bit Adam with worker moments: moments advanced with a predicted factor, then
     corrected, match moments advanced with the exact one; the push's residual gets the
     direction's change."""
-    from bitps.worker.algorithms.onebit import WorkerMoments
+    from bitps.worker.algorithms.onebit import OneBitParams, WorkerMoments
 
-    params = pb.OneBitParams(beta1=0.9, beta2=0.99, eps=1e-8)
+    params = OneBitParams(beta1=0.9, beta2=0.99, eps=1e-8)
     rng = np.random.default_rng(0)
     g0, g1 = (rng.standard_normal(1000).astype(np.float32) for _ in range(2))
     a, b = WorkerMoments(params), WorkerMoments(params)
@@ -135,7 +135,8 @@ def test_one_bit_adam_with_worker_moments_clips_under_overlap_and_stays_bit_iden
     from bitps.worker.training.model import PSModel
 
     torch.set_num_threads(1)
-    opt = OptimizerConfig(name="onebit_adam", lr=1e-3, freeze_step=3, onebit_chunk=256)
+    opt = OptimizerConfig(name="onebit_adam", lr=1e-3,
+                          rule_config=OneBitConfig(freeze_step=3, chunk=256))
     shard = create_server(ServerConfig(mode="ssp", staleness=1, metrics_port=-1, optimizer=opt))
     try:
         model = _Net()

@@ -57,8 +57,14 @@ def _exposed(registry: CollectorRegistry) -> dict[str, set[str]]:
 def shard_series() -> dict[str, set[str]]:
     metrics = ShardMetrics(CollectorRegistry())
     # Every optional gauge on (the 1-bit ones appear only under onebit_adam).
-    metrics.watch_clocks(lambda: ClockSnapshot(clocks={0: 3, 1: 2}, min_clock=2, live=2, held=0,
-                                               onebit_keys=1, onebit_residual_norm=0.5))
+    metrics.watch_clocks(lambda: ClockSnapshot(clocks={0: 3, 1: 2}, min_clock=2, live=2, held=0))
+    # the rule's own gauges: those of a onebit_adam shard (its collect, over no keys)
+    from bitps.ps.config import OptimizerConfig, ServerConfig
+    from bitps.ps.rules import make_rule
+
+    onebit = OptimizerConfig(name="onebit_adam")
+    rule = make_rule(onebit, ServerConfig(optimizer=onebit))
+    metrics.watch_rule(lambda: rule.collect([]))
     _fill_labeled(metrics)
     return _exposed(metrics.registry)
 

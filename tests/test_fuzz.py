@@ -261,7 +261,7 @@ def grpc_calls(rng: random.Random, channel: grpc.Channel, signature: str, n: int
     for i in range(n):
         md = rng.choice([(("bitps-token", TOKEN),)] * 4 + [(("bitps-token", "no"),), None])
         kind = rng.randrange(3)
-        method = rng.choice([*_UNARY, "/bitps.Control/Register", "/bitps.Control/OptimizerState"])
+        method = rng.choice([*_UNARY, "/bitps.Control/Register", "/bitps.Control/RuleState"])
         if method.endswith("Register"):
             msgs = ([rng.randbytes(rng.randint(0, 300)) for _ in range(rng.randint(0, 3))]
                     if kind == 0 else _hostile_register(rng, signature))
@@ -269,8 +269,8 @@ def grpc_calls(rng: random.Random, channel: grpc.Channel, signature: str, n: int
                 msgs = [_bit_flips(rng, m) for m in msgs]
             pending.append(channel.stream_unary(method).future(iter(msgs), timeout=10,
                                                                metadata=md))
-        elif method.endswith("OptimizerState"):
-            req = (rng.randbytes(rng.randint(0, 40)) if kind == 0 else pb.OptimizerStateRequest(
+        elif method.endswith("RuleState"):
+            req = (rng.randbytes(rng.randint(0, 40)) if kind == 0 else pb.RuleStateRequest(
                 rank=rng.choice([0, 1, 9]), token=TOKEN).SerializeToString())
             try:  # a stream: read it to its end here (OK, or a status)
                 list(channel.unary_stream(method)(req, timeout=10, metadata=md))

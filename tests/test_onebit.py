@@ -22,6 +22,7 @@ from bitps.proto.keyplan import ParamSpec, make_plan
 from bitps.proto.schedule import LRSchedule
 from bitps.proto.wire import PSError
 from bitps.ps import OptimizerConfig, ServerConfig, create_server
+from bitps.ps.onebit import OneBitConfig
 from bitps.worker import ClientConfig
 from tests.encoding import EncodingClient
 
@@ -91,9 +92,10 @@ def _train(servers, plan, rank: int, world: int, init, results, barrier, mode):
 def test_workers_hold_the_shards_parameters_bit_for_bit(mode, moments, scheduled, warmup_codes):
     schedule = LRSchedule(warmup_steps=3, decay_steps=STEPS, min_ratio=0.1) if scheduled \
         else LRSchedule()
-    opt = OptimizerConfig(name="onebit_adam", lr=0.05, freeze_step=FREEZE, onebit_chunk=256,
-                          delta_history=4 if mode == "async" else 16, onebit_moments=moments,
-                          schedule=schedule, onebit_warmup_codes=warmup_codes)
+    opt = OptimizerConfig(name="onebit_adam", lr=0.05,
+                          delta_history=4 if mode == "async" else 16, schedule=schedule,
+                          rule_config=OneBitConfig(freeze_step=FREEZE, chunk=256,
+                                                   moments=moments, warmup_codes=warmup_codes))
     shards = [create_server(ServerConfig(shard_id=i, num_shards=2, mode=mode, optimizer=opt,
                                          metrics_port=-1)) for i in range(2)]
     try:
@@ -123,7 +125,7 @@ def test_workers_hold_the_shards_parameters_bit_for_bit(mode, moments, scheduled
             if warmup_codes and mode == "sync":
                 # one float32 pull (the first); every later one carries codes
                 assert pulled < 4 * N + 52 * N / 6
-        assert all(by_key[k].onebit.compressing for k in plan.keys)
+        assert all(by_key[k].rule_state.compressing for k in plan.keys)
         assert all(by_key[k].publisher.history for k in plan.keys)
         for s in shards:
             text = generate_latest(s.core.metrics.registry).decode()
@@ -143,7 +145,8 @@ def test_workers_hold_the_shards_parameters_bit_for_bit(mode, moments, scheduled
 
 def test_compressed_traffic_is_about_one_bit_per_element():
     """Bytes per step after warmup, both directions, from one worker's own counters."""
-    opt = OptimizerConfig(name="onebit_adam", lr=0.01, freeze_step=2, onebit_chunk=2048)
+    opt = OptimizerConfig(name="onebit_adam", lr=0.01,
+                          rule_config=OneBitConfig(freeze_step=2, chunk=2048))
     shard = create_server(ServerConfig(mode="async", optimizer=opt, metrics_port=-1))
     try:
         plan = make_plan([ParamSpec("w", (N,))], num_shards=1, partition_bytes=1 << 20)
@@ -176,26 +179,36 @@ def test_error_feedback_state_saves_and_restores():
 
     # shard moments: with worker moments (and no weight decay) the shard's codes are exact
     # and its residuals stay 0 (test_workers_hold_the_shards_parameters_bit_for_bit)
-    opt = OptimizerConfig(name="onebit_adam", lr=0.01, freeze_step=1, onebit_chunk=256,
-                          onebit_moments="shard")
+    opt = OptimizerConfig(name="onebit_adam", lr=0.01, rule_config=OneBitConfig(
+        freeze_step=1, chunk=256, moments="shard"))
     shard = create_server(ServerConfig(mode="async", optimizer=opt, metrics_port=-1))
     try:
         with _three_steps(shard) as (client, plan, keys, outs):
             saved = {k: r.copy() for k, r in client.residuals(clock=2).items()}
             assert set(saved) == set(keys) and all(np.any(r) for r in saved.values())
         core = shard.core
-        server = core.codec_state()
+
+        def residuals() -> dict:  # the shard's codec state (ShardCore.codecs), residuals only
+            return {k: c["residual"] for k, c in core.codecs.state_dict()["keys"].items()}
+
+        def load(by_key: dict) -> None:
+            history = {k: c["history"] for k, c in core.codecs.state_dict()["keys"].items()}
+            core.codecs.load_state_dict({"version": 1, "keys": {
+                k: {"version": 1, "residual": r, "history": history[k]}
+                for k, r in by_key.items()}})
+
+        server = residuals()
         assert set(server) == set(keys) and all(np.any(r) for r in server.values())
         before = {k: r.copy() for k, r in server.items()}
-        for r in core.codec_state().values():
+        for r in residuals().values():
             r[:] = 7  # copies: the shard's state is untouched
-        assert all(np.array_equal(before[k], r) for k, r in core.codec_state().items())
+        assert all(np.array_equal(before[k], r) for k, r in residuals().items())
         zeroed = {k: np.zeros_like(r) for k, r in before.items()}
         with pytest.raises(PSError, match="expected"):
-            core.load_codec_state({**zeroed, keys[-1]: np.zeros(3, np.float32)})
-        assert all(np.array_equal(before[k], r) for k, r in core.codec_state().items())
-        core.load_codec_state(before)
-        assert all(np.array_equal(before[k], r) for k, r in core.codec_state().items())
+            load({**zeroed, keys[-1]: np.zeros(3, np.float32)})
+        assert all(np.array_equal(before[k], r) for k, r in residuals().items())
+        load(before)
+        assert all(np.array_equal(before[k], r) for k, r in residuals().items())
         servers = (f"127.0.0.1:{shard.ports['grpc_port']}",)
         with EncodingClient(ClientConfig(servers=servers, partition_bytes=16384,
                                    compress_min_bytes=0, push_codec=CodecConfig(name="sign1")))\
@@ -210,11 +223,12 @@ def test_error_feedback_state_saves_and_restores():
 def test_worker_moments_save_restore_and_layout_settings():
     """Worker moments come out per key and go back in; sync accepts only the auto layout."""
     with pytest.raises(ValueError, match="onebit_moments 'shard' applies to async/ssp"):
-        ServerConfig(mode="sync", optimizer=OptimizerConfig(name="onebit_adam",
-                                                            onebit_moments="shard"))
+        ServerConfig(mode="sync", optimizer=OptimizerConfig(
+            name="onebit_adam", rule_config=OneBitConfig(moments="shard")))
     with pytest.raises(ValueError, match="onebit_moments 'both'"):
-        OptimizerConfig(name="onebit_adam", onebit_moments="both")
-    opt = OptimizerConfig(name="onebit_adam", lr=0.01, freeze_step=2, onebit_chunk=256)
+        OptimizerConfig(name="onebit_adam", rule_config=OneBitConfig(moments="both"))
+    opt = OptimizerConfig(name="onebit_adam", lr=0.01,
+                          rule_config=OneBitConfig(freeze_step=2, chunk=256))
     shard = create_server(ServerConfig(mode="ssp", optimizer=opt, metrics_port=-1))
     try:
         with _three_steps(shard) as (client, plan, keys, outs):
@@ -244,8 +258,8 @@ def test_a_nonfinite_gradient_is_refused_before_it_reaches_worker_state(moments)
     """NaN in a compressed push would poison the error-feedback residual (and the worker's Adam
     moments) for good: the client refuses it (NON_FINITE, counted), sends nothing, and keeps
     its state; the shard's parameters stay as they were."""
-    opt = OptimizerConfig(name="onebit_adam", lr=0.01, freeze_step=1, onebit_chunk=256,
-                          onebit_moments=moments)
+    opt = OptimizerConfig(name="onebit_adam", lr=0.01, rule_config=OneBitConfig(
+        freeze_step=1, chunk=256, moments=moments))
     shard = create_server(ServerConfig(mode="async", optimizer=opt, metrics_port=-1))
     try:
         with _three_steps(shard) as (client, plan, keys, outs):
@@ -275,7 +289,8 @@ def test_a_late_warmup_push_after_the_switch_is_a_gradient_not_a_direction():
     warmup gradient (clock below freeze_step) then lands. The shard gives it a warmup step
     (full Adam, no code published) instead of reading it as a direction; the copies still end
     equal to the shard's."""
-    opt = OptimizerConfig(name="onebit_adam", lr=0.01, freeze_step=2, onebit_chunk=256)
+    opt = OptimizerConfig(name="onebit_adam", lr=0.01,
+                          rule_config=OneBitConfig(freeze_step=2, chunk=256))
     shard = create_server(ServerConfig(mode="async", optimizer=opt, metrics_port=-1))
     try:
         plan = make_plan([ParamSpec("w", (N,))], num_shards=1, partition_bytes=1 << 20)
@@ -295,13 +310,13 @@ def test_a_late_warmup_push_after_the_switch_is_a_gradient_not_a_direction():
             for step in range(3):  # clocks 0, 1 warm up; clock 2 is a direction
                 grad = rng.standard_normal(N).astype(np.float32)
                 fast.push_pull(keys, [grad], [copies[0]], clock=step).wait()
-            assert slot().onebit.compressing and len(slot().publisher.history) == 1
+            assert slot().rule_state.compressing and len(slot().publisher.history) == 1
             steps_before = slot().state.step
             grad = rng.standard_normal(N).astype(np.float32)
             slow.push_pull(keys, [grad], [copies[1]], clock=0).wait()
             assert slot().state.step == steps_before + 1  # the shard's Adam took a step
             assert not slot().publisher.history  # no code: workers behind it pull parameters
-            assert not np.any(slot().onebit.server.residual)
+            assert not np.any(slot().rule_state.server.residual)
             fast.pull(keys, [copies[0]], clock=3).wait()
             for copy in copies:
                 assert np.array_equal(copy, slot().param)
@@ -309,23 +324,33 @@ def test_a_late_warmup_push_after_the_switch_is_a_gradient_not_a_direction():
         shard.stop(0)
 
 
+def _compact_state(key: int, m_code: bytes, v_bits: bytes, n: int, chunk: int):
+    """A sync 1-bit Adam shard's RuleState message with onebit_warmup_codes (the layout of
+    ``proto/onebit.proto``): m's sign1 code and v in bf16."""
+    msg = pb.KeyRuleState(key=key, arrays=[
+        pb.StateArray(name="exp_avg", codec=pb.CODEC_SIGN1, codec_chunk=chunk, length=n,
+                      data=m_code),
+        pb.StateArray(name="exp_avg_sq", dtype=pb.BFLOAT16, length=n, data=v_bits)])
+    msg.fields.update({"bias_correction2_sqrt": 0.5})
+    return msg
+
+
 def test_a_compact_optimizer_state_is_decoded_and_checked_for_size():
     """sync with onebit_warmup_codes: OptimizerState sends m as its sign1 code and v as bf16;
     state bytes that do not fit the key are refused with what was expected."""
     from bitps.native import casts
-    from bitps.worker.algorithms.onebit import OneBitMomentum
+    from bitps.worker.algorithms.onebit import OneBitMomentum, OneBitParams
 
     n, chunk = 1000, 256
-    momentum = OneBitMomentum(pb.OneBitParams(chunk=chunk, lr=0.01, beta1=0.9, beta2=0.999,
-                                              eps=1e-8))
+    momentum = OneBitMomentum(OneBitParams(chunk=chunk, lr=0.01, beta1=0.9, beta2=0.999,
+                                           eps=1e-8))
     rng = np.random.default_rng(0)
     m_code = bytes(Compressor(Codec(pb.CODEC_SIGN1, chunk), n).encode(
         rng.standard_normal(n).astype(np.float32)))
     v = rng.random(n).astype(np.float32)
     bits = np.empty(n, np.uint16)
     casts.bf16_encode(v, None, bits)
-    momentum.load(pb.KeyOptimizerState(key=3, exp_avg=m_code, exp_avg_sq=bits.tobytes(),
-                                       compact=True, bias_correction2_sqrt=0.5), n)
+    momentum.load(_compact_state(3, m_code, bits.tobytes(), n, chunk), n)
     want_m = np.zeros(n, np.float32)
     Codec(pb.CODEC_SIGN1, chunk).decode_add(m_code, n, want_m)
     want_v = np.zeros(n, np.float32)
@@ -333,6 +358,5 @@ def test_a_compact_optimizer_state_is_decoded_and_checked_for_size():
     assert np.array_equal(momentum.m[3], want_m) and np.array_equal(momentum.v[3], want_v)
     assert np.abs(momentum.v[3] - v).max() <= 2 ** -8 * v.max()
     with pytest.raises(PSError) as err:
-        momentum.load(pb.KeyOptimizerState(key=4, exp_avg=m_code, exp_avg_sq=bits.tobytes()[:-2],
-                                           compact=True), n)
+        momentum.load(_compact_state(4, m_code, bits.tobytes()[:-2], n, chunk), n)
     assert err.value.code == pb.BAD_LENGTH and "expected" in err.value.message

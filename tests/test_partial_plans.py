@@ -23,6 +23,7 @@ from bitps.proto.keyplan import (
 from bitps.proto.wire import PROTOCOL, PSError
 from bitps.ps import checkpoint
 from bitps.ps.config import OptimizerConfig, ServerConfig
+from bitps.ps.onebit import OneBitConfig
 from bitps.ps.shard import ShardCore
 
 # Two "stages" of one model: stage 0 holds a.*, stage 1 holds b.*.
@@ -366,8 +367,9 @@ def test_checkpoint_with_uninitialized_keys_restores_them_uninitialized(tmp_path
 def test_onebit_adam_sync_averages_each_key_over_its_pushers():
     """sync 1-bit Adam (DeepSpeed's layout): warmup, the freeze, and compressed steps of stage
     0's keys on the partial-plan shard equal those of a 2-rank whole-plan shard; the
-    OptimizerState a stage's worker fetches holds its own keys only."""
-    opt = OptimizerConfig(name="onebit_adam", lr=0.01, freeze_step=2, onebit_chunk=64)
+    RuleState a stage's worker fetches holds its own keys only."""
+    opt = OptimizerConfig(name="onebit_adam", lr=0.01,
+                          rule_config=OneBitConfig(freeze_step=2, chunk=64))
     partial, _ = _core("sync", optimizer=opt)
     t = [0.0]
     whole = ShardCore(ServerConfig(mode="sync", optimizer=opt), now=lambda: t[0])
@@ -378,7 +380,7 @@ def test_onebit_adam_sync_averages_each_key_over_its_pushers():
     comps = {(r, k): Compressor(sign1, ALL_KEYS[k]) for r in (0, 2) for k in (0, 1)}
     for step in range(4):
         for theirs, ours in ((0, 0), (2, 1)):
-            if step < opt.freeze_step:
+            if step < opt.rule_config.freeze_step:
                 grads = [_grad(theirs, k, step).tobytes() for k in (0, 1)]
                 fields = {}
             else:  # momenta, as the workers push them after the freeze
@@ -392,15 +394,15 @@ def test_onebit_adam_sync_averages_each_key_over_its_pushers():
                                        request_id=next(_ids), **fields)
                 (reply,) = core.handle(b"w", [header.SerializeToString(), *grads])
                 assert reply.header.op == pb.REPLY, reply.header.message
-        if step + 1 == opt.freeze_step:
-            states = partial.optimizer_state(0)
+        if step + 1 == opt.rule_config.freeze_step:
+            states = partial.rule_state(0)
             assert sorted(s.key for s in states) == [0, 1]
             # stage 1's worker is told about its own keys, which are still in warmup
             with pytest.raises(PSError, match="key 2 is still in warmup"):
-                partial.optimizer_state(1)
+                partial.rule_state(1)
     for k in (0, 1):
         a, b = partial.slots[k], whole.slots[k]
-        assert a.onebit.compressing and a.version == b.version == 4
+        assert a.rule_state.compressing and a.version == b.version == 4
         assert np.array_equal(a.param, b.param), k
         assert np.array_equal(a.state.buf1, b.state.buf1), k
 

@@ -81,3 +81,17 @@ def test_header_padding_only_for_bulk_frames():
     # a memoryview names its address too
     big = np.zeros(1 << 16, np.uint8)[5:]
     assert encode_header(header, memoryview(big)) == encode_header(header, big)
+
+
+def test_the_rule_sections_stubs_are_fresh(tmp_path):
+    """1-bit Adam's own wire section (``proto/onebit.proto``, messages only) is compiled by
+    ``make proto`` too."""
+    pytest.importorskip("grpc_tools")
+    (tmp_path / "bitps" / "proto").mkdir(parents=True)
+    shutil.copy(ROOT / "proto" / "onebit.proto", tmp_path / "bitps" / "proto")
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I.", "--python_out=.",
+                    "--pyi_out=.", "bitps/proto/onebit.proto"], cwd=tmp_path, check=True)
+    for name in ("onebit_pb2.py", "onebit_pb2.pyi"):
+        fresh = (tmp_path / "bitps" / "proto" / name).read_text()
+        assert fresh == (ROOT / "proto" / name).read_text(), f"proto/{name} is stale: run " \
+            "`make proto`"

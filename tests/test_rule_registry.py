@@ -10,7 +10,12 @@ import pytest
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.wire import PROTOCOL, PSError
 from bitps.ps.config import OPTIMIZERS, OptimizerConfig, ServerConfig
-from bitps.ps.onebit import OneBitAdamShardMoments, OneBitAdamSync, OneBitAdamWorkerMoments
+from bitps.ps.onebit import (
+    OneBitAdamShardMoments,
+    OneBitAdamSync,
+    OneBitAdamWorkerMoments,
+    OneBitConfig,
+)
 from bitps.ps.rules import RULES, UpdateRule, make_rule
 from bitps.ps.shard import ShardCore
 
@@ -43,7 +48,7 @@ def test_every_optimizer_is_a_registered_rule_and_layouts_follow_the_mode():
     layouts = {"sync": OneBitAdamSync, "async": OneBitAdamWorkerMoments}
     for mode, cls in layouts.items():
         assert type(make_rule(onebit, ServerConfig(mode=mode, optimizer=onebit))) is cls
-    shard_m = OptimizerConfig(name="onebit_adam", onebit_moments="shard")
+    shard_m = OptimizerConfig(name="onebit_adam", rule_config=OneBitConfig(moments="shard"))
     assert type(make_rule(shard_m, ServerConfig(mode="ssp", optimizer=shard_m))) \
         is OneBitAdamShardMoments
 
@@ -51,9 +56,10 @@ def test_every_optimizer_is_a_registered_rule_and_layouts_follow_the_mode():
 @pytest.mark.parametrize("mode,optimizer", [
     ("async", OptimizerConfig(name="adam", lr=1e-2)),
     ("async", OptimizerConfig(name="momentum", lr=1e-2, momentum=0.9, nesterov=True)),
-    ("sync", OptimizerConfig(name="onebit_adam", lr=1e-2, freeze_step=3)),
-    ("async", OptimizerConfig(name="onebit_adam", lr=1e-2, freeze_step=3,
-                              onebit_moments="shard")),
+    ("sync", OptimizerConfig(name="onebit_adam", lr=1e-2,
+                             rule_config=OneBitConfig(freeze_step=3))),
+    ("async", OptimizerConfig(name="onebit_adam", lr=1e-2,
+                              rule_config=OneBitConfig(freeze_step=3, moments="shard"))),
 ])
 def test_a_restored_key_continues_bit_for_bit(mode, optimizer):
     """Train, save the rule's state (and the parameters and codec residuals, as a checkpoint
@@ -63,19 +69,19 @@ def test_a_restored_key_continues_bit_for_bit(mode, optimizer):
     for clock in range(4):
         _push(a, clock, clock)
     slot = a.slots[0]
-    saved = a.rule.save_state(slot)
-    params, version, residuals = slot.param.copy(), slot.version, a.codec_state()
+    saved = slot.rule_state.state_dict()
+    params, version, residuals = slot.param.copy(), slot.version, a.codecs.state_dict()
 
     b = _core(mode, optimizer)
-    b.rule.load_state(b.slots[0], saved)
+    b.slots[0].rule_state.load_state_dict(saved)
     b.slots[0].set_values(params.tobytes())
     b.slots[0].version = version
-    b.load_codec_state(residuals)
+    b.codecs.load_state_dict(residuals)
     for clock in range(4, 8):
         _push(a, clock, clock)
         _push(b, clock, clock)
     np.testing.assert_array_equal(a.slots[0].param, b.slots[0].param)
-    after_a, after_b = a.rule.save_state(a.slots[0]), b.rule.save_state(b.slots[0])
+    after_a, after_b = a.slots[0].rule_state.state_dict(), b.slots[0].rule_state.state_dict()
     assert after_a.keys() == after_b.keys()
     for name in after_a:
         np.testing.assert_array_equal(after_a[name], after_b[name], err_msg=name)
@@ -84,15 +90,15 @@ def test_a_restored_key_continues_bit_for_bit(mode, optimizer):
 def test_a_state_of_the_wrong_shape_or_names_is_refused_and_nothing_changes():
     core = _core("async", OptimizerConfig(name="adam"))
     _push(core, 0, 0)
-    slot, rule = core.slots[0], core.rule
-    before = rule.save_state(slot)
+    state = core.slots[0].rule_state
+    before = state.state_dict()
     bad = dict(before, buf2=np.zeros(N - 1, np.float32))
     with pytest.raises(PSError) as err:
-        rule.load_state(slot, bad)
+        state.load_state_dict(bad)
     assert err.value.code == pb.BAD_LENGTH and "buf2" in err.value.message
     with pytest.raises(PSError, match="buf1"):
-        rule.load_state(slot, {"step": before["step"]})
-    for name, value in rule.save_state(slot).items():
+        state.load_state_dict({"version": 1, "step": before["step"]})
+    for name, value in state.state_dict().items():
         np.testing.assert_array_equal(value, before[name])
 
 

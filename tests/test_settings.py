@@ -289,10 +289,12 @@ def test_wrong_type_names_key_value_and_expected_type(tmp_path, line, expected):
 
 def test_file_values_of_every_type(tmp_path):
     path = _write(tmp_path, 'host = "0.0.0.0"\nlr = 1\nnesterov = true\nnum-shards = 2\n'
-                            'shard-id = 1\nonebit-moments = "shard"\n')
+                            'shard-id = 1\nonebit-moments = "shard"\n'
+                            # the rule's own section is kept for the rule that runs
+                            'optimizer = "onebit_adam"\n')
     cfg, _ = server_cli.parse_config(["--config", path], environ={})
     assert (cfg.host, cfg.optimizer.lr, cfg.optimizer.nesterov, cfg.num_shards, cfg.shard_id,
-            cfg.optimizer.onebit_moments) == ("0.0.0.0", 1.0, True, 2, 1, "shard")
+            cfg.optimizer.rule_config.moments) == ("0.0.0.0", 1.0, True, 2, 1, "shard")
     assert isinstance(cfg.optimizer.lr, float)
 
 

@@ -232,13 +232,12 @@ def _worker_moments(param: np.ndarray, grads: np.ndarray,
                     adamw: OptimizerConfig = CONFIGS["adamw_wd"]) -> np.ndarray:
     """1-bit Adam with worker moments, nothing compressed: the worker's directions
     (``WorkerMoments``) applied by the shard (``UpdateRule.direction_delta``)."""
-    from bitps.proto import bitps_pb2 as pb
-    from bitps.worker.algorithms.onebit import WorkerMoments
+    from bitps.worker.algorithms.onebit import OneBitParams, WorkerMoments
 
     cfg = OptimizerConfig(name="onebit_adam", lr=adamw.lr, beta1=adamw.beta1,
                           beta2=adamw.beta2, eps=adamw.eps, weight_decay=adamw.weight_decay)
     rule = make_rule(cfg)
-    moments = WorkerMoments(pb.OneBitParams(beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps))
+    moments = WorkerMoments(OneBitParams(beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps))
     p, delta = param.copy(), np.empty_like(param)
     for g in grads:
         rule.direction_delta(p, moments.direction(3, g), delta)

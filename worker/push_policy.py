@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["CODEC_PUSH", "POLICIES", "CodecPush", "PushPolicy", "RuleStateFetch",
            "for_registration", "register_policy"]
 
-RuleStateFetch = Callable[[Sequence[int], Callable[["pb.KeyOptimizerState", int], None]], None]
+RuleStateFetch = Callable[[Sequence[int], Callable[["pb.KeyRuleState", int], None]], None]
 """``fetch(keys, load)``: each key's rule state from its shard, handed to ``load(message,
 length)``; a state of another version than the worker's copy is refused (``BAD_CLOCK``)."""
 
@@ -90,8 +90,8 @@ class PushPolicy:
     def load_state(self, plan, state) -> None:
         """Restore :meth:`state` for ``plan`` (validated whole before anything changes)."""
         raise RuntimeError(f"the {type(self).__name__} push policy keeps no worker state: "
-                           "register() with a shard whose rule calls for some (async/ssp "
-                           "onebit_adam, onebit_moments auto or worker) first")
+                           "register() with shards whose rule calls for a policy that keeps "
+                           "some first")
 
 
 class CodecPush(PushPolicy):

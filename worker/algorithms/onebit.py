@@ -17,6 +17,11 @@ pushes the Adam direction ``m/bc1 / (sqrt(v)/bc2 + eps)`` (the encoder compresse
 feedback, or sends it raw below ``compress_min_bytes``). The shard publishes parameter updates
 that the channel adds, as with shard moments (``onebit_moments=shard``), where nothing here is
 used.
+
+The shard's registration reply names the rule (``RegisterReply.rule``, :data:`RULE`) and packs
+its :class:`OneBitParams` (``proto/onebit.proto``) in ``RegisterReply.rule_params``; the
+momenta and frozen v come from the generic RuleState call (``PSClient.load_optimizer_state``)
+in the layout ``proto/onebit.proto`` documents.
 """
 
 from __future__ import annotations
@@ -28,19 +33,23 @@ from bitps import native
 from bitps.native import casts, sign1
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import MEAN_ABS, Codec
+from bitps.proto.onebit_pb2 import OneBitParams
 from bitps.proto.schedule import LRSchedule
 from bitps.proto.wire import PSError
 from bitps.worker.push_policy import PushPolicy, register_policy
 
-__all__ = ["MomentsPush", "OneBitMomentum", "SyncMomenta", "WorkerMoments", "push_policy"]
+__all__ = ["RULE", "MomentsPush", "OneBitMomentum", "OneBitParams", "SyncMomenta",
+           "WorkerMoments", "push_policy"]
 
+RULE = "onebit_adam"
+"""The shard's update rule (``RegisterReply.rule``) whose replies these policies claim."""
 _WARMUP_CODEC = Codec(pb.CODEC_BF16)
 
 
 class OneBitMomentum:
     """Per-key momentum and frozen second moment of one worker (sync 1-bit Adam)."""
 
-    def __init__(self, params: pb.OneBitParams) -> None:
+    def __init__(self, params: OneBitParams) -> None:
         f32 = np.float32
         self.params = params
         self._one_minus_beta1 = f32(1 - params.beta1)
@@ -59,29 +68,37 @@ class OneBitMomentum:
     def loaded(self, key: int) -> bool:
         return key in self.m
 
-    def load(self, state: pb.KeyOptimizerState, n: int) -> None:
-        """Take one key's state (``n`` elements) from the OptimizerState RPC: float32 m and v,
-        or (``compact``) m's sign1 code and v in bf16; :class:`PSError` ``BAD_LENGTH`` when the
-        bytes do not fit ``n``."""
-        if state.compact:
-            sizes = (sign1.payload_bytes(n, self.params.chunk), 2 * n)
-        else:
-            sizes = (4 * n, 4 * n)
-        if (len(state.exp_avg), len(state.exp_avg_sq)) != sizes:
+    def load(self, state: pb.KeyRuleState, n: int) -> None:
+        """Take one key's state (``n`` elements) from the RuleState call: arrays ``exp_avg``
+        (float32, or the sign1 code m decodes from) and ``exp_avg_sq`` (float32 or bf16), and
+        the field ``bias_correction2_sqrt``; :class:`PSError` ``BAD_LENGTH`` when the bytes
+        do not fit ``n``, ``BAD_HEADER`` when an array or the field is missing."""
+        arrays = {a.name: a for a in state.arrays}
+        m, v = arrays.get("exp_avg"), arrays.get("exp_avg_sq")
+        if m is None or v is None or "bias_correction2_sqrt" not in state.fields:
+            raise PSError(pb.BAD_HEADER, f"key {state.key}: rule state of arrays "
+                          f"{sorted(arrays)} and fields {sorted(state.fields)}; expected "
+                          f"exp_avg, exp_avg_sq and bias_correction2_sqrt")
+        compact = m.codec == pb.CODEC_SIGN1
+        sizes = (sign1.payload_bytes(n, self.params.chunk) if compact else 4 * n,
+                 2 * n if v.dtype == pb.BFLOAT16 else 4 * n)
+        if (len(m.data), len(v.data)) != sizes or m.length != n or v.length != n:
             raise PSError(pb.BAD_LENGTH, f"key {state.key}: optimizer state of "
-                          f"{len(state.exp_avg)} + {len(state.exp_avg_sq)} bytes; expected "
+                          f"{len(m.data)} + {len(v.data)} bytes; expected "
                           f"{sizes[0]} + {sizes[1]} for {n} elements"
-                          + (" (compact)" if state.compact else ""))
-        if state.compact:
-            m = np.zeros(n, np.float32)
-            sign1.decode_add(state.exp_avg, n, m, chunk=self.params.chunk)
-            v = np.zeros(n, np.float32)
-            casts.bf16_decode_add(state.exp_avg_sq, n, v)
+                          + (" (compact)" if compact else ""))
+        if compact:
+            m_out = np.zeros(n, np.float32)
+            sign1.decode_add(m.data, n, m_out, chunk=self.params.chunk)
         else:
-            m = np.frombuffer(state.exp_avg, np.float32).copy()
-            v = np.frombuffer(state.exp_avg_sq, np.float32).copy()
-        self.m[state.key], self.v[state.key] = m, v
-        self.bc2[state.key] = np.float32(state.bias_correction2_sqrt)
+            m_out = np.frombuffer(m.data, np.float32).copy()
+        if v.dtype == pb.BFLOAT16:
+            v_out = np.zeros(n, np.float32)
+            casts.bf16_decode_add(v.data, n, v_out)
+        else:
+            v_out = np.frombuffer(v.data, np.float32).copy()
+        self.m[state.key], self.v[state.key] = m_out, v_out
+        self.bc2[state.key] = np.float32(state.fields["bias_correction2_sqrt"])
 
     def momentum(self, key: int, grad: np.ndarray, scale: float = 1.0) -> np.ndarray:
         """This worker's momentum ``m + (1 - beta1) * (g - m)`` for ``g = grad * scale`` (the
@@ -130,7 +147,7 @@ class WorkerMoments:
     Adam with worker moments): float32 arrays and a step count per key, the arithmetic of the
     shard's Adam (``native.adam_direction``)."""
 
-    def __init__(self, params: pb.OneBitParams) -> None:
+    def __init__(self, params: OneBitParams) -> None:
         f32 = np.float32
         self.beta1, self.beta2 = params.beta1, params.beta2
         # float32 scalars from the shard's doubles, complements in float64 as torch takes them
@@ -193,7 +210,7 @@ class _OneBitPush(PushPolicy):
     keeps_state = True
     chooses_codecs = True
 
-    def __init__(self, params: pb.OneBitParams) -> None:
+    def __init__(self, params: OneBitParams) -> None:
         self.params = params
         self.freeze_step = params.freeze_step
 
@@ -213,7 +230,7 @@ class SyncMomenta(_OneBitPush):
     """sync 1-bit Adam: from the switch on, push this worker's momentum (fetched once with the
     frozen v through the encoder's rule-state fetch), and apply published momenta."""
 
-    def __init__(self, params: pb.OneBitParams) -> None:
+    def __init__(self, params: OneBitParams) -> None:
         super().__init__(params)
         self.momentum = OneBitMomentum(params)
         self.codes = self.momentum
@@ -241,7 +258,7 @@ class MomentsPush(_OneBitPush):
 
     survives_rejoin = True  # the moments are this worker's own state, not the shards'
 
-    def __init__(self, params: pb.OneBitParams) -> None:
+    def __init__(self, params: OneBitParams) -> None:
         super().__init__(params)
         self.worker_moments = WorkerMoments(params)
 
@@ -279,11 +296,13 @@ class MomentsPush(_OneBitPush):
 
 @register_policy
 def push_policy(reply: pb.RegisterReply) -> PushPolicy | None:
-    """The push policy a ``onebit_adam`` shard's registration reply calls for, or ``None``."""
-    if not reply.HasField("onebit"):
+    """The push policy a ``onebit_adam`` shard's registration reply calls for, or ``None`` for
+    another rule's reply."""
+    params = OneBitParams()
+    if reply.rule != RULE or not reply.rule_params.Unpack(params):
         return None
     if reply.mode == "sync":  # the shard's layout follows its mode (ps.onebit.OneBitAdam)
-        return SyncMomenta(reply.onebit)
-    if reply.onebit.worker_moments:
-        return MomentsPush(reply.onebit)
-    return _OneBitPush(reply.onebit)  # shard moments: gradients, 1-bit after the switch
+        return SyncMomenta(params)
+    if params.worker_moments:
+        return MomentsPush(params)
+    return _OneBitPush(params)  # shard moments: gradients, 1-bit after the switch

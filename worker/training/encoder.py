@@ -267,13 +267,13 @@ class Encoder:
             self.policy.correct(key, grad, residual, clock=clock, used=used, exact=exact)
 
     def _fetch_rule_state(self, keys: Sequence[int],
-                          load: Callable[[pb.KeyOptimizerState, int], None]) -> None:
+                          load: Callable[[pb.KeyRuleState, int], None]) -> None:
         """The policy's fetch (``PushPolicy.bind``): the rule state of ``keys``' shards, each
         key's message handed to ``load(state, length)``; a state of another version than this
         worker's copy is refused (``BAD_CLOCK``)."""
         plan, versions = self.plan, self.client.versions
 
-        def take(shard: int, state: pb.KeyOptimizerState) -> None:
+        def take(shard: int, state: pb.KeyRuleState) -> None:
             if state.version != versions.get(state.key):
                 raise PSError(pb.BAD_CLOCK, f"shard {shard} key {state.key}: optimizer "
                               f"state of version {state.version}, parameters of "

@@ -131,8 +131,9 @@ class PSModel:
         possible = name in codec_torch.ENCODERS and not self.encoder.chooses_codecs
         if asked and not possible:
             raise ValueError(f"device_codec needs a push codec with a device encoder "
-                             f"({' or '.join(sorted(codec_torch.ENCODERS))}) and a shard "
-                             f"without onebit_adam; push codec is {name!r}")
+                             f"({' or '.join(sorted(codec_torch.ENCODERS))}) and shards whose "
+                             f"rule leaves the codecs to the worker (the push policy is "
+                             f"{type(self.encoder.policy).__name__}); push codec is {name!r}")
         return possible and (self.cuda if asked is None else asked)
 
     # -- what the parts decided -----------------------------------------------------------------

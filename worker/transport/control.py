@@ -180,11 +180,11 @@ class ControlClient:
             raise self.error(err, shard) from None
 
     def rule_state(self, shards: Sequence[int],
-                   take: Callable[[int, pb.KeyOptimizerState], None]) -> None:
-        """Stream each of ``shards``' rule state for this worker's keys (the OptimizerState
+                   take: Callable[[int, pb.KeyRuleState], None]) -> None:
+        """Stream each of ``shards``' rule state for this worker's keys (the RuleState
         call) into ``take(shard, message)``; a failed call raises the shard's typed error."""
         for shard in shards:
-            stream = self.stubs[shard].OptimizerState(pb.OptimizerStateRequest(
+            stream = self.stubs[shard].RuleState(pb.RuleStateRequest(
                 rank=self.cfg.rank, token=self.cfg.token), timeout=self.cfg.deadline_s,
                 metadata=self.metadata)
             try:
