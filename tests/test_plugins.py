@@ -120,7 +120,8 @@ PS_CORE = ["ps/shard.py", "ps/registration.py", "ps/replies.py", "ps/dedup.py", 
            "ps/store.py", "ps/consistency.py", "ps/checks.py", "ps/clocks.py", "ps/publish.py",
            "ps/data.py", "ps/control.py", "ps/metrics.py", "ps/config.py"]
 WORKER_CORE = sorted(str(p.relative_to(ROOT)) for d in ("transport", "training")
-                     for p in (ROOT / "worker" / d).glob("*.py")) + ["worker/metrics.py", "worker/push_policy.py"]
+                     for p in (ROOT / "worker" / d).glob("*.py")) + ["worker/metrics.py",
+                                                                      "worker/push_policy.py"]
 ALGORITHM_WORDS = ("onebit", "freezestep", "localsgd", "diloco")
 """Spelled lower case without underscores (``OneBit``, ``one_bit``, ``freeze_step``, ``LocalSGD``
 all match): 1-bit Adam's and local SGD's identifiers."""
