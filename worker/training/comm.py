@@ -41,33 +41,19 @@ import os
 import select
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from bitps.worker.training.encoder import Encoder
+from bitps.proto.wire import PSError
+from bitps.worker.training.encoder import Encoder, Payload
 from bitps.worker.transport.channel import Handle, PSTimeoutError
 
 __all__ = ["CommThread", "Job", "Payload"]
 
 log = logging.getLogger(__name__)
 _SLICE_S = 0.05  # longest single wait; the loop re-checks for closing between waits
-
-
-@dataclass(frozen=True)
-class Payload:
-    """What ``Job.prepare`` returns: one ``push_pull``'s arguments."""
-
-    keys: Sequence[int]
-    grads: Sequence[np.ndarray]
-    outs: Sequence[np.ndarray]
-    encoded: Mapping[int, np.ndarray] | None = None
-    scale: float | None = None
-    """The clip factor of these gradients (``PSClient.push``), or ``None``: no clipping."""
-    then: Callable[[], None] | None = None
-    """Runs right after the push is sent (a clipped step's corrections,
-    ``worker.training.clip``)."""
 
 
 @dataclass(eq=False)
@@ -218,14 +204,13 @@ class CommThread:
                 job.sent = time.perf_counter()
                 if self.hold_pulls:
                     job.credit = self.encoder.push(p.keys, p.grads, clock=job.clock,
-                                                  encoded=p.encoded, scale=p.scale)
+                                                   encoded=p.encoded, scale=p.scale,
+                                                   corrections=p.corrections, exact=p.exact)
                     job.handle = self.client.pull(p.keys, p.outs, clock=job.clock + 1)
                 else:
                     job.credit = job.handle = self.encoder.push_pull(
                         p.keys, p.grads, p.outs, clock=job.clock, encoded=p.encoded,
-                        scale=p.scale)
-                if p.then is not None:
-                    p.then()
+                        scale=p.scale, corrections=p.corrections, exact=p.exact)
             except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
                 self._fail(job, err)
                 continue
@@ -264,9 +249,12 @@ class CommThread:
         a lost shard and redoing its part when this thread has ``copies`` (blocking: the other
         jobs wait, and their replies are received meanwhile)."""
         handle = getattr(job, which)
-        if self.copies is None:
-            handle.wait(0.0)
+        try:
+            handle.wait(0.0)  # completed: this raises its failure, if any
             return
+        except PSError:
+            if self.copies is None:
+                raise
         done = self.client.complete(handle, self.copies)
         if done is not handle:
             if job.handle is handle:  # a push_pull: its credit and its parameters

@@ -27,6 +27,7 @@ Its state (residuals and the policy's) is one ``state_dict()`` (layout in :meth:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -40,12 +41,52 @@ from bitps.worker.metrics import CodecSnapshot
 from bitps.worker.push_policy import CODEC_PUSH, PushPolicy, for_registration
 from bitps.worker.transport.client import Encoded, Handle, PSClient
 
-__all__ = ["STATE_VERSION", "Encoder"]
+__all__ = ["STATE_VERSION", "ClipCorrection", "Encoder", "Payload", "refused_nonfinite"]
 
 _F32 = np.dtype("<f4")
 _U64 = (1 << 64) - 1
 STATE_VERSION = 1
 """Version of :meth:`Encoder.state_dict`'s layout."""
+
+
+@dataclass(frozen=True)
+class ClipCorrection:
+    """``grads`` of ``keys`` went out for ``clock`` with clip factor ``used``
+    (``worker.training.clip``): what :meth:`Encoder.clip_correct` is told once the step's exact
+    factor is known."""
+
+    clock: int
+    keys: Sequence[int]
+    grads: Sequence[np.ndarray]
+    used: float
+
+
+@dataclass(frozen=True)
+class Payload:
+    """One push's arguments, as ``worker.training.staging`` prepares them for the encoder."""
+
+    keys: Sequence[int]
+    grads: Sequence[np.ndarray]
+    """Host float32 gradients, one per key (a device-encoded key's is not read)."""
+    outs: Sequence[np.ndarray]
+    """Where the key's parameters are pulled to."""
+    encoded: Mapping[int, np.ndarray] | None = None
+    """Keys already compressed where the gradients are (the device codec)."""
+    scale: float | None = None
+    """The clip factor of these gradients, or ``None``: no clipping."""
+    corrections: Sequence[ClipCorrection] = ()
+    """The step's last payload: its earlier ones' clip corrections, to make once this one is
+    sent (``exact`` is their step's exact factor)."""
+    exact: float = 1.0
+
+
+def refused_nonfinite(metrics, key: int) -> PSError:
+    """Count a push refused on this worker because ``key``'s gradient holds NaN or Inf, and
+    return the error to raise (``WorkerMetrics.nonfinite``)."""
+    with metrics.lock:
+        metrics.nonfinite.inc()
+    return PSError(pb.NON_FINITE, f"key {key}: gradient holds NaN or Inf; nothing sent, "
+                   f"error feedback and moments unchanged")
 
 
 class Encoder:
@@ -120,21 +161,30 @@ class Encoder:
         return self._large
 
     def push(self, keys: Sequence[int], grads: Sequence[np.ndarray], *, clock: int,
-             encoded: Mapping[int, np.ndarray] | None = None,
-             scale: float | None = None) -> Handle:
+             encoded: Mapping[int, np.ndarray] | None = None, scale: float | None = None,
+             corrections: Sequence[ClipCorrection] = (), exact: float = 1.0) -> Handle:
         """Encode the gradients of ``keys`` for step ``clock`` (:meth:`encode`) and push
-        them."""
-        return self.client.push(keys, self.encode(keys, grads, clock=clock, encoded=encoded,
-                                                  scale=scale), clock=clock)
+        them; then make the ``corrections`` of the step's earlier pushes (:meth:`clip_correct`
+        with the step's ``exact`` factor)."""
+        handle = self.client.push(keys, self.encode(keys, grads, clock=clock, encoded=encoded,
+                                                    scale=scale), clock=clock)
+        self._correct(corrections, exact)
+        return handle
 
     def push_pull(self, keys: Sequence[int], grads: Sequence[np.ndarray],
                   outs: Sequence[np.ndarray], *, clock: int,
-                  encoded: Mapping[int, np.ndarray] | None = None,
-                  scale: float | None = None) -> Handle:
+                  encoded: Mapping[int, np.ndarray] | None = None, scale: float | None = None,
+                  corrections: Sequence[ClipCorrection] = (), exact: float = 1.0) -> Handle:
         """:meth:`push`, and pull the parameters for ``clock + 1`` into ``outs``."""
-        return self.client.push_pull(keys, self.encode(keys, grads, clock=clock,
-                                                       encoded=encoded, scale=scale),
-                                     outs, clock=clock)
+        handle = self.client.push_pull(keys, self.encode(keys, grads, clock=clock,
+                                                         encoded=encoded, scale=scale),
+                                       outs, clock=clock)
+        self._correct(corrections, exact)
+        return handle
+
+    def _correct(self, corrections: Sequence[ClipCorrection], exact: float) -> None:
+        for c in corrections:
+            self.clip_correct(c.keys, c.grads, clock=c.clock, used=c.used, exact=exact)
 
     def encode(self, keys: Sequence[int], grads: Sequence[np.ndarray], *, clock: int,
                encoded: Mapping[int, np.ndarray] | None = None,
@@ -247,10 +297,7 @@ class Encoder:
         """Count a push refused on this worker because ``key``'s gradient holds NaN or Inf, and
         return the error to raise (callers that keep their own error feedback, such as
         ``PSModel``'s device codec, use it too)."""
-        with self.metrics.lock:
-            self.metrics.nonfinite.inc()
-        return PSError(pb.NON_FINITE, f"key {key}: gradient holds NaN or Inf; nothing sent, "
-                       f"error feedback and moments unchanged")
+        return refused_nonfinite(self.metrics, key)
 
     def clip_correct(self, keys: Sequence[int], grads: Sequence[np.ndarray], *, clock: int,
                      used: float, exact: float) -> None:

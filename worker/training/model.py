@@ -98,7 +98,7 @@ class PSModel:
         self.plan: KeyPlan = plan
         """The keys this model registers: the whole plan, or a stage's part of it."""
         self.keys = [k.key for k in self.plan.keys]
-        self._staging = Staging(self.params, self.plan, self.encoder)
+        self._staging = Staging(self.params, self.plan, metrics=client.metrics)
         self.cuda = self._staging.cuda
         # the host copies hold the model's values now: the initializing worker (rank 0, or
         # replica 0 of a stage) sends them, and every rank's digests let the shards say which
@@ -107,7 +107,10 @@ class PSModel:
         copies = self._copies = dict(zip(self.keys, outs))
         self.encoder.register(self.plan, copies if client.initializes else None, copies=copies)
         self.clock = client.start_clock
-        self._staging.device_codec = self._wants_device_codec(device_codec)
+        if self._wants_device_codec(device_codec):  # the codec is the push codec throughout
+            self._staging.device_codec = self.encoder.codec_at(self.clock)
+            self._staging.device_keys = frozenset(
+                k for k in self.keys if self.encoder.compresses(k, self.clock))
         stale = [i for i, k in enumerate(self.keys) if k not in client.versions]
         if stale:
             client.pull([self.keys[i] for i in stale], [outs[i] for i in stale],
@@ -140,7 +143,7 @@ class PSModel:
     @property
     def device_codec(self) -> bool:
         """Whether compressed pushes are encoded where the gradients are."""
-        return self._staging.device_codec
+        return self._staging.device_codec is not None
 
     @property
     def overlap(self) -> OverlapConfig:
@@ -201,10 +204,10 @@ class PSModel:
             else:
                 payload = staging.payload(self.plan.keys, flat, self.clock)
             handle = self.encoder.push_pull(payload.keys, payload.grads, payload.outs,
-                                           clock=self.clock, encoded=payload.encoded,
-                                           scale=payload.scale)
-            if payload.then is not None:
-                payload.then()
+                                            clock=self.clock, encoded=payload.encoded,
+                                            scale=payload.scale,
+                                            corrections=payload.corrections,
+                                            exact=payload.exact)
             # a lost shard is recovered here, and its part of the exchange redone
             self.client.complete(handle, self._copies)
             staging.copy_in()

@@ -14,6 +14,7 @@ then turns overlap on above ``min_ratio`` of communication to compute (:meth:`Ov
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import threading
@@ -25,7 +26,7 @@ import torch
 from bitps.proto.keyplan import KeyPlan
 from bitps.worker.config import OverlapConfig
 from bitps.worker.training.buckets import Bucket, make_buckets
-from bitps.worker.training.comm import CommThread, Job, Payload
+from bitps.worker.training.comm import CommThread, Job
 from bitps.worker.training.encoder import Encoder
 from bitps.worker.training.readers import ReadTrace
 from bitps.worker.training.staging import Staging
@@ -75,7 +76,6 @@ class Overlap:
         self._probe: list[StepStats] = []
         self.decision: Decision | None = None
         """Whether overlap is on and why; ``None`` while ``auto`` is still measuring."""
-        self._prepared = 0  # this step's buckets prepared so far (communication thread)
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i))
                        for i, (_, p) in enumerate(params)]
         # Which module's forward reads each parameter, watched in the first step (nothing is in
@@ -216,31 +216,14 @@ class Overlap:
             produced = torch.cuda.Event()
             produced.record()  # on the compute stream, after backward made these gradients
             ready = torch.cuda.Event()
-
-        def prepare() -> Payload:
-            # the thread prepares one step's buckets before the next step's
-            # (worker.training.comm)
-            self._prepared += 1
-            last = self._prepared == len(self.buckets)
-            if last:
-                self._prepared = 0
-            whole = len(self.buckets) == 1  # one bucket holds the step: its factor is exact
-            flat: list[torch.Tensor | None] = [None] * len(self.params)
-            for i, g in grads.items():
-                flat[i] = g.reshape(-1)
-            if not cuda:
-                return staging.payload(keys, flat, clock, last=last, whole=whole)
-            staging.stream.wait_event(produced)
-            for g in grads.values():
-                g.record_stream(staging.stream)  # freed grads are not reused under our reads
-            with torch.cuda.stream(staging.stream):
-                return staging.payload(keys, flat, clock, last=last, whole=whole)
-
-        def finish() -> None:
-            staging.copy_bucket_in(bucket.params, ready)
-
+        # The thread calls staging directly (no code of this module runs there): the payload
+        # before sending, the upload once the parameters are in (CUDA).
+        prepare = functools.partial(staging.bucket_payload, keys, grads, clock, produced,
+                                    buckets=len(self.buckets))
+        finish = functools.partial(staging.copy_bucket_in, bucket.params, ready) if cuda \
+            else None
         job = Job(priority=bucket.priority, clock=clock, nbytes=bucket.nbytes, prepare=prepare,
-                  finish=finish if cuda else None, label=f"bucket {bucket.index}")
+                  finish=finish, label=f"bucket {bucket.index}")
         self._jobs[bucket.index] = job
         self._ready_events[bucket.index] = ready
         self.comm.submit(job)

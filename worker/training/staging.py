@@ -7,30 +7,35 @@ every push:
   zero copies beyond the socket); on CUDA a pinned float32 copy, uploaded on the comm stream
   after each pull (:meth:`copy_in`, :meth:`copy_bucket_in`). ``outs`` are their per-key views,
   the arrays the client pulls into.
-- **payloads** (:meth:`payload`): per key the gradient read in place (CPU), downloaded to pinned
-  memory (CUDA), or compressed next to it with its device error feedback (``device_codec``:
-  ``worker.training.codec_torch``, the same bytes as the host kernels).
+- **payloads** (:meth:`payload`, and :meth:`bucket_payload` on the communication thread): per
+  key the gradient read in place (CPU), downloaded to pinned memory (CUDA), or compressed next
+  to it with its device error feedback (``device_codec``: ``worker.training.codec_torch``, the
+  same bytes as the host kernels), handed to the encoder as one
+  :class:`~bitps.worker.training.encoder.Payload`.
 - **clipping under overlap** (``clip``, ``worker.training.clip``): each payload's clip factor
-  and, once the step's last payload is out, the corrections of the earlier ones
-  (:meth:`end_clipped_step`).
+  and, with the step's last payload, the corrections of the earlier ones: the device residuals'
+  here, the host ones' for the encoder to make once that payload is sent.
 
-``device_codec`` and ``clip`` are decided once the shards have answered the registration (they
-depend on the shards' rule); until then they are off.
+The device codec and ``clip`` are decided once the shards have answered the registration (they
+depend on the shards' rule); until then they are off. A payload asks nothing of the encoder:
+what it needs (which keys the device codec encodes, with which codec) is set beforehand.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
+from bitps import native
+from bitps.proto.codecs import Codec
 from bitps.proto.keyplan import Key, KeyPlan
+from bitps.worker.metrics import WorkerMetrics
 from bitps.worker.training import codec_torch
 from bitps.worker.training.clip import StepClip
-from bitps.worker.training.comm import Payload
-from bitps.worker.training.encoder import Encoder
+from bitps.worker.training.encoder import ClipCorrection, Payload, refused_nonfinite
 
 __all__ = ["Staging"]
 
@@ -39,10 +44,10 @@ class Staging:
     """The host buffers, payloads and device error feedback of ``params`` (name, tensor) cut
     into ``plan``'s keys, pushed and pulled through ``client``."""
 
-    def __init__(self, params: Sequence[tuple[str, torch.Tensor]], plan: KeyPlan,
-                 encoder: Encoder) -> None:
+    def __init__(self, params: Sequence[tuple[str, torch.Tensor]], plan: KeyPlan, *,
+                 metrics: WorkerMetrics) -> None:
         self.params = params
-        self.encoder = encoder
+        self.metrics = metrics
         self.cuda = any(p.is_cuda for _, p in params)
         self.index = {n: i for i, (n, _) in enumerate(params)}
         """Each parameter's position in ``params`` by name."""
@@ -57,15 +62,18 @@ class Staging:
         if self.cuda:
             for (_, p), host in zip(params, self.host):
                 host[:] = p.detach().reshape(-1).cpu().numpy()
-        self.device_codec = False
-        """Whether compressed keys are encoded where the gradients are (set after
-        registration)."""
+        self.device_codec: Codec | None = None
+        """The codec keys of :attr:`device_keys` are encoded with where the gradients are, or
+        ``None``: every key goes to the encoder as a host array (set after registration)."""
+        self.device_keys: frozenset[int] = frozenset()
+        """The keys the device codec encodes (the push codec compresses them)."""
         self.clip: StepClip | None = None
         """The step's clip factors, or ``None``: no clipping (set after registration)."""
         self.residuals: dict[int, torch.Tensor] = {}
         """Device error feedback per key (``device_codec``)."""
         self._staged: dict[int, torch.Tensor] = {}  # pinned host payloads per key (CUDA)
         self._clip_pending: list = []  # this step's clipped payloads, for their corrections
+        self._prepared = 0  # this step's buckets prepared so far (communication thread)
 
     # -- buffers ------------------------------------------------------------------------------
     def slice(self, flats: Sequence, k: Key):
@@ -102,6 +110,29 @@ class Staging:
             ready.record()
 
     # -- payloads -----------------------------------------------------------------------------
+    def bucket_payload(self, keys: Sequence[Key], grads: Mapping[int, torch.Tensor], clock: int,
+                       produced: torch.cuda.Event | None, *, buckets: int) -> Payload:
+        """One bucket's payload, on the communication thread (``Job.prepare``): ``grads`` by
+        parameter index, ``clock`` the step, ``buckets`` how many buckets a step has (the
+        thread prepares one step's buckets before the next step's, so the step's last is the
+        ``buckets``-th). On CUDA the comm stream first waits for ``produced`` (recorded on the
+        compute stream after backward made these gradients)."""
+        self._prepared += 1
+        last = self._prepared == buckets
+        if last:
+            self._prepared = 0
+        whole = buckets == 1  # one bucket holds the step: its factor is exact
+        flat: list[torch.Tensor | None] = [None] * len(self.params)
+        for i, g in grads.items():
+            flat[i] = g.reshape(-1)
+        if not self.cuda:
+            return self.payload(keys, flat, clock, last=last, whole=whole)
+        self.stream.wait_event(produced)
+        for g in grads.values():
+            g.record_stream(self.stream)  # freed grads are not reused under our reads
+        with torch.cuda.stream(self.stream):
+            return self.payload(keys, flat, clock, last=last, whole=whole)
+
     def payload(self, keys: Sequence[Key], flat: Sequence[torch.Tensor], clock: int, *,
                 last: bool = True, whole: bool = True) -> Payload:
         """The push of ``keys`` for ``clock`` from the flat gradients ``flat`` (by parameter).
@@ -112,15 +143,14 @@ class Staging:
         (``worker.training.clip``), found from the gradients' sum of squares, which is also
         their NaN/Inf check: exact when the payload is ``whole`` (every gradient of the step),
         else predicted and corrected once the step's ``last`` payload is prepared."""
-        codec = self.encoder.codec_at(clock)
-        coded = {k.key for k in keys if self.device_codec and self.encoder.compresses(k.key,
-                                                                           clock)}
+        codec = self.device_codec
+        coded = {k.key for k in keys if k.key in self.device_keys}
         scale = None
         if self._clip_pending and self._clip_pending[0][0] != clock:
             # a refused step never pushed its last payload: forget its factors
             self._clip_pending.clear()
             self.clip.reset()
-        if self.device_codec and (coded or self.clip is not None):
+        if codec is not None and (coded or self.clip is not None):
             sum_squares = self._check_device(keys, coded, flat)
             if self.clip is not None:
                 scale = self.clip.factor(sum_squares, whole=whole)
@@ -140,16 +170,28 @@ class Staging:
                 grads.append(g.detach().numpy())
         if self.cuda:
             self.stream.synchronize()
-        if self.clip is not None and not self.device_codec:
-            scale = self.clip.factor(self.encoder.sum_squares([k.key for k in keys], grads),
-                                     whole=whole)
+        if self.clip is not None and codec is None:
+            scale = self.clip.factor(self._sum_squares(keys, grads), whole=whole)
+        corrections, exact = (), 1.0
         if self.clip is not None:
             self._clip_pending.append((clock, keys, grads, flat, coded, scale))
+            if last:
+                corrections, exact = self._end_clipped_step()
         return Payload(keys=[k.key for k in keys], grads=grads,
                        outs=[self.out_of[k.key] for k in keys],
                        encoded={key: code.numpy() for key, code in encoded.items()} or None,
-                       scale=scale, then=self.end_clipped_step if self.clip is not None
-                       and last else None)
+                       scale=scale, corrections=corrections, exact=exact)
+
+    def _sum_squares(self, keys: Sequence[Key], grads: Sequence[np.ndarray]) -> float:
+        """The host gradients' sum of squares (float64) in one read, which is also their
+        NaN/Inf check (``NON_FINITE``, counted; nothing sent, no state touched)."""
+        total = 0.0
+        for k, grad in zip(keys, grads):
+            part = native.sum_squares(grad)
+            if not np.isfinite(part):
+                raise refused_nonfinite(self.metrics, k.key)
+            total += part
+        return total
 
     def _check_device(self, keys: Sequence[Key], coded: set[int],
                       flat: Sequence[torch.Tensor]) -> float:
@@ -167,16 +209,18 @@ class Staging:
         if not bool(finite.all()):
             first = int(torch.nonzero(~finite)[0])
             bad = [k for k in keys if k.key in coded] + list(keys)
-            raise self.encoder.refuse_nonfinite(bad[first].key)
+            raise refused_nonfinite(self.metrics, bad[first].key)
         return float(values[len(peaks):].square().sum())
 
-    def end_clipped_step(self) -> None:
-        """Once the step's last payload is pushed (its error feedback encoded): the exact clip
+    def _end_clipped_step(self) -> tuple[list[ClipCorrection], float]:
+        """The step's last payload is made (its device error feedback encoded): the exact clip
         factor is known, and every payload of the step gets ``(exact - used) * g`` folded into
         its error feedback (``worker.training.clip``): device residuals here (on the comm
-        stream), the client's for the rest."""
+        stream); the host keys' corrections are returned, with the exact factor, for the
+        encoder to make once the last payload is sent."""
         exact = self.clip.end()
         pending, self._clip_pending = self._clip_pending, []
+        corrections = []
         with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
             for clock, keys, grads, flat, coded, used in pending:
                 if used == exact:
@@ -187,8 +231,9 @@ class Staging:
                         self.residuals[k.key].add_(self.slice(flat, k) * alpha)
                 host = [(k.key, g) for k, g in zip(keys, grads) if k.key not in coded]
                 if host:
-                    self.encoder.clip_correct([key for key, _ in host], [g for _, g in host],
-                                             clock=clock, used=used, exact=exact)
+                    corrections.append(ClipCorrection(clock, [key for key, _ in host],
+                                                      [g for _, g in host], used))
+        return corrections, exact
 
     def _encode(self, key: int, g: torch.Tensor, codec, scale: float) -> torch.Tensor:
         """One key's compressed push of ``g * scale`` with its error feedback kept next to the
