@@ -20,7 +20,8 @@ from bitps.proto.wire import PROTOCOL, PSError
 from bitps.ps.config import ServerConfig
 from bitps.ps.store import Slot
 
-__all__ = ["MAX_CLOCK", "OPS", "check_clock", "decode_push", "request_slots", "token_ok"]
+__all__ = ["MAX_CLOCK", "OPS", "check_clock", "decode_push", "request_slots", "token_ok",
+           "validate"]
 
 OPS = {pb.PUSH: "push", pb.PULL: "pull", pb.PUSH_PULL: "push_pull"}
 MAX_CLOCK = (1 << 63) - 1
@@ -32,6 +33,21 @@ def token_ok(expected: str, received: str) -> bool:
     """Whether ``received`` is the shard's token (always, when the shard has none); compared in
     constant time, so the answer's timing tells nothing of how much of a guess was right."""
     return not expected or hmac.compare_digest(expected.encode(), received.encode())
+
+
+def validate(cfg: ServerConfig, header: pb.DataHeader, payload: list, slots: dict[int, Slot],
+             *, registered: bool, own_clock: int
+             ) -> tuple[list[Slot], int, list[np.ndarray] | None, Codec | None]:
+    """Everything a request is checked for here, in one call: ``(slots, clock, grads,
+    codec)``, the slots it names (:func:`request_slots`), the clock it is for
+    (:func:`check_clock`, against ``own_clock``, the worker's clock as the shard has it) and
+    for a push its decoded gradients and codec (:func:`decode_push`; ``None`` for a pull)."""
+    named = request_slots(cfg, header, payload, slots, registered=registered)
+    clock = check_clock(cfg, header, own_clock)
+    if header.op == pb.PULL:
+        return named, clock, None, None
+    grads, codec = decode_push(cfg, header, payload, named)
+    return named, clock, grads, codec
 
 
 def request_slots(cfg: ServerConfig, header: pb.DataHeader, payload: list,

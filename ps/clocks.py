@@ -67,9 +67,11 @@ class ClockTable:
         return w is not None and w.registered
 
     # -- observations -------------------------------------------------------------------------
-    def seen(self, rank: int, clock: int | None = None) -> None:
-        """``rank`` was heard from; ``clock`` (steps completed) only ever moves forward."""
+    def seen(self, rank: int, clock: int | None = None) -> tuple:
+        """``rank`` was heard from; ``clock`` (steps completed) only ever moves forward.
+        Returns what :meth:`unsee` needs to take it back (a request refused after this)."""
         w = self.workers[rank]
+        undo = (w, w.last_seen, w.dropped, w.clock, self.generation)
         w.last_seen = self.now()
         if w.dropped and not w.left:
             w.dropped = False  # a dropped worker that speaks again is back
@@ -77,6 +79,24 @@ class ClockTable:
         if clock is not None and clock > w.clock:
             w.clock = clock
             self.generation += 1
+        return undo
+
+    def unsee(self, undo: tuple) -> None:
+        """Take back one :meth:`seen` (nothing else changed since): the request it was for was
+        refused, and a refused request leaves the clocks as they were."""
+        w, w.last_seen, w.dropped, w.clock, self.generation = undo
+
+    def key_pushers(self, slots, live: Collection[int] | None = None) -> list[int]:
+        """The live ranks that a step of ``slots`` (``ps.store.Slot``) counts, ascending: those
+        whose registered plan has one of the keys (``Slot.pushers``), and ranks of the world
+        not registered yet (their plan is unknown until they come). With whole plans, or no
+        slots: every live rank. ``live``: the live ranks, when the caller has them."""
+        live = self.live() if live is None else live
+        if not slots:
+            return list(live)
+        ranks = slots[0].pushers if len(slots) == 1 else set().union(*(s.pushers for s in slots))
+        workers = self.workers
+        return [r for r in live if r in ranks or not workers[r].registered]
 
     def expire(self) -> list[int]:
         """Drop workers silent for longer than the timeout; returns the ranks newly dropped."""

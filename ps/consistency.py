@@ -23,7 +23,9 @@ every live worker pushes every key, as before.
 Async and SSP apply each push with the learning rate split over the key's live pushers
 (``ServerConfig.split_lr``), optionally damped by the push's version gap, and answer float32
 pulls ahead (``ServerConfig.lookahead``). How a push is applied (the update rule and its
-phases) is the core's business; a mode only decides when and at what learning-rate scale.
+phases) is ``ps.updates.Updates``'s business; a mode only decides when and at what
+learning-rate scale, and never calls back into the core: the core asks it once per push
+(:meth:`Consistency.take_push`: check, then apply) and once per pull (:meth:`Consistency.admit`).
 
 Everything here runs under the core's lock, from the data loop's thread.
 """
@@ -33,8 +35,6 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
-import numpy as np
-
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.wire import PSError
 from bitps.ps.clocks import ClockTable
@@ -43,43 +43,35 @@ from bitps.ps.store import Slot
 
 if TYPE_CHECKING:
     from bitps.ps.metrics import ShardMetrics
+    from bitps.ps.updates import Updates
 
 __all__ = ["CONSISTENCY", "SSP", "Async", "Consistency", "Core", "Sync", "key_pushers",
            "make_consistency", "register"]
 
 
 class Core(Protocol):
-    """What a mode asks of the shard core (``ps.shard.ShardCore`` is one; the core calls in
-    here, so this module does not import it)."""
+    """What a mode reads of the shard core (``ps.shard.ShardCore`` is one; the core calls in
+    here, so this module does not import it). It reads, and applies through
+    :attr:`updates`; it calls no method of the core."""
 
     clocks: ClockTable
     slots: dict[int, Slot]
-
-    def key_pushers(self, slot: Slot, live: list[int]) -> list[int]:
-        """``slot``'s live pushers among ``live``."""
-
-    def try_aggregate(self, slot: Slot, live: list[int]) -> bool:
-        """sync: apply ``slot``'s step once every one of ``live`` has pushed."""
-
-    def apply_arrived(self, slot: Slot, grad: np.ndarray, clock: int, lr_scale: float) -> None:
-        """Apply one push on arrival at ``lr_scale`` times the learning rate."""
-
-    def applied(self, clock_gap: int, version_gap: int) -> None:
-        """Count one applied update and its staleness."""
+    updates: Updates
+    """Applies a push (``ps.updates``)."""
+    partial: bool
+    """Whether some worker's plan lacks some of the keys (only then do a key's pushers differ
+    from the live ranks)."""
 
 
 def key_pushers(clocks: ClockTable, slots: Sequence[Slot],
                 live: Sequence[int] | None = None) -> list[int]:
-    """The live ranks that a step of ``slots`` counts, ascending: those whose registered plan
-    has one of the keys, and ranks of the world not registered yet (their plan is unknown
-    until they come). With whole plans, or no slots: every live rank. ``live``: the live
-    ranks, when the caller has them (``ClockTable.live``)."""
-    live = clocks.live() if live is None else live
-    if not slots:
-        return list(live)
-    ranks = slots[0].pushers if len(slots) == 1 else set().union(*(s.pushers for s in slots))
-    workers = clocks.workers
-    return [r for r in live if r in ranks or not workers[r].registered]
+    """The live ranks that a step of ``slots`` counts (``ClockTable.key_pushers``)."""
+    return clocks.key_pushers(slots, live)
+
+
+def _pushers(core: Core, slot: Slot, live: list[int]) -> list[int]:
+    """``slot``'s live pushers; ``live`` itself when no plan is partial."""
+    return core.clocks.key_pushers((slot,), live) if core.partial else live
 
 
 def depends_on(clocks: ClockTable, slot: Slot, ranks: Collection[int] | None) -> bool:
@@ -101,6 +93,16 @@ class Consistency:
         self.cfg = cfg
 
     # -- pulls ---------------------------------------------------------------------------------
+    def admit(self, clocks: ClockTable, clock: int, slots: list[Slot], *,
+              metrics: ShardMetrics) -> bool:
+        """The core's one question for a pull (answered now, or each time a held one is looked
+        at again): :meth:`admits`, and when it does, :meth:`observe_admission` with the
+        slowest of the keys' live pushers."""
+        if not self.admits(clocks, clock, slots):
+            return False
+        self.observe_admission(metrics, clock, clocks.min_clock_of(clocks.key_pushers(slots)))
+        return True
+
     def admits(self, clocks: ClockTable, clock: int, slots: list[Slot]) -> bool:
         """May a pull for step ``clock`` of ``slots`` be answered now? Decided on the clock
         table and the slots' versions only: held pulls are looked at again when one of those
@@ -133,12 +135,20 @@ class Consistency:
         ``min_clock``."""
 
     # -- pushes --------------------------------------------------------------------------------
+    def take_push(self, core: Core, header: pb.DataHeader, slots: list[Slot], grads: list,
+                  live: list[int], min_clock: int) -> None:
+        """The core's one call for a push: :meth:`check_push`, then :meth:`push`. A refusal
+        comes before anything here changed (the core takes back what it did before)."""
+        self.check_push(header, slots)
+        self.push(core, header, slots, grads, live, min_clock)
+
     def check_push(self, header: pb.DataHeader, slots: list[Slot]) -> None:
         """Refuse (:class:`PSError`) a push this mode cannot take; nothing has changed yet."""
 
     def push(self, core: Core, header: pb.DataHeader, slots: list[Slot], grads: list,
              live: list[int], min_clock: int) -> None:
-        """Take one validated push of ``grads`` (decoded, one per slot)."""
+        """Take one checked push of ``grads`` (decoded, one per slot), applying through
+        ``core.updates``."""
         raise NotImplementedError
 
     def membership_changed(self, core: Core, live: list[int],
@@ -190,15 +200,15 @@ class Sync(Consistency):
 
     def push(self, core, header, slots, grads, live, min_clock):
         for slot, grad in zip(slots, grads):
-            pushers = core.key_pushers(slot, live)
+            pushers = _pushers(core, slot, live)
             slot.accumulate(header.worker, grad, pushers)
-            core.try_aggregate(slot, pushers)
+            core.updates.aggregate(slot, pushers)
 
     def membership_changed(self, core, live, ranks=None):
         clocks = core.clocks
         for slot in core.slots.values():
             if slot.pushed and depends_on(clocks, slot, ranks):
-                core.try_aggregate(slot, core.key_pushers(slot, live))
+                core.updates.aggregate(slot, _pushers(core, slot, live))
 
 
 @register
@@ -222,13 +232,13 @@ class Async(Consistency):
         for i, (slot, grad) in enumerate(zip(slots, grads)):
             # a clock's pushes of a key share one step's learning rate (ServerConfig.split_lr):
             # split over the key's live pushers
-            split = 1.0 / max(len(core.key_pushers(slot, live)), 1) if cfg.split_lr else 1.0
+            split = 1.0 / max(len(_pushers(core, slot, live)), 1) if cfg.split_lr else 1.0
             vgap = slot.version - header.versions[i] if header.versions else 0
             lr_scale = cfg.optimizer.schedule.factor(header.clock) * split
             if cfg.staleness_damping:
                 lr_scale /= 1 + max(vgap, 0)
-            core.apply_arrived(slot, grad, header.clock, lr_scale)
-            core.applied(header.clock - min_clock, vgap)
+            core.updates.on_arrival(slot, grad, header.clock, lr_scale,
+                                    clock_gap=header.clock - min_clock, version_gap=vgap)
 
 
 @register

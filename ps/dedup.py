@@ -25,6 +25,7 @@ class ExactlyOnce:
     def __init__(self, window: int) -> None:
         self.window = window
         self._ids: dict[int, tuple[deque, set]] = {}  # worker -> its ids, in order and as a set
+        self._dropped: tuple[int, int] | None = None  # what the last first_time let go
 
     def is_replay(self, header: pb.DataHeader) -> bool:
         """Whether this push (worker, incarnation, request id) has been applied already."""
@@ -32,15 +33,34 @@ class ExactlyOnce:
         return bool(header.incarnation) and seen is not None and (
             header.incarnation, header.request_id) in seen[1]
 
-    def remember(self, header: pb.DataHeader) -> None:
-        """Keep an applied push's id, the last ``window`` of each worker."""
+    def first_time(self, header: pb.DataHeader) -> bool:
+        r"""Whether this push is new, and if so keep its id (the last ``window`` of each
+        worker) as applied: the caller applies it next, or :meth:`forget`\ s it when it is
+        refused before anything changed. A replay is ``False``, and kept as it was."""
+        if self.is_replay(header):
+            return False
         if not header.incarnation or not self.window:
-            return
+            return True
         order, ids = self._ids.setdefault(header.worker, (deque(), set()))
         order.append(pid := (header.incarnation, header.request_id))
         ids.add(pid)
         if len(order) > self.window:
-            ids.discard(order.popleft())
+            self._dropped = order.popleft()
+            ids.discard(self._dropped)
+        else:
+            self._dropped = None
+        return True
+
+    def forget(self, header: pb.DataHeader) -> None:
+        """Take back the last :meth:`first_time` (``header``'s push, refused after all)."""
+        if not header.incarnation or not self.window:
+            return
+        order, ids = self._ids[header.worker]
+        ids.discard(order.pop())
+        if self._dropped is not None:
+            order.appendleft(self._dropped)
+            ids.add(self._dropped)
+            self._dropped = None
 
     def state_dict(self) -> dict:
         """Layout version 1: ``{"version": 1, "ids": {worker: [(incarnation, request id),

@@ -76,9 +76,10 @@ class HeldPulls:
         self._per_worker[header.worker] = self.count(header.worker) + 1
         self._next_deadline = min(self._next_deadline, deadline)
 
-    def release(self, admits: Callable[[HeldPull], bool], *, state: object, now: float,
+    def release(self, admits: Callable[[int, list], bool], *, state: object, now: float,
                 ordered: bool) -> tuple[list[HeldPull], list[HeldPull]]:
-        """``(admitted, expired)``: the pulls ``admits`` lets go now and those past their
+        """``(admitted, expired)``: the pulls ``admits(clock, slots)`` (the consistency mode's
+        question, ``Consistency.admit``) lets go now and those past their
         deadline, both removed. Nothing is looked at unless ``state`` differs from the last
         call's or a deadline is due; with ``ordered``, a change is looked at lowest clock first
         until the first pull ``admits`` refuses."""
@@ -90,12 +91,12 @@ class HeldPulls:
         self._state = state
         if ordered and not due:
             admitted = []
-            while self._heap and admits(self._heap[0]):
+            while self._heap and admits(self._heap[0].clock, self._heap[0].slots):
                 admitted.append(self._pop())
             return admitted, []
         admitted, expired, kept = [], [], []
         for h in sorted(self._heap):
-            if admits(h):
+            if admits(h.clock, h.slots):
                 admitted.append(h)
             elif now >= h.deadline:
                 expired.append(h)

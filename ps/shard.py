@@ -17,6 +17,7 @@ are objects it asks, and it names neither a mode nor a rule.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -31,7 +32,7 @@ from bitps.proto.wire import PROTOCOL, PSError, error_name, parse_header
 from bitps.ps import checks
 from bitps.ps.clocks import ClockTable
 from bitps.ps.config import ServerConfig
-from bitps.ps.consistency import key_pushers, make_consistency
+from bitps.ps.consistency import make_consistency
 from bitps.ps.dedup import ExactlyOnce
 from bitps.ps.held import HeldPulls
 from bitps.ps.metrics import ClockSnapshot, ShardMetrics
@@ -40,6 +41,7 @@ from bitps.ps.registration import Registration
 from bitps.ps.replies import Admission, Reply, reply_frames
 from bitps.ps.rules import make_rule
 from bitps.ps.store import Slot
+from bitps.ps.updates import Updates
 
 __all__ = ["Admission", "Reply", "ShardCore"]
 
@@ -55,6 +57,8 @@ class ShardCore(Registration):
         self.metrics = metrics or ShardMetrics()
         self.metrics.watch_clocks(self.clock_snapshot)
         self.rule = make_rule(cfg.optimizer, cfg)
+        self.updates = Updates(self.rule, cfg, self.metrics)
+        """Applies validated pushes through the rule (``ps.updates``), as the mode decides."""
         self.metrics.watch_rule(self._rule_metrics)
         self.consistency = make_consistency(cfg)
         self.clocks = ClockTable(timeout_s=cfg.heartbeat_timeout_s, now=now)
@@ -70,7 +74,6 @@ class ShardCore(Registration):
         self._init_changed = threading.Condition()  # a key's initial values landed
         self.held = HeldPulls(limit=cfg.max_held_pulls)
         self.admissions: deque[Admission] = deque(maxlen=100_000)
-        self.updates_applied = 0
         self._changes = 0  # pushes taken and membership changes: versions may have moved
         self.dedup = ExactlyOnce(cfg.dedup_window)
         """The ids of each worker's last applied pushes (``ps.dedup``; a ``Stateful``)."""
@@ -84,10 +87,19 @@ class ShardCore(Registration):
         codes when it publishes some, else fixed by the first registration; ``RAW`` =
         parameters only."""
 
+    @property
+    def updates_applied(self) -> int:
+        """Updates made (``Updates.applied``; a checkpoint restores it)."""
+        return self.updates.applied
+
+    @updates_applied.setter
+    def updates_applied(self, n: int) -> None:
+        self.updates.applied = n
+
     def key_pushers(self, slot: Slot, live: list[int]) -> list[int]:
-        """``slot``'s live pushers (``ps.consistency.key_pushers``); ``live``, the live ranks,
+        """``slot``'s live pushers (``ClockTable.key_pushers``); ``live``, the live ranks,
         when no plan is partial (every live rank pushes every key)."""
-        return key_pushers(self.clocks, (slot,), live) if self.partial else live
+        return self.clocks.key_pushers((slot,), live) if self.partial else live
 
     def _mark_changed(self, rank: int | None) -> None:
         """The live set or a plan changed for ``rank`` (``None``: unknown); the next
@@ -133,17 +145,23 @@ class ShardCore(Registration):
             return [self._error(ident, header, err)]
 
     def _dispatch(self, ident: bytes, header: pb.DataHeader, payload: list, t0: float):
+        # One pass: each part is asked once (checks, the exactly-once window, the clocks, the
+        # mode, which applies through self.updates); what the mode refuses is taken back.
         slots, grads, codec, pull_clock = self._validate(header, payload)
         op, worker = header.op, header.worker
-        self.metrics.requests.labels(checks.OPS[op]).inc()
-        self.clocks.seen(worker, pull_clock)
+        seen = self.clocks.seen(worker, pull_clock)
         min_clock = self.clocks.min_clock()
         replies = []
         if grads is not None:  # none for a pull, or for a push this shard has applied already
-            self._push(header, payload, grads, codec, slots, min_clock)
-            self.dedup.remember(header)
+            try:
+                self._push(header, payload, grads, codec, slots, min_clock)
+            except PSError:
+                self.clocks.unsee(seen)
+                self.dedup.forget(header)
+                raise
             self._changes += 1
             self.metrics.push_latency.observe(self.now() - t0)
+        self.metrics.requests.labels(checks.OPS[op]).inc()
         # This request moved a clock or a version: pulls held earlier may go now.
         replies += self._release_held(min_clock)
         if op == pb.PUSH:
@@ -155,20 +173,19 @@ class ShardCore(Registration):
     def _validate(self, header: pb.DataHeader, payload: list):
         """The request's slots, decoded gradients (``None`` for a pull and for a replayed push),
         codec and the clock it is for; raises :class:`PSError` before anything changes
-        (``ps.checks``)."""
+        (``ps.checks``; the mode's own check of a push comes with the push, and what happened
+        before it is taken back). A new push's id is kept (``ExactlyOnce.first_time``)."""
         cfg = self.cfg
-        slots = checks.request_slots(cfg, header, payload, self.slots,
-                                     registered=self.clocks.is_registered(header.worker))
-        clock = checks.check_clock(cfg, header, self.clocks.workers[header.worker].clock)
-        replay = header.op != pb.PULL and self.dedup.is_replay(header)
+        worker = self.clocks.workers.get(header.worker)
+        slots, clock, grads, codec = checks.validate(
+            cfg, header, payload, self.slots, registered=self.clocks.is_registered(header.worker),
+            own_clock=worker.clock if worker is not None else 0)
         if header.op != pb.PUSH and self.held.full(header.worker):
             raise PSError(pb.LIMIT, f"worker {header.worker} has {self.held.count(header.worker)}"
                           f" pulls held on shard {cfg.shard_id}; it may have at most "
                           f"max_held_pulls {cfg.max_held_pulls}")
-        if header.op == pb.PULL or replay:
-            return slots, None, None, clock
-        grads, codec = checks.decode_push(cfg, header, payload, slots)
-        self.consistency.check_push(header, slots)
+        if grads is not None and not self.dedup.first_time(header):
+            grads = codec = None  # a replay: answered, not applied again
         return slots, grads, codec, clock
 
     def _push(self, header: pb.DataHeader, payload: list, grads: list[np.ndarray],
@@ -178,40 +195,11 @@ class ShardCore(Registration):
         if not codec.is_raw:
             m.codec_wire_bytes.labels(codec.name).inc(nbytes)
             m.codec_decoded_bytes.labels(codec.name).inc(sum(s.nbytes for s in slots))
-        self.consistency.push(self, header, slots, grads, self.clocks.live(), min_clock)
+        self.consistency.take_push(self, header, slots, grads, self.clocks.live(), min_clock)
         m.push_bytes.inc(nbytes)
 
-    def apply_arrived(self, slot: Slot, grad: np.ndarray, clock: int, lr_scale: float) -> None:
-        """Apply one push on arrival (async/ssp) at ``lr_scale`` times the learning rate."""
-        self.rule.arrived(slot, clock)
-        self.rule.update(slot, grad, clock=clock, lr_scale=lr_scale)
-
-    def try_aggregate(self, slot: Slot, live: list[int]) -> bool:
-        """sync: apply the mean of ``slot``'s pushes once every one of ``live`` (the key's live
-        pushers, ``ps.consistency.key_pushers``) is in."""
-        if not slot.pushed or not slot.pushed.issuperset(live):
-            return False
-        grad, n = slot.step_sum()
-        # the step being applied is clock slot.version
-        self.rule.update(slot, grad, clock=slot.version, grad_scale=1.0 / n,
-                         lr_scale=self.cfg.optimizer.schedule.factor(slot.version))
-        slot.end_step()
-        self.applied(0, 0)
-        self.rule.aggregated(slot)
-        return True
-
-    def applied(self, clock_gap: int, version_gap: int) -> None:
-        """Count one applied update and the staleness it was applied with."""
-        self.updates_applied += 1
-        self.metrics.updates.inc()
-        self.metrics.clock_gap.observe(max(clock_gap, 0))
-        self.metrics.version_gap.observe(max(version_gap, 0))
-
-    def _admits(self, clock: int, slots: list[Slot]) -> bool:
-        return self.consistency.admits(self.clocks, clock, slots)
-
     def _pull(self, ident, header, clock, slots, t0, min_clock) -> list[Reply]:
-        if self._admits(clock, slots):
+        if self.consistency.admit(self.clocks, clock, slots, metrics=self.metrics):
             return [self._answer(ident, header, clock, slots, t0, min_clock)]
         deadline = min(header.deadline_s or self.cfg.pull_deadline_s,
                        self.cfg.max_pull_deadline_s)
@@ -221,7 +209,7 @@ class ShardCore(Registration):
     def _answer(self, ident, header, clock, slots, since, min_clock) -> Reply:
         now, m = self.now(), self.metrics
         if self.partial:  # the slowest of those the keys wait for (SSP's bound), not of all
-            min_clock = self.clocks.min_clock_of(key_pushers(self.clocks, slots))
+            min_clock = self.clocks.min_clock_of(self.clocks.key_pushers(slots))
         frame_codecs = []
         publishes = self.pull_codec is not None and not self.pull_codec.is_raw
         # async/ssp: by the time this worker's next push lands, the key's other live pushers'
@@ -239,7 +227,6 @@ class ShardCore(Registration):
         m.pull_bytes.inc(sum(f.nbytes if isinstance(f, np.ndarray) else len(f)
                              for f, _ in frames))
         m.pull_latency.observe(now - since)
-        self.consistency.observe_admission(m, clock, min_clock)
         self.admissions.append(Admission(header.worker, clock, min_clock, now - since))
         out = pb.DataHeader(op=pb.REPLY, protocol=PROTOCOL, worker=header.worker,
                             request_id=header.request_id, clock=clock, keys=header.keys,
@@ -283,7 +270,7 @@ class ShardCore(Registration):
         after its last request."""
         with self.lock:
             # admitted by nothing, and every deadline passed: release hands back all of them
-            _, held = self.held.release(lambda h: False, state=object(), now=math.inf,
+            _, held = self.held.release(lambda clock, slots: False, state=object(), now=math.inf,
                                         ordered=False)
             return [self._error(h.ident, h.header, PSError(
                 pb.SHUTTING_DOWN, f"shard {self.cfg.shard_id} is shutting down; the pull for "
@@ -311,9 +298,9 @@ class ShardCore(Registration):
         now = self.now()
         # partial plans: a pull's admission depends on its keys' pushers, not its clock alone
         admitted, expired = self.held.release(
-            lambda h: self._admits(h.clock, h.slots), state=(self.clocks.generation,
-                                                             self._changes),
-            now=now, ordered=self.consistency.ordered and not self.partial)
+            functools.partial(self.consistency.admit, self.clocks, metrics=self.metrics),
+            state=(self.clocks.generation, self._changes), now=now,
+            ordered=self.consistency.ordered and not self.partial)
         replies = []
         for h in admitted:
             self.metrics.pull_wait.observe(now - h.since)
