@@ -26,7 +26,8 @@ Its state (residuals and the policy's) is one ``state_dict()`` (layout in :meth:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import functools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,7 +133,8 @@ class Encoder:
             if fresh is not None and not (type(fresh) is type(self.policy)
                                           and self.policy.survives_rejoin):
                 self.policy = fresh
-        self.policy.bind(self._fetch_rule_state)
+        self.policy.bind(functools.partial(self.client.control.rule_state, plan=plan,
+                                           versions=self.client.versions))
         self.client.codes = self.policy.codes
         return replies
 
@@ -312,22 +314,6 @@ class Encoder:
         for key, grad in zip(keys, grads):
             residual = self._compressor(key, clock, grad.shape[0]).residual
             self.policy.correct(key, grad, residual, clock=clock, used=used, exact=exact)
-
-    def _fetch_rule_state(self, keys: Sequence[int],
-                          load: Callable[[pb.KeyRuleState, int], None]) -> None:
-        """The policy's fetch (``PushPolicy.bind``): the rule state of ``keys``' shards, each
-        key's message handed to ``load(state, length)``; a state of another version than this
-        worker's copy is refused (``BAD_CLOCK``)."""
-        plan, versions = self.plan, self.client.versions
-
-        def take(shard: int, state: pb.KeyRuleState) -> None:
-            if state.version != versions.get(state.key):
-                raise PSError(pb.BAD_CLOCK, f"shard {shard} key {state.key}: optimizer "
-                              f"state of version {state.version}, parameters of "
-                              f"version {versions.get(state.key)}", shard=shard)
-            load(state, plan.key(state.key).length)
-
-        self.client.control.rule_state(sorted({plan.key(k).shard for k in keys}), take)
 
     def _codec_snapshot(self) -> CodecSnapshot:
         norms: dict[int, float] = {}

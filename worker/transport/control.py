@@ -179,17 +179,24 @@ class ControlClient:
         except grpc.RpcError as err:
             raise self.error(err, shard) from None
 
-    def rule_state(self, shards: Sequence[int],
-                   take: Callable[[int, pb.KeyRuleState], None]) -> None:
-        """Stream each of ``shards``' rule state for this worker's keys (the RuleState
-        call) into ``take(shard, message)``; a failed call raises the shard's typed error."""
-        for shard in shards:
+    def rule_state(self, keys: Sequence[int], load: Callable[[pb.KeyRuleState, int], None], *,
+                   plan: KeyPlan, versions: Mapping[int, int]) -> None:
+        """The rule state of ``keys``' shards (the RuleState call, one stream per shard):
+        each key's message handed to ``load(state, length)``; a state of another version than
+        this worker's copy (``versions``) is refused (``BAD_CLOCK``), and a failed call raises
+        the shard's typed error. A push policy that needs the shards' state gets this, bound to
+        the plan and versions (``PushPolicy.bind``)."""
+        for shard in sorted({plan.key(k).shard for k in keys}):
             stream = self.stubs[shard].RuleState(pb.RuleStateRequest(
                 rank=self.cfg.rank, token=self.cfg.token), timeout=self.cfg.deadline_s,
                 metadata=self.metadata)
             try:
                 for state in stream:
-                    take(shard, state)
+                    if state.version != versions.get(state.key):
+                        raise PSError(pb.BAD_CLOCK, f"shard {shard} key {state.key}: optimizer "
+                                      f"state of version {state.version}, parameters of "
+                                      f"version {versions.get(state.key)}", shard=shard)
+                    load(state, plan.key(state.key).length)
             except grpc.RpcError as err:
                 raise self.error(err, shard) from None
 
