@@ -71,7 +71,13 @@ def shard_series() -> dict[str, set[str]]:
 
 def worker_series() -> dict[str, set[str]]:
     metrics = WorkerMetrics(CollectorRegistry())
-    metrics.watch_codecs(lambda: CodecSnapshot(residual_norms={0: 0.1, 1: 0.2}, onebit_phase=1))
+    # the push policy's own gauges: those of 1-bit Adam's (its collect, past the switch)
+    from bitps.proto.onebit_pb2 import OneBitParams
+    from bitps.worker.algorithms.onebit import SyncMomenta
+
+    policy = SyncMomenta(OneBitParams(freeze_step=2, chunk=256))
+    metrics.watch_codecs(lambda: CodecSnapshot(residual_norms={0: 0.1, 1: 0.2},
+                                               families=tuple(policy.collect(5))))
     _fill_labeled(metrics)
     # bitps-worker --activation-pool adds the pool's collector to the same registry.
     from bitps.worker.config import PoolConfig
