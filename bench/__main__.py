@@ -100,6 +100,9 @@ SCENARIOS = {
     "pipeline": Scenario(config.PipelineBench, _measured("bitps.bench.pipeline"),
                          "measured pipeline bubbles on sleep-based stages: our schedules vs "
                          "the simulator and torch's pipelining"),
+    "compare": Scenario(config.CompareBench, _measured("bitps.bench.compare"),
+                        "the same scenarios from this checkout and another (e.g. the previous "
+                        "commit), alternated: every figure's ratio and the rounds' noise"),
     "all": Scenario(config.AllBench, _run_all,
                     "every scenario (e2e: the LM, the MoE and the straggler), then the report"),
     "report": Scenario(config.ReportBench, _run_report,

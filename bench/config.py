@@ -21,7 +21,7 @@ from bitps.bench.models import MODELS
 from bitps.proto.keyplan import DEFAULT_PARTITION_BYTES
 from bitps.proto.settings import CHOICES
 
-__all__ = ["AllBench", "CodecBench", "ConvergenceBench", "E2EBench", "MemoryBench",
+__all__ = ["AllBench", "CodecBench", "CompareBench", "ConvergenceBench", "E2EBench", "MemoryBench",
            "OverlapBench", "PipelineBench", "PushPullBench", "ReportBench", "VolumeBench"]
 
 PLACEMENTS = ("colocated", "own")
@@ -275,3 +275,30 @@ class AllBench(_Checked):
 @dataclass(frozen=True, kw_only=True)
 class ReportBench(_Checked):
     """``bitps-bench report``: REPORT.md from the result files; it has no options."""
+
+
+COMPARED = ("pushpull", "codec", "overlap", "volume", "memory")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompareBench(_Checked):
+    """``bitps-bench compare``: scenarios from this checkout and another, alternated."""
+
+    base: str = ""
+    """the other checkout (a directory with its own .venv, e.g. a git worktree of the previous
+    commit); empty: this one, against itself (the noise floor)"""
+    scenarios: tuple[str, ...] = field(default=("pushpull", "codec", "overlap"),
+                                       metadata={CHOICES: COMPARED})
+    """scenarios to run from both checkouts"""
+    rounds: int = 3
+    """rounds; each runs every scenario once per checkout, the order swapped every round"""
+    tolerance: float = 0.03
+    """largest |head / base - 1| a figure may differ by (beyond the rounds' own noise)"""
+    quick: bool = False
+    """the scenarios at smoke-test size (a check of the tool, not a measurement)"""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.rounds < 1 or not 0 <= self.tolerance < 1:
+            raise ValueError(f"CompareBench: rounds {self.rounds}, tolerance {self.tolerance}; "
+                             f"expected rounds >= 1 and 0 <= tolerance < 1")
