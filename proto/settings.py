@@ -58,6 +58,7 @@ from typing import Any
 from bitps import __version__
 from bitps.proto.plugins import load_plugins, split_names
 from bitps.proto.reference import cell, doc_choices, format_value, parser_markdown, prose
+from bitps.proto.registry import Names
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -224,7 +225,9 @@ class Setting:
 
     def check(self, value: Any, *, source: str) -> Any:
         if self.choices is not None and value not in self.choices:
-            raise SettingError(f"{source}: got {value!r}; expected {self.kind}")
+            hint = (" (a plug-in's name is one once --plugin loads it)"
+                    if isinstance(self.choices, Names) else "")
+            raise SettingError(f"{source}: got {value!r}; expected {self.kind}{hint}")
         return value
 
     def help_line(self) -> str:
