@@ -294,7 +294,8 @@ class Codec:
         kind = _KINDS.get(codec)
         if kind is None:
             raise PSError(pb.BAD_DTYPE, f"codec {codec} is unknown; expected one of "
-                          f"{sorted(_KINDS)} ({', '.join(CODECS)})")
+                          f"{sorted(_KINDS)} ({', '.join(CODECS)}); a plug-in's codec needs "
+                          f"its --plugin on both sides")
         if kind.chunked and (problem := chunk_problem(chunk)):
             raise PSError(pb.BAD_DTYPE, f"{kind.name} {problem}")
         if flags & ~(MEAN_ABS | SPARSE_BF16):

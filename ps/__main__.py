@@ -66,11 +66,12 @@ def _settings(rule_flags: list[Setting]) -> tuple[Setting, ...]:
                                          "ready line)"),
         from_field(_S, "data_port", help="ZeroMQ ROUTER data port; 0 = any free port"),
         from_field(_S, "metrics_port", help="Prometheus port; 0 = any free port, -1 = off"),
-        from_field(_S, "mode", help="consistency model: sync (BSP), async (ASP) or ssp (bounded "
-                                    "staleness)"),
+        from_field(_S, "mode", help="consistency model: sync (BSP), async (ASP), ssp (bounded "
+                                    "staleness) or a plug-in's"),
         from_field(_S, "staleness", help="SSP bound S: a worker at clock c waits until every live "
                                          "worker has reached c - S"),
-        from_field(_O, "name", name="optimizer", help="server-side update rule"),
+        from_field(_O, "name", name="optimizer",
+                   help="server-side update rule (a plug-in's too)"),
         from_field(_O, "lr", help="learning rate (the peak, with a schedule)"),
         from_field(_L, "warmup_steps", name="lr-warmup",
                    help="clocks of linear learning-rate warm-up"),
