@@ -308,7 +308,7 @@ def read_config_file(path: str | os.PathLike, settings: Sequence[Setting], *,
                                       f"{where}: table [{key}]"))
         else:
             values.update(_read_table({key: value}, [s for s in settings if not s.table],
-                                      where, tables))
+                                      where, tables, (PLUGINS_KEY,) if plugins else ()))
     return values
 
 
@@ -326,9 +326,9 @@ def config_plugins(path: str | os.PathLike) -> list[str]:
 
 
 def _read_table(doc: dict[str, Any], settings: Sequence[Setting], where: str,
-                tables: Collection[str] = ()) -> dict[str, Any]:
+                tables: Collection[str] = (), others: Sequence[str] = ()) -> dict[str, Any]:
     """The values of one table's entries (the top level: ``tables`` names the tables the
-    file may hold besides)."""
+    file may hold besides, ``others`` the keys read elsewhere: ``plugins``)."""
     by_key = {s.file_key: s for s in settings}
     in_table = bool(settings) and bool(settings[0].table)
     values = {}
@@ -336,12 +336,12 @@ def _read_table(doc: dict[str, Any], settings: Sequence[Setting], where: str,
         setting = by_key.get(key)
         if setting is None:
             spelled = key.replace("-", "_") if in_table else key.replace("_", "-")
-            close = difflib.get_close_matches(spelled, by_key, n=1, cutoff=0.75)
+            close = difflib.get_close_matches(spelled, [*by_key, *others], n=1, cutoff=0.75)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             keys = "the field names" if in_table else "the flag names without --"
             more = "".join(f", table [{t}]" for t in sorted(tables))
             raise SettingError(f"{where}: unknown key {key!r}{hint}; the keys are {keys}: "
-                               f"{', '.join(sorted(by_key))}{more}")
+                               f"{', '.join(sorted([*by_key, *others]))}{more}")
         values[setting.name] = setting.from_toml(value, source=f"{where}: key {key!r}")
     return values
 
