@@ -97,6 +97,17 @@ message naming the flag, variable or file key, the value received and what was e
 
 `bitps-server --version` and `bitps-worker --version` print `bitps <version>` and exit 0.
 
+## Plug-ins
+
+`bitps-server`, `bitps-worker` and `bitps-pipeline` import plug-ins before they read any other
+setting: `--plugin MODULE` (repeatable, or several comma-separated), else
+`{settings.PLUGINS_ENV}`, else the config-file key `{settings.PLUGINS_KEY}` (a string or an
+array of strings), each a module name on `sys.path` or the path of a `.py` file. The codecs,
+update rules, consistency modes and worker algorithms they register are then valid values of
+`--push-codec`, `--optimizer`, `--mode` and `--algorithm`, and a plug-in rule's own flags are
+`bitps-server`'s. The tables below list bitps's own ([plugins.md](plugins.md)). A plug-in that
+cannot be imported stops the program with exit status 2, naming it.
+
 ## Booleans
 
 A boolean flag alone turns its setting on (`--nesterov`); `--no-nesterov` turns it off; with a

@@ -38,10 +38,11 @@ import numpy as np
 
 from bitps.native import casts, sign1, sparse
 from bitps.proto import bitps_pb2 as pb
+from bitps.proto.registry import Names
 from bitps.proto.wire import PSError
 
-__all__ = ["CODECS", "RAW", "Codec", "CodecConfig", "CodecKind", "Compressor", "MEAN_ABS",
-           "SPARSE_BF16", "chunk_problem", "register"]
+__all__ = ["CODECS", "CODEC_NAMES", "RAW", "Codec", "CodecConfig", "CodecKind", "Compressor",
+           "MEAN_ABS", "SPARSE_BF16", "chunk_problem", "register"]
 
 MEAN_ABS = 1
 """``codec_flags`` bit 0: sign1 scales are mean |u| (else RMS)."""
@@ -115,12 +116,21 @@ CODECS: dict[str, int] = {}
 """Every registered codec: name -> wire id (``DataHeader.codec``)."""
 _KINDS: dict[int, CodecKind] = {}
 _BY_NAME: dict[str, CodecKind] = {}
+CODEC_NAMES = Names(_BY_NAME)
+"""The registered codecs' names, a live view (``CodecConfig.name``'s choices: a codec a
+plug-in registers later is a valid ``--push-codec``)."""
 
 
 def register(kind: type[CodecKind]) -> type[CodecKind]:
-    """Add a codec to the registry (a class decorator); its name and id must be new."""
+    """Add a codec to the registry (a class decorator); its name and id must be new (a
+    plug-in's id: one that ``bitps.proto`` does not define, 100 and up)."""
+    if not isinstance(kind.id, int) or not 0 <= kind.id < 1 << 31:
+        raise ValueError(f"codec {kind.name!r}: id {kind.id!r}; expected an integer in "
+                         f"[0, 2**31) (DataHeader.codec is an open proto3 enum, an int32)")
     if kind.id in _KINDS or kind.name in _BY_NAME:
-        raise ValueError(f"codec {kind.name!r} (id {kind.id}) is already registered")
+        taken = _KINDS.get(kind.id) or _BY_NAME[kind.name]
+        raise ValueError(f"codec {kind.name!r} (id {kind.id}) is already registered: "
+                         f"{taken.name!r} has id {taken.id}")
     _KINDS[kind.id] = _BY_NAME[kind.name] = kind()
     CODECS[kind.name] = kind.id
     return kind
@@ -233,7 +243,7 @@ class CodecConfig:
     """How one direction of traffic is compressed (a setting; the codec table is in
     docs/design.md)."""
 
-    name: str = field(default="raw", metadata={"choices": CODECS.keys()})
+    name: str = field(default="raw", metadata={"choices": CODEC_NAMES})
     """A registered codec: ``raw``, ``bf16``, ``fp16``, ``sign1``, ``sparse`` or one added with
     :func:`register` (the choices are the live registry)."""
     chunk: int = sign1.DEFAULT_CHUNK
@@ -284,7 +294,8 @@ class Codec:
         kind = _KINDS.get(codec)
         if kind is None:
             raise PSError(pb.BAD_DTYPE, f"codec {codec} is unknown; expected one of "
-                          f"{sorted(_KINDS)} ({', '.join(CODECS)})")
+                          f"{sorted(_KINDS)} ({', '.join(CODECS)}); a plug-in's codec needs "
+                          f"its --plugin on both sides")
         if kind.chunked and (problem := chunk_problem(chunk)):
             raise PSError(pb.BAD_DTYPE, f"{kind.name} {problem}")
         if flags & ~(MEAN_ABS | SPARSE_BF16):

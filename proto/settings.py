@@ -19,6 +19,13 @@ Where things are written:
 - help text, flag name and environment name are in each program's table
   (``ps/__main__.py``, ``worker/__main__.py``).
 
+Allowed values may be a registry's live view (``proto.registry.Names``: ``--optimizer``,
+``--mode``, ``--push-codec``, ``--algorithm``): a name registered later, by a plug-in, is
+accepted, listed by ``--help`` and named in errors; the configuration reference lists the
+names bitps registers itself. A program that takes plug-ins (``Program.plugins``) imports the
+modules ``--plugin`` names (or ``BITPS_PLUGINS``, or the config file's ``plugins`` key: the
+first of them that names any) before it reads any other setting (``proto.plugins``).
+
 Booleans: ``1 true yes on`` and ``0 false no off``, in any case, for flags (``--nesterov``,
 ``--nesterov=false``, ``--no-nesterov``) and environment variables alike; a config file uses
 TOML's ``true``/``false``.
@@ -32,7 +39,8 @@ Python dict of that group spells them (``[parallel_config]`` ``micro_batch_size 
 
 No torch, zmq or grpc here: shards and workers both read their settings through it, and
 ``bitps.proto`` may import neither ``bitps.ps`` nor ``bitps.worker``, so the programs hand their
-tables in (:class:`Program`) and ``docs/gen_configuration.py`` renders them all.
+tables in (:class:`Program`) and ``docs/gen_configuration.py`` renders them all (the Markdown
+cells are ``proto.reference``'s).
 """
 
 from __future__ import annotations
@@ -42,21 +50,25 @@ import dataclasses
 import difflib
 import os
 import sys
-from collections.abc import Collection, Iterator, Mapping, Sequence, Set
+from collections.abc import Collection, Mapping, Sequence, Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bitps import __version__
+from bitps.proto.plugins import load_plugins, split_names
+from bitps.proto.reference import cell, doc_choices, format_value, parser_markdown, prose
+from bitps.proto.registry import Names
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # 3.10: the same parser, from PyPI
     import tomli as tomllib
 
-__all__ = ["BOOL_SPELLINGS", "CHOICES", "FALSE_WORDS", "TRUE_WORDS", "Program", "Resolved",
-           "Setting", "SettingError", "env_name", "format_value", "from_field", "option",
-           "parse_bool", "parser_markdown", "read_config_file"]
+__all__ = ["BOOL_SPELLINGS", "CHOICES", "FALSE_WORDS", "PLUGINS_ENV", "PLUGINS_KEY",
+           "TRUE_WORDS", "Program", "Resolved", "Setting", "SettingError", "config_plugins",
+           "env_name", "format_value", "from_field", "option", "parse_bool", "parser_markdown",
+           "read_config_file"]
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
@@ -64,6 +76,14 @@ BOOL_SPELLINGS = f"{'/'.join(TRUE_WORDS)} or {'/'.join(FALSE_WORDS)} (any case)"
 CHOICES = "choices"
 """The dataclass field metadata key listing a field's allowed values."""
 ENV_PREFIX = "BITPS_"
+PLUGINS_ENV = ENV_PREFIX + "PLUGINS"
+"""The environment twin of ``--plugin``: comma-separated plug-ins."""
+PLUGINS_KEY = "plugins"
+"""The config-file key of ``--plugin``: a string (comma-separated) or an array of strings."""
+_PLUGIN_HELP = ("import this plug-in (a module name on sys.path, or a .py file) before the other "
+                "settings are read, so that the codecs, update rules, consistency modes and "
+                "worker algorithms it registers are valid choices; repeatable, or several "
+                "comma-separated (docs/plugins.md)")
 
 _KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "text"}
 _TOML_KINDS = {bool: "boolean", int: "integer", float: "float", str: "string", list: "array",
@@ -97,23 +117,6 @@ def parse_bool(text: str, *, source: str) -> bool:
 def env_name(name: str) -> str:
     """The environment twin of flag ``--<name>``: ``grpc-port`` -> ``BITPS_GRPC_PORT``."""
     return ENV_PREFIX + name.upper().replace("-", "_")
-
-
-def format_value(value: Any) -> str:
-    """A value as a config file writes it (``true``, ``0.001``, ``"127.0.0.1"`` is shown
-    bare); byte-like powers of two get their size too: ``1048576 (1 MiB)``."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
-            if value >= 1 << shift and value % (1 << shift) == 0:
-                return f"{value} ({value >> shift} {unit})"
-        return str(value)
-    if isinstance(value, str):
-        return value if value else '""'
-    if isinstance(value, (list, tuple)):
-        return " ".join(format_value(v) for v in value)
-    return str(value)
 
 
 def _toml_kind(value: Any) -> str:
@@ -222,7 +225,9 @@ class Setting:
 
     def check(self, value: Any, *, source: str) -> Any:
         if self.choices is not None and value not in self.choices:
-            raise SettingError(f"{source}: got {value!r}; expected {self.kind}")
+            hint = (" (a plug-in's name is one once --plugin loads it)"
+                    if isinstance(self.choices, Names) else "")
+            raise SettingError(f"{source}: got {value!r}; expected {self.kind}{hint}")
         return value
 
     def help_line(self) -> str:
@@ -274,35 +279,56 @@ def _choices(choices: Collection[str] | None) -> Collection[str] | None:
     return tuple(choices)
 
 
-def read_config_file(path: str | os.PathLike, settings: Sequence[Setting]) -> dict[str, Any]:
-    """The values a TOML config file sets, by setting name. Its keys are the flag names
-    without ``--``, and the tables the settings declare (``Setting.table``) hold theirs under
-    their dest names; an unknown key, an undeclared table or a value of the wrong type is a
-    :class:`SettingError` naming the file and the key."""
+def _read_toml(path: str | os.PathLike) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
-            doc = tomllib.load(f)
+            return tomllib.load(f)
     except OSError as err:
         raise SettingError(f"config file {str(path)!r}: {err.strerror or err}") from None
     except tomllib.TOMLDecodeError as err:
         raise SettingError(f"config file {str(path)!r} is not valid TOML: {err}") from None
+
+
+def read_config_file(path: str | os.PathLike, settings: Sequence[Setting], *,
+                     plugins: bool = False) -> dict[str, Any]:
+    """The values a TOML config file sets, by setting name. Its keys are the flag names
+    without ``--``, and the tables the settings declare (``Setting.table``) hold theirs under
+    their dest names; an unknown key, an undeclared table or a value of the wrong type is a
+    :class:`SettingError` naming the file and the key. ``plugins``: the file may hold
+    :data:`PLUGINS_KEY` too (read by :func:`config_plugins`, skipped here)."""
+    doc = _read_toml(path)
     where = f"config file {str(path)!r}"
     tables = {s.table for s in settings if s.table}
     values = {}
     for key, value in doc.items():
+        if plugins and key == PLUGINS_KEY:
+            continue
         if key in tables and isinstance(value, dict):
             values.update(_read_table(value, [s for s in settings if s.table == key],
                                       f"{where}: table [{key}]"))
         else:
             values.update(_read_table({key: value}, [s for s in settings if not s.table],
-                                      where, tables))
+                                      where, tables, (PLUGINS_KEY,) if plugins else ()))
     return values
 
 
+def config_plugins(path: str | os.PathLike) -> list[str]:
+    """The plug-ins a TOML config file names under :data:`PLUGINS_KEY` (none when absent): a
+    string of comma-separated names or an array of strings; anything else is a
+    :class:`SettingError` naming the file and the key."""
+    value = _read_toml(path).get(PLUGINS_KEY, [])
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+        raise SettingError(f"config file {str(path)!r}: key {PLUGINS_KEY!r}: got {value!r} "
+                           f"({_toml_kind(value)}); expected a string or an array of strings "
+                           f"(module names or .py paths)")
+    return split_names(items)
+
+
 def _read_table(doc: dict[str, Any], settings: Sequence[Setting], where: str,
-                tables: Collection[str] = ()) -> dict[str, Any]:
+                tables: Collection[str] = (), others: Sequence[str] = ()) -> dict[str, Any]:
     """The values of one table's entries (the top level: ``tables`` names the tables the
-    file may hold besides)."""
+    file may hold besides, ``others`` the keys read elsewhere: ``plugins``)."""
     by_key = {s.file_key: s for s in settings}
     in_table = bool(settings) and bool(settings[0].table)
     values = {}
@@ -310,12 +336,12 @@ def _read_table(doc: dict[str, Any], settings: Sequence[Setting], where: str,
         setting = by_key.get(key)
         if setting is None:
             spelled = key.replace("-", "_") if in_table else key.replace("_", "-")
-            close = difflib.get_close_matches(spelled, by_key, n=1, cutoff=0.75)
+            close = difflib.get_close_matches(spelled, [*by_key, *others], n=1, cutoff=0.75)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             keys = "the field names" if in_table else "the flag names without --"
             more = "".join(f", table [{t}]" for t in sorted(tables))
             raise SettingError(f"{where}: unknown key {key!r}{hint}; the keys are {keys}: "
-                               f"{', '.join(sorted(by_key))}{more}")
+                               f"{', '.join(sorted([*by_key, *others]))}{more}")
         values[setting.name] = setting.from_toml(value, source=f"{where}: key {key!r}")
     return values
 
@@ -332,6 +358,11 @@ class Resolved:
     ``default``."""
     config: Path | None
     """The ``--config`` file read, if any."""
+    plugins: tuple[str, ...] = ()
+    """The plug-ins loaded (``Program.load_plugins``), in order."""
+    plugins_source: str = ""
+    """Where they were named: ``--plugin``, the environment variable, the config file's key;
+    ``""``: none."""
 
     def __getitem__(self, name: str) -> Any:
         return self.values[name]
@@ -341,9 +372,10 @@ class Resolved:
         return {s.field: self.values[s.name] for s in self.settings if s.owner is owner}
 
     def namespace(self) -> argparse.Namespace:
-        """The values under their flags' dest names, plus ``config``."""
+        """The values under their flags' dest names, plus ``config`` and ``plugin`` (the
+        plug-ins loaded, a list)."""
         return argparse.Namespace(**{s.dest: self.values[s.name] for s in self.settings},
-                                  config=self.config)
+                                  config=self.config, plugin=list(self.plugins))
 
 
 class _BoolFlag(argparse.Action):
@@ -386,14 +418,20 @@ class Program:
     description: str
     settings: tuple[Setting, ...]
     epilog: str = ""
+    plugins: bool = False
+    """Whether the program takes plug-ins: ``--plugin MODULE`` (repeatable, or several
+    comma-separated), :data:`PLUGINS_ENV` and the config file's :data:`PLUGINS_KEY`, loaded
+    by :meth:`load_plugins` before any other setting is read."""
 
     def __post_init__(self) -> None:
         for attr in ("name", "dest", "env"):
             seen = [getattr(s, attr) for s in self.settings if getattr(s, attr)]
             if dup := sorted({v for v in seen if seen.count(v) > 1}):
                 raise TypeError(f"{self.prog}: settings share the {attr} {dup}")
-        if {"config", "version", "help"} & {s.name for s in self.settings}:
-            raise TypeError(f"{self.prog}: config, version and help are not settings")
+        if {"config", "version", "help", "plugin", PLUGINS_KEY} & {s.name for s in self.settings}:
+            raise TypeError(f"{self.prog}: config, version, help and plugin are not settings")
+        if PLUGINS_ENV in {s.env for s in self.settings}:
+            raise TypeError(f"{self.prog}: {PLUGINS_ENV} is --plugin's")
 
     def parser(self) -> argparse.ArgumentParser:
         """The parser of the whole command line: every setting's flag, ``--config`` and
@@ -407,6 +445,10 @@ class Program:
         p.add_argument("--config", metavar="FILE", type=Path, default=None,
                        help="TOML file of settings: keys are the flag names without --; "
                             "flags and environment variables win over it")
+        if self.plugins:
+            p.add_argument("--plugin", metavar="MODULE", action="append", default=[],
+                           help=_PLUGIN_HELP + f" (env {PLUGINS_ENV}; config file key "
+                           f"{PLUGINS_KEY})")
         for s in self.settings:
             # argparse %-formats help strings
             kw = dict(dest=s.dest, default=s.default, help=s.help_line().replace("%", "%%"))
@@ -418,20 +460,49 @@ class Program:
                                type=lambda text, s=s: _flag_value(s, text), **kw)
         return p
 
+    def load_plugins(self, argv: Sequence[str] | None = None,
+                     environ: Mapping[str, str] | None = None) -> tuple[tuple[str, ...], str]:
+        """Import the plug-ins named by the first source that names any: ``--plugin`` in
+        ``argv`` (default ``sys.argv[1:]``), else :data:`PLUGINS_ENV` in ``environ`` (default
+        ``os.environ``), else the ``--config`` file's :data:`PLUGINS_KEY`; returns their names
+        and that source (``()``, ``""``: none, or the program takes none). Importing is
+        idempotent (``proto.plugins``); one that fails is a ``proto.plugins.PluginError``
+        naming it and the source. :meth:`parse` calls it first; a program whose settings
+        depend on what plug-ins register (a rule's own flags) calls it before building them."""
+        if not self.plugins:
+            return (), ""
+        pre = argparse.ArgumentParser(prog=self.prog, add_help=False)
+        pre.add_argument("--config", type=Path, default=None)
+        pre.add_argument("--plugin", action="append", default=[])
+        ns, _ = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
+        environ = os.environ if environ is None else environ
+        names, source = split_names(ns.plugin), "--plugin"
+        if not names and environ.get(PLUGINS_ENV):
+            names, source = split_names([environ[PLUGINS_ENV]]), \
+                f"environment variable {PLUGINS_ENV}"
+        if not names and ns.config is not None:
+            names = config_plugins(ns.config)
+            source = f"config file {str(ns.config)!r}: key {PLUGINS_KEY!r}"
+        load_plugins(names, source=source)
+        return tuple(names), source if names else ""
+
     def parse(self, argv: Sequence[str] | None = None,
               environ: Mapping[str, str] | None = None) -> Resolved:
         """Every setting's value: its flag in ``argv`` (default ``sys.argv[1:]``), else its
         variable in ``environ`` (default ``os.environ``), else its key in the ``--config``
         file, else its default. An empty variable counts as unset, except for a text setting,
         where it is the empty text. A bad flag exits through argparse (status 2); a bad
-        variable or file is a :class:`SettingError`."""
+        variable or file is a :class:`SettingError`; a plug-in that cannot be loaded
+        (:meth:`load_plugins`, first) a ``proto.plugins.PluginError``."""
+        plugins, plugins_source = self.load_plugins(argv, environ)
         parser = self.parser()
         # Flags not given parse to _UNSET, so that a flag given with the default's value still
         # wins over the environment and the file.
         parser.set_defaults(**{s.dest: _UNSET for s in self.settings})
         ns = parser.parse_args(argv)
         environ = os.environ if environ is None else environ
-        in_file = read_config_file(ns.config, self.settings) if ns.config is not None else {}
+        in_file = read_config_file(ns.config, self.settings, plugins=self.plugins) \
+            if ns.config is not None else {}
         values, sources = {}, {}
         for s in self.settings:
             value = getattr(ns, s.dest)
@@ -447,7 +518,7 @@ class Program:
                 values[s.name], sources[s.name] = in_file[s.name], f"config file {ns.config!s}"
             else:
                 values[s.name], sources[s.name] = s.default, "default"
-        return Resolved(self.settings, values, sources, ns.config)
+        return Resolved(self.settings, values, sources, ns.config, plugins, plugins_source)
 
     def markdown(self) -> str:
         """This program's section of the configuration reference: one row per setting."""
@@ -456,77 +527,16 @@ class Program:
                 "|---|---|---|---|---|---|---|"]
         for s in self.settings:
             flag = f"`{s.flag}`, `--no-{s.name}`" if s.type is bool else f"`{s.flag}`"
-            kind = ("one of " + ", ".join(f"`{c}`" for c in s.choices) if s.choices
-                    else _KINDS[s.type])
+            kind = doc_choices(s.choices) if s.choices else _KINDS[s.type]
             key = f"`[{s.table}]` `{s.file_key}`" if s.table else f"`{s.name}`"
             cells = [flag, f"`{s.env}`" if s.env else "—", key, kind,
                      f"`{format_value(s.default)}`", f"`{s.target}`" if s.target else "—",
                      ]
-            rows.append("| " + " | ".join(_cell(c) for c in cells) + f" | {_prose(s.help)} |")
+            rows.append("| " + " | ".join(cell(c) for c in cells) + f" | {prose(s.help)} |")
+        if self.plugins:
+            rows.append(f"| `--plugin MODULE` (repeatable) | `{PLUGINS_ENV}` | `{PLUGINS_KEY}` "
+                        f"| module names or `.py` paths, comma-separated | `\"\"` | — | "
+                        f"{prose(_PLUGIN_HELP)} |")
         if self.epilog:
             rows += ["", self.epilog]
         return "\n".join(rows) + "\n"
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def _prose(text: str) -> str:
-    """A table cell of plain text: ``<R>`` must not read as an HTML tag."""
-    return _cell(text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;"))
-
-
-def _invocation(a: argparse.Action) -> str:
-    """``--sizes-mib SIZES_MIB [SIZES_MIB ...]``: spelled here, not by argparse's formatter,
-    whose spelling changed in Python 3.13 (the page must not depend on the Python rendering
-    it)."""
-    if a.nargs == 0:
-        return ", ".join(a.option_strings)
-    m = a.metavar if isinstance(a.metavar, str) else (
-        "{" + ",".join(map(str, a.choices)) + "}" if a.choices else a.dest.upper())
-    value = {None: m, "?": f"[{m}]", "*": f"[{m} ...]", "+": f"{m} [{m} ...]"}.get(
-        a.nargs, " ".join([m] * a.nargs) if isinstance(a.nargs, int) else m)
-    if not a.option_strings:
-        return value
-    return ", ".join([f"{a.option_strings[0]} {value}", *a.option_strings[1:]])
-
-
-def _action_rows(parser: argparse.ArgumentParser) -> Iterator[str]:
-    for a in parser._actions:  # argparse offers no public walk of its actions
-        if isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)):
-            continue
-        flag = f"`{_invocation(a)}`"
-        if (isinstance(a, argparse._VersionAction) or a.default is None
-                or a.default is argparse.SUPPRESS or a.default == []):
-            default = "—"
-        else:
-            default = f"`{format_value(a.default)}`"
-        help_text = "" if a.help in (None, argparse.SUPPRESS) else a.help
-        try:  # as argparse expands it
-            help_text = help_text % dict(vars(a), prog=parser.prog)
-        except (KeyError, TypeError, ValueError):
-            pass
-        yield "| " + " | ".join((_cell(flag), _cell(default), _prose(help_text))) + " |"
-
-
-def parser_markdown(parser: argparse.ArgumentParser, *, level: int = 2,
-                    description: str | None = None) -> str:
-    """A reference section rendered from an argparse parser (its sub-commands as
-    sub-sections): every option with its default and help, for programs whose flags have no
-    environment twin or config file."""
-    heading = "#" * level
-    out = [f"{heading} `{parser.prog}`", ""]
-    if description := description or parser.description:
-        out += [description, ""]
-    rows = list(_action_rows(parser))
-    if rows:
-        out += ["| flag | default | meaning |", "|---|---|---|", *rows, ""]
-    for a in parser._actions:
-        if isinstance(a, argparse._SubParsersAction):
-            helps = {c.dest: c.help for c in a._choices_actions}
-            for name, sub in a.choices.items():
-                out.append(parser_markdown(sub, level=level + 1,
-                                           description=helps.get(name) or "").rstrip("\n"))
-                out.append("")
-    return "\n".join(out).rstrip("\n") + "\n"

@@ -29,7 +29,10 @@ exactly-once window (``ShardCore.dedup``, ``ps.dedup.ExactlyOnce``); the key sto
 ``state.safetensors``, per key:
 
     ``<key>/rule/<name>``   the rule state dict's arrays (step, moments; a rule's own, e.g.
-                            1-bit Adam's switch flag, frozen bias correction and m code)
+                            1-bit Adam's switch flag, frozen bias correction and m code; a
+                            nested dict's as ``<name>/<inner name>``); its other entries
+                            (scalars, lists: a plug-in rule's counters) are the manifest's
+                            ``keys.<key>.rule``
     ``<key>/residual``      the shard's error feedback of the codes it publishes (the
                             publisher state dict's ``residual``; keys with compressed pulls,
                             rules that publish codes of their own)
@@ -50,8 +53,10 @@ exactly-once window (``ShardCore.dedup``, ``ps.dedup.ExactlyOnce``); the key sto
      "core": {"updates_applied", "initialized", "membership_changed"},
      "clocks": {"world_size", "workers": [{"rank", "clock", "registered", "left", "dropped"}]},
      "keys": {"<key>": {"version", "pushed": [ranks], "folded", "history": [[version, bytes]],
-              "pushers": [ranks whose plan has the key], "initialized"}},   (partial plans:
-              each key's pushers; absent from older checkpoints: every registered rank)
+              "pushers": [ranks whose plan has the key], "initialized",
+              "rule": {"<name>": JSON value}}},   (partial plans: each key's pushers; absent
+              from older checkpoints: every registered rank. "rule": the rule state's entries
+              that are no arrays, flat names as in state.safetensors; absent when none)
      "dedup": {"<rank>": [[incarnation, request_id], ...]},   the exactly-once window
               (ShardCore.dedup's "ids"), oldest first: a push applied before the checkpoint
               and replayed after a restore is answered and not applied again
@@ -88,6 +93,7 @@ import numpy as np
 
 from bitps import __version__
 from bitps.proto import bitps_pb2 as pb
+from bitps.proto.state import join_state, split_state
 from bitps.proto.wire import PROTOCOL, PSError
 from bitps.ps.checkpoint_files import (  # the files: re-exported, part of this module's API
     FORMAT,
@@ -142,9 +148,15 @@ def _key_state(key: int, slot: Slot, codes: dict | None, params: dict, state: di
     state dicts laid out by name, their versions into ``layouts``); returns its manifest
     entry."""
     params[str(key)] = slot.param.copy()
-    rule = slot.rule_state.state_dict()
+    rule = dict(slot.rule_state.state_dict())
+    if not isinstance(rule.get("version"), int):
+        raise ValueError(f"key {key}: {type(slot.rule_state).__name__}.state_dict() has "
+                         f"version {rule.get('version')!r}; expected an int (proto.state)")
     layouts["rule"] = rule.pop("version")
-    for name, arr in rule.items():
+    # any rule's state: its arrays go to the tensor file, the rest (a plug-in's counters,
+    # nested versions) to the manifest
+    arrays, values = split_state(rule)
+    for name, arr in arrays.items():
         state[f"{key}/rule/{name}"] = arr
     if slot.last_delta is not None:
         state[f"{key}/last_delta"] = slot.last_delta.copy()
@@ -160,9 +172,12 @@ def _key_state(key: int, slot: Slot, codes: dict | None, params: dict, state: di
     if history:
         state[f"{key}/history"] = np.frombuffer(b"".join(p for _, p in history),
                                                 np.uint8).copy()
-    return {"version": slot.version, "pushed": sorted(slot.pushed), "folded": slot.folded,
-            "history": [[v, len(p)] for v, p in history], "pushers": sorted(slot.pushers),
-            "initialized": slot.initialized}
+    entry = {"version": slot.version, "pushed": sorted(slot.pushed), "folded": slot.folded,
+             "history": [[v, len(p)] for v, p in history], "pushers": sorted(slot.pushers),
+             "initialized": slot.initialized}
+    if values:  # the built-in rules' state is all arrays: their manifests are as before
+        entry["rule"] = values
+    return entry
 
 
 def snapshot(core: ShardCore) -> Snapshot:
@@ -292,11 +307,15 @@ def _restore_key(core: ShardCore, ckpt: Checkpoint, key: int) -> None:
                                             if w["registered"]]))
     slot.initialized = bool(info.get("initialized", m["core"]["initialized"]))
     prefix = f"{key}/rule/"
+    rule = join_state({k[len(prefix):]: v for k, v in st.items() if k.startswith(prefix)},
+                      info.get("rule", {}))
     try:
-        slot.rule_state.load_state_dict({"version": _layout(ckpt, "rule"), **{
-            k[len(prefix):]: v for k, v in st.items() if k.startswith(prefix)}})
+        slot.rule_state.load_state_dict({"version": _layout(ckpt, "rule"), **rule})
     except PSError as err:
         raise CheckpointError(ckpt.path, f"key {key}: {err.message}") from None
+    except (ValueError, TypeError, KeyError) as err:  # a plug-in's own refusal
+        raise CheckpointError(ckpt.path, f"key {key}: {type(slot.rule_state).__name__} "
+                              f"refused the saved state: {type(err).__name__}: {err}") from None
     if slot.last_delta is not None:
         np.copyto(slot.last_delta, _array(ckpt, st, f"{key}/last_delta", (n,), f32))
     slot.folded, slot.pushed = info["folded"], set(info["pushed"])

@@ -22,11 +22,12 @@ RULES = Registry("update rule")
 """Every update rule by ``OptimizerConfig.name`` (``ps.rules`` and the rule plug-ins register
 theirs; so may any module imported before the config is made)."""
 CONSISTENCY = Registry("consistency mode")
-"""Every consistency mode by ``ServerConfig.mode`` (``ps.consistency``)."""
-OPTIMIZERS = RULES.keys()
-"""The ``--optimizer`` choices: a live view of :data:`RULES`."""
-MODES = CONSISTENCY.keys()
-"""The ``--mode`` choices: a live view of :data:`CONSISTENCY`."""
+"""Every consistency mode by ``ServerConfig.mode`` (``ps.consistency``; so may any module
+imported before the config is made, such as a plug-in)."""
+OPTIMIZERS = RULES.names()
+"""The ``--optimizer`` choices: a live view of :data:`RULES` (a plug-in's rule included)."""
+MODES = CONSISTENCY.names()
+"""The ``--mode`` choices: a live view of :data:`CONSISTENCY` (a plug-in's mode included)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -47,7 +48,7 @@ class OptimizerConfig:
 
     name: str = field(default="adam", metadata={"choices": OPTIMIZERS})
     """A registered update rule: ``sgd``, ``momentum``, ``adam``, ``adamw``, ``onebit_adam``,
-    ``nesterov`` (local SGD's outer rule, ``ps.outer``)."""
+    ``nesterov`` (local SGD's outer rule, ``ps.outer``) or a plug-in's (``ps.rules.register``)."""
     lr: float = 1e-3
     """Learning rate (the peak, with a schedule)."""
     schedule: LRSchedule = field(default_factory=LRSchedule)
@@ -122,7 +123,8 @@ class ServerConfig:
     metrics_port: int = 0
     """Prometheus HTTP port; 0 picks a free port, -1 disables the endpoint."""
     mode: str = field(default="async", metadata={"choices": MODES})
-    """Consistency: ``sync`` (BSP), ``async`` (ASP) or ``ssp`` (bounded staleness)."""
+    """Consistency: ``sync`` (BSP), ``async`` (ASP), ``ssp`` (bounded staleness) or a mode a
+    plug-in registers (``ps.consistency.register``)."""
     staleness: int = 2
     """SSP bound S: a worker at clock c is held until every live worker has clock >= c - S."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

@@ -8,6 +8,11 @@ and allowed values come from the dataclasses (``ClientConfig``, ``CodecConfig``,
 ``OverlapConfig``, ``PoolConfig``, ``RunConfig``, ``DemoConfig``); :func:`program` adds only
 names and help, and ``docs/configuration.md`` is rendered from it.
 
+``--algorithm`` picks a trainer from the registry (``worker.algorithms.trainers``: ``ps``,
+``diloco``). Plug-ins (``--plugin MODULE``, ``BITPS_PLUGINS``, config key ``plugins``;
+docs/plugins.md) are imported before any other setting is read, so ``--algorithm``,
+``--push-codec`` and ``--pull-codec`` accept the trainers and codecs they register.
+
 With ``--json`` it prints one JSON object per line on stdout (``start``, which names the steps
 it will run, ``step`` every ``--log-every`` steps, ``done`` whose ``final_loss`` is the mean of
 the last 10 steps and which counts the bytes pushed on the wire and pulled), which
@@ -35,8 +40,9 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from bitps.proto.codecs import CODECS, CodecConfig
+from bitps.proto.codecs import CODEC_NAMES, CodecConfig
 from bitps.proto.settings import Program, from_field, option
+from bitps.worker.algorithms.trainers import make_trainer
 from bitps.worker.config import (
     AlgorithmConfig,
     ClientConfig,
@@ -85,7 +91,8 @@ def program() -> Program:
         from_field(_R, "steps", help="training steps"),
         from_field(_A, "name", name="algorithm",
                    help="ps: push gradients and pull parameters every step; diloco: local "
-                        "SGD, H inner AdamW steps per push of the pseudo-gradient"),
+                        "SGD, H inner AdamW steps per push of the pseudo-gradient; or a "
+                        "plug-in's trainer"),
         from_field(_A, "inner_steps", help="diloco: inner steps per round (H)"),
         from_field(_A, "inner_lr", help="diloco: inner AdamW learning rate"),
         from_field(_A, "inner_weight_decay", help="diloco: inner AdamW weight decay"),
@@ -110,7 +117,7 @@ def program() -> Program:
         from_field(_K, "name", name="push-codec",
                    help="gradient codec, with error feedback (a onebit_adam shard overrides "
                         "it)"),
-        option("pull-codec", default="push", choices=("push", *CODECS),
+        option("pull-codec", default="push", choices=CODEC_NAMES.plus("push"),
                help="codec the shards publish parameter updates with for pulls (their own "
                     "error feedback; workers stay bit-identical); push = the push codec's"),
         from_field(_K, "chunk", name="codec-chunk",
@@ -154,7 +161,7 @@ def program() -> Program:
                    help="saved tensors below this stay with the framework allocator"),
         from_field(_R, "log_every", help="progress line every N steps"),
         from_field(_R, "json", help="print JSON progress lines (for bitps-launch)"),
-    ))
+    ), plugins=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -279,7 +286,7 @@ def _train(cfg: WorkerConfig, client) -> int:
         torch.cuda.set_device(device)
     corpus = load_corpus(demo.corpus_bytes)
     model = build_model(demo).to(device)
-    trainer = TRAINERS[cfg.algorithm.name](model, client, cfg)
+    trainer = make_trainer(cfg.algorithm.name, model, client, cfg)
     pool = None
     if run.activation_pool:
         from bitps.worker.memory.pool import ActivationPool
@@ -345,29 +352,6 @@ def _train(cfg: WorkerConfig, client) -> int:
           utilization=sum(utilization) / max(len(utilization), 1),
           pool=_pool_summary(pool))
     return 0
-
-
-def _ps_model(model, client, cfg: WorkerConfig):
-    from bitps.worker.training.model import PSModel
-
-    return PSModel(model, client, overlap=cfg.overlap, encoder=cfg.encoder)
-
-
-def _local_sgd(model, client, cfg: WorkerConfig):
-    import torch
-
-    from bitps.worker.algorithms.local_sgd import LocalSGD
-
-    a = cfg.algorithm
-    inner = torch.optim.AdamW(model.parameters(), lr=a.inner_lr,
-                              weight_decay=a.inner_weight_decay)
-    return LocalSGD(model, client, inner, inner_steps=a.inner_steps, fragments=a.fragments,
-                    overlap_steps=a.fragment_overlap_steps, encoder=cfg.encoder)
-
-
-TRAINERS = {"ps": _ps_model, "diloco": _local_sgd}
-"""How each ``--algorithm`` wraps the model: ``(model, client, cfg) -> trainer`` with
-``step()``, ``clock``, ``keys`` and ``close()``."""
 
 
 def _pool_summary(pool) -> dict | None:

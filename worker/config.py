@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 
 from bitps.proto.codecs import CodecConfig
 from bitps.proto.keyplan import DEFAULT_PARTITION_BYTES
+from bitps.proto.registry import Registry
 from bitps.proto.settings import Setting, from_field
 
-__all__ = ["ALGORITHMS", "AlgorithmConfig", "ClientConfig", "EncoderConfig", "OverlapConfig",
-           "PoolConfig", "RunConfig"]
+__all__ = ["ALGORITHMS", "TRAINERS", "AlgorithmConfig", "ClientConfig", "EncoderConfig",
+           "OverlapConfig", "PoolConfig", "RunConfig"]
 
 OVERLAP_MODES = ("auto", "on", "off")
 
@@ -310,7 +311,12 @@ class RunConfig:
             raise ValueError(f"step_delay_s must be >= 0, got {self.step_delay_s}")
 
 
-ALGORITHMS = ("ps", "diloco")
+TRAINERS = Registry("worker algorithm")
+"""Every worker algorithm by ``AlgorithmConfig.name``: a trainer factory ``(model, client,
+cfg) -> trainer`` (``worker.algorithms.trainers``, where ``ps`` and ``diloco`` register, and
+where a plug-in registers its own with ``register_trainer``)."""
+ALGORITHMS = TRAINERS.names()
+"""The ``--algorithm`` choices: a live view of :data:`TRAINERS`."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -322,7 +328,8 @@ class AlgorithmConfig:
     shards run the optimizer). ``diloco``: local SGD (``worker.algorithms.local_sgd.LocalSGD``):
     every worker runs ``inner_steps`` steps of AdamW on its own, then pushes the pseudo-gradient and
     pulls; the shards' rule is the outer optimizer (``bitps-launch --algorithm diloco`` sets
-    DiLoCo's: SGD, Nesterov momentum 0.9, lr 0.7)."""
+    DiLoCo's: SGD, Nesterov momentum 0.9, lr 0.7). Or a trainer a plug-in registers
+    (:data:`TRAINERS`)."""
     inner_steps: int = 8
     """diloco: inner steps per round (H); one push and one pull per round."""
     inner_lr: float = 3e-3
@@ -338,7 +345,7 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         if self.name not in ALGORITHMS:
-            raise ValueError(f"algorithm {self.name!r}; expected one of {ALGORITHMS}")
+            raise ValueError(f"algorithm {self.name!r}; expected one of {tuple(ALGORITHMS)}")
         if self.inner_steps < 1:
             raise ValueError(f"inner_steps must be >= 1, got {self.inner_steps}")
         if not 1 <= self.fragments <= self.inner_steps:

@@ -135,7 +135,7 @@ def program() -> Program:
         from_field(_R, "metrics_host", help="address the Prometheus endpoint binds to"),
         from_field(_R, "log_every", help="progress line every N steps"),
         from_field(_R, "json", help="print JSON progress lines (for bitps-launch)"),
-    ))
+    ), plugins=True)  # a plug-in's codec as --push-codec (docs/plugins.md)
 
 
 def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
