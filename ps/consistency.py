@@ -228,17 +228,25 @@ class Async(Consistency):
         return self.cfg.lookahead
 
     def push(self, core, header, slots, grads, live, min_clock):
-        cfg = self.cfg
         for i, (slot, grad) in enumerate(zip(slots, grads)):
-            # a clock's pushes of a key share one step's learning rate (ServerConfig.split_lr):
-            # split over the key's live pushers
-            split = 1.0 / max(len(_pushers(core, slot, live)), 1) if cfg.split_lr else 1.0
             vgap = slot.version - header.versions[i] if header.versions else 0
-            lr_scale = cfg.optimizer.schedule.factor(header.clock) * split
-            if cfg.staleness_damping:
-                lr_scale /= 1 + max(vgap, 0)
+            lr_scale = self.lr_scale(header.clock, len(_pushers(core, slot, live)), vgap)
             core.updates.on_arrival(slot, grad, header.clock, lr_scale,
                                     clock_gap=header.clock - min_clock, version_gap=vgap)
+
+    def lr_scale(self, clock: int, pushers: int, version_gap: int) -> float:
+        """The learning-rate scale of one push of step ``clock`` of a key with ``pushers``
+        live pushers, ``version_gap`` updates after the version it was computed on: the
+        schedule's factor, split over the pushers (``ServerConfig.split_lr``: a clock's pushes
+        of a key share one step's learning rate), damped by the gap
+        (``ServerConfig.staleness_damping``)."""
+        cfg = self.cfg
+        scale = cfg.optimizer.schedule.factor(clock)
+        if cfg.split_lr:
+            scale *= 1.0 / max(pushers, 1)
+        if cfg.staleness_damping:
+            scale /= 1 + max(version_gap, 0)
+        return scale
 
 
 @register
