@@ -48,118 +48,30 @@ started by hand (docs/pipeline.md)::
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import os
 import queue
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from bitps.worker.launch.processes import Child, Cluster
+
 __all__ = ["main"]
 
 console = Console(stderr=True)
 
 
-@dataclass
-class _Child:
-    name: str
-    proc: subprocess.Popen
-    log: Path
-    events: list = field(default_factory=list)
-
-
-def _die_with_parent() -> None:
-    """Child side of fork: get SIGKILL if the launcher dies, so no orphan outlives it."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-class Cluster:
-    """The processes of one local run."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
-        self.children: list[_Child] = []
-        self.events: queue.Queue = queue.Queue()
-
-    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None, *,
-              echo: bool = False) -> _Child:
-        """Start ``argv``; its JSON stdout lines become events, its stderr its log. ``echo``
-        (a user's script): stdout and stderr together are its log, and every line is an
-        ``output`` event; an ``eof`` event follows the last."""
-        log = self.run_dir / f"{name}.log"
-        env = dict(os.environ, **(env or {}), PYTHONUNBUFFERED="1")
-        with log.open("wb") as stderr:  # the child keeps its own descriptor
-            proc = subprocess.Popen(argv, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT if echo else stderr,
-                                    stdin=subprocess.DEVNULL, start_new_session=True, env=env,
-                                    preexec_fn=_die_with_parent if sys.platform == "linux"
-                                    else None)
-        child = _Child(name, proc, log)
-        threading.Thread(target=self._echo if echo else self._read, args=(child,),
-                         daemon=True).start()
-        self.children.append(child)
-        return child
-
-    def _echo(self, child: _Child) -> None:
-        with child.log.open("ab") as log:
-            for raw in child.proc.stdout:
-                log.write(raw)
-                log.flush()
-                line = raw.decode(errors="replace").rstrip("\r\n")
-                self.events.put((child, {"event": "output", "line": line}))
-        self.events.put((child, {"event": "eof"}))
-
-    def _read(self, child: _Child) -> None:
-        for raw in child.proc.stdout:
-            try:
-                event = json.loads(raw)
-            except ValueError:
-                continue
-            child.events.append(event)
-            self.events.put((child, event))
-
-    def failed(self) -> _Child | None:
-        for c in self.children:
-            if c.proc.poll() not in (None, 0):
-                return c
-        return None
-
-    def teardown(self, grace_s: float = 5.0) -> None:
-        alive = [c for c in self.children if c.proc.poll() is None]
-        for c in alive:
-            _signal_group(c.proc, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for c in alive:
-            try:
-                c.proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                _signal_group(c.proc, signal.SIGKILL)
-                c.proc.wait()
-
-
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 @dataclass(frozen=True)
@@ -331,7 +243,7 @@ def _run(cluster: Cluster, args, worker_args: list[str]) -> int:
     return code
 
 
-def _write_endpoints(cluster: Cluster, ready: list[dict], workers: list[_Child]) -> None:
+def _write_endpoints(cluster: Cluster, ready: list[dict], workers: list[Child]) -> None:
     """``cluster.json`` in the run dir: every metrics endpoint, once every worker has started."""
     while any(not w.events for w in workers):
         if cluster.failed() is not None:
@@ -344,7 +256,7 @@ def _write_endpoints(cluster: Cluster, ready: list[dict], workers: list[_Child])
     tmp.replace(cluster.run_dir / "cluster.json")
 
 
-def _wait_ready(cluster: Cluster, shards: list[_Child], timeout: float) -> list[dict] | None:
+def _wait_ready(cluster: Cluster, shards: list[Child], timeout: float) -> list[dict] | None:
     deadline = time.monotonic() + timeout
     ready: dict[int, dict] = {}
     while len(ready) < len(shards):
@@ -371,7 +283,7 @@ def _stage_start(event: dict) -> str:
             f"http://127.0.0.1:{event['metrics_port']}/metrics")
 
 
-def _follow(cluster: Cluster, workers: list[_Child],
+def _follow(cluster: Cluster, workers: list[Child],
             describe: Callable[[dict], str] = _worker_start) -> int:
     """Progress bars of ``workers`` until they exit; ``describe`` words a ``start`` line."""
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -446,7 +358,7 @@ def _run_script(cluster: Cluster, args, script_args: list[str]) -> int:
     return _follow_output(cluster, workers)
 
 
-def _follow_output(cluster: Cluster, workers: list[_Child]) -> int:
+def _follow_output(cluster: Cluster, workers: list[Child]) -> int:
     """Show the workers' output lines until every one has ended; 1 if a process failed."""
     running = {w.name for w in workers}
     while running:
@@ -578,7 +490,7 @@ def _report_pipeline(summary: dict, expect_drop: float) -> int:
     return code
 
 
-def _explain(child: _Child, why: str | None) -> None:
+def _explain(child: Child, why: str | None) -> None:
     status = why or f"exited with status {child.proc.returncode}"
     tail = child.log.read_text(errors="replace").splitlines()[-15:] if child.log.exists() else []
     console.print(f"[red]{child.name} {status}; last lines of {child.log}:")
