@@ -16,6 +16,7 @@ from bitps.bench import config
 from bitps.bench.__main__ import _ALL, SCENARIOS, build_parser
 from bitps.bench.options import field_docs, from_args
 from bitps.proto.settings import format_value
+from tests.helpers import docs_generator
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = {"-h", "--help", "--out"}  # every sub-command's, not a scenario's own
@@ -170,11 +171,7 @@ def test_each_scenario_runs_from_its_config(name):
 
 
 def _generator():
-    spec = importlib.util.spec_from_file_location("gen_configuration",
-                                                  ROOT / "docs" / "gen_configuration.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return docs_generator()
 
 
 def test_benchmarks_page_lists_the_options_as_generated():

@@ -29,6 +29,7 @@ from bitps.proto.plugins import PluginError, load_plugins
 from bitps.proto.settings import SettingError
 from bitps.proto.wire import PROTOCOL
 from tests.faults import ROOT, ServerProcess, start_server
+from tests.helpers import one_key_core
 
 PLUGINS = ROOT / "tests" / "plugins_outside"
 CODEC, RULE, MODE, TRAINER = (str(PLUGINS / f) for f in (
@@ -124,15 +125,7 @@ def test_a_plugin_that_cannot_be_loaded_stops_the_program_with_status_2(
 
 # -- in one process: the rule and the mode on a shard core, and a checkpoint ------------------
 def _core(cfg):
-    from bitps.ps.shard import ShardCore
-
-    core = ShardCore(cfg, now=lambda: 0.0)
-    spec = pb.KeySpec(key=0, name="w", offset=0, length=N, dtype=pb.FLOAT32)
-    init = np.linspace(-1, 1, N, dtype=np.float32)
-    core.register(pb.RegisterRequest(protocol=PROTOCOL, rank=0, world_size=1, signature="s",
-                                     num_shards=1, shard_id=0, keys=[spec], sends_values=True),
-                  {0: init.tobytes()})
-    return core
+    return one_key_core(cfg, N)
 
 
 def _push(core, payload: bytes, codec, clock: int) -> None:

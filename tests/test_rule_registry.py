@@ -18,18 +18,13 @@ from bitps.ps.onebit import (
 )
 from bitps.ps.rules import RULES, UpdateRule, make_rule
 from bitps.ps.shard import ShardCore
+from tests.helpers import one_key_core
 
 N = 4096  # one key, large enough for several sign1 chunks
 
 
 def _core(mode: str, optimizer: OptimizerConfig) -> ShardCore:
-    core = ShardCore(ServerConfig(mode=mode, optimizer=optimizer), now=lambda: 0.0)
-    spec = pb.KeySpec(key=0, name="w", offset=0, length=N, dtype=pb.FLOAT32)
-    init = np.linspace(-1, 1, N, dtype=np.float32)
-    core.register(pb.RegisterRequest(protocol=PROTOCOL, rank=0, world_size=1, signature="s",
-                                     num_shards=1, shard_id=0, keys=[spec], sends_values=True),
-                  {0: init.tobytes()})
-    return core
+    return one_key_core(ServerConfig(mode=mode, optimizer=optimizer), N)
 
 
 def _push(core: ShardCore, clock: int, seed: int) -> None:

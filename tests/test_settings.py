@@ -5,7 +5,6 @@ config file of ``bitps-server`` and ``bitps-worker``, defaults from the dataclas
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import re
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from bitps.ps import __main__ as server_cli
 from bitps.ps.config import OptimizerConfig, ServerConfig
 from bitps.worker.config import ClientConfig, OverlapConfig, PoolConfig, RunConfig
 from bitps.worker.launch import launcher as launch
+from tests.helpers import docs_generator
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "configuration.md"
@@ -357,11 +357,7 @@ def test_launch_restates_no_shard_default():
 
 
 def _generator():
-    spec = importlib.util.spec_from_file_location("gen_configuration",
-                                                  ROOT / "docs" / "gen_configuration.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return docs_generator()
 
 
 def test_configuration_page_is_generated(worker_cli):
