@@ -20,7 +20,7 @@ used.
 
 The shard's registration reply names the rule (``RegisterReply.rule``, :data:`RULE`) and packs
 its :class:`OneBitParams` (``proto/onebit.proto``) in ``RegisterReply.rule_params``; the
-momenta and frozen v come from the generic RuleState call (``PSClient.load_optimizer_state``)
+momenta and frozen v come from the generic RuleState call (``ControlClient.rule_state``)
 in the layout ``proto/onebit.proto`` documents.
 """
 

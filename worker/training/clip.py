@@ -13,7 +13,7 @@ What bitps does instead (any codec, any consistency mode, nothing changes on the
    shows. ``p_b`` depends on nothing but ``g_b`` and the past, not on which buckets happened
    to be pushed before it, so a sync run repeats bit for bit.
 2. Once every bucket of the step is pushed, ``|g|`` and so ``s`` are known, and every bucket's
-   residual gets ``(s - p_b) * g_b`` (``PSClient.clip_correct``), in the units its push
+   residual gets ``(s - p_b) * g_b`` (``Encoder.clip_correct``), in the units its push
    carried, so the next push delivers what this one missed.
 
 So error feedback stays in clipped units: what the shards receive over the run is the clipped
