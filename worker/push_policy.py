@@ -30,6 +30,7 @@ from bitps.worker.transport.channel import DECODE_ADD, CodeApplier
 
 if TYPE_CHECKING:
     from bitps.proto import bitps_pb2 as pb
+    from bitps.proto.keyplan import KeyPlan
 
 __all__ = ["CODEC_PUSH", "POLICIES", "CodecPush", "PushPolicy", "RuleStateFetch",
            "for_registration", "register_policy"]
@@ -55,9 +56,10 @@ class PushPolicy:
     """Whether a registration again (a rejoin) keeps this policy and its state, or takes the
     fresh one the shards' replies call for."""
 
-    def bind(self, fetch: RuleStateFetch) -> None:
-        """Called once the policy is chosen: how to fetch the shards' rule state (the policies
-        that use it keep ``fetch``)."""
+    def bind(self, fetch: RuleStateFetch, plan: KeyPlan) -> None:
+        """Called once the policy is chosen (at each registration): how to fetch the shards'
+        rule state, and the plan registered (the policies that use them keep them)."""
+        self.plan = plan
 
     def codec_at(self, clock: int, configured: Codec) -> Codec:
         """The codec pushes for ``clock`` use (``configured``: the encoder's push codec)."""
@@ -82,16 +84,23 @@ class PushPolicy:
         scrape time (``WorkerMetrics.watch_codecs``); none by default."""
         return iter(())
 
-    def state(self) -> dict:
-        """State this policy keeps on the worker, to save beside the residuals (1-bit Adam's
-        worker moments); empty by default. Arrays are the policy's own."""
-        return {}
+    def state_dict(self) -> dict:
+        """The state this policy keeps on the worker (a ``proto.state.Stateful``): layout
+        version 1, ``{"version": 1, "keys": {key: ...}}``, each key's entry the policy's own
+        (1-bit Adam's worker moments: ``(step, m, v)``); no keys by default. Arrays are the
+        policy's own, updated by each push."""
+        return {"version": 1, "keys": {}}
 
-    def load_state(self, plan, state) -> None:
-        """Restore :meth:`state` for ``plan`` (validated whole before anything changes)."""
-        raise RuntimeError(f"the {type(self).__name__} push policy keeps no worker state: "
-                           "register() with shards whose rule calls for a policy that keeps "
-                           "some first")
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` for the plan it was bound to, validated whole before
+        anything changes; a policy that keeps no state refuses any."""
+        if state.get("version") != 1:
+            raise ValueError(f"push policy state of version {state.get('version')!r}; "
+                             f"expected 1")
+        if state.get("keys"):
+            raise RuntimeError(f"the {type(self).__name__} push policy keeps no worker state: "
+                               "register() with shards whose rule calls for a policy that "
+                               "keeps some first")
 
 
 class CodecPush(PushPolicy):

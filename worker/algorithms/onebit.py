@@ -235,7 +235,8 @@ class SyncMomenta(_OneBitPush):
         self.momentum = OneBitMomentum(params)
         self.codes = self.momentum
 
-    def bind(self, fetch):
+    def bind(self, fetch, plan):
+        super().bind(fetch, plan)
         self._fetch = fetch
 
     def prepare(self, keys, grads, clock, clip):
@@ -274,12 +275,15 @@ class MomentsPush(_OneBitPush):
         self.worker_moments.correct(key, grad, residual, used, exact,
                                     directions=clock >= self.freeze_step)
 
-    def state(self):
+    def state_dict(self):
         """Every key's ``(step, m, v)`` this worker has pushed (arrays owned by the policy)."""
-        return self.worker_moments.state()
+        return {"version": 1, "keys": self.worker_moments.state()}
 
-    def load_state(self, plan, state):
-        for key, (step, m, v) in state.items():
+    def load_state_dict(self, state):
+        if state.get("version") != 1:
+            raise ValueError(f"worker moments of version {state.get('version')!r}; expected 1")
+        plan = self.plan
+        for key, (step, m, v) in state["keys"].items():
             if key not in plan:
                 raise ValueError(f"key {key} is not in the plan ({len(plan.keys)} of the "
                                  f"model's {plan.model_keys} keys)")
@@ -290,7 +294,7 @@ class MomentsPush(_OneBitPush):
                                      f"float32[{n}]")
             if step < 1:
                 raise ValueError(f"step of key {key} is {step}; expected >= 1")
-        for key, (step, m, v) in state.items():
+        for key, (step, m, v) in state["keys"].items():
             self.worker_moments.load(key, step, m, v)
 
 

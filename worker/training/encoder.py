@@ -134,7 +134,7 @@ class Encoder:
                                           and self.policy.survives_rejoin):
                 self.policy = fresh
         self.policy.bind(functools.partial(self.client.control.rule_state, plan=plan,
-                                           versions=self.client.versions))
+                                           versions=self.client.versions), plan)
         self.client.codes = self.policy.codes
         return replies
 
@@ -338,42 +338,44 @@ class Encoder:
                        clock: int | None = None) -> None:
         """Restore residuals saved by :meth:`residuals` (same plan, same codec at ``clock``),
         checked whole before any is copied."""
+        clock = self._check_residuals(residuals, clock)
+        for key, r in residuals.items():
+            np.copyto(self._compressor(key, clock, r.shape[0]).residual, r)
+
+    def _check_residuals(self, residuals: Mapping[int, np.ndarray], clock: int | None) -> int:
+        """Refuse residuals that do not fit the plan and the codec at ``clock``; the clock."""
         if self.plan is None:
-            raise RuntimeError("register() before load_residuals()")
+            raise RuntimeError("register() before loading residuals")
         clock = self.client.clock if clock is None else clock
         if self.codec_at(clock).is_raw:
             raise ValueError("raw pushes keep no residuals; set a push codec")
         for key, r in residuals.items():
-            n = self.plan.key(key).length
+            n = self.plan.key(key).length if key in self.plan else None
             if r.shape != (n,) or r.dtype != _F32:
                 raise ValueError(f"residual of key {key} is {r.dtype}{r.shape}; expected "
-                                 f"float32[{n}]")
-        for key, r in residuals.items():
-            np.copyto(self._compressor(key, clock, r.shape[0]).residual, r)
+                                 f"float32[{n}] (a key of the plan)")
+        return clock
 
     def policy_state(self) -> dict:
-        """The state the push policy keeps on this worker (async/ssp 1-bit Adam with worker
-        moments: every key's ``(step, m, v)`` pushed so far); empty for policies that keep
-        none."""
-        return self.policy.state()
+        """The push policy's part of :meth:`state_dict` by key (async/ssp 1-bit Adam with
+        worker moments: every key's ``(step, m, v)`` pushed so far); empty for policies that
+        keep none."""
+        return self.policy.state_dict()["keys"]
 
     def load_policy_state(self, state) -> None:
-        """Restore state saved by :meth:`policy_state` (same plan; after register()); a policy
-        that keeps none, or state that does not fit the plan, is refused with nothing loaded."""
+        """Restore :meth:`policy_state` (same plan; after register()); a policy that keeps
+        none, or state that does not fit the plan, is refused with nothing loaded."""
         if self.plan is None:
             raise RuntimeError("register() before load_policy_state()")
-        self.policy.load_state(self.plan, state)
+        self.policy.load_state_dict({"version": 1, "keys": state})
 
     def state_dict(self, *, clock: int | None = None) -> dict:
-        """``{"version": 1, "residuals": {key: float32[length]}, "policy": {...}}``: the
-        residuals of the codec pushes use at ``clock`` (:meth:`residuals`, copied) and the push
-        policy's state (:meth:`policy_state`, copied)."""
-        copy = lambda a: a.copy() if isinstance(a, np.ndarray) else a  # noqa: E731
-        policy = {k: tuple(copy(a) for a in v) if isinstance(v, tuple) else copy(v)
-                  for k, v in self.policy_state().items()}
+        """Layout version 1: ``{"version": 1, "residuals": {key: float32[length]}, "policy":
+        PushPolicy.state_dict()}``, the residuals of the codec pushes use at ``clock``
+        (:meth:`residuals`) and the push policy's state; copies."""
         return {"version": STATE_VERSION,
                 "residuals": {k: r.copy() for k, r in self.residuals(clock=clock).items()},
-                "policy": policy}
+                "policy": _copied(self.policy.state_dict())}
 
     def load_state_dict(self, state: Mapping, *, clock: int | None = None) -> None:
         """Restore a :meth:`state_dict` (same plan, same codec at ``clock``; after
@@ -382,6 +384,20 @@ class Encoder:
             raise ValueError(f"encoder state of version {state.get('version')!r}; expected "
                              f"{STATE_VERSION}")
         if state["residuals"]:
+            self._check_residuals(state["residuals"], clock)  # before the policy loads
+        elif self.plan is None:
+            raise RuntimeError("register() before load_state_dict()")
+        self.policy.load_state_dict(state["policy"])
+        if state["residuals"]:
             self.load_residuals(state["residuals"], clock=clock)
-        if state["policy"]:
-            self.load_policy_state(state["policy"])
+
+
+def _copied(value):
+    """``value`` with every array in it copied (dicts, tuples and lists walked)."""
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return type(value)(_copied(v) for v in value)
+    return value
