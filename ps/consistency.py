@@ -96,11 +96,10 @@ class Consistency:
     def admit(self, clocks: ClockTable, clock: int, slots: list[Slot], *,
               metrics: ShardMetrics) -> bool:
         """The core's one question for a pull (answered now, or each time a held one is looked
-        at again): :meth:`admits`, and when it does, :meth:`observe_admission` with the
-        slowest of the keys' live pushers."""
+        at again): :meth:`admits`, and when it does, :meth:`observe_admission`."""
         if not self.admits(clocks, clock, slots):
             return False
-        self.observe_admission(metrics, clock, clocks.min_clock_of(clocks.key_pushers(slots)))
+        self.observe_admission(metrics, clocks, clock, slots)
         return True
 
     def admits(self, clocks: ClockTable, clock: int, slots: list[Slot]) -> bool:
@@ -130,9 +129,10 @@ class Consistency:
         """Whether float32 pulls get the parameters moved ahead (``ServerConfig.lookahead``)."""
         return False
 
-    def observe_admission(self, metrics: ShardMetrics, clock: int, min_clock: int) -> None:
-        """A pull for step ``clock`` was answered while the slowest live worker was at
-        ``min_clock``."""
+    def observe_admission(self, metrics: ShardMetrics, clocks: ClockTable, clock: int,
+                          slots: list[Slot]) -> None:
+        """A pull for step ``clock`` of ``slots`` was admitted (for the mode's own metrics;
+        nothing by default)."""
 
     # -- pushes --------------------------------------------------------------------------------
     def take_push(self, core: Core, header: pb.DataHeader, slots: list[Slot], grads: list,
@@ -278,6 +278,8 @@ class SSP(Async):
                 + ", ".join(f"worker {r} at {clocks.workers[r].clock}"
                             for r in self.laggards(clocks, clock, slots)))
 
-    def observe_admission(self, metrics, clock, min_clock):
+    def observe_admission(self, metrics, clocks, clock, slots):
+        # against the slowest of the keys' live pushers: what the bound was checked on
+        min_clock = clocks.min_clock_of(key_pushers(clocks, slots))
         metrics.admission_gap.observe(max(clock - min_clock, 0))
 

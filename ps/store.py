@@ -65,7 +65,7 @@ class Slot:
     pushers: set[int] = field(default_factory=set)
     """Ranks whose registered plan has this key (a pipeline stage's workers register only
     their stage's keys): sync waits for, and async splits the learning rate over, the live ones
-    (``ps.consistency.key_pushers``)."""
+    (``ClockTable.key_pushers``)."""
     initialized: bool = False
     """Whether the key's initial values have landed (from the worker that initializes it)."""
     acc: np.ndarray = field(default_factory=lambda: _EMPTY)

@@ -13,7 +13,7 @@ from bitps.worker.transport.client import PSClient
 __all__ = ["EncodingClient"]
 
 _ENCODER = frozenset({"register", "push", "push_pull", "encode", "codec_at", "compresses",
-                      "sum_squares", "clip_correct", "refuse_nonfinite", "residuals",
+                      "clip_correct", "refuse_nonfinite", "residuals",
                       "load_residuals", "policy_state", "load_policy_state", "state_dict",
                       "load_state_dict", "chooses_codecs", "policy", "pull_codec"})
 

@@ -41,6 +41,7 @@ from bitps.worker.config import EncoderConfig
 from bitps.worker.metrics import CodecSnapshot
 from bitps.worker.push_policy import CODEC_PUSH, PushPolicy, for_registration
 from bitps.worker.transport.client import Encoded, Handle, PSClient
+from bitps.worker.transport.messages import check_array
 
 __all__ = ["STATE_VERSION", "ClipCorrection", "Encoder", "Payload", "refused_nonfinite"]
 
@@ -200,7 +201,8 @@ class Encoder:
         keys' ``grads`` are not read. ``scale``: a clip factor the gradients are multiplied by
         before error feedback. Every key then keeps error feedback, raw ones too, so that
         :meth:`clip_correct` can fold the difference to the step's exact factor into the next
-        push; the caller has checked the gradients with :meth:`sum_squares`."""
+        push; the caller has checked the gradients (their sum of squares for the factor is also
+        their NaN/Inf check, ``worker.training.staging``)."""
         if self.plan is None:
             raise RuntimeError("register() before push/pull")
         if len(grads) != len(keys):
@@ -241,15 +243,8 @@ class Encoder:
         return Encoded(payloads, codecs, owned)
 
     def _check_shapes(self, keys: Sequence[int], grads: Sequence[np.ndarray]) -> None:
-        plan = self.plan
         for k, g in zip(keys, grads):
-            if k not in plan:
-                raise PSError(pb.UNKNOWN_KEY, f"key {k} is not in the plan ({len(plan.keys)} "
-                              f"of the model's {plan.model_keys} keys)")
-            n = plan.key(k).length
-            if g.dtype != _F32 or g.size != n:
-                raise ValueError(f"key {k}: gradient is {g.dtype}[{g.size}]; expected "
-                                 f"float32[{n}]")
+            check_array(self.plan, k, g, "gradient")
 
     def _check_encoded(self, encoded: Mapping[int, np.ndarray], codec: Codec,
                        clock: int) -> None:
@@ -271,18 +266,6 @@ class Encoder:
         return comp
 
     # -- checks and corrections ---------------------------------------------------------------
-    def sum_squares(self, keys: Sequence[int], grads: Sequence[np.ndarray]) -> float:
-        """The sum of the squares of ``grads`` (float64; a clip norm's share) in one read,
-        which is also the finiteness check: a NaN or Inf is refused here (``NON_FINITE``,
-        counted; nothing sent, no state touched)."""
-        total = 0.0
-        for key, grad in zip(keys, grads):
-            part = native.sum_squares(grad)
-            if not np.isfinite(part):
-                raise self.refuse_nonfinite(key)
-            total += part
-        return total
-
     def _check_finite(self, keys: Sequence[int], grads: Sequence[np.ndarray],
                       skip: Mapping[int, object]) -> None:
         """Refuse the push here when a gradient holds NaN or Inf: error feedback and 1-bit Adam

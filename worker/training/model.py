@@ -265,7 +265,7 @@ class PSModel:
         if self._staging.clip is not None:
             self._staging.clip.last_factor = float(state["clip_factor"])
         for key, r in state["device_residuals"].items():
-            device = self._staging.slice([p for _, p in self.params], self.plan.key(key)).device
+            device = self.params[self._staging.index[self.plan.key(key).name]][1].device
             self._staging.residuals[key] = torch.from_numpy(r.copy()).to(device)
 
     def close(self) -> None:

@@ -73,8 +73,6 @@ class PSClient:
         runs on the waiting thread: it must return quickly; what it raises is logged."""
         self.plan: KeyPlan | None = None
         self._registration = Registration()
-        self.replies: list[pb.RegisterReply] = []
-        """Each shard's last RegisterReply, by shard (what its rule and mode call for)."""
         self.versions: dict[int, int] = {}
         self.start_clock = 0
         self.clock = 0
@@ -120,9 +118,10 @@ class PSClient:
                  compressed_pulls: frozenset[int] = frozenset()) -> list[pb.RegisterReply]:
         """Join every shard with ``plan``; ``values`` (:attr:`initializes`: rank 0, or in a
         pipeline replica 0 of each stage) are the initial parameters by key. Other ranks block
-        until the values of their keys have landed. Returns each shard's reply (kept in
-        :attr:`replies`). ``plan`` may be partial (``KeyPlan.subset``: a pipeline stage's keys):
-        the shards then count this worker, per key, only for the keys it registered.
+        until the values of their keys have landed. Returns each shard's reply (what its
+        rule and mode call for: the encoder reads them). ``plan`` may be partial
+        (``KeyPlan.subset``: a pipeline stage's keys): the shards then count this worker, per
+        key, only for the keys it registered.
 
         ``copies`` (any rank, every key): the values this worker holds now. Their digests go
         with the registration, and keys whose shard values match count as received
@@ -151,7 +150,6 @@ class PSClient:
             self.start_clock = max(self.start_clock, reply.start_clock)
             self.holds_pulls = self.holds_pulls or reply.holds_pulls
             replies.append(reply)
-        self.replies = replies
         self.clock = self.start_clock
         # Versions of the copies this worker holds, filled by replies: a request names versions
         # only for keys it has received (a shard sends codes only against a copy it sent).
@@ -337,7 +335,6 @@ class PSClient:
         endpoint = self._endpoint(shard, reply)
         if endpoint != self.channels.endpoints[shard]:  # restarted on another data port
             self.channels.reset(shard, endpoint)
-        self.replies[shard] = reply
         for k in self.plan.for_shard(shard):
             self.versions.pop(k.key, None)
         self.versions.update(zip(reply.current_keys, reply.current_versions))

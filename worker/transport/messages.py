@@ -18,7 +18,7 @@ from bitps.proto.codecs import RAW, Codec
 from bitps.proto.keyplan import KeyPlan
 from bitps.proto.wire import PSError
 
-__all__ = ["Encoded", "messages"]
+__all__ = ["Encoded", "check_array", "messages"]
 
 _F32 = np.dtype("<f4")
 
@@ -37,6 +37,19 @@ class Encoded:
     owned: Sequence[bool]
 
 
+def check_array(plan: KeyPlan, key: int, array: np.ndarray | None, kind: str) -> None:
+    """Refuse a key the plan lacks (``UNKNOWN_KEY``) or an ``array`` of ``kind`` ("gradient",
+    "output") that is not float32 of the key's length (``ValueError``); ``None``: the key
+    alone."""
+    if key not in plan:
+        raise PSError(pb.UNKNOWN_KEY, f"key {key} is not in the plan ({len(plan.keys)} "
+                      f"of the model's {plan.model_keys} keys)")
+    n = plan.key(key).length
+    if array is not None and (array.dtype != _F32 or array.size != n):
+        raise ValueError(f"key {key}: {kind} is {array.dtype}[{array.size}]; expected "
+                         f"float32[{n}]")
+
+
 def messages(plan: KeyPlan, keys: Sequence[int], grads: Sequence[np.ndarray],
              outs: Sequence[np.ndarray], codecs: Sequence[Codec] | None, *,
              limit: int) -> list[tuple[int, Codec, list[int]]]:
@@ -46,14 +59,10 @@ def messages(plan: KeyPlan, keys: Sequence[int], grads: Sequence[np.ndarray],
     checked against the plan here; an :class:`Encoded` push was checked by its encoder."""
     by_shard: dict[tuple[int, Codec], list[int]] = {}
     for i, k in enumerate(keys):
-        if k not in plan:
-            raise PSError(pb.UNKNOWN_KEY, f"key {k} is not in the plan ({len(plan.keys)} "
-                          f"of the model's {plan.model_keys} keys)")
+        check_array(plan, k, grads[i] if grads else None, "gradient")
+        if outs:
+            check_array(plan, k, outs[i], "output")
         spec = plan.key(k)
-        for arrays, kind in ((grads, "gradient"), (outs, "output")):
-            if arrays and (arrays[i].dtype != _F32 or arrays[i].size != spec.length):
-                raise ValueError(f"key {k}: {kind} is {arrays[i].dtype}[{arrays[i].size}]; "
-                                 f"expected float32[{spec.length}]")
         if outs and not (outs[i].flags.c_contiguous and outs[i].flags.writeable):
             raise ValueError(f"key {k}: output must be a writable contiguous array")
         # One codec per message: the header names it for every key.
