@@ -119,6 +119,10 @@ class Registration:
                                  staleness=cfg.staleness, start_clock=start,
                                  max_frame_bytes=cfg.max_frame_bytes, rule=self.rule.name,
                                  holds_pulls=self.consistency.holds_pulls(req.world_size))
+        # the shard moves float32 pulls ahead itself (core._answer), but its codes must reach
+        # the worker's exact copy: with a publishing pull codec the worker looks ahead
+        reply.worker_lookahead = self.consistency.looks_ahead and self.pull_codec is not None \
+            and not self.pull_codec.is_raw
         params = self.rule.rule_params()
         if params is not None:
             reply.rule_params.Pack(params)

@@ -67,7 +67,8 @@ class PSModel:
                  plan: KeyPlan | None = None,
                  device_codec: bool | None = None,
                  overlap: OverlapConfig | None = None,
-                 encoder: EncoderConfig | None = None) -> None:
+                 encoder: EncoderConfig | None = None,
+                 pushers: int | None = None) -> None:
         """``plan``: the whole model's plan (``make_plan`` over every pipeline stage's
         parameter names, in one agreed order), of which ``model`` holds some parameters (one
         stage): they are bound to its keys by name (``KeyPlan.bind``: a name the plan lacks is
@@ -77,7 +78,12 @@ class PSModel:
 
         ``encoder``: how gradients are pushed (codec, error feedback, clipping:
         ``worker.training.encoder``); ``None``: raw float32 pushes, unless the client's
-        (deprecated) ``ClientConfig`` compression fields say otherwise."""
+        (deprecated) ``ClientConfig`` compression fields say otherwise.
+
+        ``pushers``: how many workers push each of this model's keys, for weight prediction
+        (``worker.training.prediction``: async/ssp shards whose pulls are exact ask for it);
+        ``None``: the client's world size for a whole model, and no prediction for a part of
+        one (a pipeline stage, whose keys its data-parallel replicas push)."""
         self.model = model
         self.client = client
         self.encoder = Encoder(encoder or EncoderConfig.from_client(client.cfg), client)
@@ -105,7 +111,14 @@ class PSModel:
         # copies are current (one seed, one model)
         outs = self._staging.outs
         copies = self._copies = dict(zip(self.keys, outs))
-        self.encoder.register(self.plan, copies if client.initializes else None, copies=copies)
+        replies = self.encoder.register(self.plan, copies if client.initializes else None,
+                                        copies=copies)
+        if pushers is None and not self.plan.partial:
+            pushers = client.cfg.world_size
+        predicted = [k for k in self.plan.keys if replies[k.shard].worker_lookahead]
+        if predicted and pushers is not None and pushers > 1:
+            self._staging.predict(predicted, ahead=pushers - 1, versions=client.versions)
+            copies.update(zip(self.keys, outs))  # the exact copies: recovery rewrites them
         self.clock = client.start_clock
         if self._wants_device_codec(device_codec):  # the codec is the push codec throughout
             self._staging.device_codec = self.encoder.codec_at(self.clock)
@@ -269,9 +282,11 @@ class PSModel:
             self._staging.residuals[key] = torch.from_numpy(r.copy()).to(device)
 
     def close(self) -> None:
-        """Finish what is in flight, leave the shards and stop the client."""
+        """Finish what is in flight, leave the shards and stop the client. Under weight
+        prediction the module's parameters become the exact (pulled) ones."""
         try:
             self.synchronize()
+            self._staging.show_exact()
         finally:
             self._overlap.close()
             self.client.close()

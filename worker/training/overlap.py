@@ -217,11 +217,11 @@ class Overlap:
             produced.record()  # on the compute stream, after backward made these gradients
             ready = torch.cuda.Event()
         # The thread calls staging directly (no code of this module runs there): the payload
-        # before sending, the upload once the parameters are in (CUDA).
+        # before sending, the prediction and upload once the parameters are in.
         prepare = functools.partial(staging.bucket_payload, keys, grads, clock, produced,
                                     buckets=len(self.buckets))
-        finish = functools.partial(staging.copy_bucket_in, bucket.params, ready) if cuda \
-            else None
+        finish = functools.partial(staging.copy_bucket_in, bucket.params, ready, bucket.keys) \
+            if cuda or staging.prediction is not None else None
         job = Job(priority=bucket.priority, clock=clock, nbytes=bucket.nbytes, prepare=prepare,
                   finish=finish, label=f"bucket {bucket.index}")
         self._jobs[bucket.index] = job

@@ -7,6 +7,10 @@ every push:
   zero copies beyond the socket); on CUDA a pinned float32 copy, uploaded on the comm stream
   after each pull (:meth:`copy_in`, :meth:`copy_bucket_in`). ``outs`` are their per-key views,
   the arrays the client pulls into.
+- **weight prediction** (:meth:`predict`, ``worker.training.prediction``): when the shards ask
+  for it, ``host`` holds the exact copies the pulls write, and what the model computes with is
+  predicted from them after each pull: into the parameters themselves (CPU) or a second pinned
+  buffer that is uploaded instead (CUDA).
 - **payloads** (:meth:`payload`, and :meth:`bucket_payload` on the communication thread): per
   key the gradient read in place (CPU), downloaded to pinned memory (CUDA), or compressed next
   to it with its device error feedback (``device_codec``: ``worker.training.codec_torch``, the
@@ -36,6 +40,7 @@ from bitps.worker.metrics import WorkerMetrics
 from bitps.worker.training import codec_torch
 from bitps.worker.training.clip import StepClip
 from bitps.worker.training.encoder import ClipCorrection, Payload, refused_nonfinite
+from bitps.worker.training.prediction import WeightPrediction
 
 __all__ = ["Staging"]
 
@@ -55,6 +60,7 @@ class Staging:
         self.grad_host = [self._host_buffer(p) for _, p in params] if self.cuda else None
         self.stream = torch.cuda.Stream() if self.cuda else None
         """The comm stream (CUDA): downloads, device compression and uploads run on it."""
+        self.plan_keys = list(plan.keys)
         self.outs = [self.slice(self.host, k) for k in plan.keys]
         """Each key's view of its host buffer, in ``plan.keys`` order."""
         self.out_of = {k.key: out for k, out in zip(plan.keys, self.outs)}
@@ -62,6 +68,10 @@ class Staging:
         if self.cuda:
             for (_, p), host in zip(params, self.host):
                 host[:] = p.detach().reshape(-1).cpu().numpy()
+        self.uploaded = self.host
+        """What :meth:`copy_in` uploads (CUDA): the host copies, or the predicted ones."""
+        self.prediction: WeightPrediction | None = None
+        """Set by :meth:`predict`; ``None``: the model computes with the pulled values."""
         self.device_codec: Codec | None = None
         """The codec keys of :attr:`device_keys` are encoded with where the gradients are, or
         ``None``: every key goes to the encoder as a host array (set after registration)."""
@@ -89,23 +99,62 @@ class Staging:
             raise ValueError("bitps needs contiguous parameters")
         return p.data.view(-1).numpy()
 
+    def predict(self, keys: Sequence[Key], *, ahead: int, versions: Mapping[int, int]) -> None:
+        """Compute with predicted parameters of ``keys`` from now on (``ahead`` = W - 1 other
+        pushers; ``versions``: the client's; the other keys are shown as pulled). On CPU the
+        exact copies move out of the parameters into arrays of their own (:attr:`outs` and
+        :attr:`out_of` are updated in place, so their holders see the new arrays); on CUDA a
+        second pinned buffer is what gets uploaded. Call before the first pull."""
+        if self.cuda:
+            self.uploaded = [self._host_buffer(p) for _, p in self.params]
+            for shown, host in zip(self.uploaded, self.host):
+                shown[:] = host
+        else:
+            self.uploaded = self.host  # the parameters: what the model computes with
+            self.host = [a.copy() for a in self.host]
+        for i, k in enumerate(self.plan_keys):
+            self.outs[i] = self.out_of[k.key] = self.slice(self.host, k)
+        wanted = {k.key for k in keys}
+        self.prediction = WeightPrediction(
+            dict(self.out_of), {k.key: self.slice(self.uploaded, k) for k in self.plan_keys},
+            ahead={k.key: ahead if k.key in wanted else 0 for k in self.plan_keys},
+            versions=versions)
+
+    def show_exact(self) -> None:
+        """Under prediction: make the parameters the exact copies (training is over)."""
+        if self.prediction is None:
+            return
+        self.prediction.reset()
+        self.prediction.update(self.prediction.exact)  # shown = exact
+        if self.cuda:
+            with torch.no_grad():
+                for (_, p), shown in zip(self.params, self.uploaded):
+                    p.data.view(-1).copy_(torch.from_numpy(shown))
+
     def copy_in(self) -> None:
-        """Upload every pulled value on the comm stream, which the compute stream then waits
-        for (CUDA; on CPU pulls wrote the parameters in place)."""
+        """Every pull is in: predict (:meth:`predict`), then upload on the comm stream, which
+        the compute stream then waits for (CUDA; on CPU pulls wrote the parameters in place)."""
+        if self.prediction is not None:
+            self.prediction.update(self.prediction.exact)
         if not self.cuda:
             return
         with torch.no_grad(), torch.cuda.stream(self.stream):
-            for (_, p), host in zip(self.params, self.host):
+            for (_, p), host in zip(self.params, self.uploaded):
                 p.data.view(-1).copy_(torch.from_numpy(host), non_blocking=True)
         torch.cuda.current_stream().wait_stream(self.stream)
 
-    def copy_bucket_in(self, indices: Sequence[int], ready: torch.cuda.Event) -> None:
-        """Upload the pulled values of the parameters at ``indices`` on the comm stream and
-        record ``ready`` after them (CUDA; the comm thread calls it once a bucket's pull is
-        in)."""
+    def copy_bucket_in(self, indices: Sequence[int], ready: torch.cuda.Event | None,
+                       keys: Sequence[int] = ()) -> None:
+        """A bucket's pull (of ``keys``, parameters at ``indices``) is in, on the comm thread:
+        predict its keys (:meth:`predict`), then on CUDA upload its parameters on the comm
+        stream and record ``ready`` after them."""
+        if self.prediction is not None:
+            self.prediction.update(keys)
+        if not self.cuda:
+            return
         with torch.no_grad(), torch.cuda.stream(self.stream):
             for i in indices:
-                self.params[i][1].data.view(-1).copy_(torch.from_numpy(self.host[i]),
+                self.params[i][1].data.view(-1).copy_(torch.from_numpy(self.uploaded[i]),
                                                       non_blocking=True)
             ready.record()
 
