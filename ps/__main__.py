@@ -105,7 +105,12 @@ def _settings(rule_flags: list[Setting]) -> tuple[Setting, ...]:
         from_field(_S, "lookahead", help="async/ssp: answer float32 pulls with the parameters one "
                                          "update ahead per other live worker"),
         from_field(_S, "staleness_damping",
-                   help="async/ssp: also scale the learning rate by 1 / (1 + version gap)"),
+                   help="async/ssp: also scale the learning rate by 1 / (1 + version gap) "
+                        "(deprecated: --compensation damping)"),
+        from_field(_S, "compensation",
+                   help="async/ssp: how a stale push is adjusted: none, damping, gap_aware, "
+                        "dc_asgd or a plug-in's (docs/algorithms.md, Staleness)"),
+        from_field(_S, "dc_lambda", help="dc_asgd: lambda_0 of the adaptive delay compensation"),
         from_field(_S, "max_clock_lead",
                    help="largest clock step of one request (beyond: BAD_CLOCK, nothing changed)"),
         from_field(_S, "max_held_pulls", help="pulls of one worker held at once (beyond: LIMIT)"),

@@ -46,7 +46,8 @@ exactly-once window (``ShardCore.dedup``, ``ps.dedup.ExactlyOnce``); the key sto
 
     {"format": "bitps-shard-checkpoint", "version": 1, "created_unix": 1718000000.1,
      "bitps_version": "...", "config": {"shard_id", "num_shards", "mode", "lookahead",
-     "optimizer": {...}, "staleness", "split_lr", "staleness_damping"},
+     "optimizer": {...}, "staleness", "split_lr", "staleness_damping",
+     "compensation"},
      "plan": {"signature", "model_keys", "pull_codec": [id, chunk, flags] | null,
               "keys": [{"key", "name",
               "offset", "length", "compressed_pull", "shape": [dims] | null}]},
@@ -122,8 +123,9 @@ log = logging.getLogger("bitps.checkpoint")
 
 _MUST_MATCH = ("shard_id", "num_shards", "mode", "lookahead", "optimizer")
 """Config a checkpoint is only valid under: which keys, the state's layout and its arithmetic.
-``staleness``, ``split_lr`` and ``staleness_damping`` are recorded but may change at a restart
-(the continuation is then bit for bit only where they are equal)."""
+``staleness``, ``split_lr``, ``staleness_damping`` and ``compensation`` are recorded but may
+change at a restart (the continuation is then bit for bit only where they are equal; a
+compensation's own state, such as DC-ASGD's read copies, starts afresh)."""
 
 
 # -- taking the state ---------------------------------------------------------------------------
@@ -133,7 +135,7 @@ def _config(cfg: ServerConfig) -> dict:
         "shard_id": cfg.shard_id, "num_shards": cfg.num_shards, "mode": cfg.mode,
         "lookahead": cfg.lookahead, "optimizer": dataclasses.asdict(cfg.optimizer),
         "staleness": cfg.staleness, "split_lr": cfg.split_lr,
-        "staleness_damping": cfg.staleness_damping}))
+        "staleness_damping": cfg.staleness_damping, "compensation": cfg.compensation}))
 
 
 def _spec_dict(spec: pb.KeySpec) -> dict:

@@ -15,8 +15,8 @@ from bitps.proto.registry import Registry
 from bitps.proto.schedule import LRSchedule
 from bitps.proto.wire import MAX_FRAME_BYTES
 
-__all__ = ["CONSISTENCY", "MODES", "OPTIMIZERS", "OptimizerConfig", "RULES", "RuleConfig",
-           "ServerConfig"]
+__all__ = ["COMPENSATIONS", "COMPENSATION_NAMES", "CONSISTENCY", "MODES", "OPTIMIZERS",
+           "OptimizerConfig", "RULES", "RuleConfig", "ServerConfig"]
 
 RULES = Registry("update rule")
 """Every update rule by ``OptimizerConfig.name`` (``ps.rules`` and the rule plug-ins register
@@ -24,10 +24,15 @@ theirs; so may any module imported before the config is made)."""
 CONSISTENCY = Registry("consistency mode")
 """Every consistency mode by ``ServerConfig.mode`` (``ps.consistency``; so may any module
 imported before the config is made, such as a plug-in)."""
+COMPENSATIONS = Registry("staleness compensation")
+"""Every staleness compensation by ``ServerConfig.compensation`` (``ps.compensation``; so may
+a plug-in)."""
 OPTIMIZERS = RULES.names()
 """The ``--optimizer`` choices: a live view of :data:`RULES` (a plug-in's rule included)."""
 MODES = CONSISTENCY.names()
 """The ``--mode`` choices: a live view of :data:`CONSISTENCY` (a plug-in's mode included)."""
+COMPENSATION_NAMES = COMPENSATIONS.names(first=("none",))
+"""The ``--compensation`` choices: a live view of :data:`COMPENSATIONS`."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -154,7 +159,18 @@ class ServerConfig:
     equal samples at its best learning rate, and within 0.2 % with the lookahead (docs/design.md,
     Consistency and clocks)."""
     staleness_damping: bool = False
-    """Async/SSP: scale the learning rate by 1 / (1 + version gap) as well."""
+    """Async/SSP: scale the learning rate by 1 / (1 + version gap) as well. Deprecated alias of
+    ``compensation="damping"`` (kept for one release, CHANGELOG.md)."""
+    compensation: str = field(default="none", metadata={"choices": COMPENSATION_NAMES})
+    """Async/SSP: how a stale push is adjusted before the rule applies it (``ps.compensation``):
+    ``none``; ``damping`` (learning rate / (1 + version gap)); ``gap_aware`` (learning rate /
+    max(1, version gap / (pushers - 1)): only what is staler than the round asynchrony makes
+    anyway); ``dc_asgd`` (DC-ASGD's delay compensation, ``g + lambda * g * g * (w_now -
+    w_read)``); or a plug-in's. Sync ignores it. None is on by default: on the convergence bench
+    none beat the lookahead alone (docs/algorithms.md, Staleness)."""
+    dc_lambda: float = 0.04
+    """``dc_asgd``: lambda_0 of the adaptive form, lambda = lambda_0 / sqrt(mean square of the
+    key's gradients) elementwise (Zheng et al. 2017)."""
 
     # -- limits: what one request may make a shard hold (typed LIMIT / BAD_CLOCK errors) ------
     max_clock_lead: int = 1024
@@ -245,6 +261,14 @@ class ServerConfig:
             raise ValueError(f"mode {self.mode!r} is not one of {tuple(MODES)}")
         if self.staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {self.staleness}")
+        if self.compensation not in COMPENSATION_NAMES:
+            raise ValueError(f"compensation {self.compensation!r} is not one of "
+                             f"{tuple(COMPENSATION_NAMES)}")
+        if self.staleness_damping and self.compensation not in ("none", "damping"):
+            raise ValueError(f"staleness_damping is compensation 'damping'; got both it and "
+                             f"compensation {self.compensation!r}")
+        if self.dc_lambda < 0:
+            raise ValueError(f"dc_lambda must be >= 0, got {self.dc_lambda}")
         for attr in ("grpc_port", "data_port"):
             port = getattr(self, attr)
             if not 0 <= port <= 65535:

@@ -35,9 +35,12 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
+import numpy as np
+
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.wire import PSError
 from bitps.ps.clocks import ClockTable
+from bitps.ps.compensation import make_compensation
 from bitps.ps.config import CONSISTENCY, ServerConfig
 from bitps.ps.store import Slot
 
@@ -134,6 +137,10 @@ class Consistency:
         """A pull for step ``clock`` of ``slots`` was admitted (for the mode's own metrics;
         nothing by default)."""
 
+    def answered(self, worker: int, slots: list[Slot], frames: list) -> None:
+        """A pull of ``worker`` for ``slots`` was answered with ``frames`` (per slot: float32
+        parameters, moved ahead or not, or a code frame); nothing by default."""
+
     # -- pushes --------------------------------------------------------------------------------
     def take_push(self, core: Core, header: pb.DataHeader, slots: list[Slot], grads: list,
                   live: list[int], min_clock: int) -> None:
@@ -216,6 +223,11 @@ class Async(Consistency):
     name = "async"
     ordered = True
 
+    def __init__(self, cfg: ServerConfig) -> None:
+        super().__init__(cfg)
+        self.compensation = make_compensation(cfg)
+        """How a stale push is adjusted (``ServerConfig.compensation``, ``ps.compensation``)."""
+
     def admits(self, clocks, clock, slots):
         return True
 
@@ -231,6 +243,7 @@ class Async(Consistency):
         for i, (slot, grad) in enumerate(zip(slots, grads)):
             vgap = slot.version - header.versions[i] if header.versions else 0
             lr_scale = self.lr_scale(header.clock, len(_pushers(core, slot, live)), vgap)
+            grad = self.compensation.gradient(slot, grad, header.worker)
             core.updates.on_arrival(slot, grad, header.clock, lr_scale,
                                     clock_gap=header.clock - min_clock, version_gap=vgap)
 
@@ -238,15 +251,21 @@ class Async(Consistency):
         """The learning-rate scale of one push of step ``clock`` of a key with ``pushers``
         live pushers, ``version_gap`` updates after the version it was computed on: the
         schedule's factor, split over the pushers (``ServerConfig.split_lr``: a clock's pushes
-        of a key share one step's learning rate), damped by the gap
-        (``ServerConfig.staleness_damping``)."""
+        of a key share one step's learning rate), times the compensation's factor
+        (``ServerConfig.compensation``)."""
         cfg = self.cfg
         scale = cfg.optimizer.schedule.factor(clock)
         if cfg.split_lr:
             scale *= 1.0 / max(pushers, 1)
-        if cfg.staleness_damping:
-            scale /= 1 + max(version_gap, 0)
-        return scale
+        return scale * self.compensation.lr_scale(version_gap=version_gap, pushers=pushers)
+
+    def answered(self, worker, slots, frames):
+        if not self.compensation.snapshots:
+            return
+        for slot, frame in zip(slots, frames):
+            values = frame if isinstance(frame, np.ndarray) and frame.dtype == np.float32 \
+                and frame.shape == slot.param.shape else slot.param  # codes: the exact values
+            self.compensation.handed(slot, worker, values)
 
 
 @register

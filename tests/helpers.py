@@ -36,3 +36,57 @@ def one_key_core(cfg, n: int):
                                      num_shards=1, shard_id=0, keys=[spec], sends_values=True),
                   {0: init.tobytes()})
     return core
+
+
+def _small_model():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+def train_two_workers(servers, *, encoder, overlap: str = "off", steps: int = 12):
+    """Two ``PSModel`` workers (threads) train a small model against ``servers`` with the
+    ``encoder`` config; by rank: the model's parameters after a last pull, the worker's copies
+    by key, the parameters after close, and whether it predicted weights."""
+    import threading
+
+    import torch
+
+    from bitps.worker import ClientConfig, PSClient
+    from bitps.worker.config import OverlapConfig
+    from bitps.worker.training.model import PSModel
+
+    out, barrier = {}, threading.Barrier(2)
+    models = [_small_model(), _small_model()]  # here: torch's global seed is not per thread
+
+    def rank(r):
+        try:
+            cfg = ClientConfig(servers=servers, rank=r, world_size=2, partition_bytes=1024)
+            ps = PSModel(models[r], PSClient(cfg), encoder=encoder,
+                         overlap=OverlapConfig(mode=overlap, bucket_bytes=1024))
+            gen = torch.Generator().manual_seed(r)
+            for _ in range(steps):
+                ps.model(torch.randn(8, 16, generator=gen)).square().sum().backward()
+                ps.step()
+            ps.synchronize()
+            barrier.wait()  # both pushed everything; one more pull sees the end
+            ps.client.pull(ps.keys, ps._staging.outs, clock=ps.clock).wait()
+            shown = [p.detach().clone() for p in ps.model.parameters()]
+            exact = {k: o.copy() for k, o in zip(ps.keys, ps._staging.outs)}
+            ps.close()
+            out[r] = (shown, exact, [p.detach().clone() for p in ps.model.parameters()],
+                      ps._staging.prediction is not None)
+        except BaseException as err:  # noqa: BLE001 - raised by the test thread
+            out[r] = err
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for r in (0, 1):
+        if isinstance(out.get(r), BaseException):
+            raise out[r]
+    return out

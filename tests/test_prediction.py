@@ -4,8 +4,6 @@ the shards while the model computes with predicted values, and that sync is unch
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
@@ -14,9 +12,9 @@ from bitps import native
 from bitps.proto.codecs import CodecConfig
 from bitps.ps import OptimizerConfig
 from bitps.worker import ClientConfig, PSClient
-from bitps.worker.config import EncoderConfig, OverlapConfig
-from bitps.worker.training.model import PSModel
+from bitps.worker.config import EncoderConfig
 from bitps.worker.training.prediction import WeightPrediction
+from tests.helpers import train_two_workers
 
 SIGN1 = EncoderConfig(push_codec=CodecConfig(name="sign1", chunk=64), compress_min_bytes=0)
 
@@ -87,54 +85,12 @@ def test_shards_ask_for_prediction_only_when_their_pulls_are_exact_and_they_look
         client.close()
 
 
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-
-
-def _train_two(servers, *, overlap: str, steps: int = 12):
-    """Two workers (threads) train; each returns its model's parameters during training and
-    after close, and its exact copies."""
-    out, barrier = {}, threading.Barrier(2)
-
-    def rank(r):
-        try:
-            cfg = ClientConfig(servers=servers, rank=r, world_size=2, partition_bytes=1024)
-            ps = PSModel(_model(), PSClient(cfg), encoder=SIGN1,
-                         overlap=OverlapConfig(mode=overlap, bucket_bytes=1024))
-            gen = torch.Generator().manual_seed(r)
-            for _ in range(steps):
-                ps.model(torch.randn(8, 16, generator=gen)).square().sum().backward()
-                ps.step()
-            ps.synchronize()
-            barrier.wait()  # both pushed everything; one more pull sees the end
-            ps.client.pull(ps.keys, ps._staging.outs, clock=ps.clock).wait()
-            shown = [p.detach().clone() for p in ps.model.parameters()]
-            exact = {k: o.copy() for k, o in zip(ps.keys, ps._staging.outs)}
-            ps.close()
-            out[r] = (shown, exact, [p.detach().clone() for p in ps.model.parameters()],
-                      ps._staging.prediction is not None)
-        except BaseException as err:  # noqa: BLE001 - raised by the test thread
-            out[r] = err
-            barrier.abort()
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    for r in (0, 1):
-        if isinstance(out.get(r), BaseException):
-            raise out[r]
-    return out
-
-
 @pytest.mark.parametrize("overlap", ["off", "on"])
 def test_async_replicas_stay_bit_identical_while_the_model_computes_ahead(cluster, overlap):
     shards = cluster(2, mode="async", metrics_port=-1,
                      optimizer=OptimizerConfig(name="adam", lr=1e-2))
     servers = tuple(f"127.0.0.1:{s.ports['grpc_port']}" for s in shards)
-    out = _train_two(servers, overlap=overlap)
+    out = train_two_workers(servers, encoder=SIGN1, overlap=overlap)
     slots = {k: s for sh in shards for k, s in sh.core.slots.items()}
     for r in (0, 1):
         shown, exact, closed, predicted = out[r]
@@ -155,7 +111,7 @@ def test_sync_is_unchanged_bit_for_bit_with_lookahead_on(cluster):
         shards = cluster(2, mode="sync", lookahead=lookahead, metrics_port=-1,
                          optimizer=OptimizerConfig(name="adam", lr=1e-2))
         servers = tuple(f"127.0.0.1:{s.ports['grpc_port']}" for s in shards)
-        out = _train_two(servers, overlap="off", steps=8)
+        out = train_two_workers(servers, encoder=SIGN1, overlap="off", steps=8)
         assert not out[0][3] and not out[1][3]
         finals.append(torch.cat([p.reshape(-1) for p in out[0][2]]))
         for s in shards:
