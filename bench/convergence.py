@@ -1,11 +1,16 @@
-"""``bitps-bench convergence``: does compression cost convergence? The demo model on the pinned
-corpus, 2 shards and 2 workers started by ``bitps-launch``, the same seeds and batches in every
-run, trained with fp32 Adam, 1-bit Adam (sync, and ssp S=2), sparse + error feedback, sign1
-both ways with the default gradient clipping, overlap off and on (sync) and on (async), and
-DiLoCo (local SGD, H = 8 and 32 inner AdamW steps per sign1 pseudo-gradient, outer Nesterov SGD
-on the shards, sync, async and ssp).
+"""``bitps-bench convergence``: do compression and asynchrony cost convergence? The demo model on
+the pinned corpus, 2 shards and 2 workers (4 in the rows that say so) started by
+``bitps-launch``, the same seeds and batches in every run, trained with fp32 Adam and 1-bit Adam
+(sync, async and ssp S=2; ssp also without the worker's weight prediction, and with 4
+workers), each staleness compensation on top (``ps.compensation``: fp32 async, 1-bit ssp),
+sparse + error feedback, sign1 both ways with the default gradient clipping, overlap off and on
+(sync) and on (async), and DiLoCo (local SGD, H = 8 and 32 inner AdamW steps per sign1
+pseudo-gradient, outer Nesterov SGD on the shards, sync, async and ssp).
 
-Per run: the loss curve (mean of the two ranks at each step), the final loss (mean over the last
+Every run a check judges is swept over ``sweep_lrs`` and judged at its best learning rate; the
+others run at ``lr``.
+
+Per run: the loss curve (mean of the ranks at each step), the final loss (mean over the last
 10 % of steps), the first step whose 20-step moving average reaches the target loss (fp32 Adam's
 final loss x ``target_factor``), and the bytes each worker moved per step (pushes as sent on the
 wire, pulls as received). Curves go to ``convergence.png``.
@@ -42,6 +47,13 @@ RUNS = {
     "1-bit Adam (ssp S=2)": ([*_SSP, "--optimizer", "onebit_adam"], ["--compress-min-bytes", "0"]),
     "1-bit Adam (ssp S=2), shard moments": (
         [*_SSP, "--optimizer", "onebit_adam", "--server-arg=--onebit-moments=shard"],
+        ["--compress-min-bytes", "0"]),
+    "1-bit Adam (async)": (["--mode", "async", "--optimizer", "onebit_adam"],
+                           ["--compress-min-bytes", "0"]),
+    # the worker's weight prediction for compressed pulls off (the shard's lookahead flag):
+    # what it buys
+    "1-bit Adam (ssp S=2), no weight prediction": (
+        [*_SSP, "--optimizer", "onebit_adam", "--server-arg=--no-lookahead"],
         ["--compress-min-bytes", "0"]),
     "sparse + EF, Adam (sync)": (["--mode", "sync", "--optimizer", "adam"],
                                  ["--push-codec", "sparse", "--compress-min-bytes", "0"]),
@@ -83,6 +95,26 @@ RUNS.update({
         ["--mode", "sync", *_AVERAGE],
         ["--inner-steps", "8", *_INNER, "--fragments", "4", "--fragment-overlap-steps", "1"]),
 })
+# Staleness compensation (ps.compensation), each on top of the lookahead: fp32 Adam async
+# (gradient pushes: every method applies) and 1-bit Adam ssp (directions: the lr-scaling ones)
+_COMP = {"damping": "damping", "gap_aware": "gap-aware", "dc_asgd": "DC-ASGD"}
+COMPENSATED = {}
+for _name, _label in _COMP.items():
+    COMPENSATED[f"fp32 Adam (async), {_label}"] = "fp32 Adam (async)"
+    RUNS[f"fp32 Adam (async), {_label}"] = (
+        ["--mode", "async", "--optimizer", "adam", f"--server-arg=--compensation={_name}"], [])
+for _name in ("damping", "gap_aware"):
+    COMPENSATED[f"1-bit Adam (ssp S=2), {_COMP[_name]}"] = "1-bit Adam (ssp S=2)"
+    RUNS[f"1-bit Adam (ssp S=2), {_COMP[_name]}"] = (
+        [*_SSP, "--optimizer", "onebit_adam", f"--server-arg=--compensation={_name}"],
+        ["--compress-min-bytes", "0"])
+# 4 workers (2 shards): twice the samples per step; judged against sync fp32 with 4 workers
+_W4 = ["--workers", "4"]
+RUNS.update({
+    "fp32 Adam (sync), 4 workers": ([*_W4, "--mode", "sync", "--optimizer", "adam"], []),
+    "1-bit Adam (ssp S=2), 4 workers": ([*_W4, *_SSP, "--optimizer", "onebit_adam"],
+                                        ["--compress-min-bytes", "0"]),
+})
 DILOCO_RUN = "DiLoCo H=8, sign1 (sync)"
 LOCAL_SGD_RAW = "local SGD H=8, raw (sync)"
 BASELINE = "fp32 Adam (sync)"
@@ -90,8 +122,12 @@ BASELINE = "fp32 Adam (sync)"
 # the loss (every push is applied on its own), which is not compression's doing. The shard-moment
 # layout (frozen v on the shard) is reported, not checked: ssp
 # defaults to worker moments.
-PAIRS = {"onebit_sync": ("1-bit Adam (sync)", "fp32 Adam (sync)"),
-         "onebit_ssp": ("1-bit Adam (ssp S=2)", "fp32 Adam (ssp S=2)")}
+# Each pair is judged at each run's best learning rate of the sweep (both are swept).
+PAIRS = {"onebit_sync": ("1-bit Adam (sync)", "fp32 Adam (sync)", 1.01),
+         "onebit_ssp": ("1-bit Adam (ssp S=2)", "fp32 Adam (ssp S=2)", 1.01),
+         "onebit_async": ("1-bit Adam (async)", "fp32 Adam (async)", 1.01),
+         "onebit_ssp_4_workers": ("1-bit Adam (ssp S=2), 4 workers",
+                                  "fp32 Adam (sync), 4 workers", 1.02)}
 # Clipping under overlap must not change convergence: overlap on against off, same codec.
 OVERLAP_PAIRS = {
     "onebit_sync": ("1-bit Adam (sync), overlap on", "1-bit Adam (sync)"),
@@ -100,6 +136,8 @@ OVERLAP_PAIRS = {
 # Compressed pulls: a sync worker's bytes per step, pushes + pulls, against fp32's.
 TRAFFIC_RUN = "sign1 + EF, clip 1.0, Adam (sync), overlap off"
 REPORTED = {"1-bit Adam (ssp S=2), shard moments": "fp32 Adam (ssp S=2)",
+            "1-bit Adam (ssp S=2), no weight prediction": "fp32 Adam (ssp S=2)",
+            **COMPENSATED,
             "DiLoCo H=8, sign1 (sync), Nesterov outer": "fp32 Adam (sync)",
             "local SGD H=8, raw (sync)": "fp32 Adam (sync)",
             "DiLoCo H=32, sign1 (sync)": "fp32 Adam (sync)",
@@ -108,13 +146,16 @@ REPORTED = {"1-bit Adam (ssp S=2), shard moments": "fp32 Adam (ssp S=2)",
             "DiLoCo H=8, sign1, streaming 4 fragments (sync)": "fp32 Adam (sync)"}
 # Asynchrony must not cost convergence: async and ssp fp32 Adam against sync, each at the best
 # of a learning-rate sweep (the other runs use --lr).
-SWEPT = ("fp32 Adam (sync)", "fp32 Adam (async)", "fp32 Adam (ssp S=2)")
+SWEPT = ("fp32 Adam (sync)", "fp32 Adam (async)", "fp32 Adam (ssp S=2)", "1-bit Adam (sync)",
+         "1-bit Adam (ssp S=2)", "1-bit Adam (async)", "1-bit Adam (ssp S=2), no weight prediction",
+         *COMPENSATED, "fp32 Adam (sync), 4 workers", "1-bit Adam (ssp S=2), 4 workers")
 ASYNC_PAIRS = {"async": ("fp32 Adam (async)", "fp32 Adam (sync)"),
                "ssp": ("fp32 Adam (ssp S=2)", "fp32 Adam (sync)")}
 
 
 def _launch(name: str, launch_args: list[str], worker_args: list[str], *, steps: int,
             freeze: int, lr: float, beta2: float, seed: int, run_dir: Path) -> dict:
+    workers = _workers(launch_args)
     argv = [sys.executable, "-m", "bitps.worker.launch", "--shards", "2", "--workers", "2",
             "--lr", str(lr), "--run-dir", str(run_dir), *launch_args,
             f"--server-arg=--freeze-step={freeze}", f"--server-arg=--beta2={beta2}", "--",
@@ -122,15 +163,21 @@ def _launch(name: str, launch_args: list[str], worker_args: list[str], *, steps:
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"{name}: bitps-launch exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    losses = np.zeros((2, steps))
+    losses = np.zeros((workers, steps))
     for line in (run_dir / "steps.jsonl").read_text().splitlines():
         e = json.loads(line)
         losses[e["rank"], e["step"]] = e["loss"]
     done = json.loads((run_dir / "summary.json").read_text())["workers"]
     return {"curve": losses.mean(axis=0),
-            "push_bytes": sum(d["push_wire_bytes"] for d in done) / 2 / steps,
-            "pull_bytes": sum(d["pull_bytes"] for d in done) / 2 / steps,
+            "push_bytes": sum(d["push_wire_bytes"] for d in done) / workers / steps,
+            "pull_bytes": sum(d["pull_bytes"] for d in done) / workers / steps,
             "seconds": max(d["seconds"] for d in done)}
+
+
+def _workers(launch_args: list[str]) -> int:
+    """The workers a run starts: 2, or its own ``--workers`` (the last one given wins)."""
+    given = [int(launch_args[i + 1]) for i, a in enumerate(launch_args[:-1]) if a == "--workers"]
+    return given[-1] if given else 2
 
 
 def _steps_to(curve: np.ndarray, target: float, window: int = 20) -> int | None:
@@ -140,20 +187,29 @@ def _steps_to(curve: np.ndarray, target: float, window: int = 20) -> int | None:
 
 
 def _plot(curves: dict[str, np.ndarray], path: Path, freeze: int) -> None:
+    """Every run's curve: the 2-worker runs without compensation on the left, the
+    compensated and 4-worker ones (with their peers) on the right."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
-    for name, curve in curves.items():
-        smooth = moving_average(curve, 10)
-        ax.plot(np.arange(smooth.size) + 10, smooth, label=name, lw=1.2)
-    ax.axvline(freeze, color="grey", ls=":", lw=1, label=f"1-bit Adam freeze ({freeze})")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (mean of 2 ranks, 10-step average)")
-    ax.set_title("bitps demo model: compression vs fp32 Adam")
-    ax.legend()
+    right = {n for n in curves if n in COMPENSATED or "4 workers" in n}
+    right |= {COMPENSATED[n] for n in right if n in COMPENSATED}
+    fig, axes = plt.subplots(1, 2, figsize=(16, 6), dpi=110, sharey=True)
+    for ax, names, title in ((axes[0], [n for n in curves if n not in right or n in
+                                        COMPENSATED.values()], "runs (2 workers)"),
+                             (axes[1], [n for n in curves if n in right],
+                              "staleness compensation, 4 workers")):
+        for name in names:
+            smooth = moving_average(curves[name], 10)
+            ax.plot(np.arange(smooth.size) + 10, smooth, label=name, lw=1.0)
+        ax.axvline(freeze, color="grey", ls=":", lw=1, label=f"1-bit Adam freeze ({freeze})")
+        ax.set_xlabel("step")
+        ax.set_title(title)
+        ax.legend(fontsize=6)
+    axes[0].set_ylabel("loss (mean of the ranks, 10-step average)")
+    fig.suptitle("bitps demo model: compression and asynchrony vs fp32 Adam")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -167,7 +223,7 @@ def _mean_runs(runs: list[dict]) -> dict:
 
 _COLUMNS = [("run", "run"), ("lr", "lr"), ("final_loss", "final loss"),
             ("vs_fp32", "vs fp32 Adam (sync)"),
-            ("vs_same_mode_fp32", "vs fp32 Adam, same mode"),
+            ("vs_same_mode_fp32", "vs fp32 Adam, same mode (best lr)"),
             ("steps_to_target", "steps to target"),
             ("push_bytes_per_step", "push B/step"),
             ("pull_bytes_per_step", "pull B/step"),
@@ -192,7 +248,8 @@ def run(cfg: ConvergenceBench | None = None, *, out: Path | None = None) -> dict
     rows = _rows(results, lrs, tail, target)
     _plot({n: r["curve"] for n, r in results.items()}, out / "convergence.png", freeze)
     by = {r["run"]: r for r in rows}
-    checks = {**_loss_checks(by), **_sweep_checks(by, sweeps), **_traffic_checks(by)}
+    sweep_checks = _sweep_checks(by, sweeps)  # first: the others read each run's best
+    checks = {**_loss_checks(by), **sweep_checks, **_traffic_checks(by)}
     config = {"steps": cfg.steps, "freeze_step": freeze, "lr": cfg.lr,
               "sweep_lrs": list(cfg.sweep_lrs), "beta2": cfg.beta2, "seeds": list(cfg.seeds),
               "target_loss": target,
@@ -209,7 +266,8 @@ def _chosen(only: tuple[str, ...]) -> dict:
     unknown = [n for n in only if n not in RUNS]
     if unknown:
         raise ValueError(f"unknown runs {unknown}; expected some of {list(RUNS)}")
-    wanted = {BASELINE, *only, *(REPORTED.get(n, BASELINE) for n in only),
+    peers = {name: peer for name, peer, _ in PAIRS.values()}
+    wanted = {BASELINE, *only, *(REPORTED.get(n, peers.get(n, BASELINE)) for n in only),
               *([LOCAL_SGD_RAW] if DILOCO_RUN in only else [])}
     return {n: a for n, a in RUNS.items() if not only or n in wanted}
 
@@ -260,17 +318,24 @@ def _loss_checks(by: dict) -> dict:
     """Each 1-bit run against fp32 in its mode, and overlap on against off; the reported
     runs get their ratio to their peer (``vs_same_mode_fp32``) in their rows."""
     checks = {}
-    for key, (name, peer) in PAIRS.items():
+    for key, (name, peer, goal) in PAIRS.items():
         if not _have(by, name, peer):
             continue
-        ratio = by[name]["final_loss"] / by[peer]["final_loss"]
+        ratio = _best(by[name]) / _best(by[peer])
         by[name]["vs_same_mode_fp32"] = ratio
-        checks[f"{key}_final_loss_vs_fp32_same_mode"] = check(round(ratio, 4), "<= 1.01",
-                                                              ratio <= 1.01)
+        checks[f"{key}_final_loss_vs_fp32_each_at_best_lr"] = check(
+            round(ratio, 4), f"<= {goal}", ratio <= goal)
     for name, peer in REPORTED.items():
         if not _have(by, name, peer):
             continue
-        by[name]["vs_same_mode_fp32"] = by[name]["final_loss"] / by[peer]["final_loss"]
+        by[name]["vs_same_mode_fp32"] = _best(by[name]) / _best(by[peer])
+    for name, base in COMPENSATED.items():  # on by default only where it wins
+        if not _have(by, name, base):
+            continue
+        ratio = _best(by[name]) / _best(by[base])
+        key = name.replace("(", "").replace(")", "").replace(",", "").replace("=", "")
+        checks[f"compensation_{'_'.join(key.lower().split())}_vs_off_each_at_best_lr"] = check(
+            round(ratio, 4), "< 1 (else off by default)", ratio < 1)
     for key, pair in OVERLAP_PAIRS.items():
         if not _have(by, *pair):
             continue
@@ -278,6 +343,11 @@ def _loss_checks(by: dict) -> dict:
         checks[f"{key}_overlap_on_final_loss_vs_off"] = check(round(on / off, 4), "<= 1.01",
                                                               on / off <= 1.01)
     return checks
+
+
+def _best(row: dict) -> float:
+    """The run's final loss at its best learning rate (swept runs), else at ``--lr``."""
+    return row.get("best_final_loss", row["final_loss"])
 
 
 def _sweep_checks(by: dict, sweeps: dict) -> dict:
@@ -325,14 +395,16 @@ def _traffic_checks(by: dict) -> dict:
 
 
 def _notes(cfg: ConvergenceBench, freeze: int, tail: int, target: float) -> str:
-    return (f"{cfg.steps} steps, 2 shards x 2 workers, batch 8 x 128 bytes per rank, seeds "
-            f"{list(cfg.seeds)} (curves averaged), Adam lr {cfg.lr} (fp32 sync, async and ssp "
-            f"are also swept over {list(cfg.sweep_lrs)}: each point's final loss in the sweep "
-            f"column, and asynchrony is judged at each run's best), beta2 {cfg.beta2} (v's "
+    return (f"{cfg.steps} steps, 2 shards x 2 workers (4 where the row says so), batch 8 x 128 "
+            f"bytes per rank, seeds {list(cfg.seeds)} (curves averaged), Adam lr {cfg.lr}; "
+            f"every run a check judges is also swept over {list(cfg.sweep_lrs)} (each point's "
+            f"final loss in the sweep column) and judged at its best lr; beta2 {cfg.beta2} (v's "
             f"memory, 1/(1-beta2) = {1 / (1 - cfg.beta2):.0f} steps, must be shorter than the "
             f"warmup for a frozen v to mean anything), 1-bit Adam freeze_step {freeze} "
             f"({cfg.freeze_fraction:.0%}); final loss = mean of the last {tail} steps of the "
-            f"2-rank mean; vs fp32 Adam = against the sync fp32 run; checks compare each 1-bit "
-            f"run with fp32 Adam in the same mode; target = {cfg.target_factor} x sync fp32 "
-            f"Adam's final loss = {target:.3f}; bytes per worker per step (pushes on the wire, "
-            f"pulls as received); curves: convergence.png.")
+            f"ranks' mean; vs fp32 Adam (sync) = against the sync fp32 run at --lr; vs fp32 "
+            f"Adam, same mode = each at its best lr against its peer (a compensated run: "
+            f"against the same run without it); target = {cfg.target_factor} x sync fp32 Adam's "
+            f"final loss = {target:.3f}; bytes per worker per step (pushes on the wire, pulls "
+            f"as received); seconds: the slowest worker's, on a machine shared with other work "
+            f"(not a speed figure); curves: convergence.png.")

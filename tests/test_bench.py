@@ -64,30 +64,38 @@ def test_codec_bench_runs_every_implementation(tmp_path):
     assert all(r["ms"] > 0 for r in doc["rows"])
 
 
-@pytest.mark.timeout(900)  # 25 runs of 4 processes each: about 150 s alone, more when shared
+@pytest.mark.timeout(900)  # 31 runs of 4-6 processes each: about 200 s alone, more when shared
 def test_convergence_bench_smoke(tmp_path):
-    """A few steps of every run: the curves, the PNG and the byte counts come out."""
+    """A few steps of every run (the sweep at --lr alone): the curves, the PNG, the byte
+    counts and every check come out."""
     doc = _bench(tmp_path, "convergence", "--steps", "12", "--seeds", "0", "--lr", "3e-3",
-                 "--sweep-lrs", "6e-3", timeout=600)
-    from bitps.bench.convergence import RUNS
+                 "--sweep-lrs", "3e-3", timeout=600)
+    from bitps.bench.convergence import COMPENSATED, RUNS
 
     assert [r["run"] for r in doc["rows"]] == list(RUNS)
     assert (tmp_path / "convergence.png").read_bytes()[:4] == b"\x89PNG"
     by = {r["run"]: r for r in doc["rows"]}
     fp32 = by["fp32 Adam (sync)"]["push_bytes_per_step"]
-    for run in ("1-bit Adam (sync)", "1-bit Adam (ssp S=2)", "1-bit Adam (ssp S=2), shard moments"):
+    for run in ("1-bit Adam (sync)", "1-bit Adam (ssp S=2)", "1-bit Adam (ssp S=2), shard moments",
+                "1-bit Adam (async)", "1-bit Adam (ssp S=2), 4 workers"):
         assert 0 < by[run]["push_bytes_per_step"] < fp32
         assert by[run]["vs_same_mode_fp32"] > 0
-    assert set(doc["checks"]) == {"onebit_sync_final_loss_vs_fp32_same_mode",
-                                  "onebit_ssp_final_loss_vs_fp32_same_mode",
-                                  "onebit_sync_overlap_on_final_loss_vs_off",
-                                  "sign1_clip_overlap_on_final_loss_vs_off",
-                                  "sign1_sync_traffic_reduction_vs_fp32",
-                                  "fp32_async_vs_sync_final_loss_each_at_best_lr",
-                                  "fp32_ssp_vs_sync_final_loss_each_at_best_lr",
-                                  "diloco_h8_sync_final_loss_vs_fp32_sync",
-                                  "local_sgd_h8_raw_final_loss_vs_fp32_sync",
-                                  "diloco_h8_sync_bytes_per_sample_reduction_vs_fp32_sync"}
+    assert all(by[run]["vs_same_mode_fp32"] > 0 for run in COMPENSATED)
+    compensations = {c for c in doc["checks"] if c.startswith("compensation_")}
+    assert len(compensations) == len(COMPENSATED) == 5
+    assert set(doc["checks"]) - compensations == {
+        "onebit_sync_final_loss_vs_fp32_each_at_best_lr",
+        "onebit_ssp_final_loss_vs_fp32_each_at_best_lr",
+        "onebit_async_final_loss_vs_fp32_each_at_best_lr",
+        "onebit_ssp_4_workers_final_loss_vs_fp32_each_at_best_lr",
+        "onebit_sync_overlap_on_final_loss_vs_off",
+        "sign1_clip_overlap_on_final_loss_vs_off",
+        "sign1_sync_traffic_reduction_vs_fp32",
+        "fp32_async_vs_sync_final_loss_each_at_best_lr",
+        "fp32_ssp_vs_sync_final_loss_each_at_best_lr",
+        "diloco_h8_sync_final_loss_vs_fp32_sync",
+        "local_sgd_h8_raw_final_loss_vs_fp32_sync",
+        "diloco_h8_sync_bytes_per_sample_reduction_vs_fp32_sync"}
     # 12 steps: one H=8 round, so DiLoCo pushed once; H=32 never did
     diloco = by["DiLoCo H=8, sign1 (sync)"]
     assert 0 < diloco["push_bytes_per_step"] < fp32 / 100
