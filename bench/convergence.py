@@ -77,6 +77,14 @@ RUNS.update({
     "DiLoCo H=8, sign1 (async)": (["--mode", "async", *_AVERAGE],
                                   ["--inner-steps", "8", *_INNER]),
     "DiLoCo H=8, sign1 (ssp S=2)": ([*_SSP, *_AVERAGE], ["--inner-steps", "8", *_INNER]),
+    # Asynchronous local SGD (Liu et al. 2024): DiLoCo's Nesterov outer rule on every arrival,
+    # and its delayed form (ps.outer.DelayedNesterov: a plain step per arrival, the momentum
+    # every N = 2 arrivals, from their mean)
+    "DiLoCo H=8, sign1 (async), Nesterov outer": (["--mode", "async", *_DILOCO],
+                                                  ["--inner-steps", "8", *_INNER]),
+    "DiLoCo H=8, sign1 (async), delayed Nesterov": (
+        ["--mode", "async", *_DILOCO, "--optimizer", "delayed_nesterov"],
+        ["--inner-steps", "8", *_INNER]),
     # Streaming DiLoCo: 4 fragments, each exchanged at its own step of the round, in flight
     # for one inner step
     "DiLoCo H=8, sign1, streaming 4 fragments (sync)": (
@@ -104,6 +112,8 @@ REPORTED = {"1-bit Adam (ssp S=2), shard moments": "fp32 Adam (ssp S=2)",
             "local SGD H=8, raw (sync)": "fp32 Adam (sync)",
             "DiLoCo H=32, sign1 (sync)": "fp32 Adam (sync)",
             "DiLoCo H=8, sign1 (async)": "fp32 Adam (async)",
+            "DiLoCo H=8, sign1 (async), Nesterov outer": "fp32 Adam (async)",
+            "DiLoCo H=8, sign1 (async), delayed Nesterov": "fp32 Adam (async)",
             "DiLoCo H=8, sign1 (ssp S=2)": "fp32 Adam (ssp S=2)",
             "DiLoCo H=8, sign1, streaming 4 fragments (sync)": "fp32 Adam (sync)"}
 # Asynchrony must not cost convergence: async and ssp fp32 Adam against sync, each at the best
