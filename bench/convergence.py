@@ -85,6 +85,11 @@ RUNS.update({
     "DiLoCo H=8, sign1 (async), delayed Nesterov": (
         ["--mode", "async", *_DILOCO, "--optimizer", "delayed_nesterov"],
         ["--inner-steps", "8", *_INNER]),
+    # dynamic local updates (worker.algorithms.dylu) where no worker is slow: what measuring
+    # costs (rounds of H - 1 when a speed reads low)
+    "DiLoCo H=8, sign1 (async), delayed Nesterov, dynamic local updates": (
+        ["--mode", "async", *_DILOCO, "--optimizer", "delayed_nesterov"],
+        ["--inner-steps", "8", *_INNER, "--inner-steps-adaptive"]),
     # Streaming DiLoCo: 4 fragments, each exchanged at its own step of the round, in flight
     # for one inner step
     "DiLoCo H=8, sign1, streaming 4 fragments (sync)": (
@@ -114,6 +119,8 @@ REPORTED = {"1-bit Adam (ssp S=2), shard moments": "fp32 Adam (ssp S=2)",
             "DiLoCo H=8, sign1 (async)": "fp32 Adam (async)",
             "DiLoCo H=8, sign1 (async), Nesterov outer": "fp32 Adam (async)",
             "DiLoCo H=8, sign1 (async), delayed Nesterov": "fp32 Adam (async)",
+            "DiLoCo H=8, sign1 (async), delayed Nesterov, dynamic local updates":
+                "fp32 Adam (async)",
             "DiLoCo H=8, sign1 (ssp S=2)": "fp32 Adam (ssp S=2)",
             "DiLoCo H=8, sign1, streaming 4 fragments (sync)": "fp32 Adam (sync)"}
 # Asynchrony must not cost convergence: async and ssp fp32 Adam against sync, each at the best
