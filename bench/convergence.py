@@ -89,6 +89,21 @@ RUNS.update({
     "DiLoCo H=8, sign1 (async)": (["--mode", "async", *_AVERAGE],
                                   ["--inner-steps", "8", *_INNER]),
     "DiLoCo H=8, sign1 (ssp S=2)": ([*_SSP, *_AVERAGE], ["--inner-steps", "8", *_INNER]),
+    # Asynchronous local SGD (Liu et al. 2024): DiLoCo's Nesterov outer rule on every arrival,
+    # and its delayed form (ps.outer.DelayedNesterov: a plain step per arrival, the momentum
+    # every N = 2 arrivals, from their mean)
+    "DiLoCo H=8, sign1 (async), Nesterov outer": (["--mode", "async", *_DILOCO],
+                                                  ["--inner-steps", "8", *_INNER]),
+    "DiLoCo H=8, sign1 (async), delayed Nesterov": (
+        ["--mode", "async", *_DILOCO, "--optimizer", "delayed_nesterov"],
+        ["--inner-steps", "8", *_INNER]),
+    # DiLoCo's lr 0.7 and momentum 0.9 step about 7x the mean delta in steady state
+    # (lr / (1 - momentum)), tuned for H in the hundreds; lr 0.5 and momentum 0.5 step 1x, as
+    # plain averaging does, and keep some momentum
+    "DiLoCo H=8, sign1 (async), delayed Nesterov, lr 0.5, momentum 0.5": (
+        ["--mode", "async", *_DILOCO, "--optimizer", "delayed_nesterov", "--lr", "0.5",
+         "--server-arg=--momentum=0.5"],
+        ["--inner-steps", "8", *_INNER]),
     # Streaming DiLoCo: 4 fragments, each exchanged at its own step of the round, in flight
     # for one inner step
     "DiLoCo H=8, sign1, streaming 4 fragments (sync)": (
@@ -142,6 +157,10 @@ REPORTED = {"1-bit Adam (ssp S=2), shard moments": "fp32 Adam (ssp S=2)",
             "local SGD H=8, raw (sync)": "fp32 Adam (sync)",
             "DiLoCo H=32, sign1 (sync)": "fp32 Adam (sync)",
             "DiLoCo H=8, sign1 (async)": "fp32 Adam (async)",
+            "DiLoCo H=8, sign1 (async), Nesterov outer": "fp32 Adam (async)",
+            "DiLoCo H=8, sign1 (async), delayed Nesterov": "fp32 Adam (async)",
+            "DiLoCo H=8, sign1 (async), delayed Nesterov, lr 0.5, momentum 0.5":
+                "fp32 Adam (async)",
             "DiLoCo H=8, sign1 (ssp S=2)": "fp32 Adam (ssp S=2)",
             "DiLoCo H=8, sign1, streaming 4 fragments (sync)": "fp32 Adam (sync)"}
 # Asynchrony must not cost convergence: async and ssp fp32 Adam against sync, each at the best

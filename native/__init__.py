@@ -13,6 +13,7 @@ from bitps.native.update_rules import (
     adam_step,
     add_scaled,
     all_finite,
+    delayed_nesterov_step,
     extrapolate,
     momentum_step,
     onebit_adam_apply,
@@ -23,5 +24,6 @@ from bitps.native.update_rules import (
 )
 
 __all__ = ["accumulate", "adam_direction", "adam_direction_correct", "adam_step", "add_scaled",
-           "all_finite", "extrapolate", "momentum_step", "onebit_adam_apply", "onebit_adam_delta",
-           "onebit_direction_delta", "sgd_step", "sum_squares"]
+           "all_finite", "delayed_nesterov_step", "extrapolate", "momentum_step",
+           "onebit_adam_apply", "onebit_adam_delta", "onebit_direction_delta", "sgd_step",
+           "sum_squares"]

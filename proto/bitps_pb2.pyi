@@ -235,22 +235,26 @@ class KeyRuleState(_message.Message):
     def __init__(self, key: _Optional[int] = ..., version: _Optional[int] = ..., arrays: _Optional[_Iterable[_Union[StateArray, _Mapping]]] = ..., fields: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("rank", "clock", "token")
+    __slots__ = ("rank", "clock", "token", "steps_per_s")
     RANK_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
     rank: int
     clock: int
     token: str
-    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., token: _Optional[str] = ...) -> None: ...
+    steps_per_s: float
+    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., token: _Optional[str] = ..., steps_per_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("min_clock", "live")
+    __slots__ = ("min_clock", "live", "max_steps_per_s")
     MIN_CLOCK_FIELD_NUMBER: _ClassVar[int]
     LIVE_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
     min_clock: int
     live: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, min_clock: _Optional[int] = ..., live: _Optional[_Iterable[int]] = ...) -> None: ...
+    max_steps_per_s: float
+    def __init__(self, min_clock: _Optional[int] = ..., live: _Optional[_Iterable[int]] = ..., max_steps_per_s: _Optional[float] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("token",)
@@ -259,7 +263,7 @@ class StatusRequest(_message.Message):
     def __init__(self, token: _Optional[str] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("rank", "clock", "live", "seconds_since_seen", "pending_pulls", "waiting_for", "registered", "left", "dropped", "clock_lead", "clock_lag", "held")
+    __slots__ = ("rank", "clock", "live", "seconds_since_seen", "pending_pulls", "waiting_for", "registered", "left", "dropped", "clock_lead", "clock_lag", "held", "steps_per_s")
     RANK_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     LIVE_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +276,7 @@ class WorkerStatus(_message.Message):
     CLOCK_LEAD_FIELD_NUMBER: _ClassVar[int]
     CLOCK_LAG_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
     rank: int
     clock: int
     live: bool
@@ -284,7 +289,8 @@ class WorkerStatus(_message.Message):
     clock_lead: int
     clock_lag: int
     held: _containers.RepeatedCompositeFieldContainer[HeldPullStatus]
-    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., live: _Optional[bool] = ..., seconds_since_seen: _Optional[float] = ..., pending_pulls: _Optional[int] = ..., waiting_for: _Optional[str] = ..., registered: _Optional[bool] = ..., left: _Optional[bool] = ..., dropped: _Optional[bool] = ..., clock_lead: _Optional[int] = ..., clock_lag: _Optional[int] = ..., held: _Optional[_Iterable[_Union[HeldPullStatus, _Mapping]]] = ...) -> None: ...
+    steps_per_s: float
+    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., live: _Optional[bool] = ..., seconds_since_seen: _Optional[float] = ..., pending_pulls: _Optional[int] = ..., waiting_for: _Optional[str] = ..., registered: _Optional[bool] = ..., left: _Optional[bool] = ..., dropped: _Optional[bool] = ..., clock_lead: _Optional[int] = ..., clock_lag: _Optional[int] = ..., held: _Optional[_Iterable[_Union[HeldPullStatus, _Mapping]]] = ..., steps_per_s: _Optional[float] = ...) -> None: ...
 
 class HeldPullStatus(_message.Message):
     __slots__ = ("clock", "waited_s", "deadline_in_s", "num_keys", "waiting_for", "reason")

@@ -30,6 +30,8 @@ class WorkerClock:
     registered: bool = False
     left: bool = False
     dropped: bool = False
+    steps_per_s: float = 0.0
+    """The training speed its last heartbeat reported (0: none; ``HeartbeatRequest``)."""
 
 
 class ClockTable:

@@ -186,8 +186,13 @@ class ControlServicer(pb_grpc.ControlServicer):
             if not core.clocks.is_registered(request.rank):
                 _abort(context, PSError(pb.NOT_REGISTERED, f"rank {request.rank} is not "
                                         f"registered with shard {core.cfg.shard_id}"))
-            core.clocks.seen(request.rank)
-            return pb.HeartbeatReply(min_clock=core.clocks.min_clock(), live=core.clocks.live())
+            clocks = core.clocks
+            clocks.seen(request.rank)
+            clocks.workers[request.rank].steps_per_s = max(request.steps_per_s, 0.0)
+            live = clocks.live()
+            fastest = max((clocks.workers[r].steps_per_s for r in live), default=0.0)
+            return pb.HeartbeatReply(min_clock=clocks.min_clock(), live=live,
+                                     max_steps_per_s=fastest)
 
     def Status(self, request, context):
         """Clocks, liveness and held pulls of every worker the shard knows, and for each held
@@ -215,7 +220,7 @@ class ControlServicer(pb_grpc.ControlServicer):
                 waiting_for=reasons.get(w.rank, ""), registered=w.registered, left=w.left,
                 dropped=w.dropped, clock_lead=w.clock - min_clock,
                 clock_lag=max_clock - w.clock if w.rank in live else 0,
-                held=held.get(w.rank, ()))
+                held=held.get(w.rank, ()), steps_per_s=w.steps_per_s)
                 for w in sorted(clocks.workers.values(), key=lambda w: w.rank)]
             return pb.StatusReply(
                 shard_id=core.cfg.shard_id, mode=core.cfg.mode, staleness=core.cfg.staleness,

@@ -100,6 +100,9 @@ def program() -> Program:
                                          "own step of the round (1 = no streaming)"),
         from_field(_A, "fragment_overlap_steps",
                    help="diloco streaming: inner steps an exchange stays in flight"),
+        from_field(_A, "inner_steps_adaptive",
+                   help="diloco: size each round from measured speed (DyLU): max(1, "
+                        "round(H * own steps/s / fastest live worker's))"),
         from_field(_D, "batch_size", help="sequences per step per rank"),
         from_field(_D, "seq_len", help="bytes per sequence"),
         from_field(_D, "corpus_bytes", help="corpus byte budget"),

@@ -342,6 +342,11 @@ class AlgorithmConfig:
     fragment_overlap_steps: int = 0
     """diloco streaming: inner steps a fragment's exchange stays in flight while training goes
     on (0: wait for it at once); below inner_steps / fragments."""
+    inner_steps_adaptive: bool = False
+    """diloco: dynamic local updates (DyLU, Liu et al. 2024): each round takes max(1,
+    round(inner_steps * v / v_max)) steps, v this worker's measured steps/s and v_max the
+    fastest live worker's (reported in heartbeats), so a slow worker pushes about as often as
+    a fast one; whole rounds only (fragments 1)."""
 
     def __post_init__(self) -> None:
         if self.name not in ALGORITHMS:
@@ -355,6 +360,9 @@ class AlgorithmConfig:
             raise ValueError(f"fragment_overlap_steps must be in 0 .. "
                              f"{self.inner_steps // self.fragments - 1}, got "
                              f"{self.fragment_overlap_steps}")
+        if self.inner_steps_adaptive and self.fragments > 1:
+            raise ValueError(f"inner_steps_adaptive sizes whole rounds; got fragments "
+                             f"{self.fragments} (expected 1)")
         if not self.inner_lr > 0 or self.inner_weight_decay < 0:
             raise ValueError(f"inner_lr {self.inner_lr} must be > 0 and inner_weight_decay "
                              f"{self.inner_weight_decay} >= 0")

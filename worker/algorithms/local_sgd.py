@@ -25,6 +25,11 @@ the fragment keeps the progress made since it was sent: ``theta = theta_new + (t
 theta_sent)``, and that progress goes into the fragment's next pseudo-gradient. Bytes per
 step are those of F = 1; the peak message is 1/F of the model.
 
+Dynamic local updates (``adaptive``, after Liu et al. 2024; ``worker.algorithms.dylu``): each
+round's inner steps are ``max(1, round(H * v / v_max))``, this worker's measured speed over the
+fastest live worker's (reported through the heartbeats), so a slow worker pushes about as often
+as a fast one, with fewer steps of progress. Whole rounds only (one fragment, no overlap).
+
 The inner optimizer is any ``torch.optim.Optimizer`` over the model's parameters (AdamW in
 DiLoCo); its state stays on this worker and is saved with :meth:`LocalSGD.state_dict`. With
 H = 1, raw pushes and an outer SGD of lr 1, a round is exactly one step of the inner
@@ -37,10 +42,14 @@ may.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
 from bitps.proto.keyplan import KeyPlan, ParamSpec, make_plan
+from bitps.worker.algorithms.dylu import DynamicSteps
 from bitps.worker.config import EncoderConfig
 from bitps.worker.training.encoder import Encoder
 from bitps.worker.transport.client import PSClient
@@ -53,7 +62,8 @@ class LocalSGD:
 
     def __init__(self, model: torch.nn.Module, client: PSClient,
                  inner: torch.optim.Optimizer, *, inner_steps: int, fragments: int = 1,
-                 overlap_steps: int = 0, encoder: EncoderConfig | None = None) -> None:
+                 overlap_steps: int = 0, encoder: EncoderConfig | None = None,
+                 adaptive: bool = False, clock: Callable[[], float] = time.perf_counter) -> None:
         if inner_steps < 1:
             raise ValueError(f"inner_steps is {inner_steps}; expected >= 1")
         if not 1 <= fragments <= inner_steps:
@@ -63,6 +73,9 @@ class LocalSGD:
             raise ValueError(f"overlap_steps is {overlap_steps}; expected 0 .. "
                              f"{max(inner_steps // fragments - 1, 0)} (an exchange lands "
                              f"before the next fragment's starts)")
+        if adaptive and (fragments > 1 or overlap_steps):
+            raise ValueError(f"adaptive inner steps size whole rounds; got fragments "
+                             f"{fragments}, overlap_steps {overlap_steps} (expected 1 and 0)")
         self.model, self.client, self.inner = model, client, inner
         self.encoder = Encoder(encoder or EncoderConfig.from_client(client.cfg), client)
         """Encodes the pseudo-gradients (a push codec compresses them with error feedback)."""
@@ -111,12 +124,18 @@ class LocalSGD:
         """Rounds completed (the clock of the next push)."""
         self.inner_step = 0
         """Inner steps taken in the current round."""
+        self.round_steps = inner_steps
+        """Inner steps of the current round: ``inner_steps``, or with ``adaptive`` what this
+        worker's speed gives (``worker.algorithms.dylu``)."""
         self._rounds = [self.clock] * fragments  # each fragment's next push clock
         stale = [i for i, k in enumerate(self.keys) if k not in client.versions]
         if stale:
             client.pull([self.keys[i] for i in stale], [self._outs[i] for i in stale],
                         clock=self.clock).wait()
         self._copy_in(range(len(self.params)))
+        self.dynamic = DynamicSteps(inner_steps, client.control, clock=clock) if adaptive \
+            else None
+        """Measures the rounds and sizes the next (``adaptive``), else ``None``."""
 
     def step(self) -> bool:
         """One inner step (the inner optimizer's ``step`` and ``zero_grad``); then any fragment
@@ -127,15 +146,21 @@ class LocalSGD:
         for f, (_, land) in list(self._inflight.items()):
             if self.inner_step == land:
                 self._land(f)
+        if self.dynamic is not None and self.inner_step == self.round_steps:
+            self.dynamic.finish(self.round_steps)  # before the exchange: its wait is not speed
         started = False
         for f, offset in enumerate(self._offsets):
             if self.inner_step == offset:
                 self._send(f)
                 started = True
-        if self.inner_step == self.inner_steps:
+        if self.inner_step == self.round_steps:
             self.inner_step = 0
             self.clock += 1
             self.client.clock = self.clock
+            if self.dynamic is not None:
+                self.round_steps = self.dynamic.next_steps()
+                self._offsets = [self.round_steps]
+                self.dynamic.start()
         return started
 
     def exchange(self) -> None:
@@ -150,6 +175,8 @@ class LocalSGD:
                 self._land(f)
         self.inner_step = 0
         self.clock = self.client.clock = max(self._rounds)
+        if self.dynamic is not None:
+            self.dynamic.start()
 
     def _send(self, f: int) -> None:
         for i in self._tensors[f]:

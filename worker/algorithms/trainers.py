@@ -92,4 +92,5 @@ def local_sgd(model, client, cfg):
     inner = torch.optim.AdamW(model.parameters(), lr=a.inner_lr,
                               weight_decay=a.inner_weight_decay)
     return LocalSGD(model, client, inner, inner_steps=a.inner_steps, fragments=a.fragments,
-                    overlap_steps=a.fragment_overlap_steps, encoder=cfg.encoder)
+                    overlap_steps=a.fragment_overlap_steps, encoder=cfg.encoder,
+                    adaptive=a.inner_steps_adaptive)

@@ -87,6 +87,12 @@ class ControlClient:
         """The gRPC ``Control`` stubs, by shard (calls must carry :attr:`metadata`)."""
         self.min_clock = 0
         """Smallest live clock the last heartbeat answer reported."""
+        self.steps_per_s = 0.0
+        """This worker's training speed, which every heartbeat reports (0: not measured; set by
+        the trainer that measures it, local SGD's dynamic inner steps)."""
+        self.fastest_steps_per_s = 0.0
+        """The fastest live worker's speed (this one's included) the shards last answered a
+        heartbeat with; 0 until one reported a speed."""
         self._closing = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
@@ -210,14 +216,19 @@ class ControlClient:
 
     def _heartbeat_loop(self, clock: Callable[[], int]) -> None:
         while not self._closing.wait(self.cfg.heartbeat_s):
+            fastest = 0.0
             for shard, stub in enumerate(self.stubs):
                 try:
                     reply = stub.Heartbeat(pb.HeartbeatRequest(
-                        rank=self.cfg.rank, clock=clock(), token=self.cfg.token),
+                        rank=self.cfg.rank, clock=clock(), token=self.cfg.token,
+                        steps_per_s=self.steps_per_s),
                         timeout=max(self.cfg.heartbeat_s, 1.0), metadata=self.metadata)
                     self.min_clock = reply.min_clock
+                    fastest = max(fastest, reply.max_steps_per_s)
                 except grpc.RpcError as err:
                     log.warning("heartbeat to shard %d failed: %s", shard, err.code().name)
+            if fastest > 0:
+                self.fastest_steps_per_s = fastest
 
     def leave(self) -> None:
         """Tell every shard this rank leaves (so peers stop waiting for it); failures are
