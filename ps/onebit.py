@@ -45,6 +45,7 @@ workers are told at registration (``proto/onebit.proto`` ``OneBitParams``, packe
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -122,6 +123,13 @@ class OneBitConfig(RuleConfig):
         if server.mode == "sync" and self.moments != "auto":
             raise ValueError(f"onebit_moments {self.moments!r} applies to async/ssp; sync 1-bit "
                              f"Adam keeps DeepSpeed's layout (use auto)")
+        if self.moments == "shard":
+            # condemned by the convergence bench: what it loses is sign1 on raw gradients
+            # (sync sign1 + EF under Adam loses as much), not staleness
+            logging.getLogger("bitps.onebit").warning(
+                "onebit_moments=shard is deprecated and will be removed: on the convergence "
+                "bench it ends %s above fp32 Adam in ssp with weight prediction, against %s for "
+                "the worker moments (auto); docs/algorithms.md, Staleness", "12 %", "1 %")
 
 
 _C = OneBitConfig
