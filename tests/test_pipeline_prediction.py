@@ -163,7 +163,7 @@ def test_flushing_schedules_are_unchanged_bit_for_bit_with_a_predictor(schedule)
 
 
 def test_the_config_field_and_flag():
-    assert ParallelConfig().weight_prediction == 0.0
+    assert ParallelConfig().weight_prediction == 2.0  # on for 2bw: it wins (docs/pipeline.md)
     assert ParallelConfig.from_mapping({"weight_prediction": 1}).weight_prediction == 1
     with pytest.raises(ConfigError, match="weight_prediction"):
         ParallelConfig(weight_prediction=-1.0)

@@ -66,10 +66,11 @@ class ParallelConfig:
     """How layers are assigned to stages: ``profile`` (a short profiling run measures each
     layer's forward + backward time; min-max contiguous partition, ``partition.balance``) or
     ``uniform`` (equal layer counts)."""
-    weight_prediction: float = 0.0
+    weight_prediction: float = 2.0
     """Flush-free schedules (``2bw``): compute each step on its stale version extrapolated by
     this many pull intervals, ``w + h * (w - w_previous)`` (``worker.pipeline.prediction``; the
-    exact pulled weights stay untouched); 0 = off. Flushing schedules ignore it."""
+    exact pulled weights stay untouched); 0 = off. Flushing schedules ignore it. 2: the best
+    horizon measured (dp 2 x pp 2 through async shards, docs/pipeline.md)."""
 
     def __post_init__(self) -> None:
         self._check_fields()
