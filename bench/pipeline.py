@@ -32,7 +32,8 @@ profile, fixed micro-batch sizes 4/8/16 at one global batch, + dynamic micro-bat
 + look-ahead and ZB-H1, the flush-free 2BW), bubble and samples/s from every stage's step
 events, the measured balance (slowest/mean stage busy time), and the problem statement's rows
 (its claims, copied) beside them. (c) **dp = 2 x pp = 2 through the PS**: two async shards,
-sign1 (1-bit) pushes, 1F1B and 2BW at equal samples: loss curve, throughput, final-loss ratio.
+sign1 (1-bit) pushes, 1F1B, 2BW and 2BW with weight prediction at equal samples: loss curve,
+throughput, final-loss ratios.
 Rows of (b) and (c) go under ``deep_rows`` and ``dp_pp_rows`` of the JSON, each with its own
 Markdown table; their checks join (a)'s.
 
@@ -529,8 +530,9 @@ def _deep_notes(steps: int) -> str:
 def _dp_pp_notes(steps: int) -> str:
     return (f"bitps-launch --shards 2 --mode async --dp 2 --pp 2, the deep model, micro-batch "
             f"8, m = 4, {steps} steps per replica, --push-codec sign1 (1-bit signs with error "
-            f"feedback), 1F1B then the flush-free 2BW (one run_step over all steps) at equal "
-            f"samples, at each server lr of {', '.join(f'{x:g}' for x in DP_PP_LRS)} (each "
+            f"feedback), 1F1B, the flush-free 2BW (one run_step over all steps) and 2BW on "
+            f"predicted weights (--weight-prediction 2) at equal samples, at each server lr "
+            f"of {', '.join(f'{x:g}' for x in DP_PP_LRS)} (each "
             f"schedule judged at its best: best lr = yes). Losses: the last stages' (first "
             f"step; final = mean of the last 10 steps), averaged over the two replicas; "
             f"samples/s over both replicas.")
@@ -744,21 +746,44 @@ as ``bitps-bench convergence`` reports each mode at its best; a flush-free sched
 staleness wants a smaller step than 1F1B."""
 
 
+DP_PP_CASES = (
+    # (name, schedule, extra stage flags)
+    ("1f1b", "1f1b", ()),
+    ("2bw", "2bw", ("--weight-prediction", "0")),
+    ("2bw + prediction", "2bw", ("--weight-prediction", "2")),
+)
+"""Part (c)'s cases: 1F1B, 2BW on its stale version, 2BW on the predicted weights
+(``worker.pipeline.prediction``, two pull intervals ahead: the best of 1, 1.5, 2 and 3
+measured, docs/pipeline.md)."""
+
+
 def run_dp_pp(*, steps: int = 150, micro_batch: int = 8, m: int = 4, run_root: Path,
-              lrs: tuple[float, ...] = DP_PP_LRS,
+              lrs: tuple[float, ...] = DP_PP_LRS, cases: tuple[tuple, ...] = DP_PP_CASES,
               timeout_s: float = 600.0) -> tuple[list[dict], dict]:
     """Part (c): dp = 2 x pp = 2 of the deep model through two async shards, sign1 (1-bit)
-    pushes with error feedback, 1F1B and the flush-free 2BW at equal samples, at every
-    learning rate of ``lrs`` (alternated: each lr runs 1F1B then 2BW); one row per run."""
+    pushes with error feedback, every case of ``cases`` (1F1B, the flush-free 2BW, 2BW with
+    weight prediction) at equal samples, at every learning rate of ``lrs`` (alternated: each
+    lr runs every case in turn); one row per run, each case judged at its best lr."""
     rows = []
     for lr in lrs:
-        for schedule in ("1f1b", "2bw"):
-            rows.append(_dp_pp_run(schedule, lr, steps, micro_batch, m, run_root, timeout_s))
-    best = {s: min((r for r in rows if r["schedule"] == s), key=lambda r: r["final_loss"])
-            for s in ("1f1b", "2bw")}
+        for case in cases:
+            rows.append(_dp_pp_run(case, lr, steps, micro_batch, m, run_root, timeout_s))
+    best = {c[0]: min((r for r in rows if r["schedule"] == c[0]), key=lambda r: r["final_loss"])
+            for c in cases}
     for r in rows:
         r["best_lr"] = r is best[r["schedule"]]
+    return rows, _dp_pp_checks(rows, best)
+
+
+def _dp_pp_checks(rows: list[dict], best: dict[str, dict]) -> dict:
+    def vs_1f1b(case: str) -> tuple[float, str]:
+        one, two = best["1f1b"], best[case]
+        ratio = two["final_loss"] / one["final_loss"]
+        return ratio, (f"{ratio:.4f} ({case} at lr {two['lr']:g}: {two['final_loss']:.4f}; "
+                       f"1f1b at lr {one['lr']:g}: {one['final_loss']:.4f})")
+
     one, two = best["1f1b"], best["2bw"]
+    ratio, text = vs_1f1b("2bw")
     checks = {
         "dp2_pp2_loss_falls_30pct": check(
             f"{one['loss_drop']:.3f} (1f1b), {two['loss_drop']:.3f} (2bw)", ">= 0.30 both",
@@ -767,22 +792,24 @@ def run_dp_pp(*, steps: int = 150, micro_batch: int = 8, m: int = 4, run_root: P
             ", ".join(r["stages_reporting"] for r in rows), "4/4 every run",
             all(r["stages_reporting"] == "4/4" for r in rows)),
         "dp2_pp2_flush_free_final_loss_vs_1f1b": check(
-            f"{two['final_loss'] / one['final_loss']:.4f} (2bw at lr {two['lr']:g}: "
-            f"{two['final_loss']:.4f}; 1f1b at lr {one['lr']:g}: {one['final_loss']:.4f})",
-            "within 2 % of 1 (equal samples, each at its best lr)",
-            abs(two["final_loss"] / one["final_loss"] - 1) <= 0.02)}
-    return rows, checks
+            text, "within 2 % of 1 (equal samples, each at its best lr)", abs(ratio - 1) <= 0.02)}
+    if "2bw + prediction" in best:
+        ratio, text = vs_1f1b("2bw + prediction")
+        checks["twobw_prediction_final_loss_vs_1f1b"] = check(
+            text, "<= 1.02 (equal samples, each at its best lr)", ratio <= 1.02)
+    return checks
 
 
-def _dp_pp_run(schedule: str, lr: float, steps: int, micro_batch: int, m: int, run_root: Path,
+def _dp_pp_run(case: tuple, lr: float, steps: int, micro_batch: int, m: int, run_root: Path,
                timeout_s: float) -> dict:
-    run_dir = run_root / f"dppp-{schedule}-{lr:g}"
+    name, schedule, extra = case
+    run_dir = run_root / f"dppp-{name.replace(' ', '').replace('+', '-')}-{lr:g}"
     summary, events = launch_pipeline(
         run_dir, ["--shards", "2", "--mode", "async", "--dp", "2", "--pp", "2",
                   "--micro-batch-size", str(micro_batch), "--lr", f"{lr:g}",
                   "--gradient-accumulation-steps", str(m), "--schedule", schedule],
         ["--model", "deep", "--steps", str(steps), "--push-codec", "sign1",
-         "--log-every", "1"], timeout_s)
+         "--log-every", "1", *extra], timeout_s)
     done = [d for d in summary["stages"] if d is not None]
     last = [d for d in done if d["stage"] == 1]
     curve = [e["loss"] for e in sorted(events, key=lambda e: e["step"])
@@ -790,9 +817,9 @@ def _dp_pp_run(schedule: str, lr: float, steps: int, micro_batch: int, m: int, r
     first = statistics.fmean(d["first_loss"] for d in last)
     final = statistics.fmean(d["final_loss"] for d in last)
     wall = max(d["seconds"] for d in done)
-    print(f"(c) {schedule} lr {lr:g}: loss {first:.3f} -> {final:.3f}", file=sys.stderr)
-    return {"part": "c", "case": f"dp 2 x pp 2, async, sign1, {schedule}, lr {lr:g}",
-            "schedule": schedule, "lr": lr, "samples": 2 * steps * micro_batch * m,
+    print(f"(c) {name} lr {lr:g}: loss {first:.3f} -> {final:.3f}", file=sys.stderr)
+    return {"part": "c", "case": f"dp 2 x pp 2, async, sign1, {name}, lr {lr:g}",
+            "schedule": name, "lr": lr, "samples": 2 * steps * micro_batch * m,
             "first_loss": first, "final_loss": final, "loss_drop": 1 - final / first,
             "samples_per_s": 2 * steps * micro_batch * m / wall,
             "bubble_mean": statistics.fmean(d["bubble"] for d in done),

@@ -87,3 +87,28 @@ def test_pipeline_bench_smoke(tmp_path):
         assert set(c) == {"value", "goal", "ok"} and isinstance(c["ok"], bool)
     md = (tmp_path / "pipeline.md").read_text()
     assert "| check | value | goal | ok |" in md and "ScheduleGPipe" in md
+
+
+def test_part_c_judges_each_case_at_its_best_lr_and_checks_prediction_against_1f1b(
+        monkeypatch, tmp_path):
+    from bitps.bench import pipeline as bench
+
+    finals = {("1f1b", 1e-3): 2.40, ("1f1b", 2e-3): 2.30, ("2bw", 1e-3): 2.60,
+              ("2bw", 2e-3): 2.70, ("2bw + prediction", 1e-3): 2.45,
+              ("2bw + prediction", 2e-3): 2.34}
+
+    def fake_run(case, lr, *args):
+        name = case[0]
+        return {"schedule": name, "lr": lr, "final_loss": finals[name, lr], "loss_drop": 0.5,
+                "stages_reporting": "4/4", "extra": case[2]}
+
+    monkeypatch.setattr(bench, "_dp_pp_run", fake_run)
+    rows, checks = bench.run_dp_pp(run_root=tmp_path, lrs=(1e-3, 2e-3))
+    assert [r["schedule"] for r in rows] == [c[0] for c in bench.DP_PP_CASES] * 2
+    assert rows[-1]["extra"] == ("--weight-prediction", "2")  # the predicted case predicts
+    assert rows[1]["extra"] == ("--weight-prediction", "0")   # and plain 2BW does not
+    best = {r["schedule"]: r["lr"] for r in rows if r["best_lr"]}
+    assert best == {"1f1b": 2e-3, "2bw": 1e-3, "2bw + prediction": 2e-3}
+    c = checks["twobw_prediction_final_loss_vs_1f1b"]
+    assert c["ok"] and c["value"].startswith(f"{2.34 / 2.30:.4f}")
+    assert not checks["dp2_pp2_flush_free_final_loss_vs_1f1b"]["ok"]  # 2.60 / 2.30

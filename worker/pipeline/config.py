@@ -9,11 +9,12 @@ The problem statement's dict is accepted as it is::
     cfg.check(num_layers=24)   # before any process starts
     cfg.global_batch           # 64 = 2 x 8 x 4
 
-Every field is a plain ``int``/``bool``/``str`` with a default, and ``schedule``/``balance``
-list their allowed values in ``metadata["choices"]``, so ``proto.settings.from_field`` makes a
-flag, an environment variable and a TOML key of each. Construction checks each field alone
-(:class:`ConfigError`); :meth:`ParallelConfig.check` checks them together against the model
-(``num_layers``) and the schedule (the simulator's deadlock guard, :class:`PlanError`).
+Every field is a plain ``int``/``bool``/``str``/``float`` with a default, and
+``schedule``/``balance`` list their allowed values in ``metadata["choices"]``, so
+``proto.settings.from_field`` makes a flag, an environment variable and a TOML key of each.
+Construction checks each field alone (:class:`ConfigError`); :meth:`ParallelConfig.check`
+checks them together against the model (``num_layers``) and the schedule (the simulator's
+deadlock guard, :class:`PlanError`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,11 @@ class ParallelConfig:
     """How layers are assigned to stages: ``profile`` (a short profiling run measures each
     layer's forward + backward time; min-max contiguous partition, ``partition.balance``) or
     ``uniform`` (equal layer counts)."""
+    weight_prediction: float = 2.0
+    """Flush-free schedules (``2bw``): compute each step on its stale version extrapolated by
+    this many pull intervals, ``w + h * (w - w_previous)`` (``worker.pipeline.prediction``; the
+    exact pulled weights stay untouched); 0 = off. Flushing schedules ignore it. 2: the best
+    horizon measured (dp 2 x pp 2 through async shards, docs/pipeline.md)."""
 
     def __post_init__(self) -> None:
         self._check_fields()
@@ -152,13 +158,16 @@ class ParallelConfig:
     def _check_fields(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            kind = {"int": int, "bool": bool, "str": str}[f.type]
-            if type(value) is not kind:
+            kind = {"int": int, "bool": bool, "str": str, "float": float}[f.type]
+            if type(value) is not kind and not (kind is float and type(value) is int):
                 raise ConfigError(f.name, value, f"{'an' if kind is int else 'a'} "
                                   f"{kind.__name__}")
         for name in _SIZES:
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "an integer >= 1")
+        if self.weight_prediction < 0:
+            raise ConfigError("weight_prediction", self.weight_prediction,
+                              "a number >= 0 (pull intervals; 0 = off)")
         if self.micro_batch_min > self.micro_batch_max:
             raise ConfigError("micro_batch_min", self.micro_batch_min,
                               f"at most micro_batch_max ({self.micro_batch_max})")

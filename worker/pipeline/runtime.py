@@ -31,6 +31,8 @@ F, B and W compute on the version its step reads, and the W gradients accumulate
 version's copy is dropped after the last compute that uses it, so at most 2 live in a 2BW plan.
 At ``PUSH`` of step ``s`` the gradients computed for ``s`` become the module's ``.grad`` and are
 pushed as one step's gradients (without a PS they stay there, replaced at the next ``PUSH``).
+With a ``predictor`` (``prediction``) a version's copy is its predicted view, not the pulled
+values; the module's parameters stay exact.
 
 **Two chunks** (``zb-v``): ``module=[chunk0, chunk1]`` gives the rank the virtual stages
 ``r`` and ``2p - 1 - r`` of a V (``actions``); ``ctx.stage`` is then the rank. Each chunk has
@@ -234,12 +236,14 @@ class StageRuntime:
     when ``run_step`` gets none. ``p2p_groups``: a process group per direction
     (``p2p.direction_groups``); on CUDA without ``ctx.group`` they are made here, a collective
     call every rank makes when it builds its runtime (NCCL runs a pair's ops in the order posted
-    on one stream, so an early-posted receive would hold back the sends behind it)."""
+    on one stream, so an early-posted receive would hold back the sends behind it).
+    ``predictor``: a ``prediction.WeightPredictor`` whose views the stashed versions compute
+    on (flush-free plans; flushing plans stash nothing, so it changes nothing there)."""
 
     def __init__(self, ctx: StageContext, module: nn.Module | Sequence[nn.Module], *,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  ps_model=None, pool=None, metrics=None, prefetcher=None,
-                 p2p_groups: Mapping[Direction, Any] | None = None) -> None:
+                 p2p_groups: Mapping[Direction, Any] | None = None, predictor=None) -> None:
         self.ctx = ctx
         self.device = torch.device(ctx.device)
         chunks = [module] if isinstance(module, nn.Module) else list(module)
@@ -254,7 +258,7 @@ class StageRuntime:
         self.computes = [StageCompute(chunk, first=self._first[c], last=self._last[c],
                                       loss_fn=loss_fn) for c, chunk in enumerate(chunks)]
         self.compute = self.computes[0]
-        self.ps_model, self.pool = ps_model, pool
+        self.ps_model, self.pool, self.predictor = ps_model, pool, predictor
         self.metrics, self.prefetcher = metrics, prefetcher
         if self.chunks > 1 and (pool is not None or self.device.type == "cuda"
                                 or p2p_groups is not None):
@@ -369,10 +373,19 @@ class StageRuntime:
         """Version ``v``'s parameter values (copied from the module at its PULL, or at its
         first use)."""
         if v not in self._versions:
-            self._versions[v] = {n: p.detach().clone().requires_grad_(p.requires_grad)
+            values = self._values(v)
+            self._versions[v] = {n: values[n].requires_grad_(p.requires_grad)
                                  for n, p in self.module.named_parameters()}
             self.max_live_versions = max(self.max_live_versions, len(self._versions))
         return self._versions[v]
+
+    def _values(self, v: int) -> dict[str, torch.Tensor]:
+        """New tensors of version ``v``'s values: the module's (exact, as pulled), or the
+        predictor's view of them; the module's parameters are only read."""
+        exact = {n: p.detach() for n, p in self.module.named_parameters()}
+        if self.predictor is not None:
+            return self.predictor.view(v, exact)
+        return {n: t.clone() for n, t in exact.items()}
 
     def _pull(self, v: int, stash: bool) -> None:
         if not stash:
@@ -381,8 +394,8 @@ class StageRuntime:
             self.ps_model.synchronize()
         if v in self._versions:  # made at a first use before its PULL: refresh its values
             with torch.no_grad():
-                for n, p in self.module.named_parameters():
-                    self._versions[v][n].copy_(p)
+                for n, t in self._values(v).items():
+                    self._versions[v][n].copy_(t)
         else:
             self._version(v)
 

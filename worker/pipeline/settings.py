@@ -109,6 +109,9 @@ def program() -> Program:
         par("lookahead", "first stage: load and embed the next micro-batch on a side thread"),
         par("balance", "how layers are cut into stages: by measured time (profile) or "
                        "count (uniform)"),
+        par("weight_prediction", "flush-free schedules (2bw): compute on the stale weights "
+                                 "extrapolated by this many pull intervals (0 = off; "
+                                 "flushing schedules ignore it)"),
         from_field(_C, "rank", env="RANK", help="global rank (torchrun's RANK)"),
         from_field(_C, "world_size", env="WORLD_SIZE",
                    help="stage processes, D x P (torchrun's WORLD_SIZE)"),

@@ -95,9 +95,15 @@ class _Stage:
                            prev_rank=None if self.stage == 0 else rank - 1,
                            next_rank=None if self.stage == self.p - 1 else rank + 1,
                            device=device, timeout_s=cfg.stage.p2p_timeout_s)
+        predictor = None
+        if par.weight_prediction > 0 and not get_schedule(par.schedule).flushes:
+            from bitps.worker.pipeline.prediction import WeightPredictor
+
+            predictor = WeightPredictor(par.weight_prediction)
         self.runtime = StageRuntime(ctx, parts[0] if self.chunks == 1 else parts,
                                     loss_fn=self.spec.loss if self.scores else None,
-                                    ps_model=self.ps_model, metrics=self.metrics)
+                                    ps_model=self.ps_model, metrics=self.metrics,
+                                    predictor=predictor)
         self.sizes = self._micro_batching()
 
     def _partition(self, model) -> tuple[list[range], list[float] | None]:
