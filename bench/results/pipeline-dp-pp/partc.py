@@ -1,13 +1,18 @@
 """Part (c) of bitps-bench pipeline alone (run_dp_pp: 1F1B, 2BW, 2BW + prediction x DP_PP_LRS),
 written to /tmp/twobw-results/partc/pipeline.{json,md}."""
-import json, tempfile
+import json
+import tempfile
 from pathlib import Path
+
 from bitps.bench import pipeline as bp
 from bitps.bench.report import versions
+
 out = Path("/tmp/twobw-results/partc")
 with tempfile.TemporaryDirectory(prefix="twobw-c-") as tmp:
     rows, checks = bp.run_dp_pp(run_root=Path(tmp))
-(out / "pipeline.json").write_text(json.dumps({"scenario": "pipeline (c) only", "versions": versions(), "checks": checks}, indent=2))
-(out / "pipeline.md").write_text("# pipeline, part (c) only\n\n" + "\n".join(f"- {k}: {v}" for k, v in checks.items()) + "\n")
+doc = {"scenario": "pipeline (c) only", "versions": versions(), "checks": checks}
+(out / "pipeline.json").write_text(json.dumps(doc, indent=2))
+listed = "\n".join(f"- {k}: {v}" for k, v in checks.items())
+(out / "pipeline.md").write_text("# pipeline, part (c) only\n\n" + listed + "\n")
 bp.append_section(out, "dp_pp_rows", bp._DPPP_TITLE, rows, bp._DPPP_COLUMNS, bp._dp_pp_notes(150))
 print(json.dumps(checks, indent=1))
