@@ -12,16 +12,19 @@ from bitps.bench import convergence as c
 from bitps.bench.config import ConvergenceBench
 from bitps.bench.report import write_results
 
-out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
+out = Path(sys.argv[1])
+out.mkdir(parents=True, exist_ok=True)
 root = Path("/tmp/conv-runs")
 cfg = ConvergenceBench()
-freeze = max(1, round(cfg.steps * cfg.freeze_fraction)); tail = max(1, cfg.steps // 10)
+freeze = max(1, round(cfg.steps * cfg.freeze_fraction))
+tail = max(1, cfg.steps // 10)
 
 def parse(d: Path, workers: int) -> dict:
     steps = cfg.steps
     losses = np.zeros((workers, steps))
     for line in (d / "steps.jsonl").read_text().splitlines():
-        e = json.loads(line); losses[e["rank"], e["step"]] = e["loss"]
+        e = json.loads(line)
+        losses[e["rank"], e["step"]] = e["loss"]
     done = json.loads((d / "summary.json").read_text())["workers"]
     return {"curve": losses.mean(axis=0),
             "push_bytes": sum(x["push_wire_bytes"] for x in done) / workers / steps,
@@ -42,7 +45,8 @@ for i, name in enumerate(names):
         if lr == cfg.lr:
             results[name], lrs[name] = r, lr
     if name not in results:
-        missing.append(name); sweeps.pop(name, None)
+        missing.append(name)
+        sweeps.pop(name, None)
 target = float(results[c.BASELINE]["curve"][-tail:].mean()) * cfg.target_factor
 rows = c._rows(results, lrs, tail, target)
 c._plot({n: r["curve"] for n, r in results.items()}, out / "convergence.png", freeze)
