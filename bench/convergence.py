@@ -29,7 +29,7 @@ import numpy as np
 from bitps.bench.config import ConvergenceBench
 from bitps.bench.report import DEFAULT_OUT, check, moving_average, write_results
 
-__all__ = ["RUNS", "run"]
+__all__ = ["RUNS", "parse_run", "run"]
 
 _SSP = ["--mode", "ssp", "--staleness", "2"]
 _SIGN1 = ["--push-codec", "sign1", "--compress-min-bytes", "0", "--bucket-bytes", "65536"]
@@ -182,6 +182,12 @@ def _launch(name: str, launch_args: list[str], worker_args: list[str], *, steps:
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"{name}: bitps-launch exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return parse_run(run_dir, workers=workers, steps=steps)
+
+
+def parse_run(run_dir: Path, *, workers: int, steps: int) -> dict:
+    """One finished run's loss curve (mean of the ranks), bytes per worker per step and seconds,
+    from its ``steps.jsonl`` and ``summary.json``."""
     losses = np.zeros((workers, steps))
     for line in (run_dir / "steps.jsonl").read_text().splitlines():
         e = json.loads(line)

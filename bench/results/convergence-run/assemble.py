@@ -6,8 +6,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
 from bitps.bench import convergence as c
 from bitps.bench.config import ConvergenceBench
 from bitps.bench.report import write_results
@@ -20,16 +18,8 @@ freeze = max(1, round(cfg.steps * cfg.freeze_fraction))
 tail = max(1, cfg.steps // 10)
 
 def parse(d: Path, workers: int) -> dict:
-    steps = cfg.steps
-    losses = np.zeros((workers, steps))
-    for line in (d / "steps.jsonl").read_text().splitlines():
-        e = json.loads(line)
-        losses[e["rank"], e["step"]] = e["loss"]
-    done = json.loads((d / "summary.json").read_text())["workers"]
-    return {"curve": losses.mean(axis=0),
-            "push_bytes": sum(x["push_wire_bytes"] for x in done) / workers / steps,
-            "pull_bytes": sum(x["pull_bytes"] for x in done) / workers / steps,
-            "seconds": max(x["seconds"] for x in done)}
+    return c.parse_run(d, workers=workers, steps=cfg.steps)
+
 
 names = list(c.RUNS)
 results, lrs, sweeps, missing = {}, {}, {}, []
