@@ -124,13 +124,15 @@ class DelayCompensation(Compensation):
         if ms is None:
             ms = self._mean_square[key] = np.zeros_like(grad)
             self._out[key] = np.empty_like(grad)
-        # ms = m * ms + (1 - m) * g * g
+        out = self._out[key]
+        # ms = m * ms + (1 - m) * g * g, through the scratch array (no temporaries per push)
+        np.multiply(grad, np.float32(1) - self._MOMENTUM, out=out)
+        out *= grad
         ms *= self._MOMENTUM
-        ms += (np.float32(1) - self._MOMENTUM) * grad * grad
+        ms += out
         read = self._read.get((worker, key))
         if read is None:  # no pull answered yet (the first push): nothing to correct
             return grad
-        out = self._out[key]
         # out = g + lambda_0 / sqrt(ms + eps) * g * g * (w_now - w_read)
         np.subtract(slot.param, read, out=out)
         out *= grad

@@ -138,8 +138,9 @@ class Consistency:
         nothing by default)."""
 
     def answered(self, worker: int, slots: list[Slot], frames: list) -> None:
-        """A pull of ``worker`` for ``slots`` was answered with ``frames`` (per slot: float32
-        parameters, moved ahead or not, or a code frame); nothing by default."""
+        """A pull of ``worker`` for ``slots`` was answered with ``frames`` (per slot: ``(frame,
+        buffer)``, the frame float32 parameters, moved ahead or not, or codes); nothing by
+        default (a no-op on every pull, so nothing is built for it)."""
 
     # -- pushes --------------------------------------------------------------------------------
     def take_push(self, core: Core, header: pb.DataHeader, slots: list[Slot], grads: list,
@@ -262,7 +263,7 @@ class Async(Consistency):
     def answered(self, worker, slots, frames):
         if not self.compensation.snapshots:
             return
-        for slot, frame in zip(slots, frames):
+        for slot, (frame, _) in zip(slots, frames):
             values = frame if isinstance(frame, np.ndarray) and frame.dtype == np.float32 \
                 and frame.shape == slot.param.shape else slot.param  # codes: the exact values
             self.compensation.handed(slot, worker, values)

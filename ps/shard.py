@@ -224,7 +224,7 @@ class ShardCore(Registration):
                               else s.reply_frame())
         else:
             frames = [s.reply_frame() for s in slots]
-        self.consistency.answered(header.worker, slots, [f for f, _ in frames])
+        self.consistency.answered(header.worker, slots, frames)
         m.pull_bytes.inc(sum(f.nbytes if isinstance(f, np.ndarray) else len(f)
                              for f, _ in frames))
         m.pull_latency.observe(now - since)
