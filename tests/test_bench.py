@@ -276,6 +276,41 @@ def test_straggler_checks_measure_the_bound_a_staleness_bound_sets():
     assert checks["straggler_async_vs_sync_samples_per_s"]["value"] == "bitps async sign1: 1.500"
 
 
+def test_e2e_checks_judge_bounded_compressed_runs_against_ddp_and_the_users_lr():
+    """The asynchrony checks: an async/ssp 1-bit run to the target, the best bitps time over
+    the best DDP variant's (0.8 on the LM, under 1 elsewhere), the run at DDP's lr within 3 %;
+    under a straggler the first bounded run against sync 1-bit Adam (0.85)."""
+    from bitps.bench.config import E2EBench
+    from bitps.bench.e2e import RECOMMENDED, _checks
+
+    def row(name, t, final=2.4, speed=6.0):
+        return {"run": name, "lr": 2e-4, "samples_per_s": speed, "time_to_target_s": t,
+                "final_loss": final}
+
+    by = {r["run"]: r for r in (
+        row("DDP fp32", 120.0, final=2.38), row("DDP bf16", 100.0, final=2.38),
+        row("bitps sync 1-bit Adam", 90.0), row("bitps ssp 1-bit Adam", 79.0),
+        row("bitps async 1-bit Adam", None), row(RECOMMENDED, 85.0, final=2.45))}
+    lm = _checks(by, E2EBench(model="lm"))
+    assert lm["async_or_ssp_1bit_reaches_target"]["value"] == "bitps ssp 1-bit Adam: 79.0 s"
+    assert lm["best_bitps_time_to_target_vs_best_ddp"] == {
+        "value": "bitps ssp 1-bit Adam: 0.790", "goal": "<= 0.8", "ok": True}
+    assert lm["recommended_at_ddp_lr_final_loss_vs_ddp_fp32"]["value"] == round(2.45 / 2.38, 4)
+    assert lm["recommended_at_ddp_lr_final_loss_vs_ddp_fp32"]["ok"]
+    by["bitps ssp 1-bit Adam"]["time_to_target_s"] = 95.0  # now sync 1-bit Adam is first
+    moe = _checks(by, E2EBench(model="moe"))
+    assert moe["best_bitps_time_to_target_vs_best_ddp"]["value"] == \
+        "bitps ssp 1-bit Adam at DDP fp32's lr: 0.850"
+    assert moe["best_bitps_time_to_target_vs_best_ddp"]["goal"] == "< 1.0"
+    for r in by.values():
+        r["time_to_target_s"] = None if "ssp" in r["run"] or "async" in r["run"] else 90.0
+    assert not _checks(by, E2EBench(model="lm"))["async_or_ssp_1bit_reaches_target"]["ok"]
+    by["bitps ssp 1-bit Adam"]["time_to_target_s"] = 80.0
+    slow = _checks(by, E2EBench(model="lm", straggler=True))
+    assert slow["straggler_bounded_time_to_target_vs_sync_1bit_adam"] == {
+        "value": "bitps ssp 1-bit Adam: 0.889", "goal": "<= 0.85", "ok": False}
+
+
 def test_a_quick_run_never_overwrites_a_full_runs_results(tmp_path, monkeypatch):
     """``--quick`` without ``--out`` writes under ``<results>/quick``, for every scenario."""
     import bitps.bench.__main__ as cli
