@@ -87,6 +87,9 @@ SCENARIOS = {
                             "fp32 Adam vs 1-bit Adam, sparse, sign1 and DiLoCo on the demo"),
     "codec": Scenario(config.CodecBench, _measured("bitps.bench.codec"),
                       "codec kernels vs memcpy, numpy and torch (1 thread)"),
+    "kernels": Scenario(config.KernelsBench, _measured("bitps.bench.kernels"),
+                        "a shard's CPU per update of each rule and codec against the memory-"
+                        "bandwidth floor (1 thread)"),
     "overlap": Scenario(config.OverlapBench, _measured("bitps.bench.overlap"),
                         "step time, utilization and worker CPU, overlap off/on vs compute "
                         "only, over a tc-shaped link: one worker, two workers in sync, sign1 "
@@ -111,7 +114,7 @@ SCENARIOS = {
 """Every sub-command, in ``--help`` order."""
 
 # what ``all`` runs, in order: (scenario, its options, also under ``all --quick``?)
-_ALL = (("volume", {}, True), ("pushpull", {}, True), ("codec", {}, True),
+_ALL = (("volume", {}, True), ("pushpull", {}, True), ("codec", {}, True), ("kernels", {}, True),
         ("overlap", {}, True), ("memory", {}, True), ("convergence", {}, True),
         ("pipeline", {}, True), ("e2e", {"model": "lm"}, True),
         ("e2e", {"model": "moe"}, False), ("e2e", {"model": "lm", "straggler": True}, False))

@@ -21,8 +21,9 @@ from bitps.bench.models import MODELS
 from bitps.proto.keyplan import DEFAULT_PARTITION_BYTES
 from bitps.proto.settings import CHOICES
 
-__all__ = ["AllBench", "CodecBench", "CompareBench", "ConvergenceBench", "E2EBench", "MemoryBench",
-           "OverlapBench", "PipelineBench", "PushPullBench", "ReportBench", "VolumeBench"]
+__all__ = ["AllBench", "CodecBench", "CompareBench", "ConvergenceBench", "E2EBench", "KernelsBench",
+           "MemoryBench", "OverlapBench", "PipelineBench",
+           "PushPullBench", "ReportBench", "VolumeBench"]
 
 PLACEMENTS = ("colocated", "own")
 PIPELINE_PARTS = ("a", "b", "c")
@@ -110,6 +111,29 @@ class CodecBench(_Checked):
 
     def sized(self) -> CodecBench:
         return dataclasses.replace(self, mib=8, repeats=2) if self.quick else self
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelsBench(_Checked):
+    """``bitps-bench kernels``: a shard's CPU per update of each rule and codec against the
+    floor the memory bandwidth sets, one thread."""
+
+    mib: int = 64
+    """parameters on the shard (MiB of float32)"""
+    key_mib: int = 4
+    """size of each key (MiB); the shard holds mib / key_mib keys"""
+    rounds: int = 7
+    """alternating rounds; each figure is the median over them"""
+    repeats: int = 3
+    """pushes per case per round"""
+    cases: tuple[str, ...] = ()
+    """measure only these cases (by name; none: every one)"""
+    quick: bool = False
+    """8 MiB, 2 rounds of 1 push (smoke test)"""
+
+    def sized(self) -> KernelsBench:
+        return dataclasses.replace(self, mib=8, key_mib=2, rounds=2, repeats=1) \
+            if self.quick else self
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,4 +1,5 @@
-"""Numba kernels: server update rules and gradient codecs (``casts``, ``sign1``, ``sparse``;
+"""Numba kernels: server update rules, the fused update-and-publish kernels (``publish``) and
+gradient codecs (``casts``, ``sign1``, ``sparse``;
 each module also holds the numpy reference it is tested against; ``sparse`` re-exports the
 names of its split: ``sparse_format``, ``sparse_kernels``, ``sparse_reference``).
 
@@ -6,6 +7,12 @@ Imports numpy and numba only. Kernels take flat numpy arrays and scalars, never 
 document their byte layout and buffer ownership.
 """
 
+from bitps.native.publish import (
+    onebit_direction_publish,
+    onebit_moments_publish,
+    onebit_sync_publish,
+    sign1_publish_delta,
+)
 from bitps.native.update_rules import (
     accumulate,
     adam_direction,
@@ -15,6 +22,7 @@ from bitps.native.update_rules import (
     all_finite,
     delayed_nesterov_step,
     extrapolate,
+    look_ahead,
     momentum_step,
     onebit_adam_apply,
     onebit_adam_delta,
@@ -24,6 +32,7 @@ from bitps.native.update_rules import (
 )
 
 __all__ = ["accumulate", "adam_direction", "adam_direction_correct", "adam_step", "add_scaled",
-           "all_finite", "delayed_nesterov_step", "extrapolate", "momentum_step",
-           "onebit_adam_apply", "onebit_adam_delta", "onebit_direction_delta", "sgd_step",
-           "sum_squares"]
+           "all_finite", "delayed_nesterov_step", "extrapolate", "look_ahead", "momentum_step",
+           "onebit_adam_apply", "onebit_adam_delta", "onebit_direction_delta",
+           "onebit_direction_publish", "onebit_moments_publish", "onebit_sync_publish",
+           "sgd_step", "sign1_publish_delta", "sum_squares"]

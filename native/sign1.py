@@ -35,8 +35,11 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["DEFAULT_CHUNK", "LANES", "decode_add", "decode_reference", "encode",
-           "encode_reference", "payload_bytes", "split"]
+from bitps.native.update_rules import all_finite
+
+__all__ = ["DEFAULT_CHUNK", "LANES", "chunk_scale", "decode", "decode_add", "decode_reference",
+           "encode", "encode_reference", "pack_signs", "payload_bytes", "payload_views",
+           "scales_finite", "split"]
 
 DEFAULT_CHUNK = 2048
 LANES = 64
@@ -56,6 +59,18 @@ def split(payload: np.ndarray, n: int, chunk: int) -> tuple[np.ndarray, np.ndarr
     scales = np.frombuffer(payload, np.float32, count=nchunks)
     bits = np.frombuffer(payload, np.uint8, count=(n + 7) // 8, offset=4 * nchunks)
     return scales, bits
+
+
+def payload_views(out: np.ndarray, n: int, chunk: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """The scales (float32) and sign bytes (uint8) sections of an output buffer ``out``
+    (uint8, at least :func:`payload_bytes` long) for a key of ``n`` elements, and the payload
+    size: where an encoder writes (views, no copy)."""
+    _check_chunk(chunk)
+    size = payload_bytes(n, chunk)
+    if out.dtype != np.uint8 or out.shape[0] < size:
+        raise ValueError(f"out is {out.dtype}[{out.shape[0]}]; expected uint8 of >= {size} bytes")
+    nchunks = (n + chunk - 1) // chunk
+    return out[:4 * nchunks].view(np.float32), out[4 * nchunks:size], size
 
 
 def _check_chunk(chunk: int) -> None:
@@ -89,6 +104,24 @@ def decode_add(payload, n: int, acc: np.ndarray, *, chunk: int = DEFAULT_CHUNK) 
     _decode_add(scales, bits, acc[:n], np.int64(chunk))
 
 
+def decode(payload, n: int, out: np.ndarray, *, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
+    """``out[:n] = decode(payload)`` in one pass (no zeroing first), bit for bit what
+    ``out.fill(0); decode_add(...)`` gives: a zero scale decodes to +0.0 for either sign, as
+    ``0.0 + -0.0`` does. Returns ``out[:n]``."""
+    _check_chunk(chunk)
+    scales, bits = split(payload, n, chunk)
+    _decode_set(scales, bits, out[:n], np.int64(chunk))
+    return out[:n]
+
+
+def scales_finite(payload, n: int, *, chunk: int = DEFAULT_CHUNK) -> bool:
+    """Whether every element of the payload decodes finite: each decodes to ``+-scale`` of its
+    chunk and every chunk has an element, so exactly when every scale is finite (a read of
+    ``4 * ceil(n / chunk)`` bytes instead of the decoded ``4n``)."""
+    scales, _ = split(payload, n, chunk)
+    return bool(all_finite(np.ascontiguousarray(scales)))
+
+
 @_jit
 def _encode(grad, residual, scales, bits, chunk, mean_abs, gscale):
     # Loops index chunk-local slices from 0: with absolute indices numba cannot rule out
@@ -102,29 +135,44 @@ def _encode(grad, residual, scales, bits, chunk, mean_abs, gscale):
         u = residual[lo:lo + m]
         for j in range(m):
             u[j] = g[j] * gscale + u[j]
-        lanes[:] = 0.0
-        full = m - m % LANES
-        for base in range(0, full, LANES):
-            x = u[base:base + LANES]
-            for lane in range(LANES):
-                v = np.float64(x[lane])
-                lanes[lane] += abs(v) if mean_abs else v * v
-        for lane in range(m - full):
-            v = np.float64(u[full + lane])
-            lanes[lane] += abs(v) if mean_abs else v * v
-        width = LANES
-        while width > 1:
-            width //= 2
-            for lane in range(width):
-                lanes[lane] = lanes[lane] + lanes[lane + width]
-        mean = lanes[0] / m
-        s = np.float32(mean) if mean_abs else np.float32(np.sqrt(mean))
+        s = chunk_scale(u, lanes, mean_abs)
         _pack_signs(u, bits[lo >> 3:(lo + m + 7) >> 3])
         neg_s = -s
         for j in range(m):
             x = u[j]
             u[j] = x - (neg_s if x < 0 else s)
         scales[c] = s
+
+
+@_jit
+def chunk_scale(u, lanes, mean_abs):
+    """The float32 scale of one chunk ``u`` (RMS, or mean |u| with ``mean_abs``) in the fixed
+    summation order of the module docstring; ``lanes`` is 64 float64 of scratch. For the
+    encoders here and the fused update-and-publish kernels (``native.publish``)."""
+    m = u.shape[0]
+    lanes[:] = 0.0
+    full = m - m % LANES
+    for base in range(0, full, LANES):
+        x = u[base:base + LANES]
+        for lane in range(LANES):
+            v = np.float64(x[lane])
+            lanes[lane] += abs(v) if mean_abs else v * v
+    for lane in range(m - full):
+        v = np.float64(u[full + lane])
+        lanes[lane] += abs(v) if mean_abs else v * v
+    width = LANES
+    while width > 1:
+        width //= 2
+        for lane in range(width):
+            lanes[lane] = lanes[lane] + lanes[lane + width]
+    mean = lanes[0] / m
+    return np.float32(mean) if mean_abs else np.float32(np.sqrt(mean))
+
+
+@_jit
+def pack_signs(u, out):
+    """Bit ``j`` of ``out`` (LSB first) = ``u[j] < 0``: the sign bits of one chunk."""
+    _pack_signs(u, out)
 
 
 @_jit
@@ -160,6 +208,27 @@ def _decode_add(scales, bits, acc, chunk):
                 a[8 * i + k] = a[8 * i + k] + (neg_s if (byte >> k) & 1 else s)
         for j in range(full, m):
             a[j] = a[j] + (neg_s if (b[j >> 3] >> (j & 7)) & 1 else s)
+
+
+@_jit
+def _decode_set(scales, bits, out, chunk):
+    n = out.shape[0]
+    for c in range(scales.shape[0]):
+        lo = c * chunk
+        m = min(n, lo + chunk) - lo
+        s = scales[c]
+        # 0.0 + -0.0 is +0.0: what decode_add onto zeros gives for a zero scale
+        s = s + np.float32(0.0)
+        neg_s = np.float32(0.0) - s if s == 0 else -s
+        a = out[lo:lo + m]
+        b = bits[lo >> 3:(lo + m + 7) >> 3]
+        full = m - m % 8
+        for i in range(full >> 3):
+            byte = b[i]
+            for k in range(8):
+                a[8 * i + k] = neg_s if (byte >> k) & 1 else s
+        for j in range(full, m):
+            a[j] = neg_s if (b[j >> 3] >> (j & 7)) & 1 else s
 
 
 # -- numpy reference (the spec check; written independently of the kernels) --------------------

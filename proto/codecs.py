@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bitps.native import casts, sign1, sparse
+from bitps.native import all_finite, casts, sign1, sign1_publish_delta, sparse
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.registry import Names
 from bitps.proto.wire import PSError
@@ -100,6 +100,31 @@ class CodecKind:
     def decode_add(self, codec: Codec, payload, n: int, acc: np.ndarray) -> None:
         """``acc[:n] += decode(payload)``; the payload passed :meth:`check`."""
         raise NotImplementedError
+
+    def decode(self, codec: Codec, payload, n: int, out: np.ndarray) -> np.ndarray:
+        """``out[:n] = decode(payload)``, returned; by default zeros and :meth:`decode_add`
+        (a codec whose decoder can write override it: one pass instead of two)."""
+        out = out[:n]
+        out.fill(0.0)
+        self.decode_add(codec, payload, n, out)
+        return out
+
+    def all_finite(self, codec: Codec, payload, n: int, decoded: np.ndarray) -> bool:
+        """Whether every decoded value is finite; ``decoded`` is :meth:`decode`'s result (a
+        codec that can tell from the payload alone overrides it)."""
+        return bool(all_finite(decoded))
+
+    def publish(self, codec: Codec, new: np.ndarray, param: np.ndarray,
+                residual: np.ndarray, out: np.ndarray, scratch: np.ndarray | None,
+                seed: int) -> int:
+        """Encode the update ``new - param`` with error feedback into ``out`` and add the
+        code's decode to ``param`` (a shard publishing an update, ``ps.publish``); returns the
+        payload size. ``new`` may be overwritten. By default subtract, :meth:`encode`,
+        :meth:`decode_add`; a codec with a fused kernel overrides it, with the same bits."""
+        np.subtract(new, param, out=new)
+        size = self.encode(codec, new, residual, out, scratch, seed, 1.0)
+        self.decode_add(codec, out[:size], param.shape[0], param)
+        return size
 
     def scratch(self, codec: Codec, n: int) -> np.ndarray | None:
         """A reusable work buffer the encoder needs for a key of ``n`` elements, if any."""
@@ -201,6 +226,18 @@ class Sign1Kind(CodecKind):
 
     def decode_add(self, codec, payload, n, acc):
         sign1.decode_add(payload, n, acc, chunk=codec.chunk)
+
+    def decode(self, codec, payload, n, out):
+        return sign1.decode(payload, n, out, chunk=codec.chunk)
+
+    def publish(self, codec, new, param, residual, out, scratch, seed):
+        scales, bits, size = sign1.payload_views(out, param.shape[0], codec.chunk)
+        sign1_publish_delta(new, param, residual, scales, bits, np.int64(codec.chunk),
+                            bool(codec.flags & MEAN_ABS))
+        return size
+
+    def all_finite(self, codec, payload, n, decoded):
+        return sign1.scales_finite(payload, n, chunk=codec.chunk)
 
     def encode(self, codec, grad, residual, out, scratch, seed, scale):
         return sign1.encode(grad, residual, out, chunk=codec.chunk,
@@ -351,10 +388,14 @@ class Codec:
         """The float32 values of ``payload`` written to ``out[:n]`` (raw: a view, no copy)."""
         if self.is_raw:
             return np.frombuffer(payload, np.float32, count=n)
-        out = out[:n]
-        out.fill(0.0)
-        self.decode_add(payload, n, out)
-        return out
+        return self.kind.decode(self, payload, n, out)
+
+    def all_finite(self, payload, n: int, decoded: np.ndarray) -> bool:
+        """Whether every value of ``decoded`` (:meth:`decode` of ``payload``) is finite, read
+        from the payload where the codec allows (sign1: its scales)."""
+        if self.is_raw:
+            return bool(all_finite(decoded))
+        return self.kind.all_finite(self, payload, n, decoded)
 
 
 class Compressor:
@@ -381,6 +422,25 @@ class Compressor:
         size = codec.kind.encode(codec, grad, self.residual, self._out, self._scratch, seed,
                                  scale)
         return memoryview(self._out)[:size]
+
+    def publish(self, new: np.ndarray, param: np.ndarray, *, seed: int = 0) -> memoryview:
+        """The payload for the update ``new - param`` (plus the residual), its decode added
+        to ``param`` in place (``CodecKind.publish``); ``new`` may be overwritten. Valid until
+        the next call."""
+        if new.shape != (self.n,) or param.shape != (self.n,):
+            raise ValueError(f"arrays of shapes {new.shape}, {param.shape}; this key has "
+                             f"({self.n},)")
+        codec = self.codec
+        size = codec.kind.publish(codec, new, param, self.residual, self._out, self._scratch,
+                                  seed)
+        return memoryview(self._out)[:size]
+
+    @property
+    def buffer(self) -> np.ndarray:
+        """The reusable output buffer (uint8 of ``codec.max_bytes(n)``) that :meth:`encode`
+        writes and returns views of: where a fused kernel writes its payload too
+        (``native.publish``)."""
+        return self._out
 
     def residual_norm(self) -> float:
         """L2 norm of the residual, for metrics."""

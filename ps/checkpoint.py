@@ -160,8 +160,8 @@ def _key_state(key: int, slot: Slot, codes: dict | None, params: dict, state: di
     arrays, values = split_state(rule)
     for name, arr in arrays.items():
         state[f"{key}/rule/{name}"] = arr
-    if slot.last_delta is not None:
-        state[f"{key}/last_delta"] = slot.last_delta.copy()
+    if slot.previous is not None:
+        state[f"{key}/last_delta"] = slot.last_delta
     if slot.folded:
         state[f"{key}/acc"] = slot.acc.copy()
     for rank, grad in slot.held.items():
@@ -318,8 +318,8 @@ def _restore_key(core: ShardCore, ckpt: Checkpoint, key: int) -> None:
     except (ValueError, TypeError, KeyError) as err:  # a plug-in's own refusal
         raise CheckpointError(ckpt.path, f"key {key}: {type(slot.rule_state).__name__} "
                               f"refused the saved state: {type(err).__name__}: {err}") from None
-    if slot.last_delta is not None:
-        np.copyto(slot.last_delta, _array(ckpt, st, f"{key}/last_delta", (n,), f32))
+    if slot.previous is not None:
+        slot.restore_delta(_array(ckpt, st, f"{key}/last_delta", (n,), f32))
     slot.folded, slot.pushed = info["folded"], set(info["pushed"])
     if slot.folded:
         slot.acc = _array(ckpt, st, f"{key}/acc", (n,), f32).copy()

@@ -13,7 +13,6 @@ import math
 
 import numpy as np
 
-from bitps import native
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import Codec
 from bitps.proto.wire import PROTOCOL, PSError
@@ -137,8 +136,8 @@ def decode_push(cfg: ServerConfig, header: pb.DataHeader, payload: list,
     grads = [codec.decode(frame, slot.length, slot.decode_buffer())
              for slot, frame in zip(slots, payload)]
     if cfg.reject_nonfinite:
-        for slot, grad in zip(slots, grads):
-            if not native.all_finite(grad):
+        for slot, frame, grad in zip(slots, payload, grads):
+            if not codec.all_finite(frame, slot.length, grad):
                 raise PSError(pb.NON_FINITE, f"key {slot.spec.key}: gradient holds NaN or Inf"
                               + ("" if codec.is_raw else f" (decoded from {codec.name})"))
     return grads, codec

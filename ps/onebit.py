@@ -54,7 +54,7 @@ import numpy as np
 from prometheus_client.core import GaugeMetricFamily
 
 from bitps import native
-from bitps.native import casts
+from bitps.native import casts, sign1
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto import onebit_pb2
 from bitps.proto.codecs import MEAN_ABS, Codec, Compressor, chunk_problem
@@ -212,9 +212,15 @@ class OneBitState(KeyState):
         self.bias_correction2_sqrt = 1.0
         self.m_code = b""
         """sync, after the switch: the sign1 code the shard's m is the decode of."""
+        self.mean_abs = mean_abs
         self.pub = Publisher(self.codec, n, history=history)
         """The published codes (``ps.publish``): what pull replies carry."""
         self.server, self.delta = self.pub.server, self.pub.delta
+
+    def code_views(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """Where a fused kernel writes the next published code (``native.publish``): the
+        scales and sign bytes of the shard's encoder's buffer, and the code's size."""
+        return sign1.payload_views(self.server.buffer, self.n, self.codec.chunk)
 
     def freeze(self, bias_correction2_sqrt: float) -> None:
         """Enter the compression stage: v and its bias correction stop changing.
@@ -416,14 +422,16 @@ class OneBitAdamSync(OneBitAdam):
 
     def _compressed(self, slot, grad, grad_scale, lr_scale):
         ob = slot.rule_state
-        # grad is the sum of the workers' momenta: publish their compressed mean as m
-        np.multiply(grad, np.float32(grad_scale), out=ob.delta)
-        payload = ob.server.encode(ob.delta)
-        ob.buf1.fill(0.0)
-        ob.codec.decode_add(payload, slot.length, ob.buf1)
-        self.apply_momentum(slot.writable(), ob, lr_scale=lr_scale,
-                            bias_correction2_sqrt=ob.bias_correction2_sqrt)
-        return payload
+        # grad is the sum of the workers' momenta: publish their compressed mean as m and
+        # apply it (apply_momentum's arithmetic), in one pass (native.publish)
+        scales, bits, size = ob.code_views()
+        f32 = np.float32
+        ob.step += 1
+        native.onebit_sync_publish(
+            grad, f32(grad_scale), ob.server.residual, scales, bits, ob.buf1, ob.buf2,
+            slot.writable(), np.int64(ob.codec.chunk), ob.mean_abs, self._eps, self._wd,
+            self.neg_lr(lr_scale), f32(ob.bias_correction2_sqrt), f32(self.ratio_clip))
+        return memoryview(ob.server.buffer)[:size]
 
     def rule_state(self, slots):
         """Every key's m and frozen v, for workers at the switch; ``BAD_CLOCK`` while a key
@@ -451,21 +459,27 @@ class OneBitAdamWorkerMoments(OneBitAdam):
                       f"Adam state to share")
 
     def _compressed(self, slot, grad, grad_scale, lr_scale):
+        # direction_delta, its code and the code added to the parameters, in one pass
         ob = slot.rule_state
-        self.direction_delta(slot.param, grad, ob.delta, grad_scale=grad_scale,
-                             lr_scale=lr_scale)
-        payload = ob.server.encode(ob.delta)
-        ob.codec.decode_add(payload, slot.length, slot.writable())
-        return payload
+        scales, bits, size = ob.code_views()
+        native.onebit_direction_publish(
+            slot.writable(), grad, np.float32(grad_scale), ob.server.residual, scales, bits,
+            np.int64(ob.codec.chunk), ob.mean_abs, self._wd, self.neg_lr(lr_scale),
+            np.float32(self.ratio_clip))
+        return memoryview(ob.server.buffer)[:size]
 
 
 class OneBitAdamShardMoments(OneBitAdam):
     """async/ssp, moments on the shard: pushes are gradients; m is updated and v frozen."""
 
     def _compressed(self, slot, grad, grad_scale, lr_scale):
-        ob = slot.rule_state
-        self.delta(slot.param, grad, ob, ob.delta, grad_scale=grad_scale,
-                   lr_scale=lr_scale, bias_correction2_sqrt=ob.bias_correction2_sqrt)
-        payload = ob.server.encode(ob.delta)
-        ob.codec.decode_add(payload, slot.length, slot.writable())
-        return payload
+        # delta (m updated), its code and the code added to the parameters, in one pass
+        ob, f32 = slot.rule_state, np.float32
+        scales, bits, size = ob.code_views()
+        ob.step += 1
+        native.onebit_moments_publish(
+            slot.writable(), grad, ob.buf1, ob.buf2, f32(grad_scale), ob.server.residual,
+            scales, bits, np.int64(ob.codec.chunk), ob.mean_abs, self._one_minus_beta1,
+            self._eps, self._wd, self.neg_lr(lr_scale), f32(ob.bias_correction2_sqrt),
+            f32(self.ratio_clip))
+        return memoryview(ob.server.buffer)[:size]

@@ -14,8 +14,6 @@ its own: it reads and sets the core's slots, signature, clocks and pull codec.
 
 from __future__ import annotations
 
-import numpy as np
-
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import Codec
 from bitps.proto.keyplan import DIGEST_BYTES, value_digest
@@ -249,7 +247,7 @@ class Registration:
                 slot.publisher = Publisher(pull, spec.length,
                                            history=self.cfg.optimizer.delta_history)
             elif self.consistency.looks_ahead:
-                slot.last_delta = np.zeros(spec.length, np.float32)
+                slot.track_updates()
         return slots
 
     @staticmethod

@@ -107,10 +107,10 @@ def publish_update(slot: Slot, apply: Callable[[np.ndarray], None], seed: int) -
     writes the parameters the rule would give into ``dst``; their difference to the current
     ones is compressed, added to the parameters and published as the next version."""
     pub = slot.publisher
+    target = slot.writable()
     apply(pub.delta)
-    np.subtract(pub.delta, slot.param, out=pub.delta)
-    payload = pub.server.encode(pub.delta, seed=seed)
-    pub.codec.decode_add(payload, slot.length, slot.writable())
+    # the difference, its code and the decode added, in one pass where the codec fuses them
+    payload = pub.server.publish(pub.delta, target, seed=seed)
     slot.version += 1
     pub.publish(slot.version, payload)
 
@@ -197,12 +197,8 @@ class UpdateRule:
                 slot.param, grad, slot.rule_state, grad_scale=grad_scale, lr_scale=lr_scale,
                 dst=dst), seed=(slot.spec.key << 32) + slot.version)
         target = slot.writable()
-        delta = slot.last_delta
-        if delta is not None:
-            np.copyto(delta, target)
+        slot.before_update(target)
         self.apply(target, grad, slot.rule_state, grad_scale=grad_scale, lr_scale=lr_scale)
-        if delta is not None:
-            np.subtract(target, delta, out=delta)
         slot.version += 1
 
     def arrived(self, slot: Slot, clock: int) -> None:

@@ -220,7 +220,7 @@ class ShardCore(Registration):
             frames, live = [], self.clocks.live()
             for s in slots:
                 ahead = len(self.key_pushers(s, live)) - 1
-                frames.append(s.lookahead(ahead) if ahead > 0 and s.last_delta is not None
+                frames.append(s.lookahead(ahead) if ahead > 0 and s.previous is not None
                               else s.reply_frame())
         else:
             frames = [s.reply_frame() for s in slots]

@@ -82,9 +82,15 @@ class Slot:
     and for every key of a rule that publishes its own (the rule's ``setup`` sets it)."""
     decoded: np.ndarray = field(default_factory=lambda: _EMPTY)
     """Where compressed pushes are decoded to (allocated on the first one)."""
-    last_delta: np.ndarray | None = None
-    """Lookahead pulls (``ServerConfig.lookahead``): the last update applied to the key
-    (new - old parameters); ``None`` when the shard does not look ahead."""
+    previous: np.ndarray | None = None
+    """Lookahead pulls (``ServerConfig.lookahead``): the parameters before the last update,
+    so that the update is ``param - previous`` (:attr:`last_delta`), kept as one copy made
+    before each update instead of a copy and a subtraction; ``None`` when the shard does not
+    look ahead (:meth:`track_updates` turns it on)."""
+    updated: bool = False
+    """Whether :attr:`previous` holds the parameters before an update (none yet: no delta)."""
+    restored_delta: np.ndarray | None = None
+    """A checkpoint's last update, used until the key's next update (:meth:`restore_delta`)."""
     ahead: Buffer | None = None
     """Lookahead pulls: the last parameters handed out ahead (reused once ZeroMQ is done)."""
 
@@ -112,6 +118,36 @@ class Slot:
         return self.buffer.array.nbytes
 
     # -- updates (the rule decides how: ``UpdateRule.update``) --------------------------------
+    def track_updates(self) -> None:
+        """Keep the last update from now on (lookahead pulls): :attr:`last_delta`."""
+        self.previous = np.zeros(self.length, np.float32)
+        self.updated, self.restored_delta = False, None
+
+    def before_update(self, target: np.ndarray) -> None:
+        """``target`` (:meth:`writable`'s array) is about to be updated in place: remember
+        it when the key keeps its last update."""
+        if self.previous is not None:
+            np.copyto(self.previous, target)
+            self.updated, self.restored_delta = True, None
+
+    @property
+    def last_delta(self) -> np.ndarray | None:
+        """The last update applied to the key, ``new - old`` parameters (a new array; zeros
+        before the first update); ``None`` when the shard does not look ahead."""
+        if self.previous is None:
+            return None
+        if self.restored_delta is not None:
+            return self.restored_delta.copy()
+        if not self.updated:
+            return np.zeros(self.length, np.float32)
+        return self.param - self.previous
+
+    def restore_delta(self, delta: np.ndarray) -> None:
+        """A checkpoint's :attr:`last_delta`: the lookahead uses it until the next update."""
+        if self.previous is None:
+            self.track_updates()
+        self.restored_delta = np.array(delta, np.float32)
+
     def lookahead(self, steps: float) -> tuple[np.ndarray, Buffer | None]:
         """The parameters ``steps`` more updates like the last one ahead, ``x + steps * delta``,
         as :meth:`reply_frame` gives a frame: the array and the buffer to track. The key's own
@@ -122,9 +158,15 @@ class Slot:
         if buf is None or buf.in_flight():
             # ZeroMQ keeps a buffer it is still sending alive: dropping ours frees it later
             buf = self.ahead = Buffer(np.empty_like(self.param))
-        np.copyto(buf.array, self.param)
-        if self.last_delta is not None and steps:
-            native.add_scaled(buf.array, self.last_delta, np.float32(steps))
+        if self.previous is not None and self.updated and self.restored_delta is None \
+                and steps:
+            # x + steps * (x - previous): the same float32 operations as adding steps times
+            # the stored difference, in one pass
+            native.look_ahead(self.param, self.previous, buf.array, np.float32(steps))
+        else:
+            np.copyto(buf.array, self.param)
+            if self.restored_delta is not None and steps:
+                native.add_scaled(buf.array, self.restored_delta, np.float32(steps))
         return buf.array, (buf if buf.array.nbytes >= ZERO_COPY_MIN_BYTES else None)
 
     def writable(self) -> np.ndarray:
@@ -144,8 +186,10 @@ class Slot:
         return fresh.array
 
     def set_values(self, data: bytes) -> None:
-        """Overwrite the parameters (initial values, or a checkpoint's)."""
+        """Overwrite the parameters (initial values, or a checkpoint's); the last update is
+        forgotten (a checkpoint restores its own: :meth:`restore_delta`)."""
         self.buffer = Buffer(np.frombuffer(data, np.float32).copy())
+        self.updated, self.restored_delta = False, None
 
     def accumulate(self, rank: int, grad: np.ndarray, live: Sequence[int]) -> None:
         """Sync mode: add ``rank``'s push for the current step (``live``: the key's live
@@ -163,9 +207,15 @@ class Slot:
         self._add_held(live)
 
     def _add(self, grad: np.ndarray) -> None:
-        if self.acc is _EMPTY:
-            self.acc = np.empty_like(self.param)
-        native.accumulate(self.acc, grad, self.folded == 0)
+        if self.folded == 0 and grad.shape == self.decoded.shape \
+                and np.may_share_memory(grad, self.decoded):
+            # the step's first push was decoded into the scratch array: it becomes the sum
+            # and the old sum the next scratch (a pass over the key saved, the same bits)
+            self.acc, self.decoded = self.decoded, self.acc
+        else:
+            if self.acc is _EMPTY:
+                self.acc = np.empty_like(self.param)
+            native.accumulate(self.acc, grad, self.folded == 0)
         self.folded += 1
 
     def _add_held(self, live: Sequence[int] | None) -> None:

@@ -64,6 +64,25 @@ def test_codec_bench_runs_every_implementation(tmp_path):
     assert all(r["ms"] > 0 for r in doc["rows"])
 
 
+def test_kernels_bench_measures_every_case_against_its_floor(tmp_path):
+    from bitps.bench.kernels import CASES
+
+    doc = _bench(tmp_path, "kernels", "--quick")
+    rows = {r["case"]: r for r in doc["rows"]}
+    assert list(rows) == [c.name for c in CASES]
+    assert doc["config"]["bandwidth_gbps"] > 0 and 0 <= doc["config"]["machine_busy_before"] <= 1
+    n_bytes = doc["config"]["mib"] * 2**20
+    for case in CASES:
+        row = rows[case.name]
+        assert row["cpu_ms"] > 0 and row["floor_ms"] > 0
+        # the floor counts every array the accounting names, and the codes on top
+        arrays = (case.reads + case.writes) * n_bytes / 1e6
+        codes = row["floor_mb"] - arrays
+        assert (codes > 0) == (case.push == "sign1" or case.pull == "sign1"), case.name
+        assert codes < 2 * n_bytes / 32 / 1e6 * 1.1  # at most a push and a published code
+    assert set(doc["checks"]) == {f"shard_cpu_vs_floor[{c.name}]" for c in CASES}
+
+
 # One run of each kind the bench makes (1-bit Adam in every mode, 4 workers, a compensation,
 # DiLoCo, sign1 with clipping); _chosen adds their peers. Every run's flags are parsed by
 # test_every_convergence_run_parses below, without starting processes.

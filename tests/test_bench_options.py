@@ -20,8 +20,8 @@ from tests.helpers import docs_generator
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = {"-h", "--help", "--out"}  # every sub-command's, not a scenario's own
-MEASURED = ("pushpull", "volume", "convergence", "codec", "overlap", "memory", "e2e",
-            "pipeline")
+MEASURED = ("pushpull", "volume", "convergence", "codec", "kernels", "overlap", "memory",
+            "e2e", "pipeline")
 
 
 def _help_entries(text: str) -> dict[str, str]:
@@ -147,11 +147,11 @@ def test_all_runs_every_scenario_then_the_report(monkeypatch, tmp_path):
                         lambda out: calls.append(("report", None, out)) or out / "REPORT.md")
     assert cli.main(["--out", str(tmp_path), "all", "--quick"]) == 1
     assert [(n, out) for n, _, out in calls] == [(n, tmp_path / "quick") for n in (
-        "volume", "pushpull", "codec", "overlap", "memory", "convergence", "pipeline", "e2e",
-        "report")]
+        "volume", "pushpull", "codec", "kernels", "overlap", "memory", "convergence",
+        "pipeline", "e2e", "report")]
     assert calls[0][1] == config.VolumeBench()
-    assert calls[7][1] == config.E2EBench(model="lm", quick=True)
-    assert all(cfg.quick for _, cfg, _ in calls[1:8])
+    assert calls[8][1] == config.E2EBench(model="lm", quick=True)
+    assert all(cfg.quick for _, cfg, _ in calls[1:9])
     calls.clear()
     status.clear()
     assert cli.main(["all", "--out", str(tmp_path)]) == 0

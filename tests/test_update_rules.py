@@ -252,3 +252,66 @@ def test_worker_moments_direction_applied_by_the_shard_is_adamw():
     assert np.abs(ours - param).max() > 0.05
     # not bit-exact: the shard adds lr * (d + wd * x) where torch decays x first
     np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+
+
+def test_sync_sum_takes_the_first_decoded_push_without_a_copy_and_keeps_it_whole():
+    """Slot.accumulate: the step's first push, decoded into the key's scratch array, becomes
+    the sum (no copy); the next push decodes into another array, so the sum stays whole, in
+    rank order whatever the arrival order."""
+    from bitps.proto import bitps_pb2 as pb
+    from bitps.ps.store import Slot
+
+    n = 1000
+    slot = Slot.zeros(pb.KeySpec(key=0, name="w", offset=0, length=n, dtype=pb.FLOAT32))
+    rng = np.random.default_rng(0)
+    pushes = {r: rng.standard_normal(n).astype(np.float32) for r in range(3)}
+    for step in range(2):  # the scratch and the sum trade places every step
+        for rank in (1, 0, 2):  # rank 1 arrives first: kept aside (copied) until rank 0's
+            scratch = slot.decode_buffer()
+            np.copyto(scratch, pushes[rank] * np.float32(step + 1))
+            slot.accumulate(rank, scratch, [0, 1, 2])
+            slot.decode_buffer().fill(np.nan)  # what the next push's decode writes
+        total, count = slot.step_sum()
+        want = (pushes[0] * np.float32(step + 1) + pushes[1] * np.float32(step + 1)) \
+            + pushes[2] * np.float32(step + 1)
+        assert count == 3
+        np.testing.assert_array_equal(total, want)
+        slot.end_step()
+
+
+def test_lookahead_from_the_previous_parameters_equals_adding_the_stored_update():
+    """Slot keeps the parameters before the last update (one copy) instead of the update
+    (a copy and a subtraction): the lookahead ``x + steps * delta`` is bit for bit what adding
+    the stored difference gave, before the first update, after updates, and from a
+    checkpoint's delta until the next update."""
+    from bitps.proto import bitps_pb2 as pb
+    from bitps.ps.config import OptimizerConfig
+    from bitps.ps.rules import make_rule
+    from bitps.ps.store import Slot
+
+    n = 1003
+    rule = make_rule(OptimizerConfig(name="adam", lr=1e-2))
+    slot = Slot.zeros(pb.KeySpec(key=0, name="w", offset=0, length=n, dtype=pb.FLOAT32))
+    rule.setup(slot)
+    rng = np.random.default_rng(0)
+    slot.set_values(rng.standard_normal(n).astype(np.float32).tobytes())
+    slot.track_updates()
+    x0 = slot.param.copy()
+    np.testing.assert_array_equal(slot.lookahead(3.0)[0], x0)  # no update yet
+    for _ in range(3):
+        before = slot.param.copy()
+        rule.update(slot, rng.standard_normal(n).astype(np.float32), clock=0)
+        delta = slot.param - before  # what the shard stored before
+        want = slot.param.copy()
+        native.add_scaled(want, delta, np.float32(1.5))
+        np.testing.assert_array_equal(slot.last_delta, delta)
+        np.testing.assert_array_equal(slot.lookahead(1.5)[0], want)
+    saved = slot.last_delta
+    slot.set_values(slot.param.tobytes())  # as a checkpoint restores: values, then the delta
+    slot.restore_delta(saved * np.float32(2))
+    want = slot.param.copy()
+    native.add_scaled(want, saved * np.float32(2), np.float32(1.0))
+    np.testing.assert_array_equal(slot.lookahead(1.0)[0], want)
+    before = slot.param.copy()
+    rule.update(slot, rng.standard_normal(n).astype(np.float32), clock=0)
+    np.testing.assert_array_equal(slot.last_delta, slot.param - before)

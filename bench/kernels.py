@@ -1,0 +1,228 @@
+"""``bitps-bench kernels``: a shard's CPU per update against the floor memory bandwidth sets.
+
+A shard update is memory-bound arithmetic: its floor is the bytes it must read and write, divided
+by the bandwidth this machine moves bytes at, measured in the same run as ``np.copyto`` of the
+same key set (a copy of ``X`` bytes reads ``X`` and writes ``X``: bandwidth = ``2X / t``).
+
+**What an update must touch** (the accounting, per element of the key set; ``n`` float32
+elements, 4 bytes each; payload bytes counted as their measured sizes):
+
+==========================================  ==========================  ==================
+rule, mode, push codec -> pull codec         reads                        writes
+==========================================  ==========================  ==================
+sgd, async, raw -> raw                       g, p                         p, last delta
+momentum, async, raw -> raw                  g, p, buf                    p, buf, last delta
+adam, async, raw -> raw                      g, p, m, v                   p, m, v, last delta
+adam, sync, raw -> raw                       g, p, m, v                   p, m, v
+adam, async, sign1 -> raw                    push code, p, m, v           p, m, v, last delta
+adam, async, raw -> sign1                    g, p, m, v, residual         p, m, v, residual, code
+adam, async, sign1 -> sign1                  push code, p, m, v, resid.   p, m, v, residual, code
+1-bit Adam sync (compressed phase)           push code, p, v, residual    p, m, residual, code
+1-bit Adam async, worker moments             push code, p, residual       p, residual, code
+1-bit Adam async, shard moments              push code, p, m, v, resid.   p, m, residual, code
+==========================================  ==========================  ==================
+
+("last delta": in async/ssp with raw pulls the shard keeps each key's last update for the
+lookahead it hands out, ``ServerConfig.lookahead``; with compressed pulls the workers predict
+and the shard keeps none. sync 1-bit Adam replaces m by the decoded published momentum: written,
+not read.) One push of one worker is one update (one worker: a sync step is one push too).
+
+**What is measured**: the shard's real request path, :meth:`ShardCore.handle` on a PUSH
+carrying every key (validation, the finiteness check, decode, the rule, publishing), in this
+process, on one thread (numba set to 1), CPU time (``time.thread_time``). Each case's core is
+built once; rounds alternate the cases and memcpy, and each figure is the median over rounds of
+the mean of ``repeats`` pushes. The machine's load in the two seconds before the first round
+(``/proc/stat``) is recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bitps.bench.config import KernelsBench
+from bitps.bench.proc import machine_busy
+from bitps.bench.report import check, median, write_results
+
+__all__ = ["CASES", "Case", "run"]
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    """One combination: the shard's settings and the arrays the floor counts (``reads``,
+    ``writes``: float32 arrays of the key set's length, payloads apart)."""
+
+    name: str
+    optimizer: str
+    mode: str = "async"
+    push: str = "raw"
+    pull: str = "raw"
+    moments: str = "auto"
+    """1-bit Adam's layout in async (``OneBitConfig.moments``)."""
+    reads: int
+    writes: int
+    goal: float = 2.0
+    """Acceptance: CPU per update at most this times the floor."""
+
+    @property
+    def onebit(self) -> bool:
+        return self.optimizer == "onebit_adam"
+
+
+CASES = (
+    Case(name="sgd, async, raw -> raw", optimizer="sgd", reads=2, writes=2),
+    Case(name="momentum, async, raw -> raw", optimizer="momentum", reads=3, writes=3),
+    Case(name="adam, async, raw -> raw", optimizer="adam", reads=4, writes=4, goal=1.5),
+    Case(name="adam, sync, raw -> raw", optimizer="adam", mode="sync", reads=4, writes=3,
+         goal=1.5),
+    Case(name="adam, async, sign1 -> raw", optimizer="adam", push="sign1", reads=3, writes=4),
+    Case(name="adam, async, raw -> sign1", optimizer="adam", pull="sign1", reads=5, writes=4),
+    Case(name="adam, async, sign1 -> sign1", optimizer="adam", push="sign1", pull="sign1",
+         reads=4, writes=4),
+    Case(name="1-bit Adam, sync", optimizer="onebit_adam", mode="sync", push="sign1",
+         pull="sign1", reads=3, writes=3, goal=1.5),
+    Case(name="1-bit Adam, async, worker moments", optimizer="onebit_adam", push="sign1",
+         pull="sign1", moments="worker", reads=2, writes=2, goal=1.5),
+    Case(name="1-bit Adam, async, shard moments", optimizer="onebit_adam", push="sign1",
+         pull="sign1", moments="shard", reads=4, writes=3, goal=1.5),
+)
+"""Every combination the bench measures, in table order."""
+
+
+class _Pusher:
+    """A one-worker shard for ``case`` over ``keys`` keys of ``n`` elements, and the pushes it
+    takes: :meth:`push` sends the next one (a PUSH of every key at the next clock)."""
+
+    def __init__(self, case: Case, keys: int, n: int) -> None:
+        from bitps.native import sign1
+        from bitps.proto import bitps_pb2 as pb
+        from bitps.proto.codecs import CODECS
+        from bitps.proto.wire import PROTOCOL
+        from bitps.ps.config import OptimizerConfig, ServerConfig
+        from bitps.ps.onebit import OneBitConfig
+        from bitps.ps.shard import ShardCore
+
+        self.pb, self.protocol, self.case = pb, PROTOCOL, case
+        rule_config = OneBitConfig(freeze_step=1, moments=case.moments) if case.onebit else None
+        cfg = ServerConfig(mode=case.mode, optimizer=OptimizerConfig(
+            name=case.optimizer, lr=1e-4, rule_config=rule_config))
+        self.core = ShardCore(cfg, now=time.monotonic)
+        rng = np.random.default_rng(0)
+        specs = [pb.KeySpec(key=k, name=f"p{k}", offset=0, length=n, dtype=pb.FLOAT32,
+                            compressed_pull=case.pull == "sign1") for k in range(keys)]
+        values = {k: (rng.standard_normal(n) * 0.02).astype(np.float32).tobytes()
+                  for k in range(keys)}
+        pull = CODECS["sign1"] if case.pull == "sign1" else pb.CODEC_RAW
+        self.core.register(pb.RegisterRequest(
+            protocol=PROTOCOL, rank=0, world_size=1, signature="kernels", num_shards=1,
+            shard_id=0, keys=specs, sends_values=True, pull_codec=pull,
+            pull_codec_chunk=sign1.DEFAULT_CHUNK if case.pull == "sign1" else 0), values)
+        self.keys = list(range(keys))
+        grads = [rng.standard_normal(n).astype(np.float32) * np.float32(1e-3)
+                 for _ in range(2)]
+        self.raw = [[g.tobytes()] * keys for g in grads]
+        codes = []
+        for g in grads:
+            out = np.empty(sign1.payload_bytes(n), np.uint8)
+            sign1.encode(g, np.zeros(n, np.float32), out)
+            codes.append([out.tobytes()] * keys)
+        self.codes = codes
+        self.sign1 = CODECS["sign1"]
+        self.chunk = sign1.DEFAULT_CHUNK
+        self.clock = 0
+        self.push_bytes = 0
+        if case.onebit:
+            self.push()  # the warmup step (full Adam on a raw push); the next ones compress
+
+    def push(self) -> None:
+        pb = self.pb
+        compressed = self.case.push == "sign1" and not (self.case.onebit and self.clock == 0)
+        frames = (self.codes if compressed else self.raw)[self.clock % 2]
+        fields = dict(codec=self.sign1, codec_chunk=self.chunk) if compressed else {}
+        header = pb.DataHeader(op=pb.PUSH, protocol=self.protocol, worker=0,
+                               request_id=self.clock + 1, clock=self.clock, keys=self.keys,
+                               dtype=pb.FLOAT32, **fields)
+        replies = self.core.handle(b"w0", [header.SerializeToString(), *frames])
+        reply = replies[-1].header if replies else None
+        if reply is None or reply.op != pb.REPLY:
+            raise RuntimeError(f"{self.case.name}: push at clock {self.clock} was answered "
+                               f"{reply}")
+        self.push_bytes = sum(len(f) for f in frames)
+        self.clock += 1
+
+    def published_bytes(self) -> int:
+        """The code bytes the last update published (0 for raw pulls)."""
+        total = 0
+        for slot in self.core.slots.values():
+            pub = slot.publisher
+            if pub is not None and pub.history:
+                total += len(pub.history[-1][1])
+        return total
+
+
+def run(cfg: KernelsBench | None = None, *, out: Path | None = None) -> dict:
+    """Run the scenario (``None``: the defaults), write ``kernels.json``/``.md`` under ``out``,
+    return the document."""
+    import numba
+
+    cfg = (cfg or KernelsBench()).sized()
+    numba.set_num_threads(1)
+    n = cfg.key_mib * MIB // 4
+    keys = max(1, cfg.mib // cfg.key_mib)
+    cases = [c for c in CASES if not cfg.cases or c.name in cfg.cases]
+    pushers = {c.name: _Pusher(c, keys, n) for c in cases}
+    src = np.random.default_rng(1).standard_normal(keys * n).astype(np.float32)
+    dst = np.empty_like(src)
+    busy = machine_busy(2.0)
+    cpu: dict[str, list[float]] = {c.name: [] for c in cases}
+    copy: list[float] = []
+    for p in pushers.values():
+        p.push()  # compile, touch every buffer once
+    np.copyto(dst, src)
+    for _ in range(cfg.rounds):
+        t0 = time.thread_time()
+        np.copyto(dst, src)
+        copy.append(time.thread_time() - t0)
+        for c in cases:
+            p = pushers[c.name]
+            t0 = time.thread_time()
+            for _ in range(cfg.repeats):
+                p.push()
+            cpu[c.name].append((time.thread_time() - t0) / cfg.repeats)
+    bandwidth = 2 * src.nbytes / median(copy)
+    rows = []
+    for c in cases:
+        p = pushers[c.name]
+        floor_bytes = 4 * keys * n * (c.reads + c.writes) \
+            + (p.push_bytes if c.push == "sign1" else 0) + p.published_bytes()
+        floor = floor_bytes / bandwidth
+        t = median(cpu[c.name])
+        rows.append({"case": c.name, "cpu_ms": t * 1e3, "floor_ms": floor * 1e3,
+                     "vs_floor": t / floor, "goal": c.goal, "reads": c.reads,
+                     "writes": c.writes, "floor_mb": floor_bytes / 1e6,
+                     "rounds_ms": [round(x * 1e3, 2) for x in cpu[c.name]]})
+    checks = {f"shard_cpu_vs_floor[{r['case']}]": check(
+        round(r["vs_floor"], 3), f"<= {r['goal']:g}", r["vs_floor"] <= r["goal"]) for r in rows}
+    notes = (f"{keys} keys x {cfg.key_mib} MiB = {keys * cfg.key_mib} MiB of float32 "
+             f"parameters on one shard, one worker; CPU per update (one PUSH of every key "
+             f"through ShardCore.handle), median over {cfg.rounds} rounds of {cfg.repeats} "
+             f"pushes, the cases alternated with memcpy; one thread. Floor = (arrays read + "
+             f"written) x {keys * n * 4 / 1e6:.1f} MB + push and published code bytes, over the "
+             f"memcpy bandwidth measured here ({bandwidth / 1e9:.2f} GB/s read + written, "
+             f"np.copyto of {src.nbytes / MIB:.0f} MiB: {median(copy) * 1e3:.2f} ms). Machine "
+             f"busy before the run: {busy:.0%}. The accounting of what each update must touch "
+             f"is in bench/kernels.py and docs/benchmarks.md.")
+    config = {**dataclasses.asdict(cfg), "keys": keys, "memcpy_ms": median(copy) * 1e3,
+              "bandwidth_gbps": bandwidth / 1e9, "machine_busy_before": busy}
+    write_results("kernels", config=config, rows=rows, checks=checks, out=out, notes=notes,
+                  columns=[("case", "rule, mode, push -> pull"), ("cpu_ms", "CPU ms/update"),
+                           ("floor_ms", "floor ms"), ("vs_floor", "vs floor"),
+                           ("goal", "goal"), ("reads", "arrays read"),
+                           ("writes", "arrays written"), ("floor_mb", "floor MB")])
+    return {"rows": rows, "checks": checks}

@@ -1,0 +1,171 @@
+"""The fused update-and-publish kernels (``native.publish``) and sign1's one-pass decode against
+the unfused sequences they replace, bit for bit: odd sizes, chunk boundaries, empty keys, both
+scale rules, weight decay on and off, frozen-v zeros, NaN and Inf input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bitps import native
+from bitps.native import sign1
+
+SIZES = (0, 1, 63, 64, 2047, 2048, 2049, 3 * 2048 + 5)
+CHUNKS = (64, 2048)
+F = np.float32
+
+
+def _data(n: int, seed: int, special: bool):
+    rng = np.random.default_rng([n, seed])
+    g = rng.standard_normal(n).astype(F)
+    v = (rng.random(n) * 1e-4).astype(F)
+    v[::7] = 0  # frozen-v zeros: masked coordinates
+    if special and n > 3:
+        g[1], g[2], g[n // 2] = np.nan, np.inf, -np.inf
+    return {"g": g, "p": rng.standard_normal(n).astype(F), "m": (g * F(0.1)),
+            "v": v, "r": (rng.standard_normal(n) * 1e-3).astype(F)}
+
+
+def _encode_ref(u_in, residual, chunk, mean_abs):
+    """The unfused encode: sign1.encode of ``u_in`` (scale 1) onto ``residual``."""
+    out = np.empty(sign1.payload_bytes(u_in.size, chunk), np.uint8)
+    size = sign1.encode(u_in, residual, out, chunk=chunk, mean_abs=mean_abs)
+    return out[:size]
+
+
+def _same(a, b):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+CASES = [(n, c, mean_abs, wd, special) for n in SIZES for c in CHUNKS
+         for mean_abs in (False, True) for wd in (0.0, 0.01) for special in (False, True)]
+
+
+@pytest.mark.parametrize("n,chunk,mean_abs,wd,special", CASES)
+def test_sync_publish_equals_multiply_encode_decode_apply(n, chunk, mean_abs, wd, special):
+    d = _data(n, 0, special)
+    eps, neg_lr, bc2, clip = F(1e-8), F(-1e-3), F(0.3), F(4.0)
+    # before: multiply, encode, m = 0 + decode, onebit_adam_apply
+    r0, m0, p0 = d["r"].copy(), d["m"].copy(), d["p"].copy()
+    delta = d["g"] * F(0.5)
+    code0 = _encode_ref(delta, r0, chunk, mean_abs)
+    m0.fill(0)
+    sign1.decode_add(code0, n, m0, chunk=chunk)
+    native.onebit_adam_apply(p0, m0, d["v"], eps, F(wd), neg_lr, bc2, clip)
+    # now
+    r1, m1, p1 = d["r"].copy(), d["m"].copy(), d["p"].copy()
+    out = np.empty(sign1.payload_bytes(n, chunk), np.uint8)
+    scales, bits, size = sign1.payload_views(out, n, chunk)
+    native.onebit_sync_publish(d["g"], F(0.5), r1, scales, bits, m1, d["v"], p1,
+                               np.int64(chunk), mean_abs, eps, F(wd), neg_lr, bc2, clip)
+    _same(out[:size], code0)
+    for a, b in ((r1, r0), (m1, m0), (p1, p0)):
+        _same(a, b)
+
+
+@pytest.mark.parametrize("n,chunk,mean_abs,wd,special", CASES)
+def test_direction_publish_equals_delta_encode_decode_add(n, chunk, mean_abs, wd, special):
+    d = _data(n, 1, special)
+    neg_lr, clip = F(-1e-3), F(4.0)
+    r0, p0 = d["r"].copy(), d["p"].copy()
+    delta = np.empty(n, F)
+    native.onebit_direction_delta(p0, d["g"], delta, F(0.5), F(wd), neg_lr, clip)
+    code0 = _encode_ref(delta, r0, chunk, mean_abs)
+    sign1.decode_add(code0, n, p0, chunk=chunk)
+    r1, p1 = d["r"].copy(), d["p"].copy()
+    out = np.empty(sign1.payload_bytes(n, chunk), np.uint8)
+    scales, bits, size = sign1.payload_views(out, n, chunk)
+    native.onebit_direction_publish(p1, d["g"], F(0.5), r1, scales, bits, np.int64(chunk),
+                                    mean_abs, F(wd), neg_lr, clip)
+    _same(out[:size], code0)
+    _same(r1, r0)
+    _same(p1, p0)
+
+
+@pytest.mark.parametrize("n,chunk,mean_abs,wd,special", CASES)
+def test_moments_publish_equals_delta_encode_decode_add(n, chunk, mean_abs, wd, special):
+    d = _data(n, 2, special)
+    eps, neg_lr, bc2, clip, omb1 = F(1e-8), F(-1e-3), F(0.3), F(4.0), F(0.1)
+    r0, m0, p0 = d["r"].copy(), d["m"].copy(), d["p"].copy()
+    delta = np.empty(n, F)
+    native.onebit_adam_delta(p0, d["g"], m0, d["v"], delta, F(0.5), omb1, eps, F(wd), neg_lr,
+                             bc2, clip)
+    code0 = _encode_ref(delta, r0, chunk, mean_abs)
+    sign1.decode_add(code0, n, p0, chunk=chunk)
+    r1, m1, p1 = d["r"].copy(), d["m"].copy(), d["p"].copy()
+    out = np.empty(sign1.payload_bytes(n, chunk), np.uint8)
+    scales, bits, size = sign1.payload_views(out, n, chunk)
+    native.onebit_moments_publish(p1, d["g"], m1, d["v"], F(0.5), r1, scales, bits,
+                                  np.int64(chunk), mean_abs, omb1, eps, F(wd), neg_lr, bc2, clip)
+    _same(out[:size], code0)
+    for a, b in ((r1, r0), (m1, m0), (p1, p0)):
+        _same(a, b)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("special", (False, True))
+def test_one_pass_decode_equals_zeros_plus_decode_add(n, chunk, special):
+    rng = np.random.default_rng(n)
+    out = np.empty(sign1.payload_bytes(n, chunk), np.uint8)
+    sign1.encode(rng.standard_normal(n).astype(F), np.zeros(n, F), out, chunk=chunk)
+    payload = bytearray(out.tobytes())
+    scales = np.frombuffer(payload, F, count=(n + chunk - 1) // chunk)
+    if special:  # scales of +0 and -0 (+0.0 either way, as 0.0 + -0.0), NaN and +-Inf
+        values = np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 1.5], F)
+        scales[:] = values[np.arange(scales.size) % values.size]
+    payload = bytes(payload)
+    before = np.zeros(n, F)
+    sign1.decode_add(payload, n, before, chunk=chunk)
+    got = sign1.decode(payload, n, np.full(n, 7.0, F), chunk=chunk)
+    _same(got, before)
+    assert sign1.scales_finite(payload, n, chunk=chunk) is bool(np.isfinite(before).all())
+
+
+def test_sign1_zero_scales_decode_to_positive_zero():
+    n, chunk = 256, 64
+    out = np.zeros(sign1.payload_bytes(n, chunk), np.uint8)
+    out[:16] = np.array([0.0, -0.0, 0.0, -0.0], F).view(np.uint8)
+    out[16:] = 0xAA  # alternate signs
+    before = np.zeros(n, F)
+    sign1.decode_add(out.tobytes(), n, before, chunk=chunk)
+    got = sign1.decode(out.tobytes(), n, np.empty(n, F), chunk=chunk)
+    _same(got, before)
+    assert not np.signbit(got).any()
+
+
+@pytest.mark.parametrize("n,chunk,mean_abs,wd,special", [c for c in CASES if c[3] == 0.0])
+def test_sign1_publish_delta_equals_subtract_encode_decode_add(n, chunk, mean_abs, wd, special):
+    d = _data(n, 3, special)
+    new = d["p"] + d["g"] * F(1e-3)
+    r0, p0, x0 = d["r"].copy(), d["p"].copy(), new.copy()
+    np.subtract(x0, p0, out=x0)
+    code0 = _encode_ref(x0, r0, chunk, mean_abs)
+    sign1.decode_add(code0, n, p0, chunk=chunk)
+    r1, p1 = d["r"].copy(), d["p"].copy()
+    out = np.empty(sign1.payload_bytes(n, chunk), np.uint8)
+    scales, bits, size = sign1.payload_views(out, n, chunk)
+    native.sign1_publish_delta(new, p1, r1, scales, bits, np.int64(chunk), mean_abs)
+    _same(out[:size], code0)
+    _same(r1, r0)
+    _same(p1, p0)
+
+
+@pytest.mark.parametrize("name", ["sign1", "bf16", "sparse"])
+def test_compressor_publish_equals_subtract_encode_decode_add(name):
+    from bitps.proto.codecs import Codec, CodecConfig, Compressor
+
+    codec = Codec.from_config(CodecConfig(name=name, chunk=64))
+    n = 5000
+    d = _data(n, 4, False)
+    a, b = Compressor(codec, n), Compressor(codec, n)
+    pa, pb_ = d["p"].copy(), d["p"].copy()
+    for step in range(3):
+        new = pa + d["g"] * F(1e-3 * (step + 1))
+        delta = new - pa
+        code0 = bytes(a.encode(delta, seed=step))
+        codec.decode_add(code0, n, pa)
+        code1 = bytes(b.publish(pb_ + d["g"] * F(1e-3 * (step + 1)), pb_, seed=step))
+        assert code1 == code0
+        _same(pb_, pa)
+        _same(b.residual, a.residual)
