@@ -128,12 +128,16 @@ class KernelsBench(_Checked):
     """pushes per case per round"""
     cases: tuple[str, ...] = ()
     """measure only these cases (by name; none: every one)"""
+    thread_counts: tuple[int, ...] = (2,)
+    """shard threads (ServerConfig.threads) timed against one on the scaling cases"""
+    scaling_mib: int = 256
+    """parameters of the thread-scaling runs (MiB of float32)"""
     quick: bool = False
-    """8 MiB, 2 rounds of 1 push (smoke test)"""
+    """8 MiB, 2 rounds of 1 push, scaling on 16 MiB (smoke test)"""
 
     def sized(self) -> KernelsBench:
-        return dataclasses.replace(self, mib=8, key_mib=2, rounds=2, repeats=1) \
-            if self.quick else self
+        return dataclasses.replace(self, mib=8, key_mib=2, rounds=2, repeats=1,
+                                   scaling_mib=16) if self.quick else self
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -195,11 +195,13 @@ def _shards(cluster: Cluster, case: Case, s: E2EBench, lr: float, steps: int
         argv = [*node.prefix, sys.executable, "-m", "bitps.ps", "--host", node.ip,
                 "--grpc-port", "0",
                 "--data-port", "0", "--metrics-port", "-1", "--shard-id", str(i),
+                # every emulated node shares this machine's cores: one thread per shard
+                "--threads", "1",
                 "--num-shards", str(n), "--mode", case.mode, "--optimizer", case.optimizer,
                 "--lr", str(lr), "--lr-warmup", str(sched["warmup_steps"]),
                 "--lr-decay", str(sched["decay_steps"]),
                 "--lr-min-ratio", str(sched["min_ratio"]), "--log-level", "WARNING",
-                "--freeze-step", str(max(1, round(steps * (case.freeze_frac or s.freeze_frac)))),
+                "--freeze-step", str(_freeze_at(case, s, steps)),
                 *case.shard_args]
         try:
             out.append(ReadyProcess(argv))
@@ -242,12 +244,41 @@ def _train(cluster: Cluster, case: Case, s: E2EBench, lr: float, steps: int, tmp
         for p in shards:
             p.stop()
     wire1 = cluster.wire_bytes()
-    return _measure(case, s, ranks.lines, shard_cpu, steps,
+    return _measure(case, s, ranks.lines, shard_cpu, steps, _freeze_step(case, s, steps),
                     {k: wire1[k] - wire0.get(k, 0) for k in wire1})
 
 
+def _freeze_at(case: Case, s: E2EBench, steps: int) -> int:
+    """1-bit Adam's ``--freeze-step`` for a run of ``steps``."""
+    return max(1, round(steps * (case.freeze_frac or s.freeze_frac)))
+
+
+def _freeze_step(case: Case, s: E2EBench, steps: int) -> int | None:
+    """The step 1-bit Adam's compressed phase starts at (``None``: no phases)."""
+    return _freeze_at(case, s, steps) if case.optimizer == "onebit_adam" else None
+
+
+def _phases(per_rank: list[list[dict]], skip: int, freeze: int | None) -> dict | None:
+    """Step time (the slowest rank's mean) and each rank's CPU per step in 1-bit Adam's
+    warm-up (steps ``skip .. freeze - 1``) and compressed phase (``freeze + 1 ..``; the
+    switch's own step fetches the moments): the averages over the whole run hide which
+    phase costs what. ``None`` without phases or when a phase has under 2 steps."""
+    steps = len(per_rank[0])
+    if freeze is None or freeze - skip < 2 or steps - freeze - 1 < 2:
+        return None
+    out = {}
+    for name, lo, hi in (("warmup", skip, freeze - 1), ("compressed", freeze + 1, steps - 1)):
+        n = hi - lo
+        out[name] = {
+            "steps": n,
+            "step_ms": 1e3 * max((p[hi]["end"] - p[lo]["end"]) / n for p in per_rank),
+            "rank_cpu_ms": [round(1e3 * (p[hi]["cpu"] - p[lo]["cpu"]) / n, 1)
+                            for p in per_rank]}
+    return out
+
+
 def _measure(case: Case, s: E2EBench, lines: list[list[dict]], shard_cpu: list[float],
-             steps: int, wire: dict[int, int]) -> dict:
+             steps: int, freeze: int | None, wire: dict[int, int]) -> dict:
     spec = MODELS[s.model]
     per_rank = [[e for e in ls if e["event"] == "step"] for ls in lines]
     done = [next(e for e in ls if e["event"] == "done") for ls in lines]
@@ -274,6 +305,7 @@ def _measure(case: Case, s: E2EBench, lines: list[list[dict]], shard_cpu: list[f
         "rank_cpu_s_per_step": [d["cpu_s"] / steps for d in done],
         "shard_cpu_s_per_step": [c / steps for c in shard_cpu],
         "overlap": [d.get("overlap") for d in done],
+        "phases": _phases(per_rank, skip, freeze),
     }
 
 
@@ -388,7 +420,9 @@ _COLUMNS = [("run", "run"), ("lr", "lr"), ("samples_per_s", "samples/s"),
             ("steps_to_target", "steps to target"),
             ("time_to_target_s", "s to target"),
             ("rank_cpu_ms", "rank CPU ms/step"),
-            ("shard_cpu_ms", "shard CPU ms/step")]
+            ("shard_cpu_ms", "shard CPU ms/step"),
+            ("phase_step_ms", "1-bit Adam step ms, warm-up / compressed"),
+            ("phase_rank_cpu_ms", "1-bit Adam rank CPU ms/step, warm-up / compressed")]
 
 
 @dataclass(frozen=True)
@@ -447,6 +481,13 @@ def _row(case_name: str, r: dict, marks: _Marks, batch: int) -> dict:
            "rank_cpu_ms": [round(c * 1e3) for c in r["rank_cpu_s_per_step"]],
            "shard_cpu_ms": [round(c * 1e3) for c in r["shard_cpu_s_per_step"]],
            "sweep": r["sweep"]}
+    phases = r.get("phases")
+    if phases:  # 1-bit Adam: each phase apart (warm-up on bf16 pushes, then 1-bit)
+        row["phases"] = phases
+        row["phase_step_ms"] = (f"{phases['warmup']['step_ms']:.0f} / "
+                                f"{phases['compressed']['step_ms']:.0f}")
+        row["phase_rank_cpu_ms"] = (f"{phases['warmup']['rank_cpu_ms']} / "
+                                    f"{phases['compressed']['rank_cpu_ms']}")
     if marks.ceiling is not None:
         row["vs_ceiling"] = r["samples_per_s"] / marks.ceiling["samples_per_s"]
         if r["lr"] is not None and case_name.startswith("DDP"):

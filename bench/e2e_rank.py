@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
         print(json.dumps({"event": "step", "rank": s["rank"], "step": step,
                           "loss": loss.item(), "start": t0, "end": time.time(),
-                          "exposed": exposed}), flush=True)
+                          "exposed": exposed, "cpu": time.process_time() - cpu0}), flush=True)
     done = {"event": "done", "rank": s["rank"], "push_wire_bytes": 0.0, "overlap": None}
     if ps_model is not None:
         ps_model.synchronize()

@@ -48,7 +48,7 @@ from bitps.bench.config import KernelsBench
 from bitps.bench.proc import machine_busy
 from bitps.bench.report import check, median, write_results
 
-__all__ = ["CASES", "Case", "run"]
+__all__ = ["CASES", "Case", "SCALING_CASES", "run"]
 
 MIB = 1 << 20
 
@@ -94,12 +94,15 @@ CASES = (
 )
 """Every combination the bench measures, in table order."""
 
+SCALING_CASES = ("adam, async, raw -> raw", "1-bit Adam, sync")
+"""The cases timed with several shard threads (``KernelsBench.thread_counts``)."""
+
 
 class _Pusher:
     """A one-worker shard for ``case`` over ``keys`` keys of ``n`` elements, and the pushes it
     takes: :meth:`push` sends the next one (a PUSH of every key at the next clock)."""
 
-    def __init__(self, case: Case, keys: int, n: int) -> None:
+    def __init__(self, case: Case, keys: int, n: int, *, threads: int = 1) -> None:
         from bitps.native import sign1
         from bitps.proto import bitps_pb2 as pb
         from bitps.proto.codecs import CODECS
@@ -110,7 +113,7 @@ class _Pusher:
 
         self.pb, self.protocol, self.case = pb, PROTOCOL, case
         rule_config = OneBitConfig(freeze_step=1, moments=case.moments) if case.onebit else None
-        cfg = ServerConfig(mode=case.mode, optimizer=OptimizerConfig(
+        cfg = ServerConfig(mode=case.mode, threads=threads, optimizer=OptimizerConfig(
             name=case.optimizer, lr=1e-4, rule_config=rule_config))
         self.core = ShardCore(cfg, now=time.monotonic)
         rng = np.random.default_rng(0)
@@ -207,22 +210,63 @@ def run(cfg: KernelsBench | None = None, *, out: Path | None = None) -> dict:
                      "vs_floor": t / floor, "goal": c.goal, "reads": c.reads,
                      "writes": c.writes, "floor_mb": floor_bytes / 1e6,
                      "rounds_ms": [round(x * 1e3, 2) for x in cpu[c.name]]})
+    total = src.nbytes
+    del pushers, src, dst  # the scaling runs need the memory
+    scaling = _scaling(cfg)
     checks = {f"shard_cpu_vs_floor[{r['case']}]": check(
         round(r["vs_floor"], 3), f"<= {r['goal']:g}", r["vs_floor"] <= r["goal"]) for r in rows}
+    for r in scaling:
+        checks[f"threads_{r['threads']}_vs_1[{r['case']}]"] = check(
+            round(r["speedup"], 3), ">= 1.7", r["speedup"] >= 1.7)
     notes = (f"{keys} keys x {cfg.key_mib} MiB = {keys * cfg.key_mib} MiB of float32 "
              f"parameters on one shard, one worker; CPU per update (one PUSH of every key "
              f"through ShardCore.handle), median over {cfg.rounds} rounds of {cfg.repeats} "
              f"pushes, the cases alternated with memcpy; one thread. Floor = (arrays read + "
              f"written) x {keys * n * 4 / 1e6:.1f} MB + push and published code bytes, over the "
              f"memcpy bandwidth measured here ({bandwidth / 1e9:.2f} GB/s read + written, "
-             f"np.copyto of {src.nbytes / MIB:.0f} MiB: {median(copy) * 1e3:.2f} ms). Machine "
+             f"np.copyto of {total / MIB:.0f} MiB: {median(copy) * 1e3:.2f} ms). Machine "
              f"busy before the run: {busy:.0%}. The accounting of what each update must touch "
-             f"is in bench/kernels.py and docs/benchmarks.md.")
+             f"is in bench/kernels.py and docs/benchmarks.md. Thread scaling (the threads_* "
+             f"checks): {cfg.scaling_mib} MiB of {cfg.key_mib} MiB keys, wall time per update "
+             f"with ServerConfig.threads = 1 and each of {list(cfg.thread_counts)}, alternated "
+             f"over the same rounds: " + "; ".join(
+                 f"{r['case']}, {r['threads']} threads: {r['ms']:.1f} ms against "
+                 f"{r['ms_1']:.1f} ms ({r['speedup']:.2f}x)" for r in scaling) + ".")
     config = {**dataclasses.asdict(cfg), "keys": keys, "memcpy_ms": median(copy) * 1e3,
-              "bandwidth_gbps": bandwidth / 1e9, "machine_busy_before": busy}
+              "bandwidth_gbps": bandwidth / 1e9, "machine_busy_before": busy,
+              "scaling": scaling}
     write_results("kernels", config=config, rows=rows, checks=checks, out=out, notes=notes,
                   columns=[("case", "rule, mode, push -> pull"), ("cpu_ms", "CPU ms/update"),
                            ("floor_ms", "floor ms"), ("vs_floor", "vs floor"),
                            ("goal", "goal"), ("reads", "arrays read"),
                            ("writes", "arrays written"), ("floor_mb", "floor MB")])
     return {"rows": rows, "checks": checks}
+
+
+def _scaling(cfg: KernelsBench) -> list[dict]:
+    """Wall time per update of :data:`SCALING_CASES` at ``scaling_mib`` with one thread and
+    with each of ``thread_counts``, alternated in rounds (medians); speedup = one thread's time
+    over N threads'."""
+    counts = [t for t in cfg.thread_counts if t > 1]
+    if not counts:
+        return []
+    n = cfg.key_mib * MIB // 4
+    keys = max(1, cfg.scaling_mib // cfg.key_mib)
+    out = []
+    for case in (c for c in CASES if c.name in SCALING_CASES):
+        pushers = {t: _Pusher(case, keys, n, threads=t) for t in [1, *counts]}
+        wall: dict[int, list[float]] = {t: [] for t in pushers}
+        for p in pushers.values():
+            p.push()
+        for _ in range(cfg.rounds):
+            for t, p in pushers.items():
+                t0 = time.perf_counter()
+                for _ in range(cfg.repeats):
+                    p.push()
+                wall[t].append((time.perf_counter() - t0) / cfg.repeats)
+        one = median(wall[1])
+        for t in counts:
+            out.append({"case": case.name, "threads": t, "ms": median(wall[t]) * 1e3,
+                        "ms_1": one * 1e3, "speedup": one / median(wall[t])})
+        del pushers
+    return out

@@ -116,6 +116,10 @@ def _settings(rule_flags: list[Setting]) -> tuple[Setting, ...]:
         from_field(_S, "max_held_pulls", help="pulls of one worker held at once (beyond: LIMIT)"),
         from_field(_S, "max_pull_deadline_s", name="max-pull-deadline",
                    help="longest a held pull waits, whatever the request asks for"),
+        # BITPS_THREADS, as every shard flag's BITPS_<FLAG>: for a worker it is its torch
+        # threads, the same thing (the threads this process computes with)
+        from_field(_S, "threads", help="threads updating one message's keys at once (0 = one "
+                                       "per core this process may use)"),
         from_field(_S, "max_plan_bytes",
                    help="largest key plan a registration may give this shard (float32 bytes)"),
         from_field(_S, "max_plan_keys", help="most keys a registration may give this shard"),

@@ -18,6 +18,7 @@ from bitps.proto.codecs import Codec
 from bitps.proto.wire import PROTOCOL, PSError
 from bitps.ps.config import ServerConfig
 from bitps.ps.store import Slot
+from bitps.ps.threads import KeyPool
 
 __all__ = ["MAX_CLOCK", "OPS", "check_clock", "decode_push", "request_slots", "token_ok",
            "validate"]
@@ -35,7 +36,7 @@ def token_ok(expected: str, received: str) -> bool:
 
 
 def validate(cfg: ServerConfig, header: pb.DataHeader, payload: list, slots: dict[int, Slot],
-             *, registered: bool, own_clock: int
+             *, registered: bool, own_clock: int, pool: KeyPool | None = None
              ) -> tuple[list[Slot], int, list[np.ndarray] | None, Codec | None]:
     """Everything a request is checked for here, in one call: ``(slots, clock, grads,
     codec)``, the slots it names (:func:`request_slots`), the clock it is for
@@ -45,7 +46,7 @@ def validate(cfg: ServerConfig, header: pb.DataHeader, payload: list, slots: dic
     clock = check_clock(cfg, header, own_clock)
     if header.op == pb.PULL:
         return named, clock, None, None
-    grads, codec = decode_push(cfg, header, payload, named)
+    grads, codec = decode_push(cfg, header, payload, named, pool=pool)
     return named, clock, grads, codec
 
 
@@ -111,9 +112,10 @@ def check_clock(cfg: ServerConfig, header: pb.DataHeader, own: int) -> int:
 
 
 def decode_push(cfg: ServerConfig, header: pb.DataHeader, payload: list,
-                slots: list[Slot]) -> tuple[list[np.ndarray], Codec]:
-    """Check every frame of a push, decode compressed ones (into each slot's scratch array);
-    returns the float32 gradients and the codec."""
+                slots: list[Slot], *, pool: KeyPool | None = None
+                ) -> tuple[list[np.ndarray], Codec]:
+    """Check every frame of a push, decode compressed ones (into each slot's scratch array;
+    on ``pool``'s threads when given); returns the float32 gradients and the codec."""
     if len(payload) != len(slots):
         raise PSError(pb.FRAME_COUNT, f"{len(payload)} payload frames for {len(slots)} keys")
     if header.dtype != pb.FLOAT32:
@@ -133,13 +135,24 @@ def decode_push(cfg: ServerConfig, header: pb.DataHeader, payload: list,
         problem = None if codec.is_raw else codec.check(frame, slot.length)
         if problem:
             raise PSError(pb.BAD_LENGTH, f"key {slot.spec.key}: {problem}")
-    grads = [codec.decode(frame, slot.length, slot.decode_buffer())
-             for slot, frame in zip(slots, payload)]
-    if cfg.reject_nonfinite:
-        for slot, frame, grad in zip(slots, payload, grads):
-            if not codec.all_finite(frame, slot.length, grad):
-                raise PSError(pb.NON_FINITE, f"key {slot.spec.key}: gradient holds NaN or Inf"
-                              + ("" if codec.is_raw else f" (decoded from {codec.name})"))
+    grads: list = [None] * len(slots)
+    finite = [True] * len(slots)
+
+    def one(i: int) -> None:  # one key: its own scratch array (ps.threads)
+        slot, frame = slots[i], payload[i]
+        grads[i] = grad = codec.decode(frame, slot.length, slot.decode_buffer())
+        if cfg.reject_nonfinite:
+            finite[i] = codec.all_finite(frame, slot.length, grad)
+
+    if pool is None:
+        for i in range(len(slots)):
+            one(i)
+    else:
+        pool.map(one, range(len(slots)), sum(s.nbytes for s in slots))
+    for slot, ok in zip(slots, finite):
+        if not ok:
+            raise PSError(pb.NON_FINITE, f"key {slot.spec.key}: gradient holds NaN or Inf"
+                          + ("" if codec.is_raw else f" (decoded from {codec.name})"))
     return grads, codec
 
 

@@ -187,6 +187,13 @@ class ServerConfig:
     overlap: one per bucket message), far fewer than this for models under 1 GiB a shard."""
     max_pull_deadline_s: float = 600.0
     """Longest a held pull waits, whatever deadline the request asks for."""
+    threads: int = 0
+    """Threads that update one message's keys at once (``ps.threads.KeyPool``); 0 = one per
+    core this process may run on (``os.sched_getaffinity``). The kernels release the GIL, so a
+    message of several large keys is spread over them; a message of one key, or of keys
+    smaller than ``ps.threads.MIN_SPLIT_BYTES`` together, runs on the data loop's thread.
+    ``bitps-launch`` starts its shards with 1: a local cluster's shards share the cores with
+    its workers."""
     max_plan_bytes: int = 8 << 30
     """Largest key plan a registration may give this shard, in float32 parameter bytes (the
     optimizer state adds up to twice as much again: Adam's m and v); larger is ``LIMIT``."""
@@ -257,6 +264,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.num_shards < 1:
             raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0: one per core), got {self.threads}")
         if not 0 <= self.shard_id < self.num_shards:
             raise ValueError(f"shard_id must be in [0, {self.num_shards}), got {self.shard_id}")
         if self.mode not in MODES:

@@ -46,7 +46,8 @@ from bitps.ps.store import Slot
 
 if TYPE_CHECKING:
     from bitps.ps.metrics import ShardMetrics
-    from bitps.ps.updates import Updates
+    from bitps.ps.threads import KeyPool
+from bitps.ps.updates import Updates
 
 __all__ = ["CONSISTENCY", "SSP", "Async", "Consistency", "Core", "Sync", "key_pushers",
            "make_consistency", "register"]
@@ -61,6 +62,8 @@ class Core(Protocol):
     slots: dict[int, Slot]
     updates: Updates
     """Applies a push (``ps.updates``)."""
+    key_pool: KeyPool
+    """Runs a push's per-key work on the shard's threads (``ps.threads``)."""
     partial: bool
     """Whether some worker's plan lacks some of the keys (only then do a key's pushers differ
     from the live ranks)."""
@@ -207,10 +210,13 @@ class Sync(Consistency):
                                  if header.worker in slot.pushed else ""))
 
     def push(self, core, header, slots, grads, live, min_clock):
-        for slot, grad in zip(slots, grads):
+        def one(item):  # one key: touches only its slot (ps.threads)
+            slot, grad = item
             pushers = _pushers(core, slot, live)
             slot.accumulate(header.worker, grad, pushers)
             core.updates.aggregate(slot, pushers)
+
+        core.key_pool.map(one, list(zip(slots, grads)), sum(s.nbytes for s in slots))
 
     def membership_changed(self, core, live, ranks=None):
         clocks = core.clocks
@@ -241,12 +247,15 @@ class Async(Consistency):
         return self.cfg.lookahead
 
     def push(self, core, header, slots, grads, live, min_clock):
-        for i, (slot, grad) in enumerate(zip(slots, grads)):
+        def one(i):  # one key: touches only its slot, its compensation state (ps.threads)
+            slot, grad = slots[i], grads[i]
             vgap = slot.version - header.versions[i] if header.versions else 0
             lr_scale = self.lr_scale(header.clock, len(_pushers(core, slot, live)), vgap)
             grad = self.compensation.gradient(slot, grad, header.worker)
             core.updates.on_arrival(slot, grad, header.clock, lr_scale,
                                     clock_gap=header.clock - min_clock, version_gap=vgap)
+
+        core.key_pool.map(one, range(len(slots)), sum(s.nbytes for s in slots))
 
     def lr_scale(self, clock: int, pushers: int, version_gap: int) -> float:
         """The learning-rate scale of one push of step ``clock`` of a key with ``pushers``

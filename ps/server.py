@@ -186,6 +186,7 @@ class ServerShard:
         self.health.enter_graceful_shutdown()
         self.grpc.stop(grace_s).wait()
         self.data.stop()
+        self.core.key_pool.close()
         self._final_checkpoint()
         if self._http is not None:
             self._http.shutdown()

@@ -41,6 +41,7 @@ from bitps.ps.registration import Registration
 from bitps.ps.replies import Admission, Reply, reply_frames
 from bitps.ps.rules import make_rule
 from bitps.ps.store import Slot
+from bitps.ps.threads import KeyPool
 from bitps.ps.updates import Updates
 
 __all__ = ["Admission", "Reply", "ShardCore"]
@@ -59,6 +60,9 @@ class ShardCore(Registration):
         self.rule = make_rule(cfg.optimizer, cfg)
         self.updates = Updates(self.rule, cfg, self.metrics)
         """Applies validated pushes through the rule (``ps.updates``), as the mode decides."""
+        self.key_pool = KeyPool(cfg.threads)
+        """Spreads a push's keys over ``cfg.threads`` threads (``ps.threads``); the modes
+        apply a push's keys through it."""
         self.metrics.watch_rule(self._rule_metrics)
         self.consistency = make_consistency(cfg)
         self.clocks = ClockTable(timeout_s=cfg.heartbeat_timeout_s, now=now)
@@ -179,7 +183,7 @@ class ShardCore(Registration):
         worker = self.clocks.workers.get(header.worker)
         slots, clock, grads, codec = checks.validate(
             cfg, header, payload, self.slots, registered=self.clocks.is_registered(header.worker),
-            own_clock=worker.clock if worker is not None else 0)
+            own_clock=worker.clock if worker is not None else 0, pool=self.key_pool)
         if header.op != pb.PUSH and self.held.full(header.worker):
             raise PSError(pb.LIMIT, f"worker {header.worker} has {self.held.count(header.worker)}"
                           f" pulls held on shard {cfg.shard_id}; it may have at most "

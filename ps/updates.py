@@ -8,10 +8,14 @@ a mode never calls back into the shard core:
 - :meth:`Updates.aggregate` (sync): a key's step, once every live pusher's push of it is in,
   applied as their mean.
 
-Everything here runs under the shard core's lock, from the data loop's thread.
+Everything here runs under the shard core's lock, from the data loop's thread or, for a
+push's keys, from the key pool's threads (``ps.threads``): each call touches one key, and the
+count and the metrics, shared by every key, are updated under :attr:`Updates.lock`.
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 
@@ -28,6 +32,8 @@ class Updates:
 
     def __init__(self, rule: UpdateRule, cfg: ServerConfig, metrics: ShardMetrics) -> None:
         self.rule, self.cfg, self.metrics = rule, cfg, metrics
+        self.lock = threading.Lock()
+        """Serializes the count and the metrics (hot-path metrics need one writer at a time)."""
         self.applied = 0
         """Updates made since the shard started (or as its checkpoint had it)."""
 
@@ -55,7 +61,8 @@ class Updates:
         return True
 
     def _count(self, clock_gap: int, version_gap: int) -> None:
-        self.applied += 1
-        self.metrics.updates.inc()
-        self.metrics.clock_gap.observe(max(clock_gap, 0))
-        self.metrics.version_gap.observe(max(version_gap, 0))
+        with self.lock:
+            self.applied += 1
+            self.metrics.updates.inc()
+            self.metrics.clock_gap.observe(max(clock_gap, 0))
+            self.metrics.version_gap.observe(max(version_gap, 0))

@@ -65,7 +65,7 @@ def test_codec_bench_runs_every_implementation(tmp_path):
 
 
 def test_kernels_bench_measures_every_case_against_its_floor(tmp_path):
-    from bitps.bench.kernels import CASES
+    from bitps.bench.kernels import CASES, SCALING_CASES
 
     doc = _bench(tmp_path, "kernels", "--quick")
     rows = {r["case"]: r for r in doc["rows"]}
@@ -80,7 +80,10 @@ def test_kernels_bench_measures_every_case_against_its_floor(tmp_path):
         codes = row["floor_mb"] - arrays
         assert (codes > 0) == (case.push == "sign1" or case.pull == "sign1"), case.name
         assert codes < 2 * n_bytes / 32 / 1e6 * 1.1  # at most a push and a published code
-    assert set(doc["checks"]) == {f"shard_cpu_vs_floor[{c.name}]" for c in CASES}
+    assert set(doc["checks"]) == {f"shard_cpu_vs_floor[{c.name}]" for c in CASES} \
+        | {f"threads_2_vs_1[{name}]" for name in SCALING_CASES}
+    assert [(r["case"], r["threads"]) for r in doc["config"]["scaling"]] == [
+        (name, 2) for name in SCALING_CASES]
 
 
 # One run of each kind the bench makes (1-bit Adam in every mode, 4 workers, a compensation,
@@ -356,3 +359,31 @@ def test_out_is_taken_before_or_after_the_scenario(tmp_path):
     assert parse(["--out", "a", "pushpull"]).out == Path("a")
     assert parse(["--out", "a", "e2e", "--out", "b"]).out == Path("b")
     assert parse(["all", "--quick"]).out is None
+
+
+def test_e2e_reports_one_bit_adams_warmup_and_compressed_phases_apart():
+    """A 1-bit Adam run's step time and rank CPU per step in each phase (the averages over the
+    run hide which costs what), from the ranks' step lines; the switch's step is in neither."""
+    from bitps.bench.config import E2EBench
+    from bitps.bench.e2e import CASES, _freeze_step, _phases
+
+    # rank 0: 100 ms steps, 80 ms CPU in warm-up, 50 ms after; rank 1: 10 ms slower per step
+    def rank(extra):
+        t = cpu = 0.0
+        out = []
+        for step in range(20):
+            t += 0.1 + extra + (0.5 if step == 8 else 0.0)  # step 8: the switch
+            cpu += 0.08 if step < 8 else 0.05
+            out.append({"end": t, "cpu": cpu})
+        return out
+
+    phases = _phases([rank(0.0), rank(0.01)], skip=2, freeze=8)
+    assert phases["warmup"]["steps"] == 5 and phases["compressed"]["steps"] == 10
+    assert round(phases["warmup"]["step_ms"], 6) == 110.0  # the slower rank's
+    assert phases["warmup"]["rank_cpu_ms"] == [80.0, 80.0]
+    assert phases["compressed"]["rank_cpu_ms"] == [50.0, 50.0]
+    assert _phases([rank(0.0)], skip=2, freeze=None) is None
+    s = E2EBench(model="lm")
+    onebit = next(c for c in CASES if c.name == "bitps sync 1-bit Adam")
+    fp32 = next(c for c in CASES if c.name == "bitps sync fp32")
+    assert _freeze_step(onebit, s, 120) == 24 and _freeze_step(fp32, s, 120) is None

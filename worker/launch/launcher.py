@@ -205,7 +205,9 @@ def _start_shards(cluster: Cluster, args) -> list[dict] | None:
     for i in range(args.shards):
         shards.append(cluster.spawn(f"shard-{i}", [
             py, "-m", "bitps.ps", "--shard-id", str(i), "--num-shards", str(args.shards),
-            "--host", args.host, *preset.shard, *given, "--lr", str(lr), *args.server_arg]))
+            "--host", args.host, *preset.shard, *given, "--lr", str(lr),
+            # the local cluster's shards share the cores with its workers (--server-arg wins)
+            "--threads", "1", *args.server_arg]))
     ready = _wait_ready(cluster, shards, args.ready_timeout)
     if ready is None:
         return None
