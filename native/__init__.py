@@ -18,6 +18,7 @@ from bitps.native.update_rules import (
     adam_direction,
     adam_direction_correct,
     adam_step,
+    add_into,
     add_scaled,
     all_finite,
     delayed_nesterov_step,
@@ -31,8 +32,9 @@ from bitps.native.update_rules import (
     sum_squares,
 )
 
-__all__ = ["accumulate", "adam_direction", "adam_direction_correct", "adam_step", "add_scaled",
-           "all_finite", "delayed_nesterov_step", "extrapolate", "look_ahead", "momentum_step",
+__all__ = ["accumulate", "adam_direction", "adam_direction_correct", "adam_step", "add_into",
+           "add_scaled", "all_finite", "delayed_nesterov_step", "extrapolate", "look_ahead",
+           "momentum_step",
            "onebit_adam_apply", "onebit_adam_delta", "onebit_direction_delta",
            "onebit_direction_publish", "onebit_moments_publish", "onebit_sync_publish",
            "sgd_step", "sign1_publish_delta", "sum_squares"]

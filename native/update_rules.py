@@ -29,8 +29,8 @@ import numba
 import numpy as np
 from numba.extending import intrinsic
 
-__all__ = ["accumulate", "adam_direction", "adam_direction_correct", "adam_step", "add_scaled",
-           "all_finite", "delayed_nesterov_step", "extrapolate", "fma", "look_ahead",
+__all__ = ["accumulate", "adam_direction", "adam_direction_correct", "adam_step", "add_into",
+           "add_scaled", "all_finite", "delayed_nesterov_step", "extrapolate", "fma", "look_ahead",
            "momentum_step", "onebit_adam_apply", "onebit_adam_delta", "onebit_direction_delta",
            "sgd_step", "sum_squares"]
 
@@ -302,6 +302,14 @@ def add_scaled(acc, x, alpha):
     (``worker.training.clip``)."""
     for i in range(acc.shape[0]):
         acc[i] = acc[i] + x[i] * alpha
+
+
+@_jit
+def add_into(out, a, b):
+    """``out = a + b`` (float32): a sync step's first two pushes summed in one pass
+    (``ps.store``). ``out`` must not overlap ``a`` or ``b``."""
+    for i in range(out.shape[0]):
+        out[i] = a[i] + b[i]
 
 
 @_jit

@@ -163,7 +163,7 @@ def _key_state(key: int, slot: Slot, codes: dict | None, params: dict, state: di
     if slot.previous is not None:
         state[f"{key}/last_delta"] = slot.last_delta
     if slot.folded:
-        state[f"{key}/acc"] = slot.acc.copy()
+        state[f"{key}/acc"] = slot.step_total().copy()
     for rank, grad in slot.held.items():
         state[f"{key}/held/{rank}"] = np.array(grad, np.float32, copy=True)
     history = []
@@ -322,7 +322,7 @@ def _restore_key(core: ShardCore, ckpt: Checkpoint, key: int) -> None:
         slot.restore_delta(_array(ckpt, st, f"{key}/last_delta", (n,), f32))
     slot.folded, slot.pushed = info["folded"], set(info["pushed"])
     if slot.folded:
-        slot.acc = _array(ckpt, st, f"{key}/acc", (n,), f32).copy()
+        slot.acc, slot.first = _array(ckpt, st, f"{key}/acc", (n,), f32).copy(), None
     held = f"{key}/held/"
     slot.held = {int(k[len(held):]): _array(ckpt, st, k, (n,), f32).copy() for k in st
                  if k.startswith(held)}

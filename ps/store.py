@@ -69,7 +69,13 @@ class Slot:
     initialized: bool = False
     """Whether the key's initial values have landed (from the worker that initializes it)."""
     acc: np.ndarray = field(default_factory=lambda: _EMPTY)
-    """Sync mode: sum of the pushes of the current step."""
+    """Sync mode: sum of the pushes of the current step (:meth:`step_total` while only one is
+    in)."""
+    first: np.ndarray | None = None
+    """Sync mode: the step's first push while it is the only one, kept as received (a raw
+    push's view of its frame, which the view keeps alive) instead of copied into :attr:`acc`:
+    the second push is added to it into ``acc`` in one pass, and a step of one push is
+    applied from it directly."""
     pushed: set[int] = field(default_factory=set)
     """Sync mode: ranks that pushed for the current step (in ``acc`` or in ``held``)."""
     held: dict[int, np.ndarray] = field(default_factory=dict)
@@ -207,16 +213,29 @@ class Slot:
         self._add_held(live)
 
     def _add(self, grad: np.ndarray) -> None:
-        if self.folded == 0 and grad.shape == self.decoded.shape \
-                and np.may_share_memory(grad, self.decoded):
-            # the step's first push was decoded into the scratch array: it becomes the sum
-            # and the old sum the next scratch (a pass over the key saved, the same bits)
-            self.acc, self.decoded = self.decoded, self.acc
+        # the same bits as copying the first push into acc and adding the others in order,
+        # with a pass over the key fewer
+        if self.folded == 0:
+            if grad.shape == self.decoded.shape and np.may_share_memory(grad, self.decoded):
+                # decoded into the scratch array: it becomes the sum, the old sum the next
+                # scratch
+                self.acc, self.decoded = self.decoded, self.acc
+            else:
+                self.first = grad
         else:
-            if self.acc is _EMPTY:
-                self.acc = np.empty_like(self.param)
-            native.accumulate(self.acc, grad, self.folded == 0)
+            if self.first is not None:
+                if self.acc is _EMPTY:
+                    self.acc = np.empty_like(self.param)
+                native.add_into(self.acc, self.first, grad)
+                self.first = None
+            else:
+                native.accumulate(self.acc, grad, False)
         self.folded += 1
+
+    def step_total(self) -> np.ndarray:
+        """Sync mode: the sum of the pushes added so far this step (the first push itself
+        while it is the only one: do not write it)."""
+        return self.first if self.first is not None else self.acc
 
     def _add_held(self, live: Sequence[int] | None) -> None:
         """Add kept pushes in rank order while no lower live rank is missing (``None``: add
@@ -231,12 +250,13 @@ class Slot:
         order) and how many there are; the caller applies their mean, then calls
         :meth:`end_step`."""
         self._add_held(None)
-        return self.acc, len(self.pushed)
+        return self.step_total(), len(self.pushed)
 
     def end_step(self) -> None:
         """Sync mode: the step's mean was applied; the next step starts empty."""
         self.pushed.clear()
         self.folded = 0
+        self.first = None
 
     def decode_buffer(self) -> np.ndarray:
         """A float32 scratch array of the key's length for decoding a compressed push."""

@@ -315,3 +315,28 @@ def test_lookahead_from_the_previous_parameters_equals_adding_the_stored_update(
     before = slot.param.copy()
     rule.update(slot, rng.standard_normal(n).astype(np.float32), clock=0)
     np.testing.assert_array_equal(slot.last_delta, slot.param - before)
+
+
+def test_sync_sum_of_raw_pushes_keeps_the_first_as_received_and_adds_the_second_into_it():
+    """A raw push (a read-only view of its frame) that is a step's only one is the step's sum
+    as it is; the second push is added to it into the sum in one pass; the bits are those of
+    copying the first and adding the rest in rank order."""
+    from bitps.proto import bitps_pb2 as pb
+    from bitps.ps.store import Slot
+
+    n = 777
+    rng = np.random.default_rng(1)
+    frames = {r: rng.standard_normal(n).astype(np.float32).tobytes() for r in range(3)}
+    views = {r: np.frombuffer(f, np.float32) for r, f in frames.items()}
+    slot = Slot.zeros(pb.KeySpec(key=0, name="w", offset=0, length=n, dtype=pb.FLOAT32))
+    slot.accumulate(0, views[0], [0])
+    total, count = slot.step_sum()
+    assert count == 1 and total is views[0]  # one push: no copy
+    slot.end_step()
+    assert slot.first is None
+    for rank in (2, 0, 1):
+        slot.accumulate(rank, views[rank], [0, 1, 2])
+    total, count = slot.step_sum()
+    np.testing.assert_array_equal(total, (views[0] + views[1]) + views[2])
+    assert count == 3 and not np.may_share_memory(total, views[0])
+    slot.end_step()
