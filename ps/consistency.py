@@ -47,7 +47,7 @@ from bitps.ps.store import Slot
 if TYPE_CHECKING:
     from bitps.ps.metrics import ShardMetrics
     from bitps.ps.threads import KeyPool
-from bitps.ps.updates import Updates
+    from bitps.ps.updates import Updates
 
 __all__ = ["CONSISTENCY", "SSP", "Async", "Consistency", "Core", "Sync", "key_pushers",
            "make_consistency", "register"]
