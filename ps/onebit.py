@@ -215,7 +215,7 @@ class OneBitState(KeyState):
         self.mean_abs = mean_abs
         self.pub = Publisher(self.codec, n, history=history)
         """The published codes (``ps.publish``): what pull replies carry."""
-        self.server, self.delta = self.pub.server, self.pub.delta
+        self.server = self.pub.server
 
     def code_views(self) -> tuple[np.ndarray, np.ndarray, int]:
         """Where a fused kernel writes the next published code (``native.publish``): the
@@ -384,30 +384,6 @@ class OneBitAdam(AdamW):
                                                         for st in states))))
 
     # -- arithmetic of the compression stage --------------------------------------------------
-    def delta(self, param: np.ndarray, grad: np.ndarray, state: KeyState, out: np.ndarray, *,
-              bias_correction2_sqrt: float, grad_scale: float = 1.0,
-              lr_scale: float = 1.0) -> None:
-        """After warmup: update the momentum with ``grad * grad_scale`` and write the
-        parameter update ``-lr * (m / (sqrt(v)/bc2 + eps) + wd * param)`` to ``out`` (v and
-        its bias correction frozen at the switch; m's correction is ~1 by then and omitted, as
-        in DeepSpeed)."""
-        f32 = np.float32
-        state.step += 1
-        native.onebit_adam_delta(param, grad, state.buf1, state.buf2, out, f32(grad_scale),
-                                 self._one_minus_beta1, self._eps, self._wd,
-                                 self.neg_lr(lr_scale), f32(bias_correction2_sqrt),
-                                 f32(self.ratio_clip))
-
-    def apply_momentum(self, param: np.ndarray, state: KeyState, *,
-                       bias_correction2_sqrt: float, lr_scale: float = 1.0) -> None:
-        """sync: ``state.buf1`` holds the published momentum; apply it with the frozen v,
-        exactly as workers do (``native.onebit_adam_apply``)."""
-        f32 = np.float32
-        state.step += 1
-        native.onebit_adam_apply(param, state.buf1, state.buf2, self._eps, self._wd,
-                                 self.neg_lr(lr_scale), f32(bias_correction2_sqrt),
-                                 f32(self.ratio_clip))
-
     def direction_delta(self, param: np.ndarray, direction: np.ndarray, out: np.ndarray, *,
                         grad_scale: float = 1.0, lr_scale: float = 1.0) -> None:
         """Worker moments, after warmup: write ``-lr * (clip(direction) + wd * param)`` to
@@ -423,7 +399,8 @@ class OneBitAdamSync(OneBitAdam):
     def _compressed(self, slot, grad, grad_scale, lr_scale):
         ob = slot.rule_state
         # grad is the sum of the workers' momenta: publish their compressed mean as m and
-        # apply it (apply_momentum's arithmetic), in one pass (native.publish)
+        # apply it with the frozen v as workers do (native.onebit_adam_apply), in one pass
+        # (native.publish)
         scales, bits, size = ob.code_views()
         f32 = np.float32
         ob.step += 1
