@@ -1,4 +1,5 @@
-"""``bitps-bench kernels``: a shard's CPU per update against the floor memory bandwidth sets.
+"""``bitps-bench kernels``: a shard's CPU per update, and a worker's per step
+(``bench.worker_kernels``), against the floor memory bandwidth sets.
 
 A shard update is memory-bound arithmetic: its floor is the bytes it must read and write, divided
 by the bandwidth this machine moves bytes at, measured in the same run as ``np.copyto`` of the
@@ -47,6 +48,7 @@ import numpy as np
 from bitps.bench.config import KernelsBench
 from bitps.bench.proc import machine_busy
 from bitps.bench.report import check, median, write_results
+from bitps.bench.worker_kernels import WORKER_CASES, measure
 
 __all__ = ["CASES", "Case", "SCALING_CASES", "run"]
 
@@ -211,10 +213,16 @@ def run(cfg: KernelsBench | None = None, *, out: Path | None = None) -> dict:
                      "writes": c.writes, "floor_mb": floor_bytes / 1e6,
                      "rounds_ms": [round(x * 1e3, 2) for x in cpu[c.name]]})
     total = src.nbytes
-    del pushers, src, dst  # the scaling runs need the memory
+    del pushers
+    worker_rows, worker_bandwidth = _workers(cfg, keys, n, src, dst)
+    del src, dst  # the scaling runs need the memory
     scaling = _scaling(cfg)
     checks = {f"shard_cpu_vs_floor[{r['case']}]": check(
         round(r["vs_floor"], 3), f"<= {r['goal']:g}", r["vs_floor"] <= r["goal"]) for r in rows}
+    checks.update({f"worker_cpu_vs_floor[{r['case']}]": check(
+        round(r["vs_floor"], 3), f"<= {r['goal']:g}", r["vs_floor"] <= r["goal"])
+        for r in worker_rows})
+    rows += worker_rows
     for r in scaling:
         checks[f"threads_{r['threads']}_vs_1[{r['case']}]"] = check(
             round(r["speedup"], 3), ">= 1.7", r["speedup"] >= 1.7)
@@ -226,7 +234,12 @@ def run(cfg: KernelsBench | None = None, *, out: Path | None = None) -> dict:
              f"memcpy bandwidth measured here ({bandwidth / 1e9:.2f} GB/s read + written, "
              f"np.copyto of {total / MIB:.0f} MiB: {median(copy) * 1e3:.2f} ms). Machine "
              f"busy before the run: {busy:.0%}. The accounting of what each update must touch "
-             f"is in bench/kernels.py and docs/benchmarks.md. Thread scaling (the threads_* "
+             f"is in bench/kernels.py and docs/benchmarks.md. Worker rows (\"worker: ...\"): CPU "
+             f"per step of a worker's thread (push_pull of every key through a real PSClient "
+             f"and Encoder to an in-process shard, wait included; no clipping, no weight "
+             f"prediction), floor from the memcpy measured in their own rounds ("
+             f"{worker_bandwidth / 1e9:.2f} GB/s); accounting in bench/worker_kernels.py. "
+             f"Thread scaling (the threads_* "
              f"checks): {cfg.scaling_mib} MiB of {cfg.key_mib} MiB keys, wall time per update "
              f"with ServerConfig.threads = 1 and each of {list(cfg.thread_counts)}, alternated "
              f"over the same rounds: " + "; ".join(
@@ -234,6 +247,7 @@ def run(cfg: KernelsBench | None = None, *, out: Path | None = None) -> dict:
                  f"{r['ms_1']:.1f} ms ({r['speedup']:.2f}x)" for r in scaling) + ".")
     config = {**dataclasses.asdict(cfg), "keys": keys, "memcpy_ms": median(copy) * 1e3,
               "bandwidth_gbps": bandwidth / 1e9, "machine_busy_before": busy,
+              "worker_bandwidth_gbps": worker_bandwidth / 1e9,
               "scaling": scaling}
     write_results("kernels", config=config, rows=rows, checks=checks, out=out, notes=notes,
                   columns=[("case", "rule, mode, push -> pull"), ("cpu_ms", "CPU ms/update"),
@@ -241,6 +255,30 @@ def run(cfg: KernelsBench | None = None, *, out: Path | None = None) -> dict:
                            ("goal", "goal"), ("reads", "arrays read"),
                            ("writes", "arrays written"), ("floor_mb", "floor MB")])
     return {"rows": rows, "checks": checks}
+
+
+def _workers(cfg: KernelsBench, keys: int, n: int, src: np.ndarray,
+             dst: np.ndarray) -> tuple[list[dict], float]:
+    """The worker rows (``bench.worker_kernels``) and the memcpy bandwidth of their rounds."""
+    cases = [c for c in WORKER_CASES if not cfg.cases or c.name in cfg.cases]
+    if not cases:
+        return [], 0.0
+
+    def copy_round() -> float:
+        t0 = time.thread_time()
+        np.copyto(dst, src)
+        return time.thread_time() - t0
+
+    cpu, floor_bytes, copies = measure(cases, keys, n, cfg.rounds, cfg.repeats, copy_round)
+    bandwidth = 2 * src.nbytes / median(copies)
+    rows = []
+    for c in cases:
+        t, floor = median(cpu[c.name]), floor_bytes[c.name] / bandwidth
+        rows.append({"case": c.name, "cpu_ms": t * 1e3, "floor_ms": floor * 1e3,
+                     "vs_floor": t / floor, "goal": c.goal, "reads": c.reads,
+                     "writes": c.writes, "floor_mb": floor_bytes[c.name] / 1e6,
+                     "rounds_ms": [round(x * 1e3, 2) for x in cpu[c.name]]})
+    return rows, bandwidth
 
 
 def _scaling(cfg: KernelsBench) -> list[dict]:

@@ -7,17 +7,19 @@ Payload of a key of ``n`` elements: ``n`` little-endian 16-bit values, ``2n`` by
   ``q = (b + 0x7FFF + ((b >> 16) & 1)) >> 16`` (ties to even; overflow rounds to +-Inf as IEEE
   does); a NaN stays a quiet NaN of the same sign (the formula alone could carry it into the
   sign bit). Decoding is exact: ``bits = q << 16``.
-- fp16 is IEEE binary16 through numpy's cast (also nearest-even; out-of-range values become
-  +-Inf, which the receiver rejects as non-finite). numba has no float16 on the CPU, so fp16 runs
-  in numpy.
+- fp16 is IEEE binary16, nearest-even, on the float32 bits as numpy's cast rounds
+  (``npy_floatbits_to_halfbits``; out-of-range values become +-Inf, which the receiver rejects as
+  non-finite). numba has no float16 on the CPU, so the kernels work on the bits; decoding goes
+  through numpy's float16.
 
 With error feedback (``residual`` updated in place): ``u = grad * scale + residual`` (``scale``
 is the clip factor, 1 by default), the payload encodes ``u``, and ``residual = u -
 decode(payload)``. :func:`raw_encode` is the same wrapper around raw float32 values: nothing is
 lost, so the residual only carries what clipping under overlap folds into it afterwards.
 
-Buffer ownership: the caller owns every array; nothing here allocates (fp16 through numpy
-allocates its temporaries). ``grad`` and payloads may be read-only views of received frames.
+Buffer ownership: the caller owns every array; nothing here allocates. ``grad`` and payloads
+may be read-only views of received frames. The error-feedback encoders work in blocks of
+``_BLOCK`` elements so each array crosses memory once.
 """
 
 from __future__ import annotations
@@ -96,16 +98,26 @@ def _bf16_cast(x, out):
         out[j] = _bf16_bits(bits[j])
 
 
+_BLOCK = 2048
+"""Elements per block of the error-feedback encoders: 8 KiB of each array, so the passes over a
+block after the first read it from L1 and each array crosses memory once."""
+
+
 @_jit
 def _bf16_encode_ef(grad, residual, out, gscale):
-    # residual holds u first, read back as bits through a uint32 view
-    for j in range(grad.shape[0]):
-        residual[j] = grad[j] * gscale + residual[j]
+    # residual holds u first, read back as bits through a uint32 view; one array written per
+    # loop (a loop that writes two does not vectorize)
     ubits = residual.view(np.uint32)
-    for j in range(grad.shape[0]):
-        q = _bf16_bits(ubits[j])
-        out[j] = q
-        residual[j] = residual[j] - _f32(np.uint32(q) << np.uint32(16))
+    n = grad.shape[0]
+    for lo in range(0, n, _BLOCK):
+        m = min(n, lo + _BLOCK) - lo
+        g, u, ub, q = grad[lo:lo + m], residual[lo:lo + m], ubits[lo:lo + m], out[lo:lo + m]
+        for j in range(m):
+            u[j] = g[j] * gscale + u[j]
+        for j in range(m):
+            q[j] = _bf16_bits(ub[j])
+        for j in range(m):
+            u[j] = u[j] - _f32(np.uint32(q[j]) << np.uint32(16))
 
 
 @_jit
@@ -120,16 +132,78 @@ def fp16_encode(grad: np.ndarray, residual: np.ndarray | None, out: np.ndarray, 
     ``residual``, store the rounding error there. Returns ``2n``."""
     _check(grad, residual, out)
     n = grad.shape[0]
-    if scale != 1.0:
-        if residual is None:
+    if residual is None:
+        if scale != 1.0:
             raise ValueError(f"scale {scale} needs a residual (error feedback)")
-        grad = grad * np.float32(scale)
-    u = grad if residual is None else np.add(grad, residual, out=residual)
-    half = out[:n].view(np.float16)
-    np.copyto(half, u, casting="same_kind")
-    if residual is not None:
-        np.subtract(u, half, out=residual, casting="same_kind")
+        _fp16_cast(grad, out[:n])
+    else:
+        _fp16_encode_ef(grad, residual, out[:n], np.float32(scale))
     return 2 * n
+
+
+@_jit
+def _fp16_bits(f):
+    """IEEE binary16 bits of the float32 with bits ``f``, nearest-even: numpy's
+    ``npy_floatbits_to_halfbits`` (out of range: +-Inf; a NaN stays a NaN). Every case is
+    computed and one selected."""
+    u32 = np.uint32
+    sgn = (f >> u32(16)) & u32(0x8000)
+    fe = f & u32(0x7F800000)
+    sig = f & u32(0x007FFFFF)
+    # normal halves: a carry out of the significand moves into the exponent, up to +-Inf
+    up = sig + (u32(0x1000) if (sig & u32(0x3FFF)) != u32(0x1000) else u32(0))
+    normal = ((fe - u32(0x38000000)) >> u32(13)) + (up >> u32(13))
+    # subnormal halves: the significand with its implicit bit, shifted by 1 to 11 (clamped so
+    # that the shift stays defined where this case is not selected)
+    shift = min(max(u32(113) - min(fe >> u32(23), u32(113)), u32(1)), u32(24))
+    sub = (u32(0x00800000) + sig) >> shift
+    sub = sub + (u32(0x1000) if (sub & u32(0x3FFF)) != u32(0x1000)
+                 or (f & u32(0x7FF)) != 0 else u32(0))
+    sub = sub >> u32(13)
+    nan = u32(0x7C00) + (sig >> u32(13))
+    nan = nan + (u32(1) if nan == u32(0x7C00) else u32(0))
+    big = nan if fe == u32(0x7F800000) and sig != 0 else u32(0x7C00)
+    mag = big if fe >= u32(0x47800000) else (
+        normal if fe > u32(0x38000000) else (sub if fe >= u32(0x33000000) else u32(0)))
+    return np.uint16(sgn + mag)
+
+
+@_jit
+def _fp16_value(h):
+    """The float32 of the binary16 bits ``h`` (exact); every case computed, one selected."""
+    u32 = np.uint32
+    h = u32(h)
+    sgn = (h & u32(0x8000)) << u32(16)
+    e = h & u32(0x7C00)
+    sig = h & u32(0x03FF)
+    normal = _f32(sgn | (((h & u32(0x7FFF)) + u32(0x1C000)) << u32(13)))
+    special = _f32(sgn | u32(0x7F800000) | (sig << u32(13)))
+    sub = np.float32(sig) * np.float32(2.0 ** -24)  # subnormal or zero: exact in float32
+    sub = -sub if sgn else sub
+    return special if e == u32(0x7C00) else (sub if e == 0 else normal)
+
+
+@_jit
+def _fp16_cast(x, out):
+    bits = x.view(np.uint32)
+    for j in range(x.shape[0]):
+        out[j] = _fp16_bits(bits[j])
+
+
+@_jit
+def _fp16_encode_ef(grad, residual, out, gscale):
+    # _bf16_encode_ef's blocks, with the half conversion
+    ubits = residual.view(np.uint32)
+    n = grad.shape[0]
+    for lo in range(0, n, _BLOCK):
+        m = min(n, lo + _BLOCK) - lo
+        g, u, ub, q = grad[lo:lo + m], residual[lo:lo + m], ubits[lo:lo + m], out[lo:lo + m]
+        for j in range(m):
+            u[j] = g[j] * gscale + u[j]
+        for j in range(m):
+            q[j] = _fp16_bits(ub[j])
+        for j in range(m):
+            u[j] = u[j] - _fp16_value(q[j])
 
 
 def fp16_decode_add(payload, n: int, acc: np.ndarray) -> None:

@@ -66,10 +66,11 @@ def test_codec_bench_runs_every_implementation(tmp_path):
 
 def test_kernels_bench_measures_every_case_against_its_floor(tmp_path):
     from bitps.bench.kernels import CASES, SCALING_CASES
+    from bitps.bench.worker_kernels import WORKER_CASES
 
     doc = _bench(tmp_path, "kernels", "--quick")
     rows = {r["case"]: r for r in doc["rows"]}
-    assert list(rows) == [c.name for c in CASES]
+    assert list(rows) == [c.name for c in CASES] + [c.name for c in WORKER_CASES]
     assert doc["config"]["bandwidth_gbps"] > 0 and 0 <= doc["config"]["machine_busy_before"] <= 1
     n_bytes = doc["config"]["mib"] * 2**20
     for case in CASES:
@@ -80,7 +81,17 @@ def test_kernels_bench_measures_every_case_against_its_floor(tmp_path):
         codes = row["floor_mb"] - arrays
         assert (codes > 0) == (case.push == "sign1" or case.pull == "sign1"), case.name
         assert codes < 2 * n_bytes / 32 / 1e6 * 1.1  # at most a push and a published code
+    assert doc["config"]["worker_bandwidth_gbps"] > 0
+    for case in WORKER_CASES:
+        row = rows[case.name]
+        assert row["cpu_ms"] > 0 and row["floor_ms"] > 0
+        arrays = (case.reads + case.writes) * n_bytes / 1e6
+        codes = row["floor_mb"] - arrays
+        # a raw push and a raw pull add no code bytes; a compressed push or pull does
+        assert (codes > 0) == (case.push != "raw" or case.pull != "raw"), case.name
+        assert codes <= 0.51 * n_bytes / 1e6  # at most a bf16 push and a sign1 pull
     assert set(doc["checks"]) == {f"shard_cpu_vs_floor[{c.name}]" for c in CASES} \
+        | {f"worker_cpu_vs_floor[{c.name}]" for c in WORKER_CASES} \
         | {f"threads_2_vs_1[{name}]" for name in SCALING_CASES}
     assert [(r["case"], r["threads"]) for r in doc["config"]["scaling"]] == [
         (name, 2) for name in SCALING_CASES]

@@ -178,6 +178,11 @@ _NOJIT_SCRIPT = textwrap.dedent("""
         casts.bf16_encode(data[f"g{step}"], residual, q)
         out[f"bf16_{step}"] = q.copy()
     out["bf16_residual"] = residual
+    residual = np.zeros(data["g0"].size, np.float32)
+    for step in range(3):
+        casts.fp16_encode(data[f"g{step}"], residual, q)
+        out[f"fp16_{step}"] = q.copy()
+    out["fp16_residual"] = residual
     np.savez(sys.argv[2], **out)
 """)
 
@@ -200,3 +205,10 @@ def test_pure_python_kernels_equal_reference(run_without_jit):
         residual = u - _bf16_value(q)
         assert np.array_equal(got[f"bf16_{step}"], q)
     assert np.array_equal(got["bf16_residual"], residual)
+    residual = np.zeros(n, np.float32)
+    for step, grad in enumerate(grads):
+        u = grad + residual
+        h = u.astype(np.float16)
+        residual = u - h.astype(np.float32)
+        assert np.array_equal(got[f"fp16_{step}"], h.view(np.uint16))
+    assert np.array_equal(got["fp16_residual"], residual)

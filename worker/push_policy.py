@@ -3,11 +3,11 @@
 The encoder (``worker.training.encoder``) asks the policy the shards' registration replies call
 for, per push, which codec the clock calls for (:meth:`PushPolicy.codec_at`), what is pushed for
 the gradients (:meth:`PushPolicy.prepare`: the gradients themselves, or a 1-bit Adam momentum or
-direction made from them), how an inexact clip factor is made good (:meth:`PushPolicy.correct`),
-and how the codes a shard publishes are added to the worker's copy (:attr:`PushPolicy.codes`,
-which the transport's channels use). Neither the encoder nor the transport holds an algorithm's
-code; a policy that needs the shards' rule state gets a fetch function (:meth:`PushPolicy.bind`),
-not the client.
+direction made from them; :meth:`PushPolicy.encode`: the same made and compressed in one pass),
+how an inexact clip factor is made good (:meth:`PushPolicy.correct`), and how the codes a shard
+publishes are added to the worker's copy (:attr:`PushPolicy.codes`, which the transport's
+channels use). Neither the encoder nor the transport holds an algorithm's code; a policy that
+needs the shards' rule state gets a fetch function (:meth:`PushPolicy.bind`), not the client.
 
 - :class:`CodecPush` (every shard rule but ``onebit_adam``): the gradients, raw or through the
   configured push codec, with error feedback per key.
@@ -25,7 +25,7 @@ import numpy as np
 from prometheus_client import Metric
 
 from bitps import native
-from bitps.proto.codecs import Codec
+from bitps.proto.codecs import Codec, Compressor
 from bitps.worker.transport.channel import DECODE_ADD, CodeApplier
 
 if TYPE_CHECKING:
@@ -71,6 +71,15 @@ class PushPolicy:
         ``(arrays, clip factor still to apply, whether the arrays are this policy's own
         buffers)`` (own buffers change with the next push: they go by copy)."""
         return grads, clip, False
+
+    def encode(self, key: int, grad: np.ndarray, comp: Compressor, *, clock: int,
+               clip: float) -> memoryview | None:
+        """The payload of a compressed ``key`` made in one pass from the gradient ``grad``
+        (clip factor ``clip``) with the policy's own arithmetic fused into ``comp``'s encode
+        (its buffer and error feedback), or ``None``: :meth:`prepare` and ``comp`` make it. The
+        encoder asks before :meth:`prepare`, which then sees only the keys answered
+        ``None``."""
+        return None
 
     def correct(self, key: int, grad: np.ndarray, residual: np.ndarray, *, clock: int,
                 used: float, exact: float) -> None:

@@ -30,9 +30,9 @@ import numpy as np
 from prometheus_client.core import GaugeMetricFamily
 
 from bitps import native
-from bitps.native import casts, sign1
+from bitps.native import casts, push, sign1
 from bitps.proto import bitps_pb2 as pb
-from bitps.proto.codecs import MEAN_ABS, Codec
+from bitps.proto.codecs import MEAN_ABS, Codec, Compressor
 from bitps.proto.onebit_pb2 import OneBitParams
 from bitps.proto.schedule import LRSchedule
 from bitps.proto.wire import PSError
@@ -115,6 +115,19 @@ class OneBitMomentum:
         np.add(u, m, out=u)
         return u
 
+    def encode(self, key: int, grad: np.ndarray, comp: Compressor, scale: float = 1.0
+               ) -> memoryview:
+        """:meth:`momentum` for ``grad * scale`` through ``comp`` (sign1, with its error
+        feedback) in one pass (``native.push.onebit_momentum_encode``): the payload, bit for bit
+        what ``comp.encode(momentum(key, grad, scale))`` gives; valid until ``comp``'s next
+        encode."""
+        codec = comp.codec
+        scales, bits, size = sign1.payload_views(comp.buffer, grad.shape[0], codec.chunk)
+        push.onebit_momentum_encode(grad, self.m[key], np.float32(scale), self._one_minus_beta1,
+                                    comp.residual, scales, bits, np.int64(codec.chunk),
+                                    bool(codec.flags & MEAN_ABS))
+        return memoryview(comp.buffer)[:size]
+
     def is_momentum(self, version: int) -> bool:
         """Whether the code that made ``version`` is a published momentum: every update after
         the warmup's ``freeze_step`` ones (sync mode makes one update per clock). A warmup
@@ -134,12 +147,10 @@ class OneBitMomentum:
         ``version``: set m, update ``out`` (this worker's copy of the key) exactly as the shard
         updated its own, with the learning rate of clock ``version - 1``
         (``ps.rules.UpdateRule.neg_lr``: the same float32 from the same doubles)."""
-        m = self.m[key]
-        m.fill(0.0)
-        sign1.decode_add(code, m.shape[0], m, chunk=chunk)
         neg_lr = np.float32(-(self._lr * self._schedule.factor(version - 1)))
-        native.onebit_adam_apply(out, m, self.v[key], self._eps, self._wd, neg_lr,
-                                 self.bc2[key], self._ratio_clip)
+        # one pass: m = decode(code), then the apply (was m.fill(0), decode_add, the apply)
+        push.onebit_momentum_apply(code, self.m[key], self.v[key], out, chunk, self._eps,
+                                   self._wd, neg_lr, self.bc2[key], self._ratio_clip)
 
 
 class WorkerMoments:
@@ -172,6 +183,25 @@ class WorkerMoments:
                               self._one_minus_beta2, self._eps,
                               *self._corrections(t), np.float32(scale))
         return out
+
+    def encode(self, key: int, grad: np.ndarray, comp: Compressor, scale: float = 1.0
+               ) -> memoryview:
+        """:meth:`direction` for ``grad * scale`` through ``comp`` (sign1, with its error
+        feedback) in one pass (``native.push.adam_direction_encode``): the payload, bit for bit
+        what ``comp.encode(direction(key, grad, scale))`` gives; valid until ``comp``'s next
+        encode."""
+        if key not in self.m:
+            self.m[key], self.v[key] = np.zeros_like(grad), np.zeros_like(grad)
+            self._out[key] = np.empty_like(grad)
+        t = self.steps[key] = self.steps.get(key, 0) + 1
+        codec = comp.codec
+        scales, bits, size = sign1.payload_views(comp.buffer, grad.shape[0], codec.chunk)
+        push.adam_direction_encode(grad, self.m[key], self.v[key], self._one_minus_beta1,
+                                   self._beta2, self._one_minus_beta2, self._eps,
+                                   *self._corrections(t), np.float32(scale), comp.residual,
+                                   scales, bits, np.int64(codec.chunk),
+                                   bool(codec.flags & MEAN_ABS))
+        return memoryview(comp.buffer)[:size]
 
     def _corrections(self, t: int) -> tuple[np.float32, np.float32]:
         """``1 / (1 - beta1**t)`` and ``sqrt(1 - beta2**t)`` as float32, as torch takes them."""
@@ -220,6 +250,11 @@ class _OneBitPush(PushPolicy):
         # the shard's chunk: one knob for both directions
         return Codec(pb.CODEC_SIGN1, self.params.chunk, configured.flags & MEAN_ABS)
 
+    def fuses(self, comp: Compressor, clock: int) -> bool:
+        """Whether a push of ``comp``'s key at ``clock`` is made in one fused pass: after the
+        warmup, through a sign1 compressor."""
+        return clock >= self.freeze_step and comp.codec.id == pb.CODEC_SIGN1
+
     def collect(self, clock):
         yield GaugeMetricFamily("bitps_worker_onebit_phase",
                                 "1-bit Adam: 0 = warmup (bf16 pushes), 1 = compression",
@@ -246,6 +281,13 @@ class SyncMomenta(_OneBitPush):
         # the clip factor goes into the momentum
         return [self.momentum.momentum(k, g, clip) for k, g in zip(keys, grads)], 1.0, True
 
+    def encode(self, key, grad, comp, *, clock, clip):
+        if not self.fuses(comp, clock):
+            return None
+        if not self.momentum.loaded(key):
+            self._fetch([key], self.momentum.load)  # one call loads every key of the shard
+        return self.momentum.encode(key, grad, comp, clip)
+
     def correct(self, key, grad, residual, *, clock, used, exact):
         # the pushed momentum lerp(m, g, 1 - beta1) is linear in g
         after = clock >= self.freeze_step
@@ -270,6 +312,10 @@ class MomentsPush(_OneBitPush):
         if clock < self.freeze_step:
             return grads, clip, False
         return adam, 1.0, True  # the clip factor went into the direction
+
+    def encode(self, key, grad, comp, *, clock, clip):
+        return self.worker_moments.encode(key, grad, comp, clip) if self.fuses(comp, clock) \
+            else None
 
     def correct(self, key, grad, residual, *, clock, used, exact):
         self.worker_moments.correct(key, grad, residual, used, exact,

@@ -212,17 +212,30 @@ class Encoder:
             self._check_encoded(encoded, codec, clock)
         if scale is None and (not codec.is_raw or self.policy.keeps_state):
             self._check_finite(keys, grads, skip=encoded or {})
-        grads, clip, own = self.policy.prepare(keys, grads, clock,
-                                               1.0 if scale is None else scale)
+        fused = self._fused(keys, grads, codec, clock, 1.0 if scale is None else scale,
+                            skip=encoded or {})
+        if fused:  # the policy made these payloads itself; it prepares the others
+            rest = [i for i in range(len(keys)) if i not in fused]
+            prepared, clip, own = self.policy.prepare([keys[i] for i in rest],
+                                                      [grads[i] for i in rest], clock,
+                                                      1.0 if scale is None else scale)
+            grads = list(grads)
+            for i, g in zip(rest, prepared):
+                grads[i] = g
+        else:
+            grads, clip, own = self.policy.prepare(keys, grads, clock,
+                                                   1.0 if scale is None else scale)
         if codec.is_raw and scale is None and not own:
             return grads  # as they are, zero-copy (the client checks them against the plan)
         self._check_shapes(keys, grads)
         large = self._large_keys(self.plan)
         seed = (self.cfg.codec_seed * 1_000_003 + clock) * 65_537 + self.client.cfg.rank
         payloads, codecs, owned, raw_bytes = [], [], [], 0
-        for key, grad in zip(keys, grads):
+        for i, (key, grad) in enumerate(zip(keys, grads)):
             compressed = not codec.is_raw and large[key]
-            if compressed and encoded and key in encoded:
+            if i in fused:
+                payload = fused[i]
+            elif compressed and encoded and key in encoded:
                 payload = memoryview(encoded[key]).cast("B")
             elif compressed:
                 payload = self._compressor(key, clock, grad.shape[0]).encode(
@@ -241,6 +254,24 @@ class Encoder:
                 self.metrics.codec_raw_bytes.labels(codec.name).inc(raw_bytes)
                 self.metrics.codec_wire_bytes.labels(codec.name).inc(wire)
         return Encoded(payloads, codecs, owned)
+
+    def _fused(self, keys: Sequence[int], grads: Sequence[np.ndarray], codec: Codec,
+               clock: int, clip: float, skip: Mapping[int, object]) -> dict[int, memoryview]:
+        """By position in ``keys``: the payloads the push policy makes in one pass from the
+        gradients (``PushPolicy.encode``: 1-bit Adam's momentum or direction, error feedback
+        and code together), for the keys ``codec`` compresses, not in ``skip``."""
+        if codec.is_raw:
+            return {}
+        large, fused = self._large_keys(self.plan), {}
+        for i, (key, grad) in enumerate(zip(keys, grads)):
+            if large.get(key) and key not in skip:
+                check_array(self.plan, key, grad, "gradient")
+                payload = self.policy.encode(key, grad, self._compressor(key, clock,
+                                                                         grad.shape[0]),
+                                             clock=clock, clip=clip)
+                if payload is not None:
+                    fused[i] = payload
+        return fused
 
     def _check_shapes(self, keys: Sequence[int], grads: Sequence[np.ndarray]) -> None:
         for k, g in zip(keys, grads):

@@ -1,0 +1,132 @@
+"""Fused worker kernels: 1-bit Adam's push (momentum or Adam direction, error feedback, sign1
+code) and its pull (a published momentum decoded and applied), in one pass over each chunk.
+
+Unfused, a worker's sync 1-bit Adam push is four passes over arrays of the key's length (three
+numpy ops for ``lerp(m, g, 1 - beta1)`` into a scratch array, then the sign1 encode with error
+feedback), its pull three (``m.fill(0)``, the decode added to m, the apply); with worker moments
+the push is two (``adam_direction`` into a scratch array, the encode). Here each chunk of
+``chunk`` elements is made, encoded and applied while it is in L1, so each state array is read
+and written once and no scratch array is touched.
+
+The results are bit for bit those of the unfused sequence (``tests/test_push_kernels.py`` checks
+them against it over odd sizes, chunk boundaries, NaN/Inf input and empty keys): every element
+sees the same float32 operations in the same order (``*``/``+`` where the numpy ops were,
+``fma`` where ``adam_direction`` has it), and the scales the same fixed-order sums
+(``sign1.chunk_scale``). Loops write one array each: loops that write two do not vectorize.
+
+Payload written to ``scales``/``bits`` (views of the output buffer, ``sign1.payload_views``):
+the sign1 layout of ``native/sign1.py``. Buffer ownership: the caller owns every array; the
+kernels never allocate beyond 64 float64 lanes. ``grad`` and the code may be read-only.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from bitps.native.sign1 import LANES, chunk_scale, pack_signs, split
+from bitps.native.update_rules import fma, onebit_adam_apply
+
+__all__ = ["adam_direction_encode", "onebit_momentum_apply", "onebit_momentum_encode"]
+
+_jit = numba.njit(cache=True, nogil=True, fastmath=False, boundscheck=False, error_model="numpy")
+
+
+@_jit
+def onebit_momentum_encode(grad, exp_avg, grad_scale, one_minus_beta1, residual, scales, bits,
+                           chunk, mean_abs):
+    """sync 1-bit Adam's push after the warmup (``worker.algorithms.onebit.SyncMomenta``):
+    this worker's momentum ``w = (g - m) * (1 - beta1) + m`` for ``g = grad * grad_scale``
+    (``exp_avg`` is not changed: the published momentum replaces it), encoded as sign1 with the
+    error-feedback ``residual``: ``u = w + residual``, the code of ``u``, ``residual = u -
+    decode``. Was: multiply (when clipped), subtract, multiply, add into a scratch array, then
+    ``sign1.encode``."""
+    n = grad.shape[0]
+    lanes = np.zeros(LANES, np.float64)
+    for c in range(scales.shape[0]):
+        lo = c * chunk
+        m = min(n, lo + chunk) - lo
+        g = grad[lo:lo + m]
+        mom = exp_avg[lo:lo + m]
+        u = residual[lo:lo + m]
+        for j in range(m):
+            x = mom[j]
+            u[j] = ((g[j] * grad_scale - x) * one_minus_beta1 + x) + u[j]
+        _encode(u, bits[lo >> 3:(lo + m + 7) >> 3], scales, c, lanes, mean_abs)
+
+
+@_jit
+def adam_direction_encode(grad, exp_avg, exp_avg_sq, one_minus_beta1, beta2, one_minus_beta2,
+                          eps, inv_bias_correction1, bias_correction2_sqrt, grad_scale,
+                          residual, scales, bits, chunk, mean_abs):
+    """async/ssp 1-bit Adam's push after the warmup, with worker moments (``MomentsPush``):
+    advance m and v with ``g = grad * grad_scale`` and encode Adam's direction with the
+    error-feedback ``residual`` as sign1 (``update_rules.adam_direction``'s arithmetic, then
+    ``sign1.encode``'s). Was: ``adam_direction`` into a scratch array, then the encode."""
+    n = grad.shape[0]
+    lanes = np.zeros(LANES, np.float64)
+    for c in range(scales.shape[0]):
+        lo = c * chunk
+        m = min(n, lo + chunk) - lo
+        g = grad[lo:lo + m]
+        mom = exp_avg[lo:lo + m]
+        sq = exp_avg_sq[lo:lo + m]
+        u = residual[lo:lo + m]
+        for j in range(m):
+            mj = mom[j]
+            mom[j] = fma(one_minus_beta1, g[j] * grad_scale - mj, mj)
+        for j in range(m):
+            gj = g[j] * grad_scale
+            sq[j] = fma(one_minus_beta2 * gj, gj, sq[j] * beta2)
+        for j in range(m):
+            d = mom[j] * inv_bias_correction1 / (np.sqrt(sq[j]) / bias_correction2_sqrt + eps)
+            u[j] = d + u[j]
+        _encode(u, bits[lo >> 3:(lo + m + 7) >> 3], scales, c, lanes, mean_abs)
+
+
+@_jit
+def _encode(u, bits, scales, c, lanes, mean_abs):
+    """``sign1.encode``'s tail for one chunk ``u`` (holding ``grad + residual``): its scale,
+    its sign bits, and the residual left."""
+    s = chunk_scale(u, lanes, mean_abs)
+    pack_signs(u, bits)
+    neg_s = -s
+    for j in range(u.shape[0]):
+        x = u[j]
+        u[j] = x - (neg_s if x < 0 else s)
+    scales[c] = s
+
+
+def onebit_momentum_apply(code, exp_avg, exp_avg_sq, param, chunk: int, eps, weight_decay,
+                          neg_lr, bias_correction2_sqrt, ratio_clip) -> None:
+    """sync 1-bit Adam's pull after the warmup (``OneBitMomentum.apply``): set ``exp_avg`` to
+    the published momentum ``code`` (sign1, exactly ``payload_bytes(n, chunk)`` bytes: the
+    caller checks the length) and apply it with the frozen ``exp_avg_sq`` to ``param``
+    (``update_rules.onebit_adam_apply``). Was: ``m.fill(0)``, ``sign1.decode_add``, the apply."""
+    n = param.shape[0]
+    scales, bits = split(code, n, chunk)
+    _momentum_apply(scales, bits, exp_avg, exp_avg_sq, param, np.int64(chunk), eps,
+                    weight_decay, neg_lr, bias_correction2_sqrt, ratio_clip)
+
+
+@_jit
+def _momentum_apply(scales, bits, exp_avg, exp_avg_sq, param, chunk, eps, weight_decay, neg_lr,
+                    bias_correction2_sqrt, ratio_clip):
+    n = param.shape[0]
+    for c in range(scales.shape[0]):
+        lo = c * chunk
+        m = min(n, lo + chunk) - lo
+        s = scales[c]
+        neg_s = -s
+        mom = exp_avg[lo:lo + m]
+        b = bits[lo >> 3:(lo + m + 7) >> 3]
+        # 0.0 + the decoded value: what decode_add onto zeros gives (+0.0 for a zero scale)
+        full = m - m % 8
+        for i in range(full >> 3):
+            byte = b[i]
+            for k in range(8):
+                mom[8 * i + k] = np.float32(0.0) + (neg_s if (byte >> k) & 1 else s)
+        for j in range(full, m):
+            mom[j] = np.float32(0.0) + (neg_s if (b[j >> 3] >> (j & 7)) & 1 else s)
+        onebit_adam_apply(param[lo:lo + m], mom, exp_avg_sq[lo:lo + m], eps, weight_decay,
+                          neg_lr, bias_correction2_sqrt, ratio_clip)

@@ -1,0 +1,198 @@
+"""The fused worker kernels (``native.push``) and the blocked half-precision encoders
+(``native.casts``) against the unfused sequences they replace, bit for bit: odd sizes, chunk
+and block boundaries, empty keys, both scale rules, clip factors, weight decay on and off,
+frozen-v zeros, NaN and Inf input; and the fused path through the worker's 1-bit Adam policies
+equals the unfused one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bitps import native
+from bitps.native import casts, push, sign1
+from bitps.proto import bitps_pb2 as pb
+from bitps.proto.codecs import MEAN_ABS, Codec, Compressor
+from bitps.proto.onebit_pb2 import OneBitParams
+from bitps.worker.algorithms.onebit import OneBitMomentum, WorkerMoments
+
+SIZES = (0, 1, 63, 64, 2047, 2048, 2049, 3 * 2048 + 5)
+CHUNKS = (64, 2048)
+F = np.float32
+
+
+def _data(n: int, seed: int, special: bool):
+    rng = np.random.default_rng([n, seed])
+    g = rng.standard_normal(n).astype(F)
+    v = (rng.random(n) * 1e-4).astype(F)
+    v[::7] = 0  # frozen-v zeros: masked coordinates
+    if special and n > 3:
+        g[1], g[2], g[n // 2] = np.nan, np.inf, -np.inf
+    return {"g": g, "p": rng.standard_normal(n).astype(F), "m": (g * F(0.1)),
+            "v": v, "r": (rng.standard_normal(n) * 1e-3).astype(F)}
+
+
+def _same(a, b):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def _encode_ref(u_in, residual, chunk, mean_abs):
+    out = np.empty(sign1.payload_bytes(u_in.size, chunk), np.uint8)
+    size = sign1.encode(u_in, residual, out, chunk=chunk, mean_abs=mean_abs)
+    return out[:size]
+
+
+CASES = [(n, c, mean_abs, scale, special) for n in SIZES for c in CHUNKS
+         for mean_abs in (False, True) for scale in (1.0, 0.37) for special in (False, True)]
+
+
+@pytest.mark.parametrize("n,chunk,mean_abs,scale,special", CASES)
+def test_momentum_encode_equals_numpy_momentum_then_encode(n, chunk, mean_abs, scale, special):
+    d = _data(n, 0, special)
+    omb1 = F(0.1)
+    # before: OneBitMomentum.momentum's numpy ops, then sign1.encode (scale 1)
+    g = d["g"] * F(scale) if scale != 1.0 else d["g"]
+    with np.errstate(invalid="ignore"):
+        w = np.add(np.multiply(np.subtract(g, d["m"]), omb1), d["m"])
+    r0 = d["r"].copy()
+    code0 = _encode_ref(w, r0, chunk, mean_abs)
+    # now
+    r1, m1 = d["r"].copy(), d["m"].copy()
+    out = np.empty(sign1.payload_bytes(n, chunk), np.uint8)
+    scales, bits, size = sign1.payload_views(out, n, chunk)
+    push.onebit_momentum_encode(d["g"], m1, F(scale), omb1, r1, scales, bits, np.int64(chunk),
+                                mean_abs)
+    _same(out[:size], code0)
+    _same(r1, r0)
+    _same(m1, d["m"])  # m is the published momentum's: the push leaves it
+
+
+@pytest.mark.parametrize("n,chunk,mean_abs,scale,special", CASES)
+def test_direction_encode_equals_adam_direction_then_encode(n, chunk, mean_abs, scale, special):
+    d = _data(n, 1, special)
+    args = (F(0.1), F(0.999), F(0.001), F(1e-8), F(1.3), F(0.2), F(scale))
+    m0, v0, r0, out0 = d["m"].copy(), d["v"].copy(), d["r"].copy(), np.empty(n, F)
+    native.adam_direction(d["g"], m0, v0, out0, *args)
+    code0 = _encode_ref(out0, r0, chunk, mean_abs)
+    m1, v1, r1 = d["m"].copy(), d["v"].copy(), d["r"].copy()
+    out = np.empty(sign1.payload_bytes(n, chunk), np.uint8)
+    scales, bits, size = sign1.payload_views(out, n, chunk)
+    push.adam_direction_encode(d["g"], m1, v1, *args, r1, scales, bits, np.int64(chunk),
+                               mean_abs)
+    _same(out[:size], code0)
+    for a, b in ((m1, m0), (v1, v0), (r1, r0)):
+        _same(a, b)
+
+
+@pytest.mark.parametrize("n,chunk,mean_abs,wd,special",
+                         [(n, c, ma, wd, sp) for n, c, ma, _, sp in CASES if _ == 1.0
+                          for wd in (0.0, 0.01)])
+def test_momentum_apply_equals_zeros_decode_add_then_apply(n, chunk, mean_abs, wd, special):
+    d = _data(n, 2, special)
+    code = _encode_ref(d["g"], d["r"].copy(), chunk, mean_abs).tobytes()
+    eps, neg_lr, bc2, clip = F(1e-8), F(-1e-3), F(0.3), F(4.0)
+    m0, p0 = d["m"].copy(), d["p"].copy()
+    m0.fill(0)
+    sign1.decode_add(code, n, m0, chunk=chunk)
+    native.onebit_adam_apply(p0, m0, d["v"], eps, F(wd), neg_lr, bc2, clip)
+    m1, p1 = d["m"].copy(), d["p"].copy()
+    push.onebit_momentum_apply(code, m1, d["v"], p1, chunk, eps, F(wd), neg_lr, bc2, clip)
+    _same(m1, m0)
+    _same(p1, p0)
+
+
+def _params(**kw) -> OneBitParams:
+    base = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, lr=1e-3, freeze_step=1,
+                chunk=64, ratio_clip=4.0)
+    return OneBitParams(**{**base, **kw})
+
+
+@pytest.mark.parametrize("flags", (0, MEAN_ABS))
+def test_policy_momentum_encode_equals_momentum_through_the_compressor(flags):
+    n, key = 1000, 3
+    codec = Codec(pb.CODEC_SIGN1, 64, flags)
+    fused, unfused = OneBitMomentum(_params()), OneBitMomentum(_params())
+    d = _data(n, 3, False)
+    for mom in (fused, unfused):
+        mom.m[key] = d["m"].copy()
+    a, b = Compressor(codec, n), Compressor(codec, n)
+    for step, scale in enumerate((1.0, 0.5, 1.0)):
+        g = d["g"] * F(step + 1)
+        got = bytes(fused.encode(key, g, a, scale))
+        want = bytes(b.encode(unfused.momentum(key, g, scale)))
+        assert got == want
+        _same(a.residual, b.residual)
+
+
+def test_policy_direction_encode_equals_direction_through_the_compressor():
+    n, key = 777, 5
+    codec = Codec(pb.CODEC_SIGN1, 64, 0)
+    fused, unfused = WorkerMoments(_params()), WorkerMoments(_params())
+    a, b = Compressor(codec, n), Compressor(codec, n)
+    d = _data(n, 4, False)
+    for step, scale in enumerate((1.0, 0.5, 1.0, 1.0)):
+        g = d["g"] * F(step + 1)
+        assert bytes(fused.encode(key, g, a, scale)) == bytes(b.encode(
+            unfused.direction(key, g, scale)))
+        _same(a.residual, b.residual)
+    assert fused.steps == unfused.steps
+    _same(fused.m[key], unfused.m[key])
+    _same(fused.v[key], unfused.v[key])
+
+
+# -- half precision ------------------------------------------------------------------------------
+
+def _halves_ref(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """numpy's float16 of ``u`` (bits) and ``u - float32(half)``."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        h = u.astype(np.float16)
+        return h.view(np.uint16), u - h.astype(F)
+
+
+def _hard_values() -> np.ndarray:
+    """Every rounding region of binary16: zeros, subnormal and normal ties, the largest finite
+    half and the overflow edge, the underflow edge, Inf, and a sweep of float32 bit patterns."""
+    edges = np.array([0.0, -0.0, 1.0, -1.0, 65504.0, 65519.996, 65520.0, 65536.0, -65520.0,
+                      6.1035156e-05, 6.097555e-05, 5.9604645e-08, 2.9802322e-08,
+                      2.9802326e-08, 8.940697e-08, 1e-45, 3e-38, 1.0009766, 1.0004883,
+                      1.0014648, np.inf, -np.inf], F)
+    sweep = np.arange(0, 1 << 32, 65_537, dtype=np.uint64).astype(np.uint32).view(F)
+    return np.concatenate([edges, sweep[np.isfinite(sweep)]])
+
+
+def test_fp16_cast_rounds_every_region_as_numpy_does():
+    x = _hard_values()
+    out = np.empty(x.size, np.uint16)
+    casts.fp16_encode(x, None, out)
+    _same(out, _halves_ref(x)[0])
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("scale", (1.0, 0.37))
+@pytest.mark.parametrize("special", (False, True))
+def test_fp16_error_feedback_equals_numpy(n, scale, special):
+    d = _data(n, 5, special)
+    x = np.resize(_hard_values(), n) if n else np.empty(0, F)
+    g = (d["g"] * F(1e4) + x * F(1e-3)).astype(F)
+    r = d["r"].copy()
+    out = np.empty(n, np.uint16)
+    casts.fp16_encode(g, r, out, scale=scale)
+    u = (g * F(scale) if scale != 1.0 else g) + d["r"]
+    bits, residual = _halves_ref(u)
+    _same(out, bits)
+    _same(r, residual)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("scale", (1.0, 0.37))
+def test_bf16_blocked_error_feedback_equals_the_reference(n, scale):
+    d = _data(n, 6, True)
+    r = d["r"].copy()
+    out = np.empty(n, np.uint16)
+    casts.bf16_encode(d["g"], r, out, scale=scale)
+    with np.errstate(invalid="ignore"):
+        u = d["g"] * F(scale) + d["r"]
+    want = casts.bf16_reference(u)
+    _same(out, want)
+    with np.errstate(invalid="ignore"):
+        _same(r, u - (want.astype(np.uint32) << 16).view(F))
