@@ -20,6 +20,8 @@ __version__ = "0.2.0"
 _EXPORTS = {
     "PSClient": "bitps.worker.transport.client",
     "PSModel": "bitps.worker.training.model",
+    "Optimizer": "bitps.worker.training.optimizer",
+    "connect": "bitps.worker.integrations.environment",
     "ClientConfig": "bitps.worker.config",
     "EncoderConfig": "bitps.worker.config",
     "Encoder": "bitps.worker.training.encoder",

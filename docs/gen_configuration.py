@@ -27,6 +27,7 @@ from bitps.bench.__main__ import build_parser as bench_parser
 from bitps.proto import settings
 from bitps.ps.__main__ import PROGRAM as SERVER
 from bitps.worker.__main__ import program as worker_program
+from bitps.worker.integrations.environment import program as connect_program
 from bitps.worker.launch.launcher import build_parser as launch_parser
 from bitps.worker.launch.status import PROGRAM as STATUS
 from bitps.worker.pipeline.settings import program as stage_program
@@ -140,6 +141,7 @@ Under `bitps-launch`, `--server-arg=--config=FILE` gives every shard a file, and
 only; `bitps-status` (the hang doctor, [status.md](status.md)) reads its few settings as the
 shard and the worker do, and shares the worker's `BITPS_SERVERS` and `BITPS_TOKEN`.
 """, server.markdown(), worker.markdown(), stage_program().markdown(), STATUS.markdown(),
+        connect_program().markdown(),
         settings.parser_markdown(launch_parser(), description=(
         "A local cluster: shards first, then workers, with progress and teardown. Everything "
         "after `--` goes to every `bitps-worker` (with `--script FILE`, to every rank's run of "

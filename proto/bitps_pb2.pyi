@@ -57,6 +57,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TOO_LARGE: _ClassVar[ErrorCode]
     LIMIT: _ClassVar[ErrorCode]
     SHUTTING_DOWN: _ClassVar[ErrorCode]
+    BAD_HYPERPARAMETERS: _ClassVar[ErrorCode]
 PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
 PROTOCOL_VERSION_CURRENT: ProtocolVersion
 OP_UNSPECIFIED: Op
@@ -91,6 +92,7 @@ UNAUTHENTICATED: ErrorCode
 TOO_LARGE: ErrorCode
 LIMIT: ErrorCode
 SHUTTING_DOWN: ErrorCode
+BAD_HYPERPARAMETERS: ErrorCode
 
 class KeySpec(_message.Message):
     __slots__ = ("key", "name", "offset", "length", "dtype", "compressed_pull", "shape")
@@ -357,7 +359,7 @@ class LeaveReply(_message.Message):
     def __init__(self) -> None: ...
 
 class DataHeader(_message.Message):
-    __slots__ = ("op", "protocol", "worker", "request_id", "clock", "keys", "versions", "dtype", "codec", "error", "message", "deadline_s", "token", "min_clock", "codec_chunk", "codec_flags", "frame_codecs", "pad", "incarnation")
+    __slots__ = ("op", "protocol", "worker", "request_id", "clock", "keys", "versions", "dtype", "codec", "error", "message", "deadline_s", "token", "min_clock", "codec_chunk", "codec_flags", "frame_codecs", "pad", "incarnation", "lr", "weight_decay")
     OP_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
@@ -377,6 +379,8 @@ class DataHeader(_message.Message):
     FRAME_CODECS_FIELD_NUMBER: _ClassVar[int]
     PAD_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
     op: Op
     protocol: int
     worker: int
@@ -396,4 +400,6 @@ class DataHeader(_message.Message):
     frame_codecs: _containers.RepeatedScalarFieldContainer[Codec]
     pad: bytes
     incarnation: int
-    def __init__(self, op: _Optional[_Union[Op, str]] = ..., protocol: _Optional[int] = ..., worker: _Optional[int] = ..., request_id: _Optional[int] = ..., clock: _Optional[int] = ..., keys: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., error: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., deadline_s: _Optional[float] = ..., token: _Optional[str] = ..., min_clock: _Optional[int] = ..., codec_chunk: _Optional[int] = ..., codec_flags: _Optional[int] = ..., frame_codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., pad: _Optional[bytes] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    lr: _containers.RepeatedScalarFieldContainer[float]
+    weight_decay: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, op: _Optional[_Union[Op, str]] = ..., protocol: _Optional[int] = ..., worker: _Optional[int] = ..., request_id: _Optional[int] = ..., clock: _Optional[int] = ..., keys: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., error: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., deadline_s: _Optional[float] = ..., token: _Optional[str] = ..., min_clock: _Optional[int] = ..., codec_chunk: _Optional[int] = ..., codec_flags: _Optional[int] = ..., frame_codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., pad: _Optional[bytes] = ..., incarnation: _Optional[int] = ..., lr: _Optional[_Iterable[float]] = ..., weight_decay: _Optional[_Iterable[float]] = ...) -> None: ...

@@ -16,12 +16,12 @@ import numpy as np
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import Codec
 from bitps.proto.wire import PROTOCOL, PSError
-from bitps.ps.config import ServerConfig
+from bitps.ps.config import RULES, ServerConfig
 from bitps.ps.store import Slot
 from bitps.ps.threads import KeyPool
 
-__all__ = ["MAX_CLOCK", "OPS", "check_clock", "decode_push", "request_slots", "token_ok",
-           "validate"]
+__all__ = ["MAX_CLOCK", "OPS", "check_clock", "check_hyperparameters", "decode_push",
+           "request_slots", "token_ok", "validate"]
 
 OPS = {pb.PUSH: "push", pb.PULL: "pull", pb.PUSH_PULL: "push_pull"}
 MAX_CLOCK = (1 << 63) - 1
@@ -124,6 +124,8 @@ def decode_push(cfg: ServerConfig, header: pb.DataHeader, payload: list,
     codec = Codec.from_header(header)
     if header.versions and len(header.versions) != len(slots):
         raise PSError(pb.BAD_HEADER, f"{len(header.versions)} versions for {len(slots)} keys")
+    if header.lr or header.weight_decay:
+        check_hyperparameters(cfg, header, len(slots))
     for slot, frame in zip(slots, payload):
         n = frame.nbytes if isinstance(frame, memoryview) else len(frame)
         if n > cfg.max_frame_bytes:
@@ -154,6 +156,25 @@ def decode_push(cfg: ServerConfig, header: pb.DataHeader, payload: list,
             raise PSError(pb.NON_FINITE, f"key {slot.spec.key}: gradient holds NaN or Inf"
                           + ("" if codec.is_raw else f" (decoded from {codec.name})"))
     return grads, codec
+
+
+def check_hyperparameters(cfg: ServerConfig, header: pb.DataHeader, n: int) -> None:
+    """A push's own learning rate and weight decay (``DataHeader.lr``, ``weight_decay``): one
+    of each per key, finite, lr > 0 and weight decay >= 0, for a rule that takes them
+    (``UpdateRule.takes_hyperparameters``); else ``BAD_HYPERPARAMETERS``."""
+    lrs, wds = header.lr, header.weight_decay
+    if len(lrs) != n or len(wds) != n:
+        raise PSError(pb.BAD_HYPERPARAMETERS, f"{len(lrs)} lr and {len(wds)} weight_decay "
+                      f"values for {n} keys; expected {n} of each (or none)")
+    rule = RULES.lookup(cfg.optimizer.name)
+    if not rule.takes_hyperparameters:
+        raise PSError(pb.BAD_HYPERPARAMETERS, f"the push carries its own lr and weight decay; "
+                      f"shard {cfg.shard_id}'s update rule {cfg.optimizer.name} takes none "
+                      f"(its learning rate is --lr with the shard's schedule)")
+    for key, lr, wd in zip(header.keys, lrs, wds):
+        if not (math.isfinite(lr) and lr > 0 and math.isfinite(wd) and wd >= 0):
+            raise PSError(pb.BAD_HYPERPARAMETERS, f"key {key}: lr {lr}, weight_decay {wd}; "
+                          f"expected a finite lr > 0 and a finite weight_decay >= 0")
 
 
 def _op_name(op: int) -> str:

@@ -49,8 +49,8 @@ if TYPE_CHECKING:
     from bitps.ps.threads import KeyPool
     from bitps.ps.updates import Updates
 
-__all__ = ["CONSISTENCY", "SSP", "Async", "Consistency", "Core", "Sync", "key_pushers",
-           "make_consistency", "register"]
+__all__ = ["CONSISTENCY", "SSP", "Async", "Consistency", "Core", "Sync", "hyperparameters",
+           "key_pushers", "make_consistency", "register"]
 
 
 class Core(Protocol):
@@ -78,6 +78,16 @@ def key_pushers(clocks: ClockTable, slots: Sequence[Slot],
 def _pushers(core: Core, slot: Slot, live: list[int]) -> list[int]:
     """``slot``'s live pushers; ``live`` itself when no plan is partial."""
     return core.clocks.key_pushers((slot,), live) if core.partial else live
+
+
+def hyperparameters(header: pb.DataHeader, i: int) -> tuple[float, float] | None:
+    """The ``(lr, weight_decay)`` a push carries for its ``i``-th key (``DataHeader.lr``,
+    checked by ``ps.checks``), or ``None``: the shard's own."""
+    return (header.lr[i], header.weight_decay[i]) if header.lr else None
+
+
+def _shown(hyper: tuple[float, float] | None) -> str:
+    return "the shard's (none sent)" if hyper is None else f"({hyper[0]!r}, {hyper[1]!r})"
 
 
 def depends_on(clocks: ClockTable, slot: Slot, ranks: Collection[int] | None) -> bool:
@@ -201,22 +211,32 @@ class Sync(Consistency):
         return world_size > 1
 
     def check_push(self, header, slots):
-        for slot in slots:
+        for i, slot in enumerate(slots):
             if header.clock != slot.version or header.worker in slot.pushed:
                 raise PSError(pb.BAD_CLOCK, f"key {slot.spec.key}: sync push from worker "
                               f"{header.worker} at clock {header.clock}; the shard is "
                               f"aggregating clock {slot.version}"
                               + (" and already has this worker's push"
                                  if header.worker in slot.pushed else ""))
+            # one step, one learning rate: ranks whose schedules disagree are refused
+            mine = hyperparameters(header, i)
+            if slot.pushed and slot.step_hyper != mine:
+                raise PSError(pb.BAD_HYPERPARAMETERS, f"key {slot.spec.key}: sync push from "
+                              f"worker {header.worker} at clock {header.clock} with (lr, "
+                              f"weight_decay) {_shown(mine)}; workers "
+                              f"{sorted(slot.pushed)} pushed this step with "
+                              f"{_shown(slot.step_hyper)}")
 
     def push(self, core, header, slots, grads, live, min_clock):
-        def one(item):  # one key: touches only its slot (ps.threads)
-            slot, grad = item
+        def one(i):  # one key: touches only its slot (ps.threads)
+            slot, grad = slots[i], grads[i]
+            if not slot.pushed:
+                slot.step_hyper = hyperparameters(header, i)
             pushers = _pushers(core, slot, live)
             slot.accumulate(header.worker, grad, pushers)
             core.updates.aggregate(slot, pushers)
 
-        core.key_pool.map(one, list(zip(slots, grads)), sum(s.nbytes for s in slots))
+        core.key_pool.map(one, range(len(slots)), sum(s.nbytes for s in slots))
 
     def membership_changed(self, core, live, ranks=None):
         clocks = core.clocks
@@ -250,21 +270,25 @@ class Async(Consistency):
         def one(i):  # one key: touches only its slot, its compensation state (ps.threads)
             slot, grad = slots[i], grads[i]
             vgap = slot.version - header.versions[i] if header.versions else 0
-            lr_scale = self.lr_scale(header.clock, len(_pushers(core, slot, live)), vgap)
+            hyper = hyperparameters(header, i)
+            lr_scale = self.lr_scale(header.clock, len(_pushers(core, slot, live)), vgap,
+                                     lr=None if hyper is None else hyper[0])
             grad = self.compensation.gradient(slot, grad, header.worker)
             core.updates.on_arrival(slot, grad, header.clock, lr_scale,
-                                    clock_gap=header.clock - min_clock, version_gap=vgap)
+                                    clock_gap=header.clock - min_clock, version_gap=vgap,
+                                    weight_decay=None if hyper is None else hyper[1])
 
         core.key_pool.map(one, range(len(slots)), sum(s.nbytes for s in slots))
 
-    def lr_scale(self, clock: int, pushers: int, version_gap: int) -> float:
+    def lr_scale(self, clock: int, pushers: int, version_gap: int, *,
+                 lr: float | None = None) -> float:
         """The learning-rate scale of one push of step ``clock`` of a key with ``pushers``
         live pushers, ``version_gap`` updates after the version it was computed on: the
-        schedule's factor, split over the pushers (``ServerConfig.split_lr``: a clock's pushes
-        of a key share one step's learning rate), times the compensation's factor
-        (``ServerConfig.compensation``)."""
+        schedule's factor (or the push's own ``lr`` over the configured one), split over the
+        pushers (``ServerConfig.split_lr``: a clock's pushes of a key share one step's
+        learning rate), times the compensation's factor (``ServerConfig.compensation``)."""
         cfg = self.cfg
-        scale = cfg.optimizer.schedule.factor(clock)
+        scale = cfg.optimizer.schedule.factor(clock) if lr is None else lr / cfg.optimizer.lr
         if cfg.split_lr:
             scale *= 1.0 / max(pushers, 1)
         return scale * self.compensation.lr_scale(version_gap=version_gap, pushers=pushers)

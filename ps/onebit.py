@@ -305,6 +305,7 @@ class OneBitAdam(AdamW):
 
     name = "onebit_adam"
     config, settings = OneBitConfig, SETTINGS
+    takes_hyperparameters = False  # sync workers apply the shard's lr x schedule themselves
 
     def __init__(self, cfg, server=None):
         super().__init__(cfg, server)

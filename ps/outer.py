@@ -55,6 +55,7 @@ class Nesterov(UpdateRule):
     """SGD with Nesterov momentum, for pseudo-gradients (see the module docstring)."""
 
     name, buffers, state_names = "nesterov", 1, ("momentum_buffer",)
+    takes_hyperparameters = False  # the outer learning rate is not the inner optimizer's
 
     @classmethod
     def create(cls, cfg: OptimizerConfig, server: ServerConfig | None = None) -> UpdateRule:
@@ -70,7 +71,7 @@ class Nesterov(UpdateRule):
                              f"momentum < 1")
         return cls(cfg, server)
 
-    def _step(self, param, grad, state, scale, lr, lr_scale):
+    def _step(self, param, grad, state, scale, lr, lr_scale, wd):
         native.momentum_step(param, grad, state.buf1, scale, lr, self._momentum,
                              self._keep, self._wd, True, state.step == 1)
 
@@ -118,10 +119,10 @@ class DelayedNesterov(Nesterov):
     def arrived(self, slot, clock):
         self._arrival = self._delay or max(len(slot.pushers), 1)
 
-    def _step(self, param, grad, state, scale, lr, lr_scale):
+    def _step(self, param, grad, state, scale, lr, lr_scale, wd):
         n, self._arrival = self._arrival, None
         if n is None:  # sync: a step's mean is one arrival of N = 1, which is Nesterov
-            return super()._step(param, grad, state, scale, lr, lr_scale)
+            return super()._step(param, grad, state, scale, lr, lr_scale, wd)
         native.delayed_nesterov_step(param, grad, state.buf1, state.buf2, scale, lr,
                                      self._momentum, np.float32(1.0 / n),
                                      np.float32(n * self.cfg.momentum), state.step % n == 0)

@@ -135,6 +135,12 @@ class UpdateRule:
     """The rule's own config section (``OptimizerConfig.rule_config``); ``None``: none."""
     settings: ClassVar[Sequence[Setting]] = ()
     """``bitps-server``'s flags for :attr:`config`'s fields (``proto.settings.from_field``)."""
+    takes_hyperparameters: ClassVar[bool] = True
+    """Whether a push may carry its own lr and weight decay per key (``DataHeader.lr``,
+    ``weight_decay``: ``bitps.Optimizer``'s param groups), which :meth:`update` then applies
+    in place of ``cfg.lr`` x schedule and ``cfg.weight_decay``. A rule whose learning rate
+    is not the config's alone (1-bit Adam's workers apply it too, local SGD's outer rule is
+    another optimizer's) says ``False``, and shards refuse such pushes."""
 
     def __init__(self, cfg: OptimizerConfig, server: ServerConfig | None = None) -> None:
         self.cfg = cfg
@@ -161,10 +167,11 @@ class UpdateRule:
 
     def apply(self, param: np.ndarray, grad: np.ndarray, state: KeyState, *,
               grad_scale: float = 1.0, lr_scale: float = 1.0,
-              dst: np.ndarray | None = None) -> None:
+              weight_decay: float | None = None, dst: np.ndarray | None = None) -> None:
         """One optimizer step with gradient ``grad * grad_scale``; the new parameters go to
         ``dst`` (default: ``param``, in place). ``lr_scale`` scales the learning rate (the
-        schedule, the split over workers, staleness damping)."""
+        schedule or a push's own lr, the split over workers, staleness damping);
+        ``weight_decay``: a push's own (``DataHeader.weight_decay``), else the config's."""
         if dst is not None:
             if dst.shape != param.shape:
                 raise ValueError(f"dst has shape {dst.shape}; expected {param.shape}")
@@ -172,11 +179,15 @@ class UpdateRule:
             np.copyto(dst, param)
             param = dst
         lr = self._lr if lr_scale == 1.0 else np.float32(self.cfg.lr * lr_scale)
+        wd = self.cfg.weight_decay if weight_decay is None else float(weight_decay)
         state.step += 1
-        self._step(param, grad, state, np.float32(grad_scale), lr, lr_scale)
+        self._step(param, grad, state, np.float32(grad_scale), lr, lr_scale, wd)
 
     def _step(self, param: np.ndarray, grad: np.ndarray, state: KeyState, scale: np.float32,
-              lr: np.float32, lr_scale: float) -> None:
+              lr: np.float32, lr_scale: float, wd: float) -> None:
+        """The arithmetic of one step, in place on ``param``: ``lr`` is the float32 learning
+        rate (``cfg.lr * lr_scale``), ``wd`` the weight decay as a double (torch takes its
+        complements in float64 before the cast)."""
         raise NotImplementedError
 
     # -- a key on a shard ---------------------------------------------------------------------
@@ -186,19 +197,21 @@ class UpdateRule:
         slot.rule_state = self.new_state(slot.length)
 
     def update(self, slot: Slot, grad: np.ndarray, *, clock: int, grad_scale: float = 1.0,
-               lr_scale: float = 1.0) -> None:
+               lr_scale: float = 1.0, weight_decay: float | None = None) -> None:
         """One update of ``slot`` from a push (sync: the sum of a step's pushes, with
         ``grad_scale`` 1/W) computed by a worker at ``clock``: in place unless the current
         parameters are being sent; through the key's publisher when its pulls are compressed;
-        recording the update for lookahead pulls."""
+        recording the update for lookahead pulls. ``weight_decay``: the push's own (only for
+        a rule that :attr:`takes_hyperparameters`), else the config's."""
         if slot.publisher is not None:
             # the version number seeds sparse's sampling: every update draws afresh
             return publish_update(slot, lambda dst: self.apply(
                 slot.param, grad, slot.rule_state, grad_scale=grad_scale, lr_scale=lr_scale,
-                dst=dst), seed=(slot.spec.key << 32) + slot.version)
+                weight_decay=weight_decay, dst=dst), seed=(slot.spec.key << 32) + slot.version)
         target = slot.writable()
         slot.before_update(target)
-        self.apply(target, grad, slot.rule_state, grad_scale=grad_scale, lr_scale=lr_scale)
+        self.apply(target, grad, slot.rule_state, grad_scale=grad_scale, lr_scale=lr_scale,
+                   weight_decay=weight_decay)
         slot.version += 1
 
     def arrived(self, slot: Slot, clock: int) -> None:
@@ -263,17 +276,17 @@ register = RULES.register
 class SGD(UpdateRule):
     name = "sgd"
 
-    def _step(self, param, grad, state, scale, lr, lr_scale):
-        native.sgd_step(param, grad, scale, lr, self._wd)
+    def _step(self, param, grad, state, scale, lr, lr_scale, wd):
+        native.sgd_step(param, grad, scale, lr, np.float32(wd))
 
 
 @register
 class Momentum(UpdateRule):
     name, buffers, state_names = "momentum", 1, ("momentum_buffer",)
 
-    def _step(self, param, grad, state, scale, lr, lr_scale):
+    def _step(self, param, grad, state, scale, lr, lr_scale, wd):
         native.momentum_step(param, grad, state.buf1, scale, lr, self._momentum,
-                             self._keep, self._wd, self.cfg.nesterov, state.step == 1)
+                             self._keep, np.float32(wd), self.cfg.nesterov, state.step == 1)
 
 
 @register
@@ -283,7 +296,7 @@ class Adam(UpdateRule):
     name, buffers, state_names = "adam", 2, ("exp_avg", "exp_avg_sq")
     decoupled: ClassVar[bool] = False
 
-    def _step(self, param, grad, state, scale, lr, lr_scale):
+    def _step(self, param, grad, state, scale, lr, lr_scale, wd):
         cfg, f32 = self.cfg, np.float32
         # torch computes the bias corrections in float64 Python scalars, then casts.
         t = state.step
@@ -291,8 +304,8 @@ class Adam(UpdateRule):
         bc2_sqrt = (1 - cfg.beta2**t) ** 0.5
         native.adam_step(param, grad, state.buf1, state.buf2, scale,
                          self._one_minus_beta1, self._beta2, self._one_minus_beta2,
-                         self._eps, self._wd, self.decoupled,
-                         f32(1 - cfg.lr * lr_scale * cfg.weight_decay), f32(neg_step_size),
+                         self._eps, f32(wd), self.decoupled,
+                         f32(1 - cfg.lr * lr_scale * wd), f32(neg_step_size),
                          f32(bc2_sqrt))
 
 

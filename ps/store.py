@@ -82,6 +82,11 @@ class Slot:
     """Sync mode: pushes waiting for a lower live rank's before they are added."""
     folded: int = 0
     """Sync mode: pushes added to ``acc`` so far this step."""
+    step_hyper: tuple[float, float] | None = None
+    """Sync mode: the current step's own ``(lr, weight_decay)``, from its first push that
+    carried them (``DataHeader.lr``; every push of a step must agree); ``None``: the shard's.
+    Not checkpointed: a step restored with some pushes in gets it again from the next push,
+    which must carry the same."""
     spare: list[Buffer] = field(default_factory=list)
     publisher: Publisher | None = None
     """The codes pull replies carry (``ps.publish``): set for keys whose pulls are compressed,
@@ -257,6 +262,7 @@ class Slot:
         self.pushed.clear()
         self.folded = 0
         self.first = None
+        self.step_hyper = None
 
     def decode_buffer(self) -> np.ndarray:
         """A float32 scratch array of the key's length for decoding a compressed push."""

@@ -38,12 +38,18 @@ class Updates:
         """Updates made since the shard started (or as its checkpoint had it)."""
 
     def on_arrival(self, slot: Slot, grad: np.ndarray, clock: int, lr_scale: float, *,
-                   clock_gap: int, version_gap: int) -> None:
-        """Apply one push of step ``clock`` at ``lr_scale`` times the learning rate; the gaps
-        (the push's clock ahead of the slowest live worker, the key's version ahead of the one
-        the gradient was computed on) are its staleness, for the metrics."""
+                   clock_gap: int, version_gap: int,
+                   weight_decay: float | None = None) -> None:
+        """Apply one push of step ``clock`` at ``lr_scale`` times the learning rate (and the
+        push's own ``weight_decay``, if it has one); the gaps (the push's clock ahead of the
+        slowest live worker, the key's version ahead of the one the gradient was computed on)
+        are its staleness, for the metrics."""
         self.rule.arrived(slot, clock)
-        self.rule.update(slot, grad, clock=clock, lr_scale=lr_scale)
+        if weight_decay is None:
+            self.rule.update(slot, grad, clock=clock, lr_scale=lr_scale)
+        else:  # only rules that take them get here (ps.checks)
+            self.rule.update(slot, grad, clock=clock, lr_scale=lr_scale,
+                             weight_decay=weight_decay)
         self._count(clock_gap, version_gap)
 
     def aggregate(self, slot: Slot, live: list[int]) -> bool:
@@ -52,9 +58,14 @@ class Updates:
         if not slot.pushed or not slot.pushed.issuperset(live):
             return False
         grad, n = slot.step_sum()
-        # the step being applied is clock slot.version
-        self.rule.update(slot, grad, clock=slot.version, grad_scale=1.0 / n,
-                         lr_scale=self.cfg.optimizer.schedule.factor(slot.version))
+        # the step being applied is clock slot.version; its pushes' own lr, or the schedule's
+        opt, hyper = self.cfg.optimizer, slot.step_hyper
+        if hyper is None:
+            self.rule.update(slot, grad, clock=slot.version, grad_scale=1.0 / n,
+                             lr_scale=opt.schedule.factor(slot.version))
+        else:  # only rules that take them get here (ps.checks)
+            self.rule.update(slot, grad, clock=slot.version, grad_scale=1.0 / n,
+                             lr_scale=hyper[0] / opt.lr, weight_decay=hyper[1])
         slot.end_step()
         self._count(0, 0)
         self.rule.aggregated(slot)

@@ -210,6 +210,8 @@ WORKER_ALLOWED = {
     "memory": _BASE,
     "training": {"transport", "memory", "push_policy"} | _BASE,
     "algorithms": {"transport", "training", "push_policy"} | _BASE,
+    # the loops people already have (Trainer, Lightning): on top of the training layer
+    "integrations": {"transport", "training"} | _BASE,
     "pipeline": {"transport", "training", "algorithms", "memory", "demo"} | _BASE,
     "launch": {"transport", "training", "algorithms", "memory", "pipeline", "demo"} | _BASE,
     "__main__": {"transport", "training", "algorithms", "memory", "pipeline", "launch",

@@ -130,8 +130,8 @@ def test_a_rule_registered_from_outside_is_selectable_by_config_and_flag():
     class HalfSGD(SGD):
         name = "half_sgd"
 
-        def _step(self, param, grad, state, scale, lr, lr_scale):
-            super()._step(param, grad, state, np.float32(scale * 0.5), lr, lr_scale)
+        def _step(self, param, grad, state, scale, lr, lr_scale, wd):
+            super()._step(param, grad, state, np.float32(scale * 0.5), lr, lr_scale, wd)
 
     try:
         cfg, _ = server_cli.parse_config(["--optimizer", "half_sgd", "--lr", "1"], environ={})

@@ -164,6 +164,18 @@ BAD = {
                       ["twice"]),
     "versions_count": (dict(op=pb.PUSH, keys=[0, 1], grads=[_G0, _G1], versions=[1]),
                        pb.BAD_HEADER, ["1 versions for 2 keys"]),
+    # A push's own learning rate and weight decay (bitps.Optimizer's param groups).
+    "hyper_count": (dict(op=pb.PUSH, keys=[0, 1], grads=[_G0, _G1], lr=[0.1],
+                         weight_decay=[0.0, 0.0]), pb.BAD_HYPERPARAMETERS,
+                    ["1 lr and 2 weight_decay values for 2 keys"]),
+    "hyper_lr_nan": (dict(op=pb.PUSH, keys=[0, 1], grads=[_G0, _G1], lr=[0.1, float("nan")],
+                          weight_decay=[0.0, 0.0]), pb.BAD_HYPERPARAMETERS,
+                     ["key 1: lr nan", "finite lr > 0"]),
+    "hyper_lr_zero": (dict(op=pb.PUSH, keys=[0], grads=[_G0], lr=[0.0], weight_decay=[0.0]),
+                      pb.BAD_HYPERPARAMETERS, ["key 0: lr 0.0"]),
+    "hyper_wd_negative": (dict(op=pb.PUSH_PULL, keys=[2], grads=[_G2], lr=[0.1],
+                               weight_decay=[-0.5]), pb.BAD_HYPERPARAMETERS,
+                          ["weight_decay -0.5", ">= 0"]),
     # Multi-key requests whose last key is bad change none of the keys.
     "last_key_inf": (dict(op=pb.PUSH, keys=[0, 1, 2], grads=[_G0, _G1, _INF2]), pb.NON_FINITE,
                      ["key 2"]),

@@ -95,7 +95,7 @@ class CountedSGD(UpdateRule):
     def new_state(self, length: int) -> CountedState:
         return CountedState(velocity=np.zeros(length, np.float32))
 
-    def _step(self, param, grad, state, scale, lr, lr_scale):
+    def _step(self, param, grad, state, scale, lr, lr_scale, wd):
         g = grad * scale
         state.velocity *= self._decay
         state.velocity += g

@@ -20,5 +20,5 @@ class HalfAsync(Async):
 
     name = "half_async"
 
-    def lr_scale(self, clock, pushers, version_gap):
-        return super().lr_scale(clock, pushers, version_gap) * LR_FACTOR
+    def lr_scale(self, clock, pushers, version_gap, *, lr=None):
+        return super().lr_scale(clock, pushers, version_gap, lr=lr) * LR_FACTOR

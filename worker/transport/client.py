@@ -4,19 +4,18 @@
 :class:`~bitps.worker.transport.channel.Handle`; ``Handle.wait()`` blocks until every shard
 involved has answered, with a deadline. Each submitting thread sends on its own channel
 (``worker.transport.channels``), so no thread hand-off sits on the latency path. The control
-plane is :attr:`PSClient.control` (``worker.transport.control``).
+plane is :attr:`PSClient.control` (``worker.transport.control``)::
 
     client = PSClient(ClientConfig(servers=("127.0.0.1:50051",), rank=0, world_size=1))
     client.register(plan, values)                       # rank 0 sends initial values
     client.push_pull(keys, grads, outs, clock=0).wait()  # float32 gradients, as they are
     client.close()
 
-What a push carries is decided above the transport: float32 arrays go as they are, an
-:class:`~bitps.worker.transport.messages.Encoded` push (``worker.training.encoder``) carries each
-key's payload in its codec, which the client names in the header; published codes in pull
-replies are added through :attr:`PSClient.codes`. Payloads go out zero-copy: they must stay
-unchanged until the handle completes (it keeps them alive); pulled values are copied from the
-received frame into the caller's ``outs``.
+What a push carries is decided above the transport: float32 arrays as they are, or an
+:class:`~bitps.worker.transport.messages.Encoded` push (``worker.training.encoder``), each
+key's payload in the codec the header names; codes in pull replies are added through
+:attr:`PSClient.codes`. Payloads go out zero-copy: unchanged until the handle completes (it
+keeps them alive); pulled values are copied from the received frame into ``outs``.
 """
 
 from __future__ import annotations
@@ -69,8 +68,8 @@ class PSClient:
         """Register, Heartbeat, Status, Leave, rule state (``worker.transport.control``)."""
         self.on_slow_wait: Callable[[int, float], object] | None = None
         """Called by ``Handle.wait`` as ``on_slow_wait(shard, waited_s)`` once per shard still
-        owing an answer at half the wait's limit (``bitps-worker`` logs the shard's Status). It
-        runs on the waiting thread: it must return quickly; what it raises is logged."""
+        owing an answer at half the wait's limit (``bitps-worker`` logs the shard's Status), on
+        the waiting thread: it must return quickly; what it raises is logged."""
         self.plan: KeyPlan | None = None
         self._registration = Registration()
         self.versions: dict[int, int] = {}
@@ -79,12 +78,14 @@ class PSClient:
         """This worker's step: heartbeats carry it (its trainer sets it)."""
         self.holds_pulls = False
         """Set at registration: the shards may hold a pull until other workers push the same
-        keys (sync, more than one worker), so a pull must never hold back this worker's own
-        pushes (``worker.training.comm``)."""
+        keys (sync, W > 1): it must never hold back this worker's own pushes (``comm``)."""
         self.shift = [0] * self.num_shards
         """Per shard: what its clock is ahead of this worker's (negative: behind). Requests to
         shard ``s`` for step ``c`` carry clock ``c + shift[s]``; nonzero once a shard came back
         from a checkpoint older than this worker's clock (:meth:`recover`)."""
+        self.hyperparameters: Callable[[Sequence[int], int], tuple] | None = None
+        """``(keys, clock) -> (lrs, weight_decays)`` per push message: ``DataHeader.lr`` /
+        ``weight_decay`` (``bitps.Optimizer``'s groups; called on the pushing thread)."""
         self._ids = itertools.count(1)
         self.incarnation = secrets.randbits(63) | 1
         """Names this client's life on the wire: with the request id, it makes every push
@@ -228,6 +229,8 @@ class PSClient:
                 header.versions.extend(self.versions[k] for k in ks)
             if not codec.is_raw:
                 header.codec, header.codec_chunk, header.codec_flags = codec.wire_fields()
+            if arrays and self.hyperparameters is not None:
+                header.lr[:], header.weight_decay[:] = self.hyperparameters(ks, clock)
             payload = [arrays[i] for i in idx] if arrays else []
             nbytes = sum(self.plan.key(k).nbytes for k in ks) if arrays else 0
             requests.append(Request(shard, header.request_id, ks, header, payload,
