@@ -82,7 +82,7 @@ class _ClockCollector(Collector):
 
     def collect(self):
         snap = self.snapshot()
-        yield labeled_gauge("bitps_worker_clock_steps",
+        yield labeled_gauge("bitps_clock_steps",
                             "Steps completed, per worker, as this shard has seen", "worker",
                             snap.clocks)
         yield GaugeMetricFamily("bitps_min_clock_steps", "Smallest clock over live workers",

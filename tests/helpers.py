@@ -10,7 +10,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 
-__all__ = ["docs_generator", "one_key_core"]
+__all__ = ["docs_generator", "one_key_core", "promtool_problems"]
 
 
 def docs_generator():
@@ -90,3 +90,22 @@ def train_two_workers(servers, *, encoder, overlap: str = "off", steps: int = 12
         if isinstance(out.get(r), BaseException):
             raise out[r]
     return out
+
+
+def promtool_problems(text: str) -> list[str]:
+    """What ``promtool check metrics`` (Prometheus's own linter: exposition format, naming,
+    units) says about the exposition ``text``: one line per problem, none when clean. Skips the
+    test when promtool is not installed (``.ci/run`` installs Debian's prometheus, which has
+    it)."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian's prometheus package has it)")
+    out = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
+                         text=True, timeout=60)
+    problems = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
+    return problems or ([] if out.returncode == 0 else [f"promtool exited {out.returncode}"])

@@ -152,7 +152,7 @@ SHARD_METRICS = [
     "bitps_push_bytes_total", "bitps_pull_bytes_total", "bitps_push_latency_seconds_count",
     "bitps_pull_latency_seconds_count", "bitps_staleness_clock_gap_steps_count",
     "bitps_staleness_version_gap_updates_count", "bitps_updates_applied_total",
-    "bitps_requests_total", "bitps_worker_clock_steps", "bitps_min_clock_steps",
+    "bitps_requests_total", "bitps_clock_steps", "bitps_min_clock_steps",
 ]
 WORKER_METRICS = [
     "bitps_worker_push_bytes_total", "bitps_worker_pull_bytes_total",

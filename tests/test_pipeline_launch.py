@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bitps.worker.launch import launcher
 from bitps.worker.pipeline.settings import check_plan, parse_config
+from tests.helpers import promtool_problems
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -151,9 +152,13 @@ def test_stage_reads_torchruns_environment_and_the_table(tmp_path):
     assert cfg.parallel.replica_batch == 16
 
 
-def _metrics(port: int) -> dict[str, float]:
+def _text(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
+def _metrics(port: int, text: str | None = None) -> dict[str, float]:
     """Sample name (with its direction label, if any) -> value."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    text = _text(port) if text is None else text
     return {s.name + (f"/{s.labels['direction']}" if "direction" in s.labels else ""): s.value
             for f in text_string_to_metric_families(text) for s in f.samples}
 
@@ -172,6 +177,7 @@ def test_dp2_pp2_launch_trains_with_metrics_from_every_stage(tmp_path):
          "--", "--model", "mlp", "--steps", "150", "--log-every", "10"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     scraped: dict[int, dict] = {}
+    texts: dict[int, str] = {}
     try:
         end = time.monotonic() + 60
         while not (run_dir / "cluster.json").exists():
@@ -182,9 +188,10 @@ def test_dp2_pp2_launch_trains_with_metrics_from_every_stage(tmp_path):
         assert sorted(s["rank"] for s in stages) == [0, 1, 2, 3]
         while len(scraped) < 4 and time.monotonic() < end and proc.poll() is None:
             for s in stages:
-                m = _metrics(s["metrics_port"])
+                text = _text(s["metrics_port"])
+                m = _metrics(s["metrics_port"], text)
                 if m.get("bitps_stage_steps_total", 0) > 0:
-                    scraped[s["rank"]] = m
+                    scraped[s["rank"]], texts[s["rank"]] = m, text
             time.sleep(0.2)
         assert proc.wait(60) == 0, proc.stderr.read()
     finally:
@@ -213,6 +220,8 @@ def test_dp2_pp2_launch_trains_with_metrics_from_every_stage(tmp_path):
     assert starts[0]["costs"] is not None and len(starts[0]["costs"]) == 6
     assert [s["layers"] for s in starts[:2]] == [
         f"{a}-{b - 1}" for a, b in starts[0]["partition"]]
+    for rank, text in texts.items():  # Prometheus's own linter on each live stage's endpoint
+        assert promtool_problems(text) == [], rank
 
 
 def test_dp1_pp2_zbv_launch_trains_with_the_loss_on_stage_0(tmp_path):

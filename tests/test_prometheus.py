@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers import promtool_problems
 from tests.test_processes import _alive
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -253,6 +254,11 @@ def test_prometheus_scrapes_every_shard_and_worker(tmp_path):
                                f"last error {t.get('lastError')!r}")
         assert not missing, ("targets not scraped:\n  " + "\n  ".join(missing) + "\n"
                              + _tail(prom_log) + "\n" + _tail(run_dir / "worker-0.log"))
+
+        # Prometheus's own linter on every live endpoint (docs/metrics.md: names and units)
+        for address, (_, name) in sorted(process.items()):
+            with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
+                assert promtool_problems(reply.read().decode()) == [], name
 
         up = _api(base, "/api/v1/query", query="up")["result"]
         assert {r["metric"]["instance"]: r["value"][1] for r in up} == {t: "1" for t in process}
