@@ -1,7 +1,9 @@
 """Train your own model through bitps: a small MLP on synthetic data, one process per rank.
 
-The shards hold the parameters and run the optimizer; each worker rank runs this script. Let
-bitps-launch start both (shards first, then one copy of the script per rank):
+The shards hold the parameters and run the update rule (their ``--optimizer``); each worker
+rank runs this script, a plain torch loop whose optimizer is ``bitps.Optimizer`` (its lr rides
+with every push, so a torch ``lr_scheduler`` would drive it). Let bitps-launch start both
+(shards first, then one copy of the script per rank):
 
     bitps-launch --shards 2 --workers 2 --script examples/train.py -- --steps 200
 
@@ -11,7 +13,7 @@ or start the shards yourself (README, "Run a cluster by hand") and the ranks wit
         torchrun --standalone --nproc-per-node 2 examples/train.py --steps 200
 
 Rank and world size come from RANK and WORLD_SIZE (both launchers set them), the shards'
-gRPC addresses from --servers or BITPS_SERVERS. Every --log-every steps a rank prints
+gRPC addresses from --servers or BITPS_SERVERS (``bitps.connect`` reads them). Every --log-every steps a rank prints
 ``rank R step N loss X``; at the end ``rank R: first loss A, last loss B, drop D%``. The exit
 status is 1 if the drop is below --expect-loss-drop.
 """
@@ -25,7 +27,7 @@ import sys
 import torch
 from torch import nn
 
-from bitps import ClientConfig, PSClient, PSModel
+import bitps
 
 FEATURES, CLASSES = 16, 8
 
@@ -60,6 +62,7 @@ def parse_args() -> argparse.Namespace:
                         "(default: $BITPS_SERVERS)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--expect-loss-drop", type=float, default=0.0,
                    help="exit 1 unless the last loss is this fraction below the first (0 = off)")
@@ -74,31 +77,30 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     rank = int(os.environ.get("RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
 
     # One seed on every rank: the copies start equal, so no rank has to pull them first.
     torch.manual_seed(0)
     model = MLP()
     loss_fn = nn.CrossEntropyLoss()
 
-    # bitps: connect to the shards and bind the model's parameters to them.
-    client = PSClient(ClientConfig(servers=tuple(args.servers.split(",")), rank=rank,
-                                   world_size=world_size))
-    ps_model = PSModel(model, client)
+    # bitps: connect to the shards (RANK, WORLD_SIZE from the environment) and bind the
+    # model's parameters to them; the optimizer's step is the shards'.
+    optimizer = bitps.Optimizer(model, bitps.connect(servers=args.servers), lr=args.lr)
 
     losses = []
     try:
         data = batches(rank, args.batch_size)
         for step in range(args.steps):
             x, y = next(data)
+            optimizer.zero_grad()
             loss = loss_fn(model(x), y)
             loss.backward()
-            ps_model.step()  # push the gradients, pull the shards' new parameters
+            optimizer.step()  # push the gradients, pull the shards' new parameters
             losses.append(loss.item())
             if step % args.log_every == 0 or step == args.steps - 1:
                 print(f"rank {rank} step {step} loss {losses[-1]:.4f}", flush=True)
     finally:
-        ps_model.close()  # leave the shards, so that no peer waits for this rank
+        optimizer.close()  # leave the shards, so that no peer waits for this rank
 
     drop = 1 - losses[-1] / losses[0]
     print(f"rank {rank}: first loss {losses[0]:.4f}, last loss {losses[-1]:.4f}, "
