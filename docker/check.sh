@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Static checks of everything under docker/, for machines without a Docker engine or a cluster:
 # hadolint, `docker compose config`, the Compose schema, kustomize rendering, strict Kubernetes
-# schemas, yamllint, shellcheck of the inline start commands, and PromQL parsing of the dashboard.
+# schemas, yamllint, shellcheck of the inline start commands, PromQL parsing of the dashboard and,
+# where promtool is installed, `promtool check config` of prometheus.yml.
 # The linters go into a throwaway venv (not the project's); needs python3 and, for the
 # Kubernetes steps, kubectl.   Usage: bash docker/check.sh
 set -euo pipefail
@@ -28,11 +29,13 @@ echo "ok   compose schema"
   truthy: {check-keys: false}}}' .
 echo "ok   yamllint"
 
+# Every minor version from the minimum docker/README.md claims (1.27) to the newest
+# kubernetes-validate ships; tests/test_manifest_schemas.py does the same from pytest.
 kubectl kustomize k8s > "$OUT/k8s.yaml"
-for v in 1.27.0 1.32.0 1.37.0; do
-  "$T/kubernetes-validate" -k "$v" --strict --quiet "$OUT/k8s.yaml"
+for minor in $(seq 27 37); do
+  "$T/kubernetes-validate" -k "1.$minor.0" --strict --quiet "$OUT/k8s.yaml"
 done
-echo "ok   kubernetes schemas (1.27, 1.32, 1.37)"
+echo "ok   kubernetes schemas (every minor from 1.27 to 1.37)"
 
 # The /bin/sh start commands, as rendered; SC3028: HOSTNAME comes from the container runtime.
 "$T/python" - "$OUT" <<'EOF'
@@ -51,3 +54,12 @@ print(f"ok   dashboard: {len(exprs)} PromQL expressions parse")
 EOF
 "$T/shellcheck" -s sh -e SC3028 "$OUT"/*.sh
 echo "ok   shellcheck"
+
+# promtool is not on PyPI (Debian: apt-get install prometheus); the dashboard's queries through
+# `promtool check rules` are in tests/test_manifest_schemas.py.
+if command -v promtool >/dev/null 2>&1; then
+  promtool check config prometheus.yml >/dev/null
+  echo "ok   promtool check config prometheus.yml"
+else
+  echo "skip promtool check config (promtool not on PATH)"
+fi
