@@ -241,3 +241,93 @@ def test_sigterm_worker_leaves_every_shard_and_exits_zero():
         proc.wait()
         for s in shards:
             s.stop(0)
+
+
+def test_a_held_pull_answered_shutting_down_waits_for_the_restarted_shard(tmp_path):
+    """Issue 29: a graceful stop (SIGTERM, a Kubernetes rolling update) answers the pulls a
+    shard holds with ``SHUTTING_DOWN``. Rank 0's step-3 pull is held by shard 0 (sync: rank 1
+    has not pushed); shard 0 stops (final checkpoint) and comes back from it on the same ports.
+    Rank 0 waits it out like a lost shard, within ``reconnect_timeout_s``, and both ranks end
+    with the parameters of an uninterrupted run, bit for bit. Before, rank 0 raised
+    ``PSError: SHUTTING_DOWN``."""
+    steps, held_at = 6, 3
+
+    def shards_with(ckpt):
+        return [create_server(ServerConfig(
+            shard_id=i, num_shards=2, mode="sync", metrics_port=-1, heartbeat_timeout_s=30,
+            checkpoint_dir=str(ckpt / f"shard{i}") if ckpt else "",
+            optimizer=OptimizerConfig(name="momentum", lr=0.05, momentum=0.9)))
+            for i in range(2)]
+
+    def run(shards, before_step=None):
+        out, errors = {}, []
+        models = [_model(), _model()]
+
+        def rank(r):
+            try:
+                ps_model = PSModel(models[r], _client(shards, rank=r, world_size=2,
+                                                      deadline_s=10.0))
+                try:
+                    for step in range(steps):
+                        if before_step is not None:
+                            before_step(r, step)
+                        x, y = _batch(2 * step + r)
+                        torch.nn.functional.mse_loss(models[r](x), y).backward()
+                        ps_model.step()
+                    ps_model.synchronize()
+                finally:
+                    ps_model.close()
+                out[r] = [p.detach().clone() for p in models[r].parameters()]
+            except BaseException as err:  # noqa: BLE001 - the test looks at it
+                errors.append(err)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        return out, errors
+
+    shards = shards_with(tmp_path)
+    go = threading.Event()
+
+    def before_step(rank, step):
+        if rank == 1 and step == held_at:
+            go.wait(30)  # rank 0's pull of this step waits on the shards meanwhile
+
+    def operator():  # once rank 0's pull is held: SIGTERM's stop, then the restart
+        deadline = time.monotonic() + 20
+        while not len(shards[0].core.held) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        old = shards[0]
+        cfg = dataclasses.replace(old.cfg, grpc_port=old.ports["grpc_port"],
+                                  data_port=old.ports["data_port"])
+        held = len(old.core.held)
+        old.stop(0)  # held pulls get SHUTTING_DOWN, then the final checkpoint
+        time.sleep(DOWN_S)
+        shards[0] = create_server(cfg)  # restores the checkpoint before it serves
+        seen["held"] = held
+        go.set()
+
+    seen = {}
+    helper = threading.Thread(target=operator)
+    helper.start()
+    try:
+        got, errors = run(shards, before_step)
+    finally:
+        go.set()
+        helper.join(30)
+        for s in shards:
+            s.stop(0)
+    assert not errors, errors
+    assert seen["held"] >= 1
+    reference = shards_with(None)
+    try:
+        want, errors = run(reference)
+    finally:
+        for s in reference:
+            s.stop(0)
+    assert not errors, errors
+    for r in (0, 1):
+        for a, b in zip(got[r], want[r]):
+            assert torch.equal(a, b), float((a - b).abs().max())

@@ -51,10 +51,12 @@ __all__ = ["Encoded", "Handle", "PSClient", "PSTimeoutError", "RECOVERABLE", "Sh
 
 log = logging.getLogger(__name__)
 _F32 = np.dtype("<f4")
-RECOVERABLE = frozenset({pb.DEADLINE, pb.NOT_REGISTERED, pb.NOT_INITIALIZED, pb.BAD_CLOCK})
+RECOVERABLE = frozenset({pb.DEADLINE, pb.NOT_REGISTERED, pb.NOT_INITIALIZED, pb.BAD_CLOCK,
+                         pb.SHUTTING_DOWN})
 """Failures of one shard that :meth:`PSClient.complete` recovers from: no answer in time (it
 died, or the connection dropped), a shard that does not know this worker or is not initialized
-(it restarted), a clock it does not take (it restarted from an older checkpoint)."""
+(it restarted), a clock it does not take (it restarted from an older checkpoint), a shard
+stopping gracefully (SIGTERM: a rolling restart; it comes back from its final checkpoint)."""
 
 
 class PSClient:
