@@ -13,9 +13,9 @@ or start the shards yourself (README, "Run a cluster by hand") and the ranks wit
         torchrun --standalone --nproc-per-node 2 examples/train.py --steps 200
 
 Rank and world size come from RANK and WORLD_SIZE (both launchers set them), the shards'
-gRPC addresses from --servers or BITPS_SERVERS (``bitps.connect`` reads them). Every --log-every steps a rank prints
-``rank R step N loss X``; at the end ``rank R: first loss A, last loss B, drop D%``. The exit
-status is 1 if the drop is below --expect-loss-drop.
+gRPC addresses from --servers or BITPS_SERVERS (``bitps.connect`` reads them). Every
+--log-every steps a rank prints ``rank R step N loss X``; at the end ``rank R: first loss A,
+last loss B, drop D%``. The exit status is 1 if the drop is below --expect-loss-drop.
 """
 
 from __future__ import annotations
