@@ -401,7 +401,7 @@ class Checkpointer:
         ...                        # data loop thread: after each core.handle() / core.tick()
         ckpt.maybe_save()          # cheap when not due
         ...                        # SIGTERM: stop gRPC and the data loop (no more updates), then
-        ckpt.save_now()            # the final checkpoint, synchronously
+        ckpt.save_final()          # the final checkpoint, synchronously, unless nothing changed
         ckpt.close()
 
     Locking: a save copies the state under ``core.lock`` (the RLock the data loop holds in
@@ -425,6 +425,8 @@ class Checkpointer:
         self.error: BaseException | None = None
         self._saved_updates = core.updates_applied
         self._saved_at = now()
+        self._saved_revision: tuple[int, int] | None = None
+        """``core.revision`` when the newest checkpoint's copy was taken (or restored)."""
         self._writer: threading.Thread | None = None
 
     def restore_latest(self) -> Checkpoint | None:
@@ -436,6 +438,7 @@ class Checkpointer:
             restore(self.core, ckpt)
             self._saved_updates, self._saved_at, self.last_path = ckpt.updates, self.now(), \
                 ckpt.path
+            self._saved_revision = self.core.revision
             log.info("restored %s (%d updates applied)", ckpt.path, ckpt.updates)
         return ckpt
 
@@ -473,6 +476,17 @@ class Checkpointer:
         self.close()
         return self._write(self._snapshot())
 
+    def save_final(self) -> Path | None:
+        """The final checkpoint (:meth:`save_now`), unless the newest one already holds this
+        state (nothing changed since its copy was taken, and it was written): then ``None``,
+        so that a stop after a periodic save does not fill one of the ``keep`` places with a
+        copy of it."""
+        self.close()
+        if (self.last_path is not None and self.error is None
+                and self._saved_revision == self.core.revision):
+            return None
+        return self._write(self._snapshot())
+
     def close(self) -> None:
         """Wait for a background write to finish."""
         if self._writer is not None:
@@ -480,6 +494,8 @@ class Checkpointer:
             self._writer = None
 
     def _snapshot(self) -> Snapshot:
+        # read before the copy: a change made meanwhile makes the next final save write again
+        self._saved_revision = self.core.revision
         snap = snapshot(self.core)
         self._saved_updates, self._saved_at = snap.updates, self.now()
         return snap
@@ -496,5 +512,5 @@ class Checkpointer:
         except Exception as err:  # a full disk must not kill the shard; the next save retries
             self.error = err
             # due again at the next maybe_save
-            self._saved_updates, self._saved_at = -1, float("-inf")
+            self._saved_updates, self._saved_at, self._saved_revision = -1, float("-inf"), None
             log.error("checkpoint into %s failed: %s", self.directory, err)

@@ -211,11 +211,15 @@ class ServerShard:
             return
         t0 = time.monotonic()
         try:
-            path = ckpt.save_now()
+            path = ckpt.save_final()
         except OSError as err:  # a full disk: the shard exits with status 1, loudly
             self.failure = ShardFailure("final checkpoint", err)
             log.critical("shard %d: final checkpoint into %s failed: %s", self.cfg.shard_id,
                          ckpt.directory, err)
+            return
+        if path is None:
+            log.info("shard %d: nothing changed since checkpoint %s; no final checkpoint",
+                     self.cfg.shard_id, ckpt.last_path)
             return
         log.info("shard %d: final checkpoint %s (%d updates applied) in %.3f s",
                  self.cfg.shard_id, path, self.core.updates_applied, time.monotonic() - t0)

@@ -100,6 +100,13 @@ class ShardCore(Registration):
     def updates_applied(self, n: int) -> None:
         self.updates.applied = n
 
+    @property
+    def revision(self) -> tuple[int, int]:
+        """Changes to what a checkpoint holds, counted: the clock table's generation (clocks,
+        the live set, registrations) and the pushes and membership changes taken. Equal
+        revisions, equal checkpoints (``ps.checkpoint.Checkpointer.save_final``)."""
+        return self.clocks.generation, self._changes
+
     def key_pushers(self, slot: Slot, live: list[int]) -> list[int]:
         """``slot``'s live pushers (``ClockTable.key_pushers``); ``live``, the live ranks,
         when no plan is partial (every live rank pushes every key)."""

@@ -250,3 +250,39 @@ def test_the_server_refuses_bad_checkpoint_flags_and_an_unusable_directory(tmp_p
                           "--checkpoint-dir", str(blocker)],
                          cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert out.returncode == 1 and str(blocker) in out.stderr and not out.stdout
+
+
+def test_the_final_checkpoint_is_written_only_when_something_changed(tmp_path):
+    """Issue 29: a stop right after a periodic checkpoint wrote a final one with the same
+    state, so ``--checkpoint-keep 3`` held two distinct states. Now the final checkpoint is
+    left out when nothing changed since the newest one's copy; a change (here: the worker
+    left) still gets one."""
+    def run(directory: Path, *, leave: bool) -> list[int]:
+        shard = create_server(ServerConfig(mode="async", metrics_port=-1, checkpoint_keep=3,
+                                           checkpoint_dir=str(directory),
+                                           checkpoint_every_updates=1))
+        plan = make_plan([ParamSpec("w", (N,))], num_shards=1, partition_bytes=1 << 20)
+        client = PSClient(ClientConfig(servers=(f"127.0.0.1:{shard.ports['grpc_port']}",)))
+        client.register(plan, {k.key: np.zeros(k.length, np.float32) for k in plan.keys})
+        keys = [k.key for k in plan.keys]
+        try:
+            for step in range(3):
+                client.push(keys, [_grad(step)], clock=step).wait()
+            _wait(lambda: shard.checkpointer.last_path is not None
+                  and shard.checkpointer.last_path.name.startswith("ckpt-000000000003"),
+                  what="the periodic checkpoint of update 3")
+            if leave:
+                client.close()
+        finally:
+            shard.stop(0)
+            client.close(leave=False)
+        # the updates applied each kept checkpoint holds, and whether its worker had left
+        out = []
+        for path in checkpoints(directory):
+            manifest = json.loads((path / "manifest.json").read_text())
+            out.append((manifest["core"]["updates_applied"],
+                        manifest["clocks"]["workers"][0]["left"]))
+        return out
+
+    assert run(tmp_path / "idle", leave=False) == [(3, False), (2, False), (1, False)]
+    assert run(tmp_path / "left", leave=True) == [(3, True), (3, False), (2, False)]
