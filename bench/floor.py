@@ -32,6 +32,9 @@ from bitps.proto.wire import PROTOCOL, encode_header
 __all__ = ["FloorClient", "serve"]
 
 _SNDMORE = int(zmq.SNDMORE)
+_INCARNATION = (0x5A5A5A5A << 32) | 1
+"""The client's life id: a fixed odd 63-bit value, as many header bytes as a PSClient's random
+one (a shard refuses a push without one while its exactly-once window is on)."""
 
 
 def serve(host: str = "127.0.0.1") -> None:
@@ -75,7 +78,8 @@ class FloorClient:
     def round_trip(self) -> None:
         header = pb.DataHeader(op=pb.PUSH_PULL, protocol=PROTOCOL, worker=0,
                                request_id=self.clock, clock=self.clock, keys=[0],
-                               versions=[self.clock], dtype=pb.FLOAT32, deadline_s=30.0)
+                               versions=[self.clock], dtype=pb.FLOAT32, deadline_s=30.0,
+                               incarnation=_INCARNATION)
         self.sock.send(encode_header(header, self.grad), _SNDMORE)
         self.sock.send(self.grad, 0, copy=False)
         reply = pb.DataHeader()

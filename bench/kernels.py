@@ -53,6 +53,7 @@ from bitps.bench.worker_kernels import WORKER_CASES, measure
 __all__ = ["CASES", "Case", "SCALING_CASES", "run"]
 
 MIB = 1 << 20
+_INCARNATION = 0x6B3F  # the pushes' life id: a shard refuses a push without one (ps.dedup)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,7 +153,7 @@ class _Pusher:
         fields = dict(codec=self.sign1, codec_chunk=self.chunk) if compressed else {}
         header = pb.DataHeader(op=pb.PUSH, protocol=self.protocol, worker=0,
                                request_id=self.clock + 1, clock=self.clock, keys=self.keys,
-                               dtype=pb.FLOAT32, **fields)
+                               dtype=pb.FLOAT32, incarnation=_INCARNATION, **fields)
         replies = self.core.handle(b"w0", [header.SerializeToString(), *frames])
         reply = replies[-1].header if replies else None
         if reply is None or reply.op != pb.REPLY:

@@ -167,7 +167,7 @@ class RegisterMessage(_message.Message):
     def __init__(self, request: _Optional[_Union[RegisterRequest, _Mapping]] = ..., values: _Optional[_Union[KeyValues, _Mapping]] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("shard_id", "num_shards", "data_port", "metrics_port", "mode", "staleness", "start_clock", "max_frame_bytes", "holds_pulls", "current_keys", "current_versions", "rule", "rule_params", "worker_lookahead")
+    __slots__ = ("shard_id", "num_shards", "data_port", "metrics_port", "mode", "staleness", "start_clock", "max_frame_bytes", "holds_pulls", "current_keys", "current_versions", "rule", "rule_params", "worker_lookahead", "incarnation")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +182,7 @@ class RegisterReply(_message.Message):
     RULE_FIELD_NUMBER: _ClassVar[int]
     RULE_PARAMS_FIELD_NUMBER: _ClassVar[int]
     WORKER_LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     num_shards: int
     data_port: int
@@ -196,7 +197,8 @@ class RegisterReply(_message.Message):
     rule: str
     rule_params: _any_pb2.Any
     worker_lookahead: bool
-    def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., data_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., start_clock: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., holds_pulls: _Optional[bool] = ..., current_keys: _Optional[_Iterable[int]] = ..., current_versions: _Optional[_Iterable[int]] = ..., rule: _Optional[str] = ..., rule_params: _Optional[_Union[_any_pb2.Any, _Mapping]] = ..., worker_lookahead: _Optional[bool] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., data_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., start_clock: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., holds_pulls: _Optional[bool] = ..., current_keys: _Optional[_Iterable[int]] = ..., current_versions: _Optional[_Iterable[int]] = ..., rule: _Optional[str] = ..., rule_params: _Optional[_Union[_any_pb2.Any, _Mapping]] = ..., worker_lookahead: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class RuleStateRequest(_message.Message):
     __slots__ = ("rank", "token")
@@ -249,14 +251,16 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., token: _Optional[str] = ..., steps_per_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("min_clock", "live", "max_steps_per_s")
+    __slots__ = ("min_clock", "live", "max_steps_per_s", "incarnation")
     MIN_CLOCK_FIELD_NUMBER: _ClassVar[int]
     LIVE_FIELD_NUMBER: _ClassVar[int]
     MAX_STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     min_clock: int
     live: _containers.RepeatedScalarFieldContainer[int]
     max_steps_per_s: float
-    def __init__(self, min_clock: _Optional[int] = ..., live: _Optional[_Iterable[int]] = ..., max_steps_per_s: _Optional[float] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, min_clock: _Optional[int] = ..., live: _Optional[_Iterable[int]] = ..., max_steps_per_s: _Optional[float] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("token",)

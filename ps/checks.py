@@ -1,6 +1,7 @@
 """Validation of data-plane requests: everything is checked before anything changes.
 
-:func:`request_slots` checks the header (token, protocol, op, registration, keys);
+:func:`request_slots` checks the header (token, protocol, op, registration, a push's
+incarnation, keys);
 :func:`decode_push` checks a push's frames against its codec and the keys, decodes compressed
 ones and refuses non-finite gradients. Both raise :class:`PSError` naming the offending value
 and what was expected; the shard turns that into one ``ERROR`` reply.
@@ -55,8 +56,10 @@ def request_slots(cfg: ServerConfig, header: pb.DataHeader, payload: list,
                   ) -> list[Slot]:
     """The slots a request names, once its header is acceptable: each of them initialized
     (``NOT_INITIALIZED``, retryable, naming the keys), and for a push each in the worker's
-    registered plan (``Slot.pushers``). ``initialized`` ``False``: the shard as a whole is
-    not."""
+    registered plan (``Slot.pushers``). A push (or push_pull) must name the client's life
+    (``DataHeader.incarnation``, nonzero) while the exactly-once window is on
+    (``dedup_window > 0``); a pull need not. ``initialized`` ``False``: the shard as a whole
+    is not."""
     if not token_ok(cfg.token, header.token):
         raise PSError(pb.UNAUTHENTICATED, f"worker {header.worker}: token missing or wrong")
     if header.protocol != PROTOCOL:
@@ -72,6 +75,11 @@ def request_slots(cfg: ServerConfig, header: pb.DataHeader, payload: list,
     if not math.isfinite(header.deadline_s) or header.deadline_s < 0:
         raise PSError(pb.BAD_HEADER, f"deadline_s {header.deadline_s}; expected a finite "
                       f"number of seconds >= 0 (0 = the shard's pull_deadline_s)")
+    if header.op != pb.PULL and not header.incarnation and cfg.dedup_window:
+        raise PSError(pb.BAD_HEADER, f"{OPS[header.op]} from worker {header.worker} (request "
+                      f"{header.request_id}) carries no incarnation; expected the client's "
+                      f"nonzero life id (DataHeader.incarnation): without it the shard cannot "
+                      f"apply a replayed push only once (dedup_window {cfg.dedup_window})")
     keys = header.keys
     if not keys:
         raise PSError(pb.BAD_HEADER, "request names no keys")

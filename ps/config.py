@@ -212,8 +212,10 @@ class ServerConfig:
     """The ids of each worker's last applied pushes the shard remembers (every mode). A push
     that repeats one of them (same worker, incarnation and request id: a replay or a resend,
     from any connection) is answered, a push with an ack and a push_pull with the parameters,
-    and not applied again; 0 turns the check off. The window is part of a checkpoint, so a
-    push applied before it is still refused after a restart."""
+    and not applied again; 0 turns the check off. While it is on, a push or push_pull without
+    an incarnation (``DataHeader.incarnation`` 0) is refused, ``BAD_HEADER``; pulls need none.
+    The window is part of a checkpoint, so a push applied before it is still refused after a
+    restart."""
 
     # -- checkpoints and lifetime (ps.checkpoint, docs/checkpoints.md) ----------------------
     checkpoint_dir: str = ""

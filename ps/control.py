@@ -192,7 +192,7 @@ class ControlServicer(pb_grpc.ControlServicer):
             live = clocks.live()
             fastest = max((clocks.workers[r].steps_per_s for r in live), default=0.0)
             return pb.HeartbeatReply(min_clock=clocks.min_clock(), live=live,
-                                     max_steps_per_s=fastest)
+                                     max_steps_per_s=fastest, incarnation=core.incarnation)
 
     def Status(self, request, context):
         """Clocks, liveness and held pulls of every worker the shard knows, and for each held

@@ -6,6 +6,10 @@ request id. A shard remembers the ``(incarnation, request id)`` of each worker's
 repeats one, from any connection, is answered and not applied again. Nothing else is needed to
 answer a replay (a push gets an ack, a push_pull the current parameters). The window is part of
 every checkpoint.
+
+While the window is on, every push names its incarnation: the shard refuses one that does not
+(``ps.checks.request_slots``, ``BAD_HEADER``) before it gets here, since such a push could not be
+told from a replay. With the window off (0) nothing is kept and every push is new.
 """
 
 from __future__ import annotations
@@ -28,18 +32,19 @@ class ExactlyOnce:
         self._dropped: tuple[int, int] | None = None  # what the last first_time let go
 
     def is_replay(self, header: pb.DataHeader) -> bool:
-        """Whether this push (worker, incarnation, request id) has been applied already."""
+        """Whether this push (worker, incarnation, request id) has been applied already
+        (never, with the window off: nothing is kept)."""
         seen = self._ids.get(header.worker)
-        return bool(header.incarnation) and seen is not None and (
-            header.incarnation, header.request_id) in seen[1]
+        return seen is not None and (header.incarnation, header.request_id) in seen[1]
 
     def first_time(self, header: pb.DataHeader) -> bool:
         r"""Whether this push is new, and if so keep its id (the last ``window`` of each
         worker) as applied: the caller applies it next, or :meth:`forget`\ s it when it is
-        refused before anything changed. A replay is ``False``, and kept as it was."""
+        refused before anything changed. A replay is ``False``, and kept as it was. With the
+        window on, ``header`` names its incarnation (``ps.checks`` refused it otherwise)."""
         if self.is_replay(header):
             return False
-        if not header.incarnation or not self.window:
+        if not self.window:
             return True
         order, ids = self._ids.setdefault(header.worker, (deque(), set()))
         order.append(pid := (header.incarnation, header.request_id))
@@ -53,7 +58,7 @@ class ExactlyOnce:
 
     def forget(self, header: pb.DataHeader) -> None:
         """Take back the last :meth:`first_time` (``header``'s push, refused after all)."""
-        if not header.incarnation or not self.window:
+        if not self.window:
             return
         order, ids = self._ids[header.worker]
         ids.discard(order.pop())

@@ -116,7 +116,8 @@ class Registration:
         reply = pb.RegisterReply(shard_id=cfg.shard_id, num_shards=cfg.num_shards, mode=cfg.mode,
                                  staleness=cfg.staleness, start_clock=start,
                                  max_frame_bytes=cfg.max_frame_bytes, rule=self.rule.name,
-                                 holds_pulls=self.consistency.holds_pulls(req.world_size))
+                                 holds_pulls=self.consistency.holds_pulls(req.world_size),
+                                 incarnation=self.incarnation)
         # the shard moves float32 pulls ahead itself (core._answer), but its codes must reach
         # the worker's exact copy: with a publishing pull codec the worker looks ahead
         reply.worker_lookahead = self.consistency.looks_ahead and self.pull_codec is not None \

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import secrets
 import threading
 import time
 from collections import deque
@@ -54,6 +55,9 @@ class ShardCore(Registration):
                  now: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.now = now
+        self.incarnation = secrets.randbits(63) | 1
+        """This core's life (``RegisterReply.incarnation``, ``HeartbeatReply.incarnation``):
+        a restarted shard, restored from a checkpoint or not, has another one."""
         self.lock = threading.RLock()
         self.metrics = metrics or ShardMetrics()
         self.metrics.watch_clocks(self.clock_snapshot)

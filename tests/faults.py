@@ -33,6 +33,7 @@ clock reaches a step, so a fault lands at a chosen step.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -447,8 +448,13 @@ if __name__ == "__main__":
     worker_main(json.loads(sys.argv[1]))
 
 
+_raw_incarnations = itertools.count(0x7A11, 2)  # odd, and each RawPeer its own
+
+
 class RawPeer:
-    """A hand-written data-plane peer: one DEALER, frames in, header + frames out."""
+    """A hand-written data-plane peer: one DEALER, frames in, header + frames out. Its requests
+    carry its own nonzero incarnation (:attr:`incarnation`, as a PSClient's do: a push without
+    one is refused while the shard's exactly-once window is on) unless told otherwise."""
 
     def __init__(self, port: int) -> None:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -456,10 +462,11 @@ class RawPeer:
         self.sock.setsockopt(zmq.RCVTIMEO, 5000)
         self.sock.connect(f"tcp://127.0.0.1:{port}")
         self.ids = iter(range(1, 1 << 30))
+        self.incarnation = next(_raw_incarnations)
 
     def send(self, payload=(), **fields) -> int:
         fields = {"protocol": PROTOCOL, "dtype": pb.FLOAT32, "request_id": next(self.ids),
-                  **fields}
+                  "incarnation": self.incarnation, **fields}
         header = pb.DataHeader(**fields)
         self.sock.send_multipart([header.SerializeToString(), *payload])
         return header.request_id

@@ -156,18 +156,6 @@ def _settled(shard: ServerProcess, directory: Path, every: int, timeout: float =
         before = status.updates_applied
 
 
-def _same_state(a, b) -> None:
-    """Two checkpoints hold the same shard state bit for bit (not the same files: a new
-    checkpoint has its own creation time)."""
-    for field in ("config", "plan", "core", "clocks", "keys", "dedup"):
-        assert a.manifest[field] == b.manifest[field], field
-    for mine, theirs in ((a.params, b.params), (a.state, b.state)):
-        assert mine.keys() == theirs.keys()
-        for name, array in mine.items():
-            assert array.dtype == theirs[name].dtype and array.tobytes() == \
-                theirs[name].tobytes(), name
-
-
 def _export(dirs, out: Path) -> dict[str, np.ndarray]:
     assert export_main(["--checkpoint-dir", *map(str, dirs), "--out", str(out)]) == 0
     return safetensors_numpy.load_file(str(out))
@@ -192,8 +180,9 @@ def _kill_frozen(mode: str, shard: ServerProcess, workers, directory: Path, ever
 
 def _restart(cluster, dead: ServerProcess, flags, directory: Path) -> ServerProcess:
     """Restart a killed shard with its flags and ports, the workers frozen; check that it
-    holds the checkpoint the kill left: its counts and clocks, and (its own final checkpoint
-    at SIGTERM, before any request) every array and field bit for bit."""
+    holds the checkpoint the kill left: its counts and clocks, and that SIGTERM before any
+    request writes no final checkpoint (nothing changed: the restored one stands, issue 29).
+    The restored arrays bit for bit: tests/test_checkpoint.py."""
     ckpt = load_latest(directory)
     ports = ("--grpc-port", str(dead.ready["grpc_port"]),
              "--data-port", str(dead.ready["data_port"]))
@@ -204,9 +193,7 @@ def _restart(cluster, dead: ServerProcess, flags, directory: Path) -> ServerProc
     assert {w.rank: w.clock for w in status.workers} == \
         {w["rank"]: w["clock"] for w in ckpt.manifest["clocks"]["workers"]}
     _terminate(again)
-    final = load_latest(directory)
-    assert final.path != ckpt.path
-    _same_state(final, ckpt)
+    assert load_latest(directory).path == ckpt.path
     again = cluster.shard(*flags, *ports)
     assert again.status().updates_applied == ckpt.updates
     return again

@@ -215,7 +215,7 @@ def test_bad_requests_get_typed_errors_over_zmq_and_change_nothing(cluster):
 
     def header(**kw) -> bytes:
         base = dict(op=pb.PUSH, protocol=PROTOCOL, worker=0, request_id=7, clock=0,
-                    keys=[keys[0]], dtype=pb.FLOAT32)
+                    keys=[keys[0]], dtype=pb.FLOAT32, incarnation=0x7E57)
         return pb.DataHeader(**{**base, **kw}).SerializeToString()
 
     good = np.ones(plan.keys[0].length, np.float32).tobytes()

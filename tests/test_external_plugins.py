@@ -35,6 +35,7 @@ PLUGINS = ROOT / "tests" / "plugins_outside"
 CODEC, RULE, MODE, TRAINER = (str(PLUGINS / f) for f in (
     "int8key_codec.py", "counted_rule.py", "half_async_mode.py", "accumulate_trainer.py"))
 N = 1000
+INCARNATION = 0x3F  # the pushes' life id (a push needs one: the exactly-once window)
 
 
 @pytest.fixture
@@ -130,7 +131,7 @@ def _core(cfg):
 
 def _push(core, payload: bytes, codec, clock: int) -> None:
     header = pb.DataHeader(op=pb.PUSH, protocol=PROTOCOL, worker=0, clock=clock, keys=[0],
-                           dtype=pb.FLOAT32, request_id=clock + 1)
+                           dtype=pb.FLOAT32, request_id=clock + 1, incarnation=INCARNATION)
     header.codec, header.codec_chunk, header.codec_flags = codec.wire_fields()
     replies = core.handle(b"w0", [header.SerializeToString(), payload])
     assert replies[-1].header.op == pb.REPLY, replies[-1].header.message

@@ -93,6 +93,7 @@ def _hostile_fields(rng: random.Random, header: pb.DataHeader) -> None:
         lambda: header.versions.extend(rng.getrandbits(64) for _ in range(rng.randint(1, 9))),
         lambda: header.frame_codecs.extend([3, 4]),
         lambda: setattr(header, "pad", bytes(rng.randint(0, 300))),
+        lambda: setattr(header, "incarnation", 0),  # a push without one: BAD_HEADER
     ]
     for _ in range(rng.randint(1, 3)):
         rng.choice(choices)()
@@ -182,7 +183,7 @@ def _oversized(port: int, counts: Counter) -> None:
     """A frame over the shard's MAXMSGSIZE (max_frame_bytes + 1 MiB) drops the connection: no
     answer, by design. One just under it is read and refused TOO_LARGE."""
     header = pb.DataHeader(op=pb.PUSH, protocol=PROTOCOL, worker=0, clock=0, keys=[0],
-                           dtype=pb.FLOAT32, token=TOKEN).SerializeToString()
+                           dtype=pb.FLOAT32, token=TOKEN, incarnation=0x51).SerializeToString()
     for size, expect in (((18 << 20), None), ((16 << 20) + 1, pb.TOO_LARGE)):
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)

@@ -16,6 +16,7 @@ from bitps.ps.rules import make_rule
 from bitps.ps.shard import ShardCore
 
 N = 1024
+INCARNATION = 0x0D  # the pushes' life id (a push needs one: the exactly-once window)
 LR, BETA = 0.7, 0.9
 
 
@@ -39,7 +40,7 @@ def _core(mode: str, optimizer: OptimizerConfig, workers: int) -> ShardCore:
 
 def _push(core: ShardCore, worker: int, clock: int, delta: np.ndarray, rid: int) -> None:
     header = pb.DataHeader(op=pb.PUSH, protocol=PROTOCOL, worker=worker, clock=clock, keys=[0],
-                           dtype=pb.FLOAT32, request_id=rid)
+                           dtype=pb.FLOAT32, request_id=rid, incarnation=INCARNATION)
     replies = core.handle(f"w{worker}".encode(), [header.SerializeToString(), delta.tobytes()])
     assert replies[-1].header.op == pb.REPLY, replies[-1].header.message
 

@@ -70,6 +70,7 @@ LR = 0.25
 SGD = OptimizerConfig(name="sgd", lr=LR)
 INIT = {k: ((np.arange(n) % 7 - 3) * 0.5 + k).astype(np.float32) for k, n in ALL_KEYS.items()}
 _ids = itertools.count(1)
+INCARNATION = 0x9A27  # the life id of the hand-built pushes (a push needs one: ps.dedup)
 
 
 def _grad(rank: int, key: int, step: int = 0) -> np.ndarray:
@@ -104,7 +105,7 @@ def _core(mode: str = "sync", *, ranks=(0, 1, 2, 3), optimizer=SGD, **cfg):
 
 def _send(core, op, worker, clock, keys, grads=()):
     header = pb.DataHeader(op=op, worker=worker, clock=clock, keys=keys, protocol=PROTOCOL,
-                           dtype=pb.FLOAT32, request_id=next(_ids))
+                           dtype=pb.FLOAT32, request_id=next(_ids), incarnation=INCARNATION)
     frames = [header.SerializeToString()]
     frames += [g if isinstance(g, bytes) else np.asarray(g, np.float32).tobytes() for g in grads]
     return core.handle(f"w{worker}".encode(), frames)
@@ -147,7 +148,8 @@ def test_sync_aggregates_each_key_over_its_own_pushers():
 def _push_and_release(core, worker, clock, keys):
     """Push and return the replies other than the push's own ack (released held pulls)."""
     header = pb.DataHeader(op=pb.PUSH, worker=worker, clock=clock, keys=keys,
-                           protocol=PROTOCOL, dtype=pb.FLOAT32, request_id=next(_ids))
+                           protocol=PROTOCOL, dtype=pb.FLOAT32, request_id=next(_ids),
+                           incarnation=INCARNATION)
     frames = [header.SerializeToString()] + [_grad(worker, k, clock).tobytes() for k in keys]
     return [r for r in core.handle(f"w{worker}".encode(), frames)
             if r.header.request_id != header.request_id]
@@ -391,7 +393,8 @@ def test_onebit_adam_sync_averages_each_key_over_its_pushers():
             for core, rank in ((partial, theirs), (whole, ours)):
                 header = pb.DataHeader(op=pb.PUSH, worker=rank, clock=step, keys=[0, 1],
                                        protocol=PROTOCOL, dtype=pb.FLOAT32,
-                                       request_id=next(_ids), **fields)
+                                       request_id=next(_ids), incarnation=INCARNATION,
+                                       **fields)
                 (reply,) = core.handle(b"w", [header.SerializeToString(), *grads])
                 assert reply.header.op == pb.REPLY, reply.header.message
         if step + 1 == opt.rule_config.freeze_step:

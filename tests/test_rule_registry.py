@@ -21,6 +21,7 @@ from bitps.ps.shard import ShardCore
 from tests.helpers import one_key_core
 
 N = 4096  # one key, large enough for several sign1 chunks
+INCARNATION = 0x2B  # the pushes' life id (a push needs one: the exactly-once window)
 
 
 def _core(mode: str, optimizer: OptimizerConfig) -> ShardCore:
@@ -30,7 +31,7 @@ def _core(mode: str, optimizer: OptimizerConfig) -> ShardCore:
 def _push(core: ShardCore, clock: int, seed: int) -> None:
     grad = np.random.default_rng(seed).standard_normal(N).astype(np.float32)
     header = pb.DataHeader(op=pb.PUSH, protocol=PROTOCOL, worker=0, clock=clock, keys=[0],
-                           dtype=pb.FLOAT32, request_id=seed + 1)
+                           dtype=pb.FLOAT32, request_id=seed + 1, incarnation=INCARNATION)
     replies = core.handle(b"w0", [header.SerializeToString(), grad.tobytes()])
     assert replies[-1].header.op == pb.REPLY, replies[-1].header.message
 

@@ -53,6 +53,7 @@ SGD = OptimizerConfig(name="sgd", lr=0.5)
 TOKEN = "tok-9f3c1e7a-bitps-SECRET"
 PATTERN = np.float32(1234.5678)  # 0x449A522B: not a value a test would push by chance
 N = 4096
+INCARNATION = 0x5EC0B  # the hand-written peer's life id: a push needs one (exactly-once window)
 
 
 @pytest.fixture
@@ -109,7 +110,8 @@ class Peer:
     def push(self, keys, *, token: str = TOKEN, timeout_ms: int = 1000) -> pb.DataHeader | None:
         """Push ``PATTERN`` for clock 0; the reply's header, or ``None``: no answer."""
         header = pb.DataHeader(op=pb.PUSH, protocol=PROTOCOL, dtype=pb.FLOAT32, worker=0,
-                               request_id=7, clock=0, keys=keys, token=token)
+                               request_id=7, clock=0, keys=keys, token=token,
+                               incarnation=INCARNATION)
         try:
             # a refused handshake leaves no pipe: a blocking send would wait for good
             self.sock.send_multipart([header.SerializeToString(),

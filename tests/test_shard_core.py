@@ -25,6 +25,9 @@ SGD = OptimizerConfig(name="sgd", lr=LR)
 # exact in float32 and expected parameters can be written as plain numpy arithmetic.
 INIT = {k: ((np.arange(n) % 17 - 8) * 0.5 + k).astype(np.float32) for k, n in KEYS.items()}
 _request_ids = itertools.count(1000)
+INCARNATION = 0x5EED
+"""The life id ``_send`` gives every request unless told otherwise (a PSClient's is random and
+odd): a push without one is refused while the exactly-once window is on."""
 
 
 def _grad(seed: int, key: int) -> np.ndarray:
@@ -55,7 +58,7 @@ def _core(mode: str = "async", *, world: int = 2, ranks=(0, 1), optimizer=SGD, *
 
 def _send(core, op, worker, clock, keys, grads=(), *, ident=None, **fields):
     fields = {"protocol": PROTOCOL, "dtype": pb.FLOAT32, "request_id": next(_request_ids),
-              **fields}
+              "incarnation": INCARNATION, **fields}
     header = pb.DataHeader(op=op, worker=worker, clock=clock, keys=keys, **fields)
     frames = [header.SerializeToString()]
     frames += [g if isinstance(g, (bytes, memoryview)) else np.asarray(g, np.float32).tobytes()
@@ -183,6 +186,14 @@ BAD = {
                         pb.BAD_LENGTH, ["key 0", "40 bytes"]),
     "last_key_unknown": (dict(op=pb.PUSH_PULL, keys=[0, 1, 9], grads=[_G0, _G1, _G1]),
                          pb.UNKNOWN_KEY, ["key 9"]),
+    # A push without the client's life id could not be applied only once (issue 29).
+    "no_incarnation": (dict(op=pb.PUSH, keys=[0], grads=[_G0], incarnation=0), pb.BAD_HEADER,
+                       ["push from worker 0 (request 77) carries no incarnation",
+                        "DataHeader.incarnation", "dedup_window 1024"]),
+    "no_incarnation_push_pull": (dict(op=pb.PUSH_PULL, keys=[0, 1], grads=[_G0, _G1],
+                                      incarnation=0), pb.BAD_HEADER,
+                                 ["push_pull from worker 0 (request 77) carries no "
+                                  "incarnation"]),
 }
 
 
@@ -238,6 +249,25 @@ def test_header_without_op_error_echoes_request_id(trained):
     (reply,) = _send(trained, 0, 0, 1, [0], [_G0], request_id=78)
     assert reply.header.error == pb.BAD_HEADER
     assert (reply.header.request_id, reply.header.worker, reply.header.clock) == (78, 0, 1)
+
+
+def test_pull_without_incarnation_is_answered(trained):
+    # a pull changes nothing, so it needs no life id
+    (reply,) = _send(trained, pb.PULL, 0, 1, [0, 1], incarnation=0)
+    assert reply.header.op == pb.REPLY, reply.header.message
+    assert [len(a) for a in _arrays(reply)] == [KEYS[0], KEYS[1]]
+
+
+def test_push_without_incarnation_is_applied_with_dedup_off():
+    core, _ = _core(dedup_window=0)
+    for request_id in (1, 1):  # no window: the same push again is applied again
+        (ack,) = _send(core, pb.PUSH, 0, 0, [0], [_G0], request_id=request_id, incarnation=0)
+        assert ack.header.op == pb.REPLY, ack.header.message
+    (reply,) = _send(core, pb.PUSH_PULL, 1, 0, [0], [_G0], incarnation=0)
+    assert reply.header.op == pb.REPLY, reply.header.message
+    assert core.updates_applied == 3
+    # two workers: each async push applies lr / 2 (ServerConfig.split_lr)
+    assert np.array_equal(core.slots[0].param, INIT[0] - 3 * (LR / 2) * _G0)
 
 
 def test_token_checked_on_every_request():

@@ -79,6 +79,10 @@ class WorkerMetrics:
         self.recoveries = m.counter(
             "bitps_worker_shard_recoveries_total",
             "Times this worker re-registered with a lost shard (it timed out, or restarted)")
+        self.shard_restarts = m.counter(
+            "bitps_worker_shard_restarts_total",
+            "Shard restarts a heartbeat noticed (another incarnation than the shard's "
+            "registration answered); the worker re-registers before its next request there")
         self.lost_steps = m.counter(
             "bitps_worker_lost_steps_total",
             "Steps of a shard's updates lost because it came back from an older checkpoint "

@@ -100,8 +100,7 @@ class PSClient:
     @property
     def initializes(self) -> bool:
         """Whether this worker sends the initial values of its keys at registration (and to a
-        shard that came back empty): ``ClientConfig.initializes``, by default rank 0's
-        job."""
+        shard that came back empty): ``ClientConfig.initializes``, by default rank 0's job."""
         init = self.cfg.initializes
         return self.cfg.rank == 0 if init is None else init
 
@@ -149,6 +148,7 @@ class PSClient:
             if reply.shard_id != shard:
                 raise PSError(pb.BAD_HEADER, f"server {self.cfg.servers[shard]} is shard "
                               f"{reply.shard_id}; expected shard {shard} (list servers in order)")
+            self.control.registered(shard, reply)
             endpoints.append(self._endpoint(shard, reply))
             self.start_clock = max(self.start_clock, reply.start_clock)
             self.holds_pulls = self.holds_pulls or reply.holds_pulls
@@ -204,6 +204,9 @@ class PSClient:
             raise RuntimeError("register() before push/pull")
         if self._closing.is_set():
             raise RuntimeError("the client is closed")
+        copies = self._registration.copies  # a heartbeat saw a shard restart: rejoin first
+        for shard in self.control.take_restarted() if copies is not None else ():
+            self.recover(shard, copies, clock=clock)
         encoded = grads if isinstance(grads, Encoded) else None
         arrays = encoded.payloads if encoded is not None else grads
         if arrays and len(arrays) != len(keys) or outs and len(outs) != len(keys):
@@ -256,13 +259,11 @@ class PSClient:
         """Wait for ``handle``; when shards were lost (:data:`RECOVERABLE` failures, or no
         answer), :meth:`recover` each and redo their part of the exchange, until it succeeds
         or ``reconnect_timeout_s`` has passed (then :class:`ShardLostError`). Returns the
-        handle that completed (``handle``, or the redo's). ``copies`` (every key of the plan)
-        are the values this worker holds: their digests tell a shard that is back which copies
-        are still current, and a worker that :attr:`initializes` sends them as initial values
-        to a shard that came back empty (one restored from a checkpoint keeps its own). A redo
-        sends the same bytes: the same request ids to a shard that kept this worker's clock
-        (its exactly-once window answers a push it had applied with the original answer), new
-        ids and the shard's clock to one that came back behind (:meth:`recover`)."""
+        handle that completed (``handle``, or the redo's). ``copies`` (every key of the plan):
+        the values this worker holds (:meth:`recover`). A redo sends the same bytes: the same
+        request ids to a shard that kept this worker's clock (its exactly-once window answers
+        a push it had applied with the original answer), new ids and the shard's clock to one
+        that came back behind."""
         try:
             handle.wait()
             return handle
@@ -292,25 +293,22 @@ class PSClient:
 
     def recover(self, shard: int, copies: Mapping[int, np.ndarray], *, clock: int,
                 since: float | None = None, end: float | None = None) -> int:
-        """Get ``shard`` back after it was lost while this worker was at step ``clock``:
-        drop what its old connection still queues, re-register (the plan, digests of
-        ``copies``, and ``copies`` as values when this worker :attr:`initializes`) with
-        backoff until ``end`` (default: ``reconnect_timeout_s`` from now), then adopt what the
-        shard says. Returns the steps of this shard's updates that were lost (it came back
-        from an older checkpoint).
+        """Get ``shard`` back after it was lost (or a heartbeat saw it restart) while this
+        worker was at step ``clock``: drop what its old connection still queues, re-register
+        (the plan, digests of ``copies``: which are current; ``copies`` as values when this
+        worker :attr:`initializes`, for a shard back empty) with backoff until ``end``
+        (default: ``reconnect_timeout_s`` from now), then adopt what the shard says. Returns
+        the steps of this shard's updates that were lost (it came back from an older one).
 
-        Adopting: the shard's keys whose values differ from ``copies`` lose their versions (the
-        next exchange pulls them whole). A shard that has this worker at a clock below
-        ``clock`` (plus the shard's shift) lost that many steps; from now on this worker's
-        requests to it carry the shard's clock (:attr:`shift`), and the loss is counted
-        (``bitps_worker_lost_steps_total``) and logged. Raises :class:`ShardLostError` past
-        ``end``, and other failures (another plan, a wrong token) as they are."""
+        Adopting: keys whose values differ from ``copies`` lose their versions (pulled whole
+        next); a shard with this worker's clock below ``clock`` (+ shift) lost that many steps,
+        counted (``bitps_worker_lost_steps_total``), logged, its clock adopted (:attr:`shift`).
+        Raises :class:`ShardLostError` past ``end``, other failures as they are."""
         if self.plan is None:
             raise RuntimeError("register() before recover()")
         since = time.monotonic() if since is None else since
         end = since + self.cfg.reconnect_timeout_s if end is None else end
-        # Requests still queued on the old connection would reach a restarted shard after this
-        # worker re-registered, as pushes of the wrong step: drop them with the socket.
+        # queued requests would reach the restarted shard as pushes of the wrong step: drop
         self.channels.reset(shard)
         keys = self.plan.for_shard(shard)
         values = {k.key: copies[k.key] for k in keys} if self.initializes else None
@@ -337,10 +335,11 @@ class PSClient:
         if reply.shard_id != shard:
             raise PSError(pb.BAD_HEADER, f"server {self.cfg.servers[shard]} is now shard "
                           f"{reply.shard_id}; expected shard {shard}", shard=shard)
+        self.control.registered(shard, reply)
         endpoint = self._endpoint(shard, reply)
         if endpoint != self.channels.endpoints[shard]:  # restarted on another data port
             self.channels.reset(shard, endpoint)
-        for k in self.plan.for_shard(shard):
+        for k in self.plan.for_shard(shard):  # what the digests did not match is pulled whole
             self.versions.pop(k.key, None)
         self.versions.update(zip(reply.current_keys, reply.current_versions))
         expected = clock + self.shift[shard]
@@ -348,9 +347,8 @@ class PSClient:
         if lost:
             self.shift[shard] = reply.start_clock - clock
             log.warning("rank %d: shard %d (%s) came back at clock %d, %d steps behind this "
-                        "worker's %d: those updates of its keys are lost; its keys are pulled "
-                        "again and its clock adopted", self.cfg.rank, shard,
-                        self.cfg.servers[shard], reply.start_clock, lost, expected)
+                        "worker's %d: those updates are lost; its clock is adopted", self.cfg.rank,
+                        shard, self.cfg.servers[shard], reply.start_clock, lost, expected)
         else:
             log.info("rank %d: shard %d (%s) is back at clock %d", self.cfg.rank, shard,
                      self.cfg.servers[shard], reply.start_clock)

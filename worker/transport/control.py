@@ -93,6 +93,10 @@ class ControlClient:
         self.fastest_steps_per_s = 0.0
         """The fastest live worker's speed (this one's included) the shards last answered a
         heartbeat with; 0 until one reported a speed."""
+        self.incarnations = [0] * len(cfg.servers)
+        """Each shard's life as its last registration answered (0: none yet)."""
+        self._restarted: set[int] = set()
+        self._restarted_lock = threading.Lock()
         self._closing = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
@@ -206,6 +210,36 @@ class ControlClient:
             except grpc.RpcError as err:
                 raise self.error(err, shard) from None
 
+    # -- shard restarts ---------------------------------------------------------------------------
+    def registered(self, shard: int, reply: pb.RegisterReply) -> None:
+        """``shard`` answered a registration: its incarnation is the one to expect."""
+        with self._restarted_lock:
+            self.incarnations[shard] = reply.incarnation
+            self._restarted.discard(shard)
+
+    def take_restarted(self) -> list[int]:
+        """The shards a heartbeat found restarted since the last call (their answer named
+        another incarnation than their registration's): the caller re-registers them
+        (``PSClient.recover``) before its next request to them."""
+        if not self._restarted:  # read without the lock: the common case costs nothing
+            return []
+        with self._restarted_lock:
+            out, self._restarted = sorted(self._restarted), set()
+        return out
+
+    def _check_incarnation(self, shard: int, reply: pb.HeartbeatReply) -> None:
+        with self._restarted_lock:
+            known = self.incarnations[shard]
+            if not known or not reply.incarnation or reply.incarnation == known \
+                    or shard in self._restarted:
+                return
+            self._restarted.add(shard)
+        with self.metrics.lock:
+            self.metrics.shard_restarts.inc()
+        log.warning("rank %d: shard %d restarted (incarnation %x, registered with %x): "
+                    "re-registering before the next request to it", self.cfg.rank, shard,
+                    reply.incarnation, known)
+
     def start_heartbeat(self, clock: Callable[[], int]) -> None:
         """Heartbeat every shard each ``heartbeat_s`` with ``clock()`` until :meth:`close`
         (once; a second call changes nothing)."""
@@ -225,6 +259,7 @@ class ControlClient:
                         timeout=max(self.cfg.heartbeat_s, 1.0), metadata=self.metadata)
                     self.min_clock = reply.min_clock
                     fastest = max(fastest, reply.max_steps_per_s)
+                    self._check_incarnation(shard, reply)
                 except grpc.RpcError as err:
                     log.warning("heartbeat to shard %d failed: %s", shard, err.code().name)
             if fastest > 0:
