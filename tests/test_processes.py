@@ -121,3 +121,38 @@ def test_launch_tears_everything_down(tmp_path, how):
     while any(_alive(pid) for pid in cluster["pids"].values()) and time.monotonic() < end:
         time.sleep(0.1)
     assert not [n for n, pid in cluster["pids"].items() if _alive(pid)]
+
+
+def test_sighup_restarts_the_shards_one_at_a_time_while_training_runs(tmp_path):
+    """``bitps-launch --checkpoints``: SIGHUP to the launcher (its pid is in cluster.json)
+    stops each shard with SIGTERM and starts it again on its ports from its final checkpoint,
+    one after the other (issue 29); the sync workers wait each out and finish every step."""
+    steps = 60
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bitps.worker.launch", "--shards", "2", "--workers", "2",
+         "--mode", "sync", "--checkpoints", "--run-dir", str(tmp_path), "--",
+         "--steps", str(steps), "--seq-len", "16", "--batch-size", "2", "--corpus-bytes",
+         "20000", "--step-delay", "0.05", "--log-every", "5"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        cluster = _wait_for(tmp_path / "cluster.json", proc)
+        end = time.monotonic() + 60
+        while _metrics(cluster["shards"][0]["metrics_port"])["bitps_updates_applied_total"] < 5:
+            assert time.monotonic() < end and proc.poll() is None, "no training"
+            time.sleep(0.1)
+        os.kill(cluster["pids"]["launcher"], signal.SIGHUP)
+        assert proc.wait(240) == 0, proc.stderr.read()[-3000:]
+        log = proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+    words = " ".join(log.split())
+    assert "rolling restart: shard 0 of 2 is back" in words, words[-2000:]
+    assert "rolling restart 1: every shard restarted" in words, words[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [done["steps"] for done in summary["workers"]] == [steps, steps]
+    for i in (0, 1):
+        assert (tmp_path / f"shard-{i}-restart-1.log").exists()
+        assert list((tmp_path / "checkpoints" / f"shard-{i}").glob("ckpt-*"))
+    worker_logs = " ".join((tmp_path / f"worker-{r}.log").read_text() for r in (0, 1))
+    assert "is back at clock" in worker_logs

@@ -8,6 +8,8 @@ step, loss and samples/s; a summary table follows. Any process failing, Ctrl-C o
 whole cluster down (each child runs in its own process group and dies with the launcher), and the
 exit status is non-zero. Logs, ``cluster.json`` (every endpoint, written once all workers have
 started), ``steps.jsonl`` (every worker's step lines) and ``summary.json`` go to ``--run-dir``.
+With ``--checkpoints`` every shard checkpoints into the run dir, and SIGHUP to the launcher is a
+rolling restart of the shards (``worker.launch.rolling``).
 
 The launcher starts processes; it imports neither ``ps`` nor the torch side of ``worker``, and
 restates no default of theirs: ``--mode``, ``--staleness`` and ``--optimizer`` reach the shards
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import queue
 import signal
 import socket
@@ -64,6 +67,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from bitps.worker.launch.processes import Child, Cluster
+from bitps.worker.launch.rolling import RollingRestart
 
 __all__ = ["main"]
 
@@ -116,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--host", default="127.0.0.1", help="address the shards bind to and workers dial")
     add("--run-dir", default=None, help="logs + summary.json (default runs/<timestamp>)")
     add("--ready-timeout", type=float, default=60.0, help="seconds for shards to become ready")
+    add("--checkpoints", action="store_true",
+        help="every shard checkpoints into RUN_DIR/checkpoints/shard-I (a final one when it "
+             "stops); SIGHUP to the launcher then restarts the shards one at a time while "
+             "training runs (a rolling restart)")
     add("--script", default=None, metavar="FILE",
         help="run `python FILE` as each worker rank instead of bitps-worker (everything after "
              "-- goes to it), with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and "
@@ -202,15 +210,22 @@ def _start_shards(cluster: Cluster, args) -> list[dict] | None:
     given = [arg for flag, value in (("--mode", args.mode), ("--staleness", args.staleness),
                                      ("--optimizer", args.optimizer)) if value is not None
              for arg in (flag, str(value))]
+    argvs = []
     for i in range(args.shards):
-        shards.append(cluster.spawn(f"shard-{i}", [
+        ckpt = ["--checkpoint-dir", str(cluster.run_dir / "checkpoints" / f"shard-{i}")] \
+            if args.checkpoints else []
+        argvs.append([
             py, "-m", "bitps.ps", "--shard-id", str(i), "--num-shards", str(args.shards),
-            "--host", args.host, *preset.shard, *given, "--lr", str(lr),
+            "--host", args.host, *preset.shard, *given, "--lr", str(lr), *ckpt,
             # the local cluster's shards share the cores with its workers (--server-arg wins)
-            "--threads", "1", *args.server_arg]))
+            "--threads", "1", *args.server_arg])
+        shards.append(cluster.spawn(f"shard-{i}", argvs[-1]))
     ready = _wait_ready(cluster, shards, args.ready_timeout)
     if ready is None:
         return None
+    rolling = RollingRestart(cluster, shards, argvs, ready, console=console,
+                             enabled=args.checkpoints)
+    signal.signal(signal.SIGHUP, rolling.request)
     for r in ready:
         console.print(f"shard {r['shard_id']}: grpc {r['grpc_port']} data {r['data_port']} "
                       f"metrics http://{args.host}:{r['metrics_port']}/metrics")
@@ -251,7 +266,8 @@ def _write_endpoints(cluster: Cluster, ready: list[dict], workers: list[Child]) 
         if cluster.failed() is not None:
             return
         time.sleep(0.1)
-    pids = {c.name: c.proc.pid for c in cluster.children}
+    # the launcher's own pid too: SIGHUP to it is a rolling restart (--checkpoints)
+    pids = {"launcher": os.getpid(), **{c.name: c.proc.pid for c in cluster.children}}
     doc = {"shards": ready, "workers": [w.events[0] for w in workers], "pids": pids}
     tmp = cluster.run_dir / "cluster.json.tmp"
     tmp.write_text(json.dumps(doc, indent=2))
