@@ -90,11 +90,11 @@ class ServerShard:
                              on_failure=self._fail,
                              after_request=None if self.checkpointer is None
                              else self.checkpointer.maybe_save, curve=self.curve)
-        self._http = None
+        self._http = self._http_thread = None
         metrics_port = -1
         if cfg.metrics_port >= 0:
-            self._http, _ = start_http_server(cfg.metrics_port, addr=cfg.host,
-                                              registry=self.metrics.registry)
+            self._http, self._http_thread = start_http_server(
+                cfg.metrics_port, addr=cfg.host, registry=self.metrics.registry)
             metrics_port = self._http.server_port
         self.grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="bitps-grpc"),
@@ -116,6 +116,7 @@ class ServerShard:
         self.ports = {"grpc_port": grpc_port, "data_port": self.data.port,
                       "metrics_port": metrics_port}
         self._stopped = threading.Event()
+        self._stopping = threading.Event()
         self._stop_requested = threading.Event()
 
     def start(self) -> ServerShard:
@@ -123,7 +124,20 @@ class ServerShard:
         self.grpc.start()
         for service in ("", "bitps.Control"):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        threading.Thread(target=self._supervise, name="bitps-supervisor", daemon=True).start()
         return self
+
+    def _supervise(self) -> None:
+        """The no-zombie rule for the thread no loop of ours runs, the Prometheus endpoint's
+        (prometheus-client's ``serve_forever``): one that ends while the shard serves takes
+        the shard down (:meth:`_fail`), as the data loop and ZAP threads do themselves."""
+        thread = self._http_thread
+        while thread is not None and not self._stopping.wait(_POLL_S):
+            if not thread.is_alive() and not self._stopping.is_set():
+                self._fail("metrics", RuntimeError(
+                    f"the Prometheus endpoint's thread {thread.name} ended while the shard "
+                    f"served (port {self.ports['metrics_port']})"))
+                return
 
     def _fail(self, thread: str, error: BaseException) -> None:
         """A thread died of ``error``: say so last, stop reporting healthy, ask serve() to
@@ -183,6 +197,7 @@ class ServerShard:
         replies, then no more updates), then the final checkpoint with ``checkpoint_dir``."""
         if self._stopped.is_set():
             return
+        self._stopping.set()
         self.health.enter_graceful_shutdown()
         self.grpc.stop(grace_s).wait()
         self.data.stop()

@@ -118,6 +118,25 @@ def test_a_failing_data_thread_turns_health_not_serving(cluster, monkeypatch):
     client.close(leave=False)
 
 
+def test_an_ended_metrics_thread_takes_the_shard_down(cluster):
+    """Issue 29: the Prometheus endpoint's thread (prometheus-client's) is under the
+    no-zombie rule too: when it ends while the shard serves, the shard fails (health
+    NOT_SERVING, ``failure`` names it) instead of serving on without metrics. A stop ends it
+    without a failure."""
+    (shard,) = cluster(1, mode="async", optimizer=SGD, metrics_port=0)
+    shard._http.shutdown()  # its serve_forever returns: the thread ends
+    end = time.monotonic() + 5
+    while shard.failure is None and time.monotonic() < end:
+        time.sleep(0.02)
+    assert shard.failure is not None and "metrics" in str(shard.failure), shard.failure
+    assert "Prometheus endpoint" in str(shard.failure)
+    assert _health(shard.ports["grpc_port"]) == health_pb2.HealthCheckResponse.NOT_SERVING
+    (calm,) = cluster(1, mode="async", optimizer=SGD, metrics_port=0)
+    calm.stop(0)
+    time.sleep(0.5)  # more than the supervisor's poll
+    assert calm.failure is None
+
+
 _FAILING_SERVER = """
 import sys
 from bitps.ps import __main__ as cli
