@@ -282,6 +282,10 @@ def test_curve_on_one_side_only_is_a_typed_error_at_registration(cluster, keys):
         assert time.monotonic() - t0 < 5  # an answer, not a hang
         if i == 1:  # the shard refused these two before reading the plan
             assert not curve.core.slots and not curve.core.clocks.workers
+        if i >= 2:  # the shard took the registration; the worker refused it and left at once
+            with shard.core.lock:  # (issue 29: before, peers waited for its heartbeat timeout)
+                workers = dict(shard.core.clocks.workers)
+            assert workers and all(w.left for w in workers.values()), workers
 
 
 # -- what travels on the wire --------------------------------------------------------------------

@@ -143,16 +143,19 @@ class ControlClient:
         except grpc.RpcError as err:
             raise self.error(err, shard) from None
         said = dict(call.trailing_metadata() or ()).get(_CURVE_SERVER_KEY_METADATA_KEY, "")
+        refusal = None
         if self.curve is not None and not said:
-            raise PSError(pb.UNAUTHENTICATED, f"shard {shard} ({self.cfg.servers[shard]}) "
-                          f"serves plain ZeroMQ; this worker has curve_server_key "
-                          f"{self.cfg.curve_server_key} (expected both sides with CURVE keys, "
-                          f"or neither)", shard=shard)
-        if self.curve is not None and said.encode() != self.curve.server:
-            raise PSError(pb.UNAUTHENTICATED, f"shard {shard} ({self.cfg.servers[shard]})'s "
-                          f"CURVE public key is {said}; curve_server_key "
-                          f"{self.cfg.curve_server_key} holds "
-                          f"{self.curve.server.decode()}", shard=shard)
+            refusal = (f"shard {shard} ({self.cfg.servers[shard]}) serves plain ZeroMQ; this "
+                       f"worker has curve_server_key {self.cfg.curve_server_key} (expected "
+                       f"both sides with CURVE keys, or neither)")
+        elif self.curve is not None and said.encode() != self.curve.server:
+            refusal = (f"shard {shard} ({self.cfg.servers[shard]})'s CURVE public key is "
+                       f"{said}; curve_server_key {self.cfg.curve_server_key} holds "
+                       f"{self.curve.server.decode()}")
+        if refusal is not None:
+            # the shard registered this rank: leave at once, so no peer waits for it
+            self._leave(shard, self.stubs[shard])
+            raise PSError(pb.UNAUTHENTICATED, refusal, shard=shard)
         return reply
 
     def _stream(self, plan: KeyPlan, shard: int, reg: Registration
@@ -269,11 +272,14 @@ class ControlClient:
         """Tell every shard this rank leaves (so peers stop waiting for it); failures are
         logged, not raised: the shards expire a silent worker anyway."""
         for shard, stub in enumerate(self.stubs):
-            try:
-                stub.Leave(pb.LeaveRequest(rank=self.cfg.rank, token=self.cfg.token),
-                           timeout=5, metadata=self.metadata)
-            except grpc.RpcError as err:
-                log.warning("leave shard %d failed: %s", shard, err.code().name)
+            self._leave(shard, stub)
+
+    def _leave(self, shard: int, stub: pb_grpc.ControlStub) -> None:
+        try:
+            stub.Leave(pb.LeaveRequest(rank=self.cfg.rank, token=self.cfg.token), timeout=5,
+                       metadata=self.metadata)
+        except grpc.RpcError as err:
+            log.warning("leave shard %d failed: %s", shard, err.code().name)
 
     def error(self, err: grpc.RpcError, shard: int) -> PSError:
         """The shard's typed error carried by a failed call (or what the failure says)."""
