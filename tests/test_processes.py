@@ -156,3 +156,44 @@ def test_sighup_restarts_the_shards_one_at_a_time_while_training_runs(tmp_path):
         assert list((tmp_path / "checkpoints" / f"shard-{i}").glob("ckpt-*"))
     worker_logs = " ".join((tmp_path / f"worker-{r}.log").read_text() for r in (0, 1))
     assert "is back at clock" in worker_logs
+
+
+def test_launch_with_curve_trains_and_its_shards_refuse_a_plain_client(tmp_path):
+    """``bitps-launch --curve`` (issue 29): key pairs for the shards and every rank go into
+    RUN_DIR/keys; the workers train over CURVE, and a client without keys is refused."""
+    import numpy as np
+
+    from bitps.proto import bitps_pb2 as pb
+    from bitps.proto.keyplan import ParamSpec, make_plan
+    from bitps.proto.wire import PSError
+    from bitps.worker import ClientConfig, PSClient
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bitps.worker.launch", "--shards", "1", "--workers", "2",
+         "--mode", "async", "--curve", "--run-dir", str(tmp_path), "--", "--steps", "100000",
+         "--seq-len", "16", "--batch-size", "2", "--corpus-bytes", "20000", "--log-every", "5"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        cluster = _wait_for(tmp_path / "cluster.json", proc)
+        end = time.monotonic() + 60
+        while _metrics(cluster["shards"][0]["metrics_port"])["bitps_updates_applied_total"] < 4:
+            assert time.monotonic() < end and proc.poll() is None, "no training"
+            time.sleep(0.1)
+        plan = make_plan([ParamSpec("w", (8,))], num_shards=1)
+        plain = PSClient(ClientConfig(servers=(f"127.0.0.1:{cluster['shards'][0]['grpc_port']}",),
+                                      rank=0, world_size=2))
+        try:
+            with pytest.raises(PSError) as err:
+                plain.register(plan, {k.key: np.zeros(k.length, np.float32) for k in plan.keys})
+        finally:
+            plain.close(leave=False)
+        assert err.value.code == pb.UNAUTHENTICATED and "CURVE" in err.value.message
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 130
+    finally:
+        proc.kill()
+        proc.wait()
+    keys = tmp_path / "keys"
+    assert sorted(p.name for p in (keys / "allowed").iterdir()) == ["worker-0.key",
+                                                                    "worker-1.key"]
+    assert (keys / "server.key_secret").exists()

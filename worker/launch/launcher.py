@@ -120,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--host", default="127.0.0.1", help="address the shards bind to and workers dial")
     add("--run-dir", default=None, help="logs + summary.json (default runs/<timestamp>)")
     add("--ready-timeout", type=float, default=60.0, help="seconds for shards to become ready")
+    add("--curve", action="store_true",
+        help="encrypt and authenticate the data plane with CURVE: key pairs for the shards "
+             "and one per worker rank are generated into RUN_DIR/keys (bitps-keygen's "
+             "layout) and passed to every process")
     add("--checkpoints", action="store_true",
         help="every shard checkpoints into RUN_DIR/checkpoints/shard-I (a final one when it "
              "stops); SIGHUP to the launcher then restarts the shards one at a time while "
@@ -201,8 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _start_shards(cluster: Cluster, args) -> list[dict] | None:
-    """Start ``--shards`` shards; their ready lines, or None (explained) if one failed."""
+def _start_shards(cluster: Cluster, args, clients: int | None = None) -> list[dict] | None:
+    """Start ``--shards`` shards for ``clients`` worker processes (default ``--workers``);
+    their ready lines, or None (explained) if one failed."""
+    clients = args.workers if clients is None else clients
     py = sys.executable
     shards = []
     preset = ALGORITHM_PRESETS[args.algorithm]
@@ -217,6 +223,7 @@ def _start_shards(cluster: Cluster, args) -> list[dict] | None:
         argvs.append([
             py, "-m", "bitps.ps", "--shard-id", str(i), "--num-shards", str(args.shards),
             "--host", args.host, *preset.shard, *given, "--lr", str(lr), *ckpt,
+            *_curve_shard_flags(cluster, args, clients),
             # the local cluster's shards share the cores with its workers (--server-arg wins)
             "--threads", "1", *args.server_arg])
         shards.append(cluster.spawn(f"shard-{i}", argvs[-1]))
@@ -232,6 +239,50 @@ def _start_shards(cluster: Cluster, args) -> list[dict] | None:
     return ready
 
 
+# -- CURVE (--curve) ----------------------------------------------------------------------------
+def _keys(cluster: Cluster) -> Path:
+    return cluster.run_dir / "keys"
+
+
+def _curve_shard_flags(cluster: Cluster, args, clients: int) -> list[str]:
+    """The shards' CURVE flags, every client's key pair made first: a shard reads the keys
+    it allows when it starts (the shard pair is written with the first client's)."""
+    if not args.curve:
+        return []
+    for rank in range(clients):
+        _curve_client_files(cluster, rank)
+    keys = _keys(cluster)
+    return ["--curve-secret-key", str(keys / "server.key_secret"),
+            "--curve-allowed-keys", str(keys / "allowed")]
+
+
+def _curve_client_files(cluster: Cluster, rank: int) -> tuple[Path, Path]:
+    """Rank ``rank``'s key pair (made once, with ``bitps.proto.keys.keygen``): the shards'
+    public key and this rank's secret key files."""
+    from bitps.proto.keys import keygen
+
+    keys = _keys(cluster)
+    secret = keys / f"worker-{rank}.key_secret"
+    if not secret.exists():
+        keygen(keys, f"worker-{rank}")
+    return keys / "server.key", secret
+
+
+def _curve_client_flags(cluster: Cluster, args, rank: int) -> list[str]:
+    if not args.curve:
+        return []
+    server, secret = _curve_client_files(cluster, rank)
+    return ["--curve-server-key", str(server), "--curve-client-key", str(secret)]
+
+
+def _curve_client_env(cluster: Cluster, args, rank: int) -> dict[str, str]:
+    """For a script: the variables ``bitps.connect()`` reads the CURVE keys from."""
+    if not args.curve:
+        return {}
+    server, secret = _curve_client_files(cluster, rank)
+    return {"BITPS_CURVE_SERVER_KEY": str(server), "BITPS_CURVE_CLIENT_KEY": str(secret)}
+
+
 def _run(cluster: Cluster, args, worker_args: list[str]) -> int:
     py = sys.executable
     preset = ALGORITHM_PRESETS[args.algorithm]
@@ -241,7 +292,8 @@ def _run(cluster: Cluster, args, worker_args: list[str]) -> int:
     servers = ",".join(f"{args.host}:{r['grpc_port']}" for r in ready)
     workers = [cluster.spawn(f"worker-{r}", [
         py, "-m", "bitps.worker", "--servers", servers, "--rank", str(r), "--world-size",
-        str(args.workers), "--json", *preset.worker, *worker_args]) for r in range(args.workers)]
+        str(args.workers), "--json", *preset.worker, *_curve_client_flags(cluster, args, r),
+        *worker_args]) for r in range(args.workers)]
     threading.Thread(target=_write_endpoints, args=(cluster, ready, workers), daemon=True).start()
     code = _follow(cluster, workers)
     with (cluster.run_dir / "steps.jsonl").open("w") as f:
@@ -366,7 +418,8 @@ def _run_script(cluster: Cluster, args, script_args: list[str]) -> int:
     env = {"WORLD_SIZE": str(args.workers), "MASTER_ADDR": args.host,
            "MASTER_PORT": str(_free_port(args.host)), "BITPS_SERVERS": servers}
     workers = [cluster.spawn(f"worker-{r}", [sys.executable, args.script, *script_args],
-                             env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), echo=True)
+                             env=dict(env, RANK=str(r), LOCAL_RANK=str(r),
+                                      **_curve_client_env(cluster, args, r)), echo=True)
                for r in range(args.workers)]
     doc = {"shards": ready, "servers": servers,
            "pids": {c.name: c.proc.pid for c in cluster.children}}
@@ -447,7 +500,7 @@ def _free_port(host: str) -> int:
 
 
 def _run_pipeline(cluster: Cluster, args, plan: _Pipeline) -> int:
-    ready = _start_shards(cluster, args)
+    ready = _start_shards(cluster, args, plan.dp * plan.pp)
     if ready is None:
         return 1
     servers = ",".join(f"{args.host}:{r['grpc_port']}" for r in ready)
@@ -458,8 +511,8 @@ def _run_pipeline(cluster: Cluster, args, plan: _Pipeline) -> int:
                 "MASTER_PORT": str(_free_port(args.host))}
     stages = [cluster.spawn(f"stage-r{r // plan.pp}-s{r % plan.pp}", [
         sys.executable, "-m", "bitps.worker.pipeline", "--servers", servers, "--json",
-        *plan.argv], env=dict(torchrun, RANK=str(r), LOCAL_RANK=str(r)))
-        for r in range(world)]
+        *_curve_client_flags(cluster, args, r), *plan.argv],
+        env=dict(torchrun, RANK=str(r), LOCAL_RANK=str(r))) for r in range(world)]
     threading.Thread(target=_write_endpoints, args=(cluster, ready, stages), daemon=True).start()
     code = _follow(cluster, stages, _stage_start)
     with (cluster.run_dir / "steps.jsonl").open("w") as f:
