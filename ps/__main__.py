@@ -207,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         # Only set a flag here: stopping gRPC and joining threads inside a signal handler can
         # deadlock; serve() does the shutdown on the main thread.
         signal.signal(sig, lambda *_: shard.request_stop())
+    # SIGHUP: read the allowed CURVE client keys again (serve() does it, on the main thread)
+    signal.signal(signal.SIGHUP, lambda *_: shard.request_reload())
     # The mode too, so that a launcher that left it to the shard (environment, file) reports it.
     print(json.dumps({**shard.ready_event(), "mode": cfg.mode}), flush=True)
     logging.info("shard %d/%d serving %s (mode %s, optimizer %s)", cfg.shard_id, cfg.num_shards,

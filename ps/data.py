@@ -76,6 +76,12 @@ class ZapHandler:
     def start(self) -> None:
         self._thread.start()
 
+    def set_allowed(self, allowed: frozenset[bytes]) -> None:
+        """Answer the next handshakes with ``allowed`` (Z85 public keys), as read again
+        (``ServerShard.reload_keys``); connections already made stay: CURVE authenticates a
+        connection once, at its handshake."""
+        self.allowed = frozenset(z85.decode(k) for k in allowed)  # one assignment: atomic
+
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive():

@@ -25,6 +25,7 @@ restored, and a bad one is a ``KeyFileError`` naming it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -36,7 +37,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
 from bitps.proto import bitps_pb2_grpc as pb_grpc
-from bitps.proto.keys import load_allowed_keys, load_key_pair, read_pem
+from bitps.proto.keys import KeyFileError, load_allowed_keys, load_key_pair, read_pem
 from bitps.ps.checkpoint import Checkpoint, Checkpointer
 from bitps.ps.config import ServerConfig
 from bitps.ps.control import ControlServicer, TokenInterceptor
@@ -102,10 +103,9 @@ class ServerShard:
                      ("grpc.max_send_message_length", _GRPC_MAX_MESSAGE),
                      ("grpc.so_reuseport", 0)],
             interceptors=[TokenInterceptor(cfg.token)] if cfg.token else None)
-        pb_grpc.add_ControlServicer_to_server(
-            ControlServicer(self.core, data_port=self.data.port, metrics_port=metrics_port,
-                            curve=self.curve),
-            self.grpc)
+        self.control = ControlServicer(self.core, data_port=self.data.port,
+                                       metrics_port=metrics_port, curve=self.curve)
+        pb_grpc.add_ControlServicer_to_server(self.control, self.grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         address = f"{cfg.host}:{cfg.grpc_port}"
@@ -118,6 +118,7 @@ class ServerShard:
         self._stopped = threading.Event()
         self._stopping = threading.Event()
         self._stop_requested = threading.Event()
+        self._reload_requested = threading.Event()
 
     def start(self) -> ServerShard:
         self.data.start()
@@ -178,11 +179,42 @@ class ServerShard:
         """Ask :meth:`serve` to return (safe from a signal handler: it only sets a flag)."""
         self._stop_requested.set()
 
+    def request_reload(self) -> None:
+        """Ask :meth:`serve` to :meth:`reload_keys` (SIGHUP's handler: it only sets a flag)."""
+        self._reload_requested.set()
+
+    def reload_keys(self) -> int | None:
+        """Read ``curve_allowed_keys`` again and let exactly those clients' next handshakes
+        in: a key added is allowed, a key removed refused from its next connection on (one
+        made stays). Returns how many keys are allowed now; ``None`` (logged) without CURVE,
+        or when the directory no longer reads (``KeyFileError``: the old set stays)."""
+        zap, cfg = self.data.zap, self.cfg
+        if zap is None:
+            log.warning("shard %d: SIGHUP: no CURVE data plane, no keys to reload",
+                        cfg.shard_id)
+            return None
+        try:
+            allowed = load_allowed_keys(cfg.curve_allowed_keys)
+        except KeyFileError as err:
+            log.error("shard %d: allowed keys not reloaded, the %d before stay: %s",
+                      cfg.shard_id, len(zap.allowed), err)
+            return None
+        before = len(zap.allowed)
+        # both checks: Register's (a diagnosis, ps.control) and the handshake's (ZAP)
+        self.curve = self.control.curve = dataclasses.replace(self.curve, allowed=allowed)
+        zap.set_allowed(allowed)
+        log.info("shard %d: reloaded %s: %d client keys allowed (%d before)", cfg.shard_id,
+                 cfg.curve_allowed_keys, len(allowed), before)
+        return len(allowed)
+
     def serve(self) -> None:
         """Block until :meth:`request_stop` or :meth:`stop` (or, with ``exit_when_done``, until
         :meth:`workers_done`), then stop; raises :class:`ShardFailure` when a thread of the
         shard failed."""
         while not (self._stop_requested.wait(_POLL_S) or self._stopped.is_set()):
+            if self._reload_requested.is_set():
+                self._reload_requested.clear()
+                self.reload_keys()
             if self.cfg.exit_when_done and self.workers_done():
                 log.info("shard %d: every worker has left; exiting (exit_when_done)",
                          self.cfg.shard_id)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import socket
 import stat
 import struct
@@ -496,3 +497,39 @@ def test_without_keys_nothing_changes(cluster):
     client.push(keys_, [np.ones(N, np.float32)], clock=0).wait()
     client.close()
     assert os.environ.get("BITPS_CURVE_SECRET_KEY") is None
+
+
+def test_sighup_reloads_the_allowed_client_keys(tmp_path, keys):
+    """Issue 29: a shard read its allowed client keys only at start, so adding a worker meant
+    a restart. SIGHUP to ``bitps-server`` reads the directory again: a key added since is let
+    in, a key removed is refused from its next connection on."""
+    from tests.faults import start_server
+
+    shard = start_server("--mode", "async", "--optimizer", "sgd",
+                         *(f"--{k.replace('_', '-')}={v}" for k, v in _curve(keys).items()))
+    port = {"ports": {"grpc_port": shard.ready["grpc_port"]}}
+    target = type("Shard", (), port)
+    try:
+        late = keygen(tmp_path / "keys", "late")  # written after the shard started
+        with pytest.raises(PSError) as err:
+            _joined(target, token="", **_client_curve({**keys, "late": late["client_secret"]},
+                                                      "late"))
+        assert "is not in shard 0's curve_allowed_keys" in err.value.message
+        keys["allowed"].unlink()  # w0 is revoked: allowed/w0.key goes
+        shard.popen.send_signal(signal.SIGHUP)
+        end = time.monotonic() + 10
+        while True:
+            try:
+                client, _ = _joined(target, token="", **_client_curve(
+                    {**keys, "late": late["client_secret"]}, "late"))
+                break
+            except PSError:
+                assert time.monotonic() < end, "the new key was never let in"
+                time.sleep(0.2)
+        client.close()
+        with pytest.raises(PSError) as err:
+            _joined(target, token="", **_client_curve(keys))  # w0: removed
+        assert "is not in shard 0's curve_allowed_keys" in err.value.message
+        assert shard.alive()
+    finally:
+        shard.kill()
