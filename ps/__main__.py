@@ -66,6 +66,9 @@ def _settings(rule_flags: list[Setting]) -> tuple[Setting, ...]:
                                          "ready line)"),
         from_field(_S, "data_port", help="ZeroMQ ROUTER data port; 0 = any free port"),
         from_field(_S, "metrics_port", help="Prometheus port; 0 = any free port, -1 = off"),
+        from_field(_S, "health_port", help="plaintext gRPC port with only the health service "
+                                           "(probes of a TLS shard); 0 = any free port, -1 = "
+                                           "off"),
         from_field(_S, "mode", help="consistency model: sync (BSP), async (ASP), ssp (bounded "
                                     "staleness) or a plug-in's"),
         from_field(_S, "staleness", help="SSP bound S: a worker at clock c waits until every live "

@@ -127,6 +127,11 @@ class ServerConfig:
     """ZeroMQ ROUTER data port; 0 picks a free port."""
     metrics_port: int = 0
     """Prometheus HTTP port; 0 picks a free port, -1 disables the endpoint."""
+    health_port: int = -1
+    """A plaintext gRPC port serving only the health service (``grpc.health.v1``, the
+    statuses of the main port's): for probes that cannot speak TLS (Kubernetes' native gRPC
+    probe, the image's HEALTHCHECK) when the gRPC port is TLS. 0 picks a free port; -1 (the
+    default) serves none. It carries no Control call, token or data."""
     mode: str = field(default="async", metadata={"choices": MODES})
     """Consistency: ``sync`` (BSP), ``async`` (ASP), ``ssp`` (bounded staleness) or a mode a
     plug-in registers (``ps.consistency.register``)."""

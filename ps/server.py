@@ -114,7 +114,18 @@ class ServerShard:
         if not grpc_port:
             raise OSError(f"cannot bind gRPC on {cfg.host}:{cfg.grpc_port}")
         self.ports = {"grpc_port": grpc_port, "data_port": self.data.port,
-                      "metrics_port": metrics_port}
+                      "metrics_port": metrics_port, "health_port": -1}
+        self.health_grpc = None
+        """The plaintext health-only gRPC server (``health_port``), or ``None``."""
+        if cfg.health_port >= 0:
+            self.health_grpc = grpc.server(
+                futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="bitps-health"),
+                options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_grpc)
+            bound = self.health_grpc.add_insecure_port(f"{cfg.host}:{cfg.health_port}")
+            if not bound:
+                raise OSError(f"cannot bind the health port on {cfg.host}:{cfg.health_port}")
+            self.ports["health_port"] = bound
         self._stopped = threading.Event()
         self._stopping = threading.Event()
         self._stop_requested = threading.Event()
@@ -123,6 +134,8 @@ class ServerShard:
     def start(self) -> ServerShard:
         self.data.start()
         self.grpc.start()
+        if self.health_grpc is not None:
+            self.health_grpc.start()
         for service in ("", "bitps.Control"):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         threading.Thread(target=self._supervise, name="bitps-supervisor", daemon=True).start()
@@ -232,6 +245,8 @@ class ServerShard:
         self._stopping.set()
         self.health.enter_graceful_shutdown()
         self.grpc.stop(grace_s).wait()
+        if self.health_grpc is not None:
+            self.health_grpc.stop(0).wait()
         self.data.stop()
         self.core.key_pool.close()
         self._final_checkpoint()

@@ -533,3 +533,33 @@ def test_sighup_reloads_the_allowed_client_keys(tmp_path, keys):
         assert shard.alive()
     finally:
         shard.kill()
+
+
+def test_a_tls_shard_is_checked_by_bitps_status_and_probed_on_its_health_port(cluster, certs):
+    """Issue 29: nothing could check a TLS shard's health. ``--health-port`` serves the
+    health service alone in plaintext (Kubernetes' native gRPC probe, the image's
+    HEALTHCHECK), with the main port's statuses; ``bitps-status`` speaks TLS with the
+    worker's ``--tls-*`` files."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from bitps.worker.launch import status
+
+    (shard,) = cluster(1, mode="async", optimizer=SGD, token=TOKEN, metrics_port=-1,
+                       health_port=0, tls_cert_file=certs["shard.pem"],
+                       tls_key_file=certs["shard.key"])
+    port = shard.ports["health_port"]
+    assert port > 0 and port != shard.ports["grpc_port"]
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        reply = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="bitps.Control"), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError):  # health only: no Control call on this port
+            pb_grpc.ControlStub(ch).Status(pb.StatusRequest(token=TOKEN), timeout=5)
+    server = f"127.0.0.1:{shard.ports['grpc_port']}"
+    base = ["--servers", server, "--token", TOKEN, "--json", "--timeout", "3"]
+    assert status.main(base) == 1  # plaintext against TLS: not answered
+    assert status.main([*base, "--tls-ca-file", certs["ca.pem"]]) == 0
+    assert status.main([*base, "--tls-ca-file", str(certs["shard.key"]) + ".missing"]) == 2
+    shard.stop(0)
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch, pytest.raises(grpc.RpcError):
+        health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)

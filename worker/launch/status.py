@@ -31,8 +31,11 @@ from collections.abc import Sequence
 
 from rich.console import Console
 
-from bitps.proto.settings import Program, SettingError, option
+from bitps.proto.keys import KeyFileError
+from bitps.proto.settings import Program, SettingError, from_field, option
+from bitps.worker.config import ClientConfig
 from bitps.worker.launch.waits import fetch, merge, render
+from bitps.worker.transport.control import tls_channel_credentials
 
 __all__ = ["PROGRAM", "main"]
 
@@ -40,6 +43,14 @@ PROGRAM = Program("bitps-status", "Ask every shard who waits for whom (the hang 
     option("servers", default="", metavar="HOST:PORT,...",
            help="comma-separated gRPC host:port of every shard, in shard-id order"),
     option("token", default="", help="shared secret of the shards (empty = none)"),
+    # TLS: the worker's settings and variables (BITPS_TLS_CA_FILE, ...), for TLS shards
+    from_field(ClientConfig, "tls_ca_file", metavar="FILE",
+               help="CA (PEM) of the shards' TLS certificates: ask over TLS (empty = "
+                    "plaintext gRPC)"),
+    from_field(ClientConfig, "tls_cert_file", metavar="FILE",
+               help="this side's TLS certificate (PEM), for shards that require one"),
+    from_field(ClientConfig, "tls_key_file", metavar="FILE",
+               help="private key (PEM) of tls-cert-file"),
     # No environment twins below: BITPS_JSON is the worker's own (RunConfig.json), and the
     # servers and token are the only settings a worker's environment should hand over.
     option("watch", default=0.0, metavar="SECONDS", env=None,
@@ -53,8 +64,9 @@ PROGRAM = Program("bitps-status", "Ask every shard who waits for whom (the hang 
 
 
 # -- the program ---------------------------------------------------------------------------------
-def _round(servers: Sequence[str], r, out: Console) -> bool:
-    doc = merge(fetch(servers, token=r["token"], timeout_s=r["timeout"]))
+def _round(servers: Sequence[str], r, out: Console, credentials) -> bool:
+    doc = merge(fetch(servers, token=r["token"], timeout_s=r["timeout"],
+                      credentials=credentials))
     if r["json"]:
         print(json.dumps(doc), flush=True)
     else:
@@ -76,14 +88,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"bitps-status: need --servers HOST:PORT,... (got {r['servers']!r}), --watch >= "
               f"0 (got {r['watch']}) and --timeout > 0 (got {r['timeout']})", file=sys.stderr)
         return 2
+    try:
+        credentials = tls_channel_credentials(r["tls-ca-file"], r["tls-cert-file"],
+                                              r["tls-key-file"])
+    except KeyFileError as err:
+        print(f"bitps-status: {err}", file=sys.stderr)
+        return 2
     out, ok = Console(highlight=False), False
     try:
-        ok = _round(servers, r, out)
+        ok = _round(servers, r, out, credentials)
         while r["watch"]:
             time.sleep(r["watch"])
             if not r["json"]:
                 out.clear()
-            ok = _round(servers, r, out)
+            ok = _round(servers, r, out, credentials)
     except KeyboardInterrupt:
         pass  # --watch ends with Ctrl-C; the status is the last round's
     return 0 if ok else 1

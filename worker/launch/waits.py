@@ -64,13 +64,14 @@ def _rpc_words(err: grpc.RpcError) -> str:
     return f"{err.code().name}: {err.details() or 'no details'}"
 
 
-def fetch(servers: Sequence[str], *, token: str = "", timeout_s: float = 5.0
-          ) -> list[ShardAnswer]:
+def fetch(servers: Sequence[str], *, token: str = "", timeout_s: float = 5.0,
+          credentials: grpc.ChannelCredentials | None = None) -> list[ShardAnswer]:
     """Every server's ``Status``, asked at once (one slow shard costs ``timeout_s``, not one
-    per shard), in ``servers`` order. Never raises for a shard that fails: its answer carries
-    the error."""
+    per shard), in ``servers`` order, over TLS with ``credentials``. Never raises for a shard
+    that fails: its answer carries the error."""
     def ask(index: int, server: str) -> ShardAnswer:
-        with grpc.insecure_channel(server) as channel:
+        with (grpc.insecure_channel(server) if credentials is None
+              else grpc.secure_channel(server, credentials)) as channel:
             try:
                 reply = _status(pb_grpc.ControlStub(channel), token, timeout_s)
             except grpc.RpcError as err:

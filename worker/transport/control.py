@@ -36,7 +36,7 @@ from bitps.worker.config import ClientConfig
 from bitps.worker.metrics import WorkerMetrics
 from bitps.worker.transport.channel import CurveClient, PSTimeoutError
 
-__all__ = ["ControlClient", "Registration"]
+__all__ = ["ControlClient", "Registration", "tls_channel_credentials"]
 
 log = logging.getLogger(__name__)
 _F32 = np.dtype("<f4")
@@ -309,10 +309,18 @@ def _curve_keys(cfg: ClientConfig) -> CurveClient | None:
 
 
 def _tls_credentials(cfg: ClientConfig) -> grpc.ChannelCredentials | None:
-    if not cfg.tls_ca_file:
+    return tls_channel_credentials(cfg.tls_ca_file, cfg.tls_cert_file, cfg.tls_key_file)
+
+
+def tls_channel_credentials(ca_file: str, cert_file: str = "", key_file: str = ""
+                            ) -> grpc.ChannelCredentials | None:
+    """gRPC TLS credentials for a channel to the shards: their CA (PEM), and this side's
+    certificate and key when the shards require one; ``None`` without a CA (plaintext).
+    ``ClientConfig``'s ``tls_*`` fields; ``bitps-status`` takes the same files."""
+    if not ca_file:
         return None
-    ca = read_pem(cfg.tls_ca_file, "CA certificates")
-    key = read_pem(cfg.tls_key_file, "a private key") if cfg.tls_key_file else None
-    chain = read_pem(cfg.tls_cert_file, "a certificate chain") if cfg.tls_cert_file else None
+    ca = read_pem(ca_file, "CA certificates")
+    key = read_pem(key_file, "a private key") if key_file else None
+    chain = read_pem(cert_file, "a certificate chain") if cert_file else None
     return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
                                         certificate_chain=chain)
