@@ -40,6 +40,9 @@ class Link:
     """The tbf rate (``1gbit``), or ``unshaped``."""
     note: str
     """What was set up, or why the fallback was taken."""
+    devices: tuple[str, ...] = ()
+    """The veth ends, this namespace's then the child's (``ip link set DEV down`` cuts the
+    link: tests/test_partition.py); empty on loopback."""
 
 
 def _run(*argv: str) -> None:
@@ -82,7 +85,7 @@ def shaped_link(rate: str = "1gbit", *, burst: str = "256kb",
         return
     try:
         yield Link(kind="netns", server_ip=server_ip, host_ip=host_ip, prefix=inside,
-                   rate=rate,
+                   rate=rate, devices=(here, there),
                    note=f"veth pair {here} <-> {there} (namespace {ns}), tc tbf rate {rate} "
                         f"burst {burst} latency {latency} on both ends")
     finally:

@@ -45,6 +45,8 @@ class ClockTable:
         self.generation = 0
         """Counts the changes of any clock or of the live set: what a consistency mode
         decides on has stayed the same while it has (``ps.held``)."""
+        self._cut_off = False  # every live worker silent past the timeout (expire)
+        self._grace_until = float("-inf")
 
     # -- membership ---------------------------------------------------------------------------
     def register(self, rank: int, world_size: int, start_clock: int = 0) -> None:
@@ -101,10 +103,31 @@ class ClockTable:
         return [r for r in live if r in ranks or not workers[r].registered]
 
     def expire(self) -> list[int]:
-        """Drop workers silent for longer than the timeout; returns the ranks newly dropped."""
+        """Drop workers silent for longer than the timeout while this shard still hears
+        others: a worker is dropped once another registered worker (not left) has been heard
+        from after its silence passed the timeout. When every worker falls silent together
+        (this shard cut off from them: a partition), none is dropped, so no sync step is
+        applied without the pushes the link holds up; once one speaks again the others get
+        one more timeout to (their reconnects differ), and the job continues as if nothing
+        had happened. Returns the ranks newly dropped."""
         t, gone = self.now(), []
+        active = [w for w in self.workers.values() if w.registered and not w.left
+                  and not w.dropped]
+        latest = max((w.last_seen for w in active), default=None)
+        if latest is not None and t - latest > self.timeout_s:
+            self._cut_off = True  # every worker silent: this shard is cut off from them
+            return gone
+        if self._cut_off and latest is not None:
+            # the link is back (someone spoke): the others get one timeout to speak too
+            self._cut_off, self._grace_until = False, latest + self.timeout_s
+        if t < self._grace_until:
+            return gone
         for w in self.workers.values():
-            if not w.dropped and not w.left and t - w.last_seen > self.timeout_s:
+            if w.dropped or w.left or t - w.last_seen <= self.timeout_s:
+                continue
+            deadline = w.last_seen + self.timeout_s
+            if any(o is not w and o.registered and not o.left and o.last_seen > deadline
+                   for o in self.workers.values()):
                 w.dropped = True
                 gone.append(w.rank)
                 self.generation += 1

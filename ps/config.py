@@ -140,7 +140,9 @@ class ServerConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Server-side update rule."""
     heartbeat_timeout_s: float = 10.0
-    """A worker silent (no heartbeat, no data) this long is dropped from the live set."""
+    """A worker silent (no heartbeat, no data) this long is dropped from the live set, once
+    another worker is heard after it (every worker silent together: a partition, none is
+    dropped; ``ps.clocks.ClockTable.expire``)."""
     pull_deadline_s: float = 60.0
     """Longest a held pull waits when the request names no deadline; then DEADLINE error."""
     token: str = ""

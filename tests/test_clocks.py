@@ -33,8 +33,8 @@ def test_registration_makes_the_rest_of_the_world_expected():
     assert table.workers[1].last_seen == 100.0
     t[0] = 100.0 + TIMEOUT
     assert table.expire() == []  # silent for exactly the timeout: still live
-    table.seen(0)
     t[0] = 100.0 + TIMEOUT + 0.5
+    table.seen(0)  # rank 0 is heard after rank 1's silence passed the timeout
     assert table.expire() == [1]
     assert table.live() == [0]
     table.register(1, 2)
@@ -70,14 +70,36 @@ def test_expire_drops_silent_workers_exactly_once():
     table, t = _table(world=3)
     t[0] += 6
     table.seen(1)
-    t[0] += 6  # rank 0 and 2 silent for 12 s, rank 1 for 6 s
+    t[0] += 6  # rank 0 and 2 silent for 12 s, rank 1 for 6 s: no one heard after 110 yet
+    assert table.expire() == []
+    table.seen(1)  # rank 1 speaks: the shard still hears its workers; 0 and 2 are gone
     assert table.expire() == [0, 2]
     assert table.expire() == []
     assert table.live() == [1]
     assert table.workers[0].dropped and table.workers[2].dropped
-    t[0] += 5
+    t[0] += TIMEOUT + 5
+    assert table.expire() == []  # the last one is not dropped: nobody is heard instead
+    assert table.live() == [1]
+
+
+def test_a_partition_from_every_worker_drops_none():
+    """Issue 29: every worker falls silent together (this shard is cut off), their silences
+    passing the timeout one after the other: none is dropped, so no sync step goes without
+    the pushes the link holds up; once the link is back, all are live as before."""
+    table, t = _table(world=2)
+    t[0] += 0.9
+    table.seen(1)  # the last words before the cut: rank 1 heard 0.9 s after rank 0
+    for dt in (TIMEOUT + 0.5, TIMEOUT + 1.5, 5 * TIMEOUT):
+        t[0] = 100.0 + dt
+        assert table.expire() == []
+    table.seen(0)  # the link is back: rank 0 speaks first, rank 1 reconnects more slowly
+    t[0] += TIMEOUT - 1
+    assert table.expire() == []  # one more timeout for the others to speak
+    table.seen(1)
+    assert table.live() == [0, 1] and not any(w.dropped for w in table.workers.values())
+    t[0] += TIMEOUT + 1  # now rank 1 alone dies: rank 0 is heard, so it is dropped
+    table.seen(0)
     assert table.expire() == [1]
-    assert table.live() == [] and table.min_clock() == 0
 
 
 def test_dropped_worker_seen_again_is_live_again():
@@ -89,7 +111,8 @@ def test_dropped_worker_seen_again_is_live_again():
     assert table.live() == [0, 1]
     assert not table.workers[0].dropped and table.workers[0].clock == 2
     t[0] += TIMEOUT + 1
-    assert table.expire() == [0, 1]  # and it can be dropped again
+    table.seen(1)
+    assert table.expire() == [0]  # and it can be dropped again
 
 
 def test_leave_removes_from_live_until_registered_again():
@@ -102,11 +125,17 @@ def test_leave_removes_from_live_until_registered_again():
     table.seen(0, 2)  # a late message from a worker that left does not bring it back
     assert table.live() == [1, 2]
     t[0] += TIMEOUT + 1
-    assert table.expire() == [1, 2]  # a worker that left is not "dropped" as well
+    table.seen(0, 3)  # a worker that left is heard, but is no evidence for the others
+    assert table.expire() == []
+    table.seen(2)
+    assert table.expire() == []  # 1 and 2 were silent together: 1 gets one more timeout
+    t[0] += TIMEOUT + 0.5
+    table.seen(2)
+    assert table.expire() == [1]  # a worker that left is not "dropped" as well
     table.leave(42)  # unknown rank: no effect
     table.register(0, 3)
-    assert table.live() == [0]
-    assert table.workers[0].clock == 2
+    assert table.live() == [0, 2]
+    assert table.workers[0].clock == 3
 
 
 def test_min_clock_over_live_workers():
@@ -121,6 +150,7 @@ def test_min_clock_over_live_workers():
     t[0] += 6
     table.seen(1)
     t[0] += 6
+    table.seen(1)
     assert table.expire() == [2]
     assert table.min_clock() == 8
 
