@@ -368,6 +368,20 @@ class AlgorithmConfig:
                              f"{self.inner_weight_decay} >= 0")
 
 
+def tls_settings() -> tuple[Setting, ...]:
+    """A client's gRPC TLS files (``ClientConfig.tls_*``), shared by every program that asks
+    the shards over gRPC (``connection_settings``, ``bitps-status``)."""
+    return (
+        from_field(ClientConfig, "tls_ca_file", metavar="FILE",
+                   help="CA (PEM) of the shards' TLS certificates: gRPC over TLS (empty = "
+                        "plaintext gRPC)"),
+        from_field(ClientConfig, "tls_cert_file", metavar="FILE",
+                   help="this side's TLS certificate (PEM), for shards that require one"),
+        from_field(ClientConfig, "tls_key_file", metavar="FILE",
+                   help="private key (PEM) of tls-cert-file"),
+    )
+
+
 def connection_settings() -> tuple[Setting, ...]:
     """The settings of how a client reaches the shards (token, CURVE, TLS, deadlines,
     reconnection), shared by every program that runs a :class:`PSClient` (``bitps-worker``,
@@ -379,13 +393,7 @@ def connection_settings() -> tuple[Setting, ...]:
                         "encrypt the data plane (empty = plain ZeroMQ)"),
         from_field(ClientConfig, "curve_client_key", metavar="FILE",
                    help="this worker's CURVE .key_secret file, allowed by the shards"),
-        from_field(ClientConfig, "tls_ca_file", metavar="FILE",
-                   help="CA (PEM) of the shards' TLS certificates: gRPC over TLS (empty = "
-                        "plaintext gRPC)"),
-        from_field(ClientConfig, "tls_cert_file", metavar="FILE",
-                   help="this worker's TLS certificate (PEM), for shards that require one"),
-        from_field(ClientConfig, "tls_key_file", metavar="FILE",
-                   help="private key (PEM) of tls-cert-file"),
+        *tls_settings(),
         from_field(ClientConfig, "deadline_s", name="deadline",
                    help="seconds any push/pull may wait"),
         from_field(ClientConfig, "reconnect_timeout_s", name="reconnect-timeout",

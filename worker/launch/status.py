@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from rich.console import Console
 
 from bitps.proto.keys import KeyFileError
-from bitps.proto.settings import Program, SettingError, from_field, option
-from bitps.worker.config import ClientConfig
+from bitps.proto.settings import Program, SettingError, option
+from bitps.worker.config import tls_settings
 from bitps.worker.launch.waits import fetch, merge, render
 from bitps.worker.transport.control import tls_channel_credentials
 
@@ -43,14 +43,7 @@ PROGRAM = Program("bitps-status", "Ask every shard who waits for whom (the hang 
     option("servers", default="", metavar="HOST:PORT,...",
            help="comma-separated gRPC host:port of every shard, in shard-id order"),
     option("token", default="", help="shared secret of the shards (empty = none)"),
-    # TLS: the worker's settings and variables (BITPS_TLS_CA_FILE, ...), for TLS shards
-    from_field(ClientConfig, "tls_ca_file", metavar="FILE",
-               help="CA (PEM) of the shards' TLS certificates: ask over TLS (empty = "
-                    "plaintext gRPC)"),
-    from_field(ClientConfig, "tls_cert_file", metavar="FILE",
-               help="this side's TLS certificate (PEM), for shards that require one"),
-    from_field(ClientConfig, "tls_key_file", metavar="FILE",
-               help="private key (PEM) of tls-cert-file"),
+    *tls_settings(),  # the worker's settings and variables (BITPS_TLS_CA_FILE, ...)
     # No environment twins below: BITPS_JSON is the worker's own (RunConfig.json), and the
     # servers and token are the only settings a worker's environment should hand over.
     option("watch", default=0.0, metavar="SECONDS", env=None,
