@@ -167,7 +167,7 @@ class RegisterMessage(_message.Message):
     def __init__(self, request: _Optional[_Union[RegisterRequest, _Mapping]] = ..., values: _Optional[_Union[KeyValues, _Mapping]] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("shard_id", "num_shards", "data_port", "metrics_port", "mode", "staleness", "start_clock", "max_frame_bytes", "holds_pulls", "current_keys", "current_versions", "rule", "rule_params", "worker_lookahead", "incarnation")
+    __slots__ = ("shard_id", "num_shards", "data_port", "metrics_port", "mode", "staleness", "start_clock", "max_frame_bytes", "holds_pulls", "current_keys", "current_versions", "rule", "rule_params", "worker_lookahead", "step", "incarnation")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +182,7 @@ class RegisterReply(_message.Message):
     RULE_FIELD_NUMBER: _ClassVar[int]
     RULE_PARAMS_FIELD_NUMBER: _ClassVar[int]
     WORKER_LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     num_shards: int
@@ -197,8 +198,9 @@ class RegisterReply(_message.Message):
     rule: str
     rule_params: _any_pb2.Any
     worker_lookahead: bool
+    step: int
     incarnation: int
-    def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., data_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., start_clock: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., holds_pulls: _Optional[bool] = ..., current_keys: _Optional[_Iterable[int]] = ..., current_versions: _Optional[_Iterable[int]] = ..., rule: _Optional[str] = ..., rule_params: _Optional[_Union[_any_pb2.Any, _Mapping]] = ..., worker_lookahead: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., data_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., start_clock: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., holds_pulls: _Optional[bool] = ..., current_keys: _Optional[_Iterable[int]] = ..., current_versions: _Optional[_Iterable[int]] = ..., rule: _Optional[str] = ..., rule_params: _Optional[_Union[_any_pb2.Any, _Mapping]] = ..., worker_lookahead: _Optional[bool] = ..., step: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class RuleStateRequest(_message.Message):
     __slots__ = ("rank", "token")

@@ -134,6 +134,11 @@ class Consistency:
         names them); none by default."""
         return []
 
+    def rejoin_step(self, slots: Sequence[Slot]) -> int:
+        """``RegisterReply.step`` for a worker that (re-)registers ``slots``: the step whose
+        push this shard takes next from it, when the mode has one (sync); 0 otherwise."""
+        return 0
+
     def holds_pulls(self, world_size: int) -> bool:
         """Whether a worker's pull may be held in this mode: ``RegisterReply.holds_pulls``
         (SSP says no because it holds only behind a slower peer, which the worker cannot
@@ -209,6 +214,11 @@ class Sync(Consistency):
 
     def holds_pulls(self, world_size):
         return world_size > 1
+
+    def rejoin_step(self, slots):
+        # a worker dropped (silent past the timeout) while its peers went on: the steps were
+        # applied without it, and its next push is for the step its keys are at now
+        return min((s.version for s in slots), default=0)
 
     def check_push(self, header, slots):
         for i, slot in enumerate(slots):

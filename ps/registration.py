@@ -113,11 +113,12 @@ class Registration:
             self._check_partial()
             self.check_initialized()
             start = self.clocks.workers[req.rank].clock
+            step = self.consistency.rejoin_step([slots[s.key] for s in req.keys])
         reply = pb.RegisterReply(shard_id=cfg.shard_id, num_shards=cfg.num_shards, mode=cfg.mode,
                                  staleness=cfg.staleness, start_clock=start,
                                  max_frame_bytes=cfg.max_frame_bytes, rule=self.rule.name,
                                  holds_pulls=self.consistency.holds_pulls(req.world_size),
-                                 incarnation=self.incarnation)
+                                 incarnation=self.incarnation, step=step)
         # the shard moves float32 pulls ahead itself (core._answer), but its codes must reach
         # the worker's exact copy: with a publishing pull codec the worker looks ahead
         reply.worker_lookahead = self.consistency.looks_ahead and self.pull_codec is not None \

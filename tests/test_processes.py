@@ -127,7 +127,7 @@ def test_sighup_restarts_the_shards_one_at_a_time_while_training_runs(tmp_path):
     """``bitps-launch --checkpoints``: SIGHUP to the launcher (its pid is in cluster.json)
     stops each shard with SIGTERM and starts it again on its ports from its final checkpoint,
     one after the other (issue 29); the sync workers wait each out and finish every step."""
-    steps = 60
+    steps = 150  # long enough to outlast both restarts (each a fresh python and numba)
     proc = subprocess.Popen(
         [sys.executable, "-m", "bitps.worker.launch", "--shards", "2", "--workers", "2",
          "--mode", "sync", "--checkpoints", "--run-dir", str(tmp_path), "--",

@@ -365,3 +365,49 @@ def test_a_shard_restored_from_an_older_checkpoint_is_noticed_within_a_heartbeat
     assert seen["noticed_s"] <= heartbeat_s + 1.0, seen
     counts = (metrics.shard_restarts.value, metrics.lost_steps.value, metrics.recoveries.value)
     assert counts == (1, 3, 1), counts
+
+
+def test_a_sync_worker_dropped_as_a_straggler_rejoins_at_the_shards_step():
+    """Issue 29: rank 1 falls silent (its heartbeats stop, it computes nothing) for longer than
+    the shards' heartbeat timeout while rank 0 trains on, so the shards drop it and apply their
+    sync steps without it. When it comes back its push is for a step they have finished;
+    before, its re-registration handed it its own old clock again and it was refused
+    (``BAD_CLOCK``) until ``ShardLostError``. Now it adopts the shards' step and trains on."""
+    shards = [create_server(ServerConfig(shard_id=i, num_shards=2, mode="sync", metrics_port=-1,
+                                         heartbeat_timeout_s=1.0,
+                                         optimizer=OptimizerConfig(name="sgd", lr=0.05)))
+              for i in range(2)]
+    steps, pause_at, errors, ahead = 10, 3, [], {}
+    models = [_model(), _model()]
+
+    def rank(r):
+        try:
+            ps_model = PSModel(models[r], _client(shards, rank=r, world_size=2, deadline_s=2.0))
+            control = ps_model.client.control
+            try:
+                for step in range(steps):
+                    if r == 1 and step == pause_at:
+                        stubs, control.stubs = control.stubs, ()  # no heartbeat goes out
+                        time.sleep(3.0)  # rank 0 goes on alone once this rank is dropped
+                        control.stubs = stubs
+                    x, y = _batch(2 * step + r)
+                    torch.nn.functional.mse_loss(models[r](x), y).backward()
+                    ps_model.step()
+                ps_model.synchronize()
+                ahead[r] = list(ps_model.client.shift)
+            finally:
+                ps_model.close()
+        except BaseException as err:  # noqa: BLE001 - the test looks at it
+            errors.append(err)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        for s in shards:
+            s.stop(0)
+    assert not errors, errors
+    assert ahead[0] == [0, 0] and all(a > 0 for a in ahead[1]), ahead  # rank 1 skipped steps

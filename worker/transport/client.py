@@ -154,8 +154,7 @@ class PSClient:
             self.holds_pulls = self.holds_pulls or reply.holds_pulls
             replies.append(reply)
         self.clock = self.start_clock
-        # Versions of the copies this worker holds, filled by replies: a request names versions
-        # only for keys it has received (a shard sends codes only against a copy it sent).
+        # a request names versions only of received keys (codes go only against a copy sent)
         self.versions.clear()
         self.versions.update(current)
         self.channels.endpoints = endpoints
@@ -301,8 +300,9 @@ class PSClient:
         the steps of this shard's updates that were lost (it came back from an older one).
 
         Adopting: keys whose values differ from ``copies`` lose their versions (pulled whole
-        next); a shard with this worker's clock below ``clock`` (+ shift) lost that many steps,
-        counted (``bitps_worker_lost_steps_total``), logged, its clock adopted (:attr:`shift`).
+        next); a shard at another clock than ``clock`` (+ shift) has its clock adopted
+        (:attr:`shift`): behind, it lost that many steps (``bitps_worker_lost_steps_total``);
+        ahead (sync, this worker was dropped), it went on without this worker's pushes.
         Raises :class:`ShardLostError` past ``end``, other failures as they are."""
         if self.plan is None:
             raise RuntimeError("register() before recover()")
@@ -339,19 +339,19 @@ class PSClient:
         endpoint = self._endpoint(shard, reply)
         if endpoint != self.channels.endpoints[shard]:  # restarted on another data port
             self.channels.reset(shard, endpoint)
-        for k in self.plan.for_shard(shard):  # what the digests did not match is pulled whole
+        for k in self.plan.for_shard(shard):  # what the digests did not match: pulled whole
             self.versions.pop(k.key, None)
         self.versions.update(zip(reply.current_keys, reply.current_versions))
         expected = clock + self.shift[shard]
-        lost = max(expected - reply.start_clock, 0)
-        if lost:
-            self.shift[shard] = reply.start_clock - clock
-            log.warning("rank %d: shard %d (%s) came back at clock %d, %d steps behind this "
-                        "worker's %d: those updates are lost; its clock is adopted", self.cfg.rank,
-                        shard, self.cfg.servers[shard], reply.start_clock, lost, expected)
-        else:
-            log.info("rank %d: shard %d (%s) is back at clock %d", self.cfg.rank, shard,
-                     self.cfg.servers[shard], reply.start_clock)
+        lost = max(expected - reply.start_clock, 0)  # the shard is behind: updates lost
+        skipped = reply.step > expected >= reply.start_clock  # sync went on without us
+        now = reply.start_clock if lost else reply.step if skipped else expected
+        self.shift[shard] = now - clock  # its clock adopted
+        why = f": {lost} steps of updates lost" if lost else ": it went on without this " \
+            "(dropped) worker's pushes" if skipped else ""
+        log.log(logging.WARNING if why else logging.INFO, "rank %d: shard %d (%s) is back at "
+                "clock %d, this worker at %d%s", self.cfg.rank, shard, self.cfg.servers[shard],
+                now, expected, why)
         with self.metrics.lock:
             self.metrics.recoveries.inc()
             self.metrics.lost_steps.inc(lost)
