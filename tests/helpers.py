@@ -10,7 +10,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 
-__all__ = ["docs_generator", "one_key_core", "promtool_problems"]
+__all__ = ["docs_generator", "one_key_core", "promtool_problems", "run_ranks"]
 
 
 def docs_generator():
@@ -36,6 +36,23 @@ def one_key_core(cfg, n: int):
                                      num_shards=1, shard_id=0, keys=[spec], sends_values=True),
                   {0: init.tobytes()})
     return core
+
+
+def run_ranks(rank, ranks=(0, 1), *, timeout_s: float = 120.0) -> None:
+    """Run ``rank(r)`` for every r of ``ranks`` on a thread each (in-process workers, each with
+    its own client) and wait for all; a thread still running after ``timeout_s`` fails the
+    test (a hang), instead of being left behind. ``rank`` records its own errors."""
+    import threading
+    import time
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in ranks]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(end - time.monotonic(), 0.0))
+    stuck = [r for r, t in zip(ranks, threads) if t.is_alive()]
+    assert not stuck, f"ranks {stuck} still running after {timeout_s} s"
 
 
 def _small_model():
@@ -81,11 +98,7 @@ def train_two_workers(servers, *, encoder, overlap: str = "off", steps: int = 12
             out[r] = err
             barrier.abort()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    run_ranks(rank)
     for r in (0, 1):
         if isinstance(out.get(r), BaseException):
             raise out[r]

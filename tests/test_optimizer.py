@@ -14,6 +14,7 @@ from bitps.proto import bitps_pb2 as pb
 from bitps.proto.wire import PSError
 from bitps.ps import OptimizerConfig
 from bitps.worker import ClientConfig, PSClient
+from tests.helpers import run_ranks
 
 STEPS = 50
 # The shard's own lr and weight decay differ from the script's: only the pushed ones may count.
@@ -149,11 +150,7 @@ def test_two_sync_workers_make_the_ddp_update(cluster):
         except BaseException as err:  # noqa: BLE001 - raised by the test
             errors.append(err)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    run_ranks(rank)
     assert not errors, errors
     for model in models:
         for got, want in zip(model.parameters(), ref.parameters()):
@@ -182,11 +179,7 @@ def test_sync_ranks_whose_lr_disagree_are_refused_with_a_typed_error(cluster):
             except BaseException:  # noqa: BLE001 - rank 0's pull may be the one that failed
                 pass
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    run_ranks(rank, timeout_s=60)
     err = raised.get(1)
     assert isinstance(err, PSError) and err.code == pb.BAD_HYPERPARAMETERS, raised
     assert "0.002" in str(err) and "0.001" in str(err), err

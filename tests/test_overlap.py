@@ -18,6 +18,7 @@ from bitps.worker import ClientConfig, PSClient
 from bitps.worker.config import OverlapConfig
 from bitps.worker.training.buckets import make_buckets
 from bitps.worker.training.utilization import StepStats, decide
+from tests.helpers import run_ranks
 
 torch = pytest.importorskip("torch")
 
@@ -119,11 +120,7 @@ def test_sync_parameters_after_20_steps_are_bit_identical_with_overlap_on_and_of
             except BaseException as err:  # noqa: BLE001 - re-raised on the test thread
                 errors.append(err)
 
-        threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        run_ranks(rank)
         if errors:
             raise errors[0]
         for a, b in zip(results[0], results[1]):

@@ -31,6 +31,7 @@ from bitps.ps.server import ServerShard
 from bitps.worker import ClientConfig, PSClient
 from bitps.worker.config import OverlapConfig
 from bitps.worker.transport.client import ShardLostError
+from tests.helpers import run_ranks
 
 torch = pytest.importorskip("torch")
 from bitps.worker.training.model import PSModel  # noqa: E402
@@ -281,11 +282,7 @@ def test_a_held_pull_answered_shutting_down_waits_for_the_restarted_shard(tmp_pa
             except BaseException as err:  # noqa: BLE001 - the test looks at it
                 errors.append(err)
 
-        threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        run_ranks(rank, timeout_s=60)
         return out, errors
 
     shards = shards_with(tmp_path)
@@ -400,12 +397,8 @@ def test_a_sync_worker_dropped_as_a_straggler_rejoins_at_the_shards_step():
         except BaseException as err:  # noqa: BLE001 - the test looks at it
             errors.append(err)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        run_ranks(rank, timeout_s=60)
     finally:
         for s in shards:
             s.stop(0)
