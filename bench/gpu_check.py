@@ -17,6 +17,9 @@ with a GPU; on one without, it says so and checks nothing.
    residuals equals the exactly clipped gradients (``tests/test_clip.py`` runs it on the CPU).
 6. **Compressed pulls**: sign1 codes applied to the pinned host copies and uploaded leave the
    worker's copy and its model bit-identical to the shard's.
+6b. **Weight prediction** (issue 26): two async workers computing with predicted parameters
+   (made in a second pinned buffer and uploaded) keep copies bit-identical to the shards', and
+   their models hold exactly the prediction, overlap off and on.
 7. The CUDA codec tests (``tests/test_codec_torch.py``, skipped on machines without CUDA).
 8. ``bitps-bench overlap --device cuda`` (unless ``--no-bench``).
 
@@ -39,8 +42,8 @@ import numpy as np
 
 from bitps.bench.report import check, write_results
 
-__all__ = ["clipped_sum_problems", "main", "nonfinite_refused", "pulled_copies_match",
-           "pushed_bytes_match", "sync_result"]
+__all__ = ["clipped_sum_problems", "main", "nonfinite_refused", "predicted_copies_match",
+           "pulled_copies_match", "pushed_bytes_match", "sync_result"]
 
 
 def _digest(a) -> str:
@@ -339,6 +342,91 @@ def pulled_copies_match(server_for_run, *, device: str = "cpu", steps: int = 8) 
     return problems
 
 
+def _model_slice(ps_model, k) -> np.ndarray:
+    """Key ``k``'s part of ``ps_model``'s parameters, on the host."""
+    flat = dict(ps_model.model.named_parameters())[k.name].detach().reshape(-1)
+    return flat[k.offset:k.offset + k.length].cpu().numpy()
+
+
+def _predicted_rank(ps_model, batch, loss_fn, cores, barrier, *, steps: int) -> list[str]:
+    """One worker of :func:`predicted_copies_match`: train, pull once more, compare."""
+    import torch
+
+    for _ in range(steps):
+        loss_fn(ps_model.model, *batch()).backward()
+        ps_model.step()
+    ps_model.synchronize()
+    barrier.wait()  # both pushed everything: one more pull sees the end
+    ps_model.client.pull(ps_model.keys, ps_model._staging.outs, clock=ps_model.clock).wait()
+    ps_model._staging.copy_in()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    prediction = ps_model._staging.prediction
+    if prediction is None:
+        return ["no weight prediction (the shards did not ask)"]
+    slots = {k: slot for core in cores for k, slot in core.slots.items()}
+    problems, ahead = [], False
+    for k in ps_model.plan.keys:
+        if not np.array_equal(prediction.exact[k.key], slots[k.key].param):
+            problems.append(f"key {k.key}: worker copy differs from the shard")
+        if not np.array_equal(_model_slice(ps_model, k), prediction.shown[k.key]):
+            problems.append(f"key {k.key}: model differs from the prediction")
+        ahead = ahead or not np.array_equal(prediction.shown[k.key], prediction.exact[k.key])
+    if not ahead:
+        problems.append("the prediction is the exact copy for every key")
+    exact = {k.key: prediction.exact[k.key].copy() for k in ps_model.plan.keys}
+    ps_model.close()  # the model becomes the exact copy
+    problems.extend(f"key {k.key}: model not exact after close" for k in ps_model.plan.keys
+                    if not np.array_equal(_model_slice(ps_model, k), exact[k.key]))
+    return problems
+
+
+def predicted_copies_match(servers: tuple[str, ...], cores, *, device: str = "cpu",
+                           overlap: str = "on", steps: int = 8) -> list[str]:
+    """Weight prediction on ``device`` (issue 26): two workers (threads) train the demo model
+    with sign1 pushes and pulls against async shards at ``servers`` (``cores``: their
+    ``ShardCore``), computing with predicted parameters (``worker.training.prediction``; on
+    CUDA made in a second pinned buffer and uploaded). Returns the problems, none when: after a
+    last pull every worker copy (the pinned host buffer on CUDA) equals its shard's values bit
+    for bit, the model's parameters equal the prediction uploaded, which is ahead of the copy,
+    and after close the model holds the exact copy."""
+    import torch
+
+    from bitps.proto.codecs import CodecConfig
+    from bitps.worker.config import ClientConfig, EncoderConfig, OverlapConfig
+    from bitps.worker.training.model import PSModel
+    from bitps.worker.transport.client import PSClient
+
+    encoder = EncoderConfig(push_codec=CodecConfig(name="sign1", chunk=64), compress_min_bytes=0)
+    problems: list[str] = []
+    barrier = threading.Barrier(2)
+
+    def rank(r: int) -> None:
+        ps_model = None
+        try:
+            model, batch, loss_fn = _demo(torch.device(device))
+            client = PSClient(ClientConfig(servers=servers, rank=r, world_size=2))
+            ps_model = PSModel(model, client, encoder=encoder,
+                               overlap=OverlapConfig(mode=overlap))
+            problems.extend(f"rank {r}: {p}" for p in _predicted_rank(
+                ps_model, batch, loss_fn, cores, barrier, steps=steps))
+        except BaseException as err:  # noqa: BLE001 - reported as a problem
+            problems.append(f"rank {r}: {type(err).__name__}: {err}")
+            barrier.abort()
+        finally:
+            if ps_model is not None:
+                ps_model.close()
+
+    threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}") for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+        if t.is_alive():
+            problems.append(f"{t.name} still running after 300 s")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bitps.bench.gpu_check", description=__doc__.split(
         "\n")[0])
@@ -398,6 +486,15 @@ def main(argv: list[str] | None = None) -> int:
                      "result": "; ".join(problems[:3]) or "bit-identical"})
         checks["compressed_pulls_bit_identical"] = check(len(problems), "0 differences",
                                                          not problems)
+        for overlap in ("off", "on"):
+            servers = tuple(shard("async", "adam") for _ in range(2))
+            problems = predicted_copies_match(servers, [s.core for s in shards[-2:]],
+                                              device=args.device, overlap=overlap)
+            rows.append({"check": f"weight prediction, 2 async workers, overlap {overlap}: "
+                                  "copies == shard, model == prediction",
+                         "result": "; ".join(problems[:3]) or "bit-identical"})
+            checks[f"prediction_overlap_{overlap}"] = check(len(problems), "0 problems",
+                                                            not problems)
     finally:
         for s in shards:
             s.stop(0)

@@ -45,8 +45,8 @@ class ClockTable:
         self.generation = 0
         """Counts the changes of any clock or of the live set: what a consistency mode
         decides on has stayed the same while it has (``ps.held``)."""
-        self._cut_off = False  # every live worker silent past the timeout (expire)
-        self._grace_until = float("-inf")
+        self._silent_since: float | None = None  # every live worker silent since (expire)
+        self._healed_at = self._grace_until = float("-inf")  # the link back (expire)
 
     # -- membership ---------------------------------------------------------------------------
     def register(self, rank: int, world_size: int, start_clock: int = 0) -> None:
@@ -69,6 +69,11 @@ class ClockTable:
     def is_registered(self, rank: int) -> bool:
         w = self.workers.get(rank)
         return w is not None and w.registered
+
+    def is_dropped(self, rank: int) -> bool:
+        """Whether ``rank`` was dropped (silent past the timeout) and has not spoken since."""
+        w = self.workers.get(rank)
+        return w is not None and w.dropped and not w.left
 
     # -- observations -------------------------------------------------------------------------
     def seen(self, rank: int, clock: int | None = None) -> tuple:
@@ -107,24 +112,29 @@ class ClockTable:
         others: a worker is dropped once another registered worker (not left) has been heard
         from after its silence passed the timeout. When every worker falls silent together
         (this shard cut off from them: a partition), none is dropped, so no sync step is
-        applied without the pushes the link holds up; once one speaks again the others get
-        one more timeout to (their reconnects differ), and the job continues as if nothing
-        had happened. Returns the ranks newly dropped."""
+        applied without the pushes the link holds up; once one speaks again, those not heard
+        since get one more timeout plus the length of the silence to speak, and the job continues
+        as if nothing had happened. The silence's length counts because a connection comes
+        back only at its next TCP retransmission (or connect attempt), whose interval doubles
+        while the link is down: one worker can be heard up to about that long after another.
+        Returns the ranks newly dropped."""
         t, gone = self.now(), []
         active = [w for w in self.workers.values() if w.registered and not w.left
                   and not w.dropped]
         latest = max((w.last_seen for w in active), default=None)
         if latest is not None and t - latest > self.timeout_s:
-            self._cut_off = True  # every worker silent: this shard is cut off from them
+            if self._silent_since is None:  # every worker silent: this shard is cut off
+                self._silent_since = latest
             return gone
-        if self._cut_off and latest is not None:
-            # the link is back (someone spoke): the others get one timeout to speak too
-            self._cut_off, self._grace_until = False, latest + self.timeout_s
-        if t < self._grace_until:
-            return gone
+        if self._silent_since is not None and latest is not None:
+            # the link is back (someone spoke): the others get as long to speak too
+            silence, self._silent_since = latest - self._silent_since, None
+            self._healed_at, self._grace_until = latest, latest + self.timeout_s + silence
         for w in self.workers.values():
             if w.dropped or w.left or t - w.last_seen <= self.timeout_s:
                 continue
+            if w.last_seen < self._healed_at and t < self._grace_until:
+                continue  # not heard since the link came back: still reconnecting
             deadline = w.last_seen + self.timeout_s
             if any(o is not w and o.registered and not o.left and o.last_seen > deadline
                    for o in self.workers.values()):

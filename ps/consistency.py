@@ -135,8 +135,10 @@ class Consistency:
         return []
 
     def rejoin_step(self, slots: Sequence[Slot]) -> int:
-        """``RegisterReply.step`` for a worker that (re-)registers ``slots``: the step whose
-        push this shard takes next from it, when the mode has one (sync); 0 otherwise."""
+        """``RegisterReply.step`` for a worker that re-registers ``slots`` after it was
+        dropped (its peers went on without it): the step whose push this shard takes next
+        from it, when the mode has one (sync); 0 otherwise. A worker that was not dropped is
+        answered 0 (its clock, ``start_clock``, says where it is)."""
         return 0
 
     def holds_pulls(self, world_size: int) -> bool:

@@ -109,11 +109,13 @@ class Registration:
                     if not slots[key].initialized:
                         slots[key].set_values(data)
                         slots[key].initialized = True
+            dropped = self.clocks.is_dropped(req.rank)  # the live ranks went on without it
             self.clocks.register(req.rank, req.world_size, self.clocks.min_clock())
             self._check_partial()
             self.check_initialized()
             start = self.clocks.workers[req.rank].clock
-            step = self.consistency.rejoin_step([slots[s.key] for s in req.keys])
+            step = self.consistency.rejoin_step([slots[s.key] for s in req.keys]) \
+                if dropped else 0
         reply = pb.RegisterReply(shard_id=cfg.shard_id, num_shards=cfg.num_shards, mode=cfg.mode,
                                  staleness=cfg.staleness, start_clock=start,
                                  max_frame_bytes=cfg.max_frame_bytes, rule=self.rule.name,

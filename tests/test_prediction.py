@@ -117,3 +117,16 @@ def test_sync_is_unchanged_bit_for_bit_with_lookahead_on(cluster):
         for s in shards:
             s.stop(0)
     assert torch.equal(finals[0], finals[1])
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_the_gpu_checks_prediction_check_holds_on_the_cpu(cluster, overlap):
+    """``bench/gpu_check.py`` runs this same function on CUDA (pinned buffers, upload)."""
+    pytest.importorskip("transformers")
+    from bitps.bench.gpu_check import predicted_copies_match
+
+    shards = cluster(2, mode="async", metrics_port=-1,
+                     optimizer=OptimizerConfig(name="adam", lr=1e-2))
+    servers = tuple(f"127.0.0.1:{s.ports['grpc_port']}" for s in shards)
+    assert predicted_copies_match(servers, [s.core for s in shards], overlap=overlap,
+                                  steps=4) == []

@@ -404,3 +404,57 @@ def test_a_sync_worker_dropped_as_a_straggler_rejoins_at_the_shards_step():
             s.stop(0)
     assert not errors, errors
     assert ahead[0] == [0, 0] and all(a > 0 for a in ahead[1]), ahead  # rank 1 skipped steps
+
+
+def test_a_dropped_sync_worker_rejoins_while_its_peer_trains_on():
+    """The CI failure of ``tests/test_partition.py``: rank 1 is dropped (silent past the
+    timeout) and comes back while rank 0 is still training, steps ahead. Its first push is
+    refused (``BAD_CLOCK``), which leaves it dropped, so its re-registration is counted at the
+    clock of the live ranks (``RegisterReply.start_clock`` = rank 0's, ahead of this worker's
+    step too). Before, the worker adopted the shards' step only when ``start_clock`` was not
+    ahead of its own clock, redid the push at its old step and was refused until
+    ``ShardLostError``; now a shard whose sync step is ahead is always followed."""
+    shards = [create_server(ServerConfig(shard_id=i, num_shards=2, mode="sync", metrics_port=-1,
+                                         heartbeat_timeout_s=1.0,
+                                         optimizer=OptimizerConfig(name="sgd", lr=0.05)))
+              for i in range(2)]
+    steps, pause_at, errors, ahead = 12, 3, [], {}
+    models = [_model(), _model()]
+    back = threading.Event()  # rank 1 has pushed again: rank 0 is still live, steps ahead
+
+    def rank(r):
+        try:
+            client = _client(shards, rank=r, world_size=2, deadline_s=2.0,
+                             reconnect_timeout_s=8.0)
+            if r == 1:  # heard only through its requests: nothing else un-drops it
+                client.control.start_heartbeat = lambda clock: None
+            ps_model = PSModel(models[r], client)
+            try:
+                for step in range(steps):
+                    if r == 1 and step == pause_at:
+                        time.sleep(2.5)  # dropped; rank 0 goes on alone
+                    if r == 0 and step > pause_at and not back.is_set():
+                        time.sleep(0.25)  # slowly: still live, ahead, when rank 1 is back
+                    x, y = _batch(2 * step + r)
+                    torch.nn.functional.mse_loss(models[r](x), y).backward()
+                    ps_model.step()
+                    if r == 1 and step == pause_at:
+                        back.set()
+                ps_model.synchronize()
+                ahead[r] = list(ps_model.client.shift)
+            finally:
+                ps_model.close()
+        except BaseException as err:  # noqa: BLE001 - the test looks at it
+            errors.append(err)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        for s in shards:
+            s.stop(0)
+    assert not errors, errors
+    assert ahead[0] == [0, 0] and all(a > 0 for a in ahead[1]), ahead

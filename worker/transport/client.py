@@ -343,9 +343,12 @@ class PSClient:
             self.versions.pop(k.key, None)
         self.versions.update(zip(reply.current_keys, reply.current_versions))
         expected = clock + self.shift[shard]
-        lost = max(expected - reply.start_clock, 0)  # the shard is behind: updates lost
-        skipped = reply.step > expected >= reply.start_clock  # sync went on without us
-        now = reply.start_clock if lost else reply.step if skipped else expected
+        # A sync shard names a step only to a worker it had dropped: ahead, it went on
+        # without this worker (its start_clock, the live ranks' clock, may be ahead too and
+        # says nothing then). Otherwise a start_clock behind: the shard lost updates.
+        skipped = reply.step > expected
+        lost = 0 if skipped else max(expected - reply.start_clock, 0)
+        now = reply.step if skipped else reply.start_clock if lost else expected
         self.shift[shard] = now - clock  # its clock adopted
         why = f": {lost} steps of updates lost" if lost else ": it went on without this " \
             "(dropped) worker's pushes" if skipped else ""
