@@ -51,20 +51,32 @@ def _digest(a) -> str:
 
 
 def _recording_client(cfg):
-    """A ``PSClient`` that hashes every payload the communication thread sends, as sent."""
+    """A ``PSClient`` that hashes every payload the communication thread sends, as sent and
+    again once the exchange is answered (``sent``: clock, keys, the two digests by key). The
+    buffers may be reused after the answer (pinned gradient buffers on CUDA), not before."""
     from bitps.worker.transport.client import Encoded, PSClient
 
     class Recording(PSClient):
         def __init__(self, cfg) -> None:
             super().__init__(cfg)
-            self.sent: list[tuple[int, list[int], list[np.ndarray], list[str]]] = []
+            self.sent: list[tuple[int, list[int], list[str], list[str]]] = []
 
         def push_pull(self, keys, grads, outs, *, clock):
             if threading.current_thread().name != "bitps-comm":
                 raise AssertionError("a bucket was pushed off the communication thread")
             arrays = list(grads.payloads if isinstance(grads, Encoded) else grads)
-            self.sent.append((clock, list(keys), arrays, [_digest(a) for a in arrays]))
-            return super().push_pull(keys, grads, outs, clock=clock)
+            answered: list[str] = []
+            self.sent.append((clock, list(keys), [_digest(a) for a in arrays], answered))
+            handle = super().push_pull(keys, grads, outs, clock=clock)
+            wait = handle.wait
+
+            def answered_wait(timeout=None):  # returns once answered: hash again then
+                wait(timeout)
+                if not answered:
+                    answered.extend(_digest(a) for a in arrays)
+
+            handle.wait = answered_wait
+            return handle
 
     return Recording(cfg)
 
@@ -119,13 +131,15 @@ def pushed_bytes_match(server: str, *, device: str = "cpu", codec: str = "raw",
     problems: list[str] = []
     seen: dict[tuple[int, int], str] = {}
     per_clock: dict[int, list[tuple[int, ...]]] = {}
-    for clock, keys, arrays, digests in client.sent:
+    for clock, keys, digests, answered in client.sent:
         per_clock.setdefault(clock, []).append(tuple(keys))
-        for key, a, digest in zip(keys, arrays, digests):
+        for i, (key, digest) in enumerate(zip(keys, digests)):
             if (clock, key) in seen:
                 problems.append(f"clock {clock} key {key}: pushed twice")
             seen[clock, key] = digest
-            if digest != _digest(a):
+            if i >= len(answered):
+                problems.append(f"clock {clock} key {key}: never answered")
+            elif digest != answered[i]:
                 problems.append(f"clock {clock} key {key}: changed while in flight")
     for where, digest in expected.items():
         if seen.get(where) != digest:
@@ -444,10 +458,11 @@ def main(argv: list[str] | None = None) -> int:
 
     shards = []
 
-    def shard(mode: str, name: str) -> str:
+    def shard(mode: str, name: str, shard_id: int = 0, num_shards: int = 1) -> str:
         lr = 1.0 if name == "sgd_lr1" else 0.01  # lr 1: the parameters fall by what arrived
-        s = create_server(ServerConfig(mode=mode, metrics_port=-1, optimizer=OptimizerConfig(
-            name=name.removesuffix("_lr1"), lr=lr)))
+        s = create_server(ServerConfig(
+            mode=mode, metrics_port=-1, shard_id=shard_id, num_shards=num_shards,
+            optimizer=OptimizerConfig(name=name.removesuffix("_lr1"), lr=lr)))
         shards.append(s)
         return f"127.0.0.1:{s.ports['grpc_port']}"
 
@@ -487,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         checks["compressed_pulls_bit_identical"] = check(len(problems), "0 differences",
                                                          not problems)
         for overlap in ("off", "on"):
-            servers = tuple(shard("async", "adam") for _ in range(2))
+            servers = tuple(shard("async", "adam", i, 2) for i in range(2))
             problems = predicted_copies_match(servers, [s.core for s in shards[-2:]],
                                               device=args.device, overlap=overlap)
             rows.append({"check": f"weight prediction, 2 async workers, overlap {overlap}: "

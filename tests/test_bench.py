@@ -398,3 +398,13 @@ def test_e2e_reports_one_bit_adams_warmup_and_compressed_phases_apart():
     onebit = next(c for c in CASES if c.name == "bitps sync 1-bit Adam")
     fp32 = next(c for c in CASES if c.name == "bitps sync fp32")
     assert _freeze_step(onebit, s, 120) == 24 and _freeze_step(fp32, s, 120) is None
+
+
+def test_a_shaped_link_without_ip_falls_back_to_loopback(monkeypatch, tmp_path):
+    """The device machine's image has no ``ip``: ``bitps-bench overlap --device cuda`` died in
+    the teardown (``FileNotFoundError: 'ip'``) instead of running unshaped on loopback."""
+    from bench.link import shaped_link
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no ip, no tc
+    with shaped_link("1gbit") as link:
+        assert link.kind == "loopback" and "not found" in link.note

@@ -41,6 +41,16 @@ def _same_bits(t: torch.Tensor, a: np.ndarray) -> bool:
     return np.array_equal(t.cpu().numpy().view(np.uint32), a.view(np.uint32))
 
 
+def _same_bits_any_nan(t: torch.Tensor, a: np.ndarray) -> bool:
+    """Bit for bit, except that a NaN result may be any NaN: arithmetic on a NaN gives the
+    canonical NaN (0x7fffffff) on CUDA, where x86 keeps the operand's sign and payload (seen
+    on an H200: the 93 NaN sums of the bf16 decode-add test, and nothing else, differed)."""
+    got = t.cpu().numpy()
+    nan = np.isnan(a)
+    return np.array_equal(nan, np.isnan(got)) and np.array_equal(
+        got[~nan].view(np.uint32), a[~nan].view(np.uint32))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mean_abs", [False, True])
 @pytest.mark.parametrize("chunk", [64, 2048])
@@ -147,7 +157,7 @@ def test_bf16_matches_reference_without_ef(device):
     bf16_decode_add(payload, u.size, acc)
     expected = acc0.copy()
     expected[:u.size] += _bf16_values(bf16_reference(u))
-    assert _same_bits(acc, expected)
+    assert _same_bits_any_nan(acc, expected)  # the encode above is bit for bit, NaNs too
 
 
 @pytest.mark.parametrize("device", DEVICES)
