@@ -57,10 +57,12 @@ def _client(shards, rank=0, world=1) -> PSClient:
                                  partition_bytes=1024))
 
 
-def _train(model, optimizer, scheduler, rank=0, *, clip=True):
+def _train(model, optimizer, scheduler, rank=0, *, clip=True, set_to_none=True):
     losses = []
     for step in range(STEPS):
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=set_to_none)
+        if step and not set_to_none:  # zeroed in place, as torch's optimizers do
+            assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
         loss = _loss(model, step, rank)
         loss.backward()
         if clip:  # read at step() (overlap off): it counts
@@ -71,11 +73,11 @@ def _train(model, optimizer, scheduler, rank=0, *, clip=True):
     return losses
 
 
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
-def test_one_sync_worker_trains_as_torch_adamw(cluster, schedule):
+@pytest.mark.parametrize(("schedule", "set_to_none"), [(s, s == "cosine") for s in SCHEDULES])
+def test_one_sync_worker_trains_as_torch_adamw(cluster, schedule, set_to_none):
     ref = _model()
     opt = torch.optim.AdamW(_groups(ref), lr=1e-2, weight_decay=0.01)
-    ref_losses = _train(ref, opt, SCHEDULES[schedule](opt))
+    ref_losses = _train(ref, opt, SCHEDULES[schedule](opt), set_to_none=set_to_none)
 
     shards = cluster(2, mode="sync", metrics_port=-1, optimizer=SHARD)
     model = _model()
@@ -84,7 +86,8 @@ def test_one_sync_worker_trains_as_torch_adamw(cluster, schedule):
     try:
         assert isinstance(optimizer, torch.optim.Optimizer)
         assert len(optimizer.ps_model.keys) > 4  # the first weight is cut in two
-        losses = _train(model, optimizer, SCHEDULES[schedule](optimizer))
+        losses = _train(model, optimizer, SCHEDULES[schedule](optimizer),
+                        set_to_none=set_to_none)
     finally:
         optimizer.close()
     assert optimizer.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
@@ -114,12 +117,13 @@ def test_under_overlap_each_push_carries_its_own_steps_lr(cluster):
         assert torch.allclose(got, want, rtol=0, atol=1e-6), (got - want).abs().max()
 
 
-def test_two_sync_workers_make_the_ddp_update(cluster):
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_two_sync_workers_make_the_ddp_update(cluster, schedule):
     """Each rank's own batches; the reference averages both ranks' gradients (what DDP's
-    all-reduce gives) and steps torch's AdamW once per step."""
+    all-reduce gives) and steps torch's AdamW once per step, over two param groups."""
     ref = _model()
-    opt = torch.optim.AdamW(ref.parameters(), lr=5e-3, weight_decay=0.02)
-    sched = SCHEDULES["cosine"](opt)
+    opt = torch.optim.AdamW(_groups(ref), lr=5e-3, weight_decay=0.02)
+    sched = SCHEDULES[schedule](opt)
     for step in range(STEPS):
         grads = []
         for rank in (0, 1):
@@ -136,10 +140,10 @@ def test_two_sync_workers_make_the_ddp_update(cluster):
 
     def rank(r):
         try:
-            optimizer = bitps.Optimizer(models[r], _client(shards, r, 2), lr=5e-3,
-                                        weight_decay=0.02)
+            optimizer = bitps.Optimizer(_groups(models[r]), _client(shards, r, 2), lr=5e-3,
+                                        weight_decay=0.02, model=models[r])
             try:
-                scheduler = SCHEDULES["cosine"](optimizer)
+                scheduler = SCHEDULES[schedule](optimizer)
                 for step in range(STEPS):
                     optimizer.zero_grad()
                     _loss(models[r], step, r).backward()

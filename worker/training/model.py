@@ -163,6 +163,12 @@ class PSModel:
         return self._overlap.cfg
 
     @property
+    def overlapping(self) -> bool:
+        """Whether pushes go from backward's hooks now (overlap on, or ``auto`` decided on):
+        the communication thread may still read gradients after :meth:`step` returns."""
+        return self._overlap.comm is not None
+
+    @property
     def buckets(self) -> list[Bucket]:
         return self._overlap.buckets
 

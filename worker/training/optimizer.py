@@ -30,8 +30,10 @@ scheduler adds later are ignored. Rules whose learning rate is not the shard's a
 unscale) is what is pushed. That is overlap ``off``, the default here; ``overlap=
 OverlapConfig(mode="on")`` pushes buckets from backward's hooks instead (faster when the
 network is the bottleneck), and then clipping belongs in ``EncoderConfig.clip_norm``
-(``bitps.PSModel``'s contracts). ``step()`` leaves the gradients ``None``, as
-``zero_grad(set_to_none=True)`` would.
+(``bitps.PSModel``'s contracts). With overlap off ``step()`` leaves the gradients as torch's
+optimizers do, so ``zero_grad(set_to_none=False)`` zeroes them in place and a loop that skips
+``zero_grad`` accumulates; under overlap the communication thread may still be reading them
+when ``step()`` returns, so it leaves them ``None``.
 
 **Checkpoints.** :meth:`state_dict` is torch's (the param groups, so schedules resume) plus
 ``"bitps"``: the worker's part, ``PSModel.state_dict`` (clock, error feedback, policy state).
@@ -132,8 +134,9 @@ class Optimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Push this step's gradients with each group's lr and weight decay, pull the shards'
-        new parameters (``PSModel.step``), leave the gradients ``None``. ``closure``: as
-        torch's, evaluated first (with gradients on) and its loss returned."""
+        new parameters (``PSModel.step``); the gradients are left as they were (overlap off)
+        or ``None`` (overlap on: still being read). ``closure``: as torch's, evaluated first
+        (with gradients on) and its loss returned."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -144,7 +147,13 @@ class Optimizer(torch.optim.Optimizer):
         clock = self.ps_model.clock
         self._stepped[clock] = self._snapshot()
         self._stepped.pop(clock - 4, None)  # a step's pushes are long sent by then
+        # overlap off: the exchange is over when PSModel.step returns, so the gradients go
+        # back where torch's optimizers leave them (PSModel leaves them None)
+        kept = () if self.ps_model.overlapping else [(p, p.grad) for _, p in
+                                                      self.ps_model.params]
         self.ps_model.step()
+        for p, grad in kept:
+            p.grad = grad
         return loss
 
     @property
