@@ -348,6 +348,26 @@ class OneBitAdam(AdamW):
         """Whether a push computed at ``clock`` still gets a warmup step after the switch."""
         return False
 
+    def check_push(self, header, slots, codec):
+        """A push's meaning follows its clock: bf16 gradients before ``freeze_step``, sign1
+        codes (momenta in sync, Adam directions with worker moments, gradients with shard
+        moments) from it on, as the worker's codec schedule makes them. A push of the other
+        phase's codec means the worker's step and this shard's disagree (the shard came back
+        from an older checkpoint, or went on without a dropped worker, across the switch):
+        read as the other kind it would corrupt the parameters without a trace, so it is
+        refused (``BAD_DTYPE``) before anything changes. Raw pushes (keys below
+        ``compress_min_bytes``) are both phases'."""
+        warmup = header.clock < self.opts.freeze_step
+        wrong = pb.CODEC_SIGN1 if warmup else pb.CODEC_BF16
+        if codec.id == wrong:
+            keys = [s.spec.key for s in slots][:8]
+            raise PSError(pb.BAD_DTYPE, f"1-bit Adam push from worker {header.worker} for "
+                          f"clock {header.clock}, keys {keys}: {codec.name} codes "
+                          f"{'before' if warmup else 'after'} freeze_step "
+                          f"{self.opts.freeze_step}; expected "
+                          f"{'bf16 gradients' if warmup else 'sign1 codes'} (the worker's step "
+                          f"and this shard's are on two sides of the switch)")
+
     def _compressed(self, slot: Slot, grad: np.ndarray, grad_scale: float,
                     lr_scale: float) -> memoryview:
         """One compression-stage update of ``slot``; returns the published payload."""

@@ -214,6 +214,11 @@ class UpdateRule:
                    weight_decay=weight_decay)
         slot.version += 1
 
+    def check_push(self, header: pb.DataHeader, slots: Sequence[Slot], codec: Codec) -> None:
+        """A push of ``slots`` with ``codec`` for ``header.clock``, before anything changes:
+        raise :class:`PSError` when this rule cannot take it (a rule whose pushes mean
+        different things by phase); by default every push is taken."""
+
     def arrived(self, slot: Slot, clock: int) -> None:
         """async/ssp: a push computed at ``clock`` is about to be applied to ``slot``."""
 

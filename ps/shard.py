@@ -195,6 +195,8 @@ class ShardCore(Registration):
         slots, clock, grads, codec = checks.validate(
             cfg, header, payload, self.slots, registered=self.clocks.is_registered(header.worker),
             own_clock=worker.clock if worker is not None else 0, pool=self.key_pool)
+        if grads is not None:
+            self.rule.check_push(header, slots, codec)
         if header.op != pb.PUSH and self.held.full(header.worker):
             raise PSError(pb.LIMIT, f"worker {header.worker} has {self.held.count(header.worker)}"
                           f" pulls held on shard {cfg.shard_id}; it may have at most "

@@ -360,3 +360,41 @@ def test_a_compact_optimizer_state_is_decoded_and_checked_for_size():
     with pytest.raises(PSError) as err:
         momentum.load(_compact_state(4, m_code, bits.tobytes()[:-2], n, chunk), n)
     assert err.value.code == pb.BAD_LENGTH and "expected" in err.value.message
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_push_of_the_other_phases_codec_is_refused(mode):
+    """Issue 29: the worker picks 1-bit Adam's codec by its own step, the shard reads a push
+    by the push's clock (the worker's step plus its shift for that shard, after the shard came
+    back from an older checkpoint). Across freeze_step they disagreed, and sign1 momenta or
+    directions were taken as warm-up gradients (or bf16 gradients as momenta): parameters
+    corrupted without a trace. Now the push is refused (``BAD_DTYPE``), nothing changed."""
+    opt = OptimizerConfig(name="onebit_adam", lr=0.01,
+                          rule_config=OneBitConfig(freeze_step=2, chunk=256))
+    shard = create_server(ServerConfig(mode=mode, optimizer=opt, metrics_port=-1))
+    try:
+        plan = make_plan([ParamSpec("w", (N,))], num_shards=1, partition_bytes=1 << 20)
+        keys = [k.key for k in plan.keys]
+        slot = lambda: shard.core.slots[keys[0]]  # noqa: E731 - registration sets the slots
+        copy = np.zeros(N, np.float32)
+        rng = np.random.default_rng(0)
+        cfg = ClientConfig(servers=(f"127.0.0.1:{shard.ports['grpc_port']}",),
+                           compress_min_bytes=0)
+        with EncodingClient(cfg) as client:
+            client.register(plan, {keys[0]: copy})
+            grads = [rng.standard_normal(N).astype(np.float32) for _ in range(3)]
+            assert client.codec_at(2).name == "sign1" and client.codec_at(1).name == "bf16"
+            if mode == "sync":  # the shard past the switch, the worker's step before it
+                for step in (0, 1):
+                    client.push_pull(keys, [grads[step]], [copy], clock=step).wait()
+                step, client.transport.shift[0] = 1, 1  # a bf16 gradient for the shard's step 2
+            else:  # the worker past the switch, the shard's step before it
+                client.push_pull(keys, [grads[0]], [copy], clock=0).wait()
+                step, client.transport.shift[0] = 2, -1  # a direction for the shard's step 1
+            before = (slot().param.copy(), slot().version)
+            with pytest.raises(PSError) as err:
+                client.push_pull(keys, [grads[2]], [copy], clock=step).wait()
+            assert err.value.code == pb.BAD_DTYPE and "freeze_step 2" in str(err.value)
+            assert np.array_equal(slot().param, before[0]) and slot().version == before[1]
+    finally:
+        shard.stop(0)

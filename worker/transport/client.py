@@ -343,11 +343,8 @@ class PSClient:
             self.versions.pop(k.key, None)
         self.versions.update(zip(reply.current_keys, reply.current_versions))
         expected = clock + self.shift[shard]
-        # A sync shard names a step only to a worker it had dropped: ahead, it went on
-        # without this worker (its start_clock, the live ranks' clock, may be ahead too and
-        # says nothing then). Otherwise a start_clock behind: the shard lost updates.
-        skipped = reply.step > expected
-        lost = 0 if skipped else max(expected - reply.start_clock, 0)
+        skipped = reply.step > expected  # named only to a dropped worker (start_clock moot)
+        lost = 0 if skipped else max(expected - reply.start_clock, 0)  # the shard is behind
         now = reply.step if skipped else reply.start_clock if lost else expected
         self.shift[shard] = now - clock  # its clock adopted
         why = f": {lost} steps of updates lost" if lost else ": it went on without this " \
