@@ -774,12 +774,17 @@ def test_k8s_topology_and_ports_agree(k8s, kprocs, images):
         _check_shard_ports(p, STAGES["server"], problems)
         ports = _ports(c)
         want = {"grpc": a.grpc_port, "data": a.data_port, "metrics": a.metrics_port}
+        if a.health_port > 0:
+            want["health"] = a.health_port
         if ports != want:
             problems.append(f"{p.where}: containerPorts {ports}, the shard listens on {want}")
+        # the health port when there is one: plaintext, so probes work under TLS too
+        health = (a.health_port, "health") if a.health_port > 0 else (a.grpc_port, "grpc")
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             got = c.get(probe, {}).get("grpc", {}).get("port")
-            if got not in (a.grpc_port, "grpc"):
-                problems.append(f"{p.where}: {probe} asks port {got}, gRPC is {a.grpc_port}")
+            if got not in health:
+                problems.append(f"{p.where}: {probe} asks port {got}, the health service is "
+                                f"on {health[0]}")
     for p in workers:
         a, c = p.args, p.spec["container"]
         n = job["spec"]["completions"]
@@ -805,6 +810,7 @@ def test_k8s_topology_and_ports_agree(k8s, kprocs, images):
         resolved = shard_ports.get(target) if isinstance(target, str) else target
         if resolved is None or resolved != sp["port"] or shard_ports.get(sp["name"]) != sp["port"]:
             problems.append(f"Service port {sp}: the shard container has {shard_ports}")
+    shard_ports.pop("health", None)  # for the kubelet's probes only: not in the Service
     if {sp["name"] for sp in svc["spec"]["ports"]} != set(shard_ports):
         problems.append(f"Service ports {[sp['name'] for sp in svc['spec']['ports']]} vs "
                         f"container ports {sorted(shard_ports)}")
