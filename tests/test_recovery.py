@@ -333,35 +333,60 @@ def test_a_held_pull_answered_shutting_down_waits_for_the_restarted_shard(tmp_pa
 @pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
 def test_a_shard_restored_from_an_older_checkpoint_is_noticed_within_a_heartbeat(tmp_path,
                                                                                  mode):
-    """Issue 29: shard 1 restarts between two steps, from its checkpoint of step 2, fast
-    enough that no request times out. Every reply now names the shard's incarnation, so the
-    next heartbeat notices the restart (within one heartbeat) and the worker re-registers
-    before its next request there: it adopts the shard's clock and counts the 3 lost steps,
-    in every mode. Before, an async worker trained on, never noticing."""
+    """Issue 29: shard 1 restarts between two steps of both workers, from its checkpoint of
+    step 2, fast enough that no request times out. Every reply now names the shard's
+    incarnation, so each worker's next heartbeat notices the restart (within one heartbeat)
+    and it re-registers before its next request there: it adopts the shard's clock and counts
+    the 3 lost steps, in every mode, every worker. Before, an async worker trained on, never
+    noticing."""
     shards = _shards(mode)
-    heartbeat_s = 0.2
-    seen = {}
+    heartbeat_s, steps = 0.2, 9
+    barrier, seen, counts, errors = threading.Barrier(2), {}, {}, []
 
-    def after_step(step, ps_model):
-        if step == 2:
+    def between_steps(r: int, step: int, ps_model) -> None:
+        barrier.wait()  # both workers are between two steps (overlap off: nothing in flight)
+        if r == 0 and step == 2:
             _checkpoint(shards[1], tmp_path)
-        if step == 5:
+        if r == 0 and step == 5:
             _restart_later(shards, 1, tmp_path, 0.0).join()
+        barrier.wait()
+        if step == 5:
             t0, metrics = time.monotonic(), ps_model.client.metrics
             while not metrics.shard_restarts.value and time.monotonic() - t0 < 5:
                 time.sleep(0.01)
-            seen["noticed_s"] = time.monotonic() - t0
+            seen[r] = time.monotonic() - t0
+
+    def rank(r: int) -> None:
+        try:
+            model = _model()
+            ps_model = PSModel(model, _client(shards, rank=r, world_size=2,
+                                              heartbeat_s=heartbeat_s))
+            try:
+                for step in range(steps):
+                    x, y = _batch(2 * step + r)
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                    ps_model.step()
+                    if step in (2, 5):
+                        between_steps(r, step, ps_model)
+                metrics = ps_model.client.metrics
+                counts[r] = (metrics.shard_restarts.value, metrics.lost_steps.value,
+                             metrics.recoveries.value)
+            finally:
+                ps_model.close()
+        except BaseException as err:  # noqa: BLE001 - raised by the test
+            errors.append(err)
+            barrier.abort()
 
     try:
-        _, metrics = _train(shards, 9, after_step=after_step, heartbeat_s=heartbeat_s)
+        run_ranks(rank)
     finally:
         for s in shards:
             s.stop(0)
+    assert not errors, errors
     # the first heartbeat after the restart: one interval, plus the calls themselves (to both
     # shards) on a loaded 2-core machine
-    assert seen["noticed_s"] <= heartbeat_s + 1.0, seen
-    counts = (metrics.shard_restarts.value, metrics.lost_steps.value, metrics.recoveries.value)
-    assert counts == (1, 3, 1), counts
+    assert all(seen[r] <= heartbeat_s + 1.0 for r in (0, 1)), seen
+    assert counts == {0: (1, 3, 1), 1: (1, 3, 1)}, counts
 
 
 def test_a_sync_worker_dropped_as_a_straggler_rejoins_at_the_shards_step():
