@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import numpy as np
 import torch
@@ -72,22 +73,29 @@ def main() -> None:
                              per_device_train_batch_size=a.batch_size, logging_steps=1,
                              save_strategy="no", report_to="none", use_cpu=True,
                              disable_tqdm=True, dataloader_num_workers=0, seed=0)
-    optimizers = (None, None)
-    if client is not None:  # bitps: the Trainer's optimizer is the shards'
-        optimizers = (bitps.Optimizer(model, client, lr=args.learning_rate,
-                                      weight_decay=args.weight_decay), None)
+    optimizer = None  # --plain: the Trainer makes its own AdamW
+    if client is not None:
+        optimizer = bitps.Optimizer(model, client, lr=args.learning_rate,
+                                    weight_decay=args.weight_decay)  # bitps
     losses = Losses()
-    trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=optimizers,
-                      callbacks=[losses])
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[losses],
+                      optimizers=(optimizer, None))  # bitps: Trainer's schedule drives it
     try:
         trainer.train()
     finally:
-        if client is not None:
-            optimizers[0].close()  # bitps: leave the shards
+        if optimizer is not None:
+            optimizer.close()  # bitps: leave the shards
     # bitps is the data parallelism: no process group, no DDP around the model
-    print(f"rank {rank} distributed {torch.distributed.is_initialized()} wrapped "
-          f"{type(trainer.model_wrapped).__name__}", flush=True)
-    print(f"rank {rank} losses {json.dumps(losses.losses)}", flush=True)
+    _say(f"rank {rank} distributed {torch.distributed.is_initialized()} wrapped "
+         f"{type(trainer.model_wrapped).__name__}")
+    _say(f"rank {rank} losses {json.dumps(losses.losses)}")
+
+
+def _say(line: str) -> None:
+    """One write per line, its newline included: torchrun's ranks share one pipe, unbuffered,
+    where print's text and newline are two writes that another rank's line can split."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -77,3 +77,18 @@ def test_two_ranks_under_torchrun_train_without_ddp(cluster, tmp_path):
     # both ranks pushed every step through the shards (sync: one update per key per step)
     status = shards[0].core.clocks.workers
     assert sorted(status) == [0, 1] and all(w.clock == 60 for w in status.values())
+
+
+def test_the_docs_lines_are_what_the_example_runs():
+    """Acceptance 2 of issue 28: a stock Trainer script changes only in the lines the docs
+    show. Every statement docs/integrations.md marks ``# bitps`` (its code, less a leading
+    assignment) is in ``examples/hf_trainer.py``, which the tests above run with and without
+    bitps (``--plain``: the same script with the Trainer's own optimizer)."""
+    docs = (ROOT / "docs" / "integrations.md").read_text()
+    block = docs.split("## Hugging Face Trainer", 1)[1].split("```python", 1)[1].split("```")[0]
+    example = " ".join(SCRIPT.read_text().split())
+    marked = [line.split("#", 1)[0] for line in block.splitlines() if "# bitps" in line]
+    assert len(marked) >= 4, block
+    for code in marked:
+        code = " ".join(re.sub(r"^\s*\w+ = ", "", code).split())
+        assert code in example, f"the docs show {code!r}; examples/hf_trainer.py does not run it"
