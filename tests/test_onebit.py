@@ -364,10 +364,11 @@ def test_a_compact_optimizer_state_is_decoded_and_checked_for_size():
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_push_of_the_other_phases_codec_is_refused(mode):
-    """Issue 29: the worker picks 1-bit Adam's codec by its own step, the shard reads a push
-    by the push's clock (the worker's step plus its shift for that shard, after the shard came
-    back from an older checkpoint). Across freeze_step they disagreed, and sign1 momenta or
-    directions were taken as warm-up gradients (or bf16 gradients as momenta): parameters
+    """Issue 29: the shard reads a 1-bit Adam push by its clock (the worker's step plus its
+    shift for that shard, after the shard came back from an older checkpoint). A payload made
+    for the other side of freeze_step (the worker's encoder follows the shards' steps, but a
+    push redone after a recovery carries what was encoded before it) had sign1 momenta or
+    directions taken as warm-up gradients (or bf16 gradients as momenta): parameters
     corrupted without a trace. Now the push is refused (``BAD_DTYPE``), nothing changed."""
     opt = OptimizerConfig(name="onebit_adam", lr=0.01,
                           rule_config=OneBitConfig(freeze_step=2, chunk=256))
@@ -387,13 +388,17 @@ def test_a_push_of_the_other_phases_codec_is_refused(mode):
             if mode == "sync":  # the shard past the switch, the worker's step before it
                 for step in (0, 1):
                     client.push_pull(keys, [grads[step]], [copy], clock=step).wait()
-                step, client.transport.shift[0] = 1, 1  # a bf16 gradient for the shard's step 2
+                step, shift = 1, 1  # a bf16 gradient for the shard's step 2
             else:  # the worker past the switch, the shard's step before it
                 client.push_pull(keys, [grads[0]], [copy], clock=0).wait()
-                step, client.transport.shift[0] = 2, -1  # a direction for the shard's step 1
+                step, shift = 2, -1  # a direction for the shard's step 1
+            # encoded before the worker learnt the shard's step (a redo after recovery sends
+            # the payload it has), then sent at that step
+            payload = client.encode(keys, [grads[2]], clock=step)
+            client.transport.shift[0] = shift
             before = (slot().param.copy(), slot().version)
             with pytest.raises(PSError) as err:
-                client.push_pull(keys, [grads[2]], [copy], clock=step).wait()
+                client.transport.push_pull(keys, payload, [copy], clock=step).wait()
             assert err.value.code == pb.BAD_DTYPE and "freeze_step 2" in str(err.value)
             assert np.array_equal(slot().param, before[0]) and slot().version == before[1]
     finally:

@@ -483,3 +483,49 @@ def test_a_dropped_sync_worker_rejoins_while_its_peer_trains_on():
             s.stop(0)
     assert not errors, errors
     assert ahead[0] == [0, 0] and all(a > 0 for a in ahead[1]), ahead
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_one_bit_adam_follows_a_shard_restored_to_before_its_switch(tmp_path, mode):
+    """Issue 29: 1-bit Adam's phase is each shard's. Shard 1 comes back from its checkpoint of
+    step 2 while the worker is at step 6, past ``freeze_step`` 4: its keys are in the warmup
+    again. The worker now encodes them at that shard's step (bf16 gradients, then from its
+    step 4 the compressed pushes, with m and v fetched anew in sync) while shard 0's keys stay
+    compressed. Before, it pushed them sign1 codes by its own step, which the shard read as
+    warmup gradients (now refused, ``BAD_DTYPE``). The copies end bit-identical to both
+    shards' parameters."""
+    from bitps.ps.onebit import OneBitConfig
+    from bitps.worker.config import EncoderConfig
+
+    shards = [create_server(ServerConfig(
+        shard_id=i, num_shards=2, mode=mode, metrics_port=-1, heartbeat_timeout_s=30,
+        optimizer=OptimizerConfig(name="onebit_adam", lr=0.01,
+                                  rule_config=OneBitConfig(freeze_step=4, chunk=64))))
+        for i in range(2)]
+    model = _model()
+    ps_model = PSModel(model, _client(shards, heartbeat_s=0.2),
+                       encoder=EncoderConfig(compress_min_bytes=0))
+    try:
+        for step in range(12):
+            x, y = _batch(step)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            ps_model.step()
+            if step == 1:
+                _checkpoint(shards[1], tmp_path)
+            if step == 5:
+                _restart_later(shards, 1, tmp_path, 0.0).join()
+                t0, metrics = time.monotonic(), ps_model.client.metrics
+                while not metrics.shard_restarts.value and time.monotonic() - t0 < 5:
+                    time.sleep(0.01)
+        ps_model.synchronize()
+        client = ps_model.client
+        client.pull(ps_model.keys, ps_model._staging.outs, clock=ps_model.clock).wait()
+        assert client.shift == [0, -4] and client.metrics.lost_steps.value == 4
+        slots = {k: s for shard in shards for k, s in shard.core.slots.items()}
+        for key, out in zip(ps_model.keys, ps_model._staging.outs):
+            assert np.array_equal(out, slots[key].param), key
+        assert all(s.rule_state.compressing for s in slots.values())
+    finally:
+        ps_model.close()
+        for s in shards:
+            s.stop(0)

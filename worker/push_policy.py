@@ -88,6 +88,11 @@ class PushPolicy:
         push carried."""
         native.add_scaled(residual, grad, np.float32(exact - used))
 
+    def moved(self, keys: Sequence[int]) -> None:
+        """The shard of ``keys`` is at another step than before (``PSClient.shift``: it came
+        back from an older checkpoint, or went on without this worker): forget what was taken
+        from it for them; nothing by default."""
+
     def collect(self, clock: int) -> Iterator[Metric]:
         """The policy's own Prometheus metric families at the worker's ``clock``, read at
         scrape time (``WorkerMetrics.watch_codecs``); none by default."""

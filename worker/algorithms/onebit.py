@@ -68,6 +68,11 @@ class OneBitMomentum:
     def loaded(self, key: int) -> bool:
         return key in self.m
 
+    def forget(self, key: int) -> None:
+        """Drop ``key``'s m and v: fetched again at its next compressed push."""
+        for held in (self.m, self.v, self.bc2, self._u):
+            held.pop(key, None)
+
     def load(self, state: pb.KeyRuleState, n: int) -> None:
         """Take one key's state (``n`` elements) from the RuleState call: arrays ``exp_avg``
         (float32, or the sign1 code m decodes from) and ``exp_avg_sq`` (float32 or bf16), and
@@ -280,6 +285,12 @@ class SyncMomenta(_OneBitPush):
         self._fetch([k for k in keys if not self.momentum.loaded(k)], self.momentum.load)
         # the clip factor goes into the momentum
         return [self.momentum.momentum(k, g, clip) for k, g in zip(keys, grads)], 1.0, True
+
+    def moved(self, keys):
+        # the shard's m and v are not those fetched (it restored older ones, or it is before
+        # the switch again): fetched anew once its keys push momenta
+        for key in keys:
+            self.momentum.forget(key)
 
     def encode(self, key, grad, comp, *, clock, clip):
         if not self.fuses(comp, clock):

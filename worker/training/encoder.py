@@ -103,6 +103,8 @@ class Encoder:
         self.pull_codec = Codec.from_config(cfg.pull_codec or cfg.push_codec)
         """What the shards publish for this worker's pulls (registered; ``ps.publish``)."""
         self._compressors: dict[tuple[int, int], Compressor] = {}
+        self._copies: Mapping[int, np.ndarray] | None = None  # for re-registering (register)
+        self._shifts: list[int] = []  # the client's shifts the policy last heard of
         self._large: dict[int, bool] = {}
         self._large_for: KeyPlan | None = None
         self.policy: PushPolicy = CODEC_PUSH
@@ -137,7 +139,22 @@ class Encoder:
         self.policy.bind(functools.partial(self.client.control.rule_state, plan=plan,
                                            versions=self.client.versions), plan)
         self.client.codes = self.policy.codes
+        self._copies, self._shifts = copies, list(self.client.shift)
         return replies
+
+    def follow_shards(self, clock: int) -> None:
+        """Before a push for ``clock`` is encoded: re-register the shards a heartbeat found
+        restarted (the client would at its next request, after this push was encoded at the
+        step that shard is no longer at), then tell the push policy of the keys whose shard's
+        step moved against this worker's (``PushPolicy.moved``)."""
+        if self._copies is not None:
+            for shard in self.client.control.take_restarted():
+                self.client.recover(shard, self._copies, clock=clock)
+        shifts = self.client.shift
+        if self._shifts != shifts and self.plan is not None:
+            moved = [s for s, (a, b) in enumerate(zip(self._shifts, shifts)) if a != b]
+            self.policy.moved([k.key for s in moved for k in self.plan.for_shard(s)])
+            self._shifts = list(shifts)
 
     # -- what a push is -----------------------------------------------------------------------
     def codec_at(self, clock: int) -> Codec:
@@ -169,6 +186,7 @@ class Encoder:
         """Encode the gradients of ``keys`` for step ``clock`` (:meth:`encode`) and push
         them; then make the ``corrections`` of the step's earlier pushes (:meth:`clip_correct`
         with the step's ``exact`` factor)."""
+        self.follow_shards(clock)
         handle = self.client.push(keys, self.encode(keys, grads, clock=clock, encoded=encoded,
                                                     scale=scale), clock=clock)
         self._correct(corrections, exact)
@@ -179,6 +197,7 @@ class Encoder:
                   encoded: Mapping[int, np.ndarray] | None = None, scale: float | None = None,
                   corrections: Sequence[ClipCorrection] = (), exact: float = 1.0) -> Handle:
         """:meth:`push`, and pull the parameters for ``clock + 1`` into ``outs``."""
+        self.follow_shards(clock)
         handle = self.client.push_pull(keys, self.encode(keys, grads, clock=clock,
                                                          encoded=encoded, scale=scale),
                                        outs, clock=clock)
@@ -202,11 +221,49 @@ class Encoder:
         before error feedback. Every key then keeps error feedback, raw ones too, so that
         :meth:`clip_correct` can fold the difference to the step's exact factor into the next
         push; the caller has checked the gradients (their sum of squares for the factor is also
-        their NaN/Inf check, ``worker.training.staging``)."""
+        their NaN/Inf check, ``worker.training.staging``).
+
+        ``clock`` is this worker's step; each key is encoded at its shard's, ``clock`` plus the
+        client's shift there (``PSClient.shift``: a shard back from an older checkpoint, or
+        one that went on without this worker), which is what that shard reads the push by:
+        the codec and what the policy pushes (1-bit Adam's warmup or compression) follow it."""
         if self.plan is None:
             raise RuntimeError("register() before push/pull")
         if len(grads) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(grads)} grads")
+        steps = self._by_step(keys, clock)
+        if len(steps) == 1:
+            return self._encode(keys, grads, clock=next(iter(steps)), encoded=encoded,
+                                scale=scale)
+        payloads: list = [None] * len(keys)
+        codecs: list = [None] * len(keys)
+        owned: list = [None] * len(keys)
+        for step, idx in steps.items():
+            part = self._encode([keys[i] for i in idx], [grads[i] for i in idx], clock=step,
+                                encoded={keys[i]: encoded[keys[i]] for i in idx
+                                         if keys[i] in encoded} if encoded else None,
+                                scale=scale)
+            if not isinstance(part, Encoded):  # raw, as they are
+                part = Encoded(list(part), [RAW] * len(idx), [False] * len(idx))
+            for j, i in enumerate(idx):
+                payloads[i], codecs[i], owned[i] = part.payloads[j], part.codecs[j], \
+                    part.owned[j]
+        return Encoded(payloads, codecs, owned)
+
+    def _by_step(self, keys: Sequence[int], clock: int) -> dict[int, list[int]]:
+        """Positions in ``keys`` by the step their shard is at for this worker's ``clock``."""
+        shift = self.client.shift
+        if not any(shift):
+            return {clock: list(range(len(keys)))}
+        steps: dict[int, list[int]] = {}
+        for i, key in enumerate(keys):
+            steps.setdefault(clock + shift[self.plan.key(key).shard], []).append(i)
+        return steps
+
+    def _encode(self, keys: Sequence[int], grads: Sequence[np.ndarray], *, clock: int,
+                encoded: Mapping[int, np.ndarray] | None,
+                scale: float | None) -> Encoded | Sequence[np.ndarray]:
+        """:meth:`encode` of keys whose shards are all at step ``clock``."""
         codec = self.codec_at(clock)
         if encoded:
             self._check_encoded(encoded, codec, clock)
@@ -325,9 +382,11 @@ class Encoder:
         since."""
         if used == exact:
             return
+        shift = self.client.shift
         for key, grad in zip(keys, grads):
-            residual = self._compressor(key, clock, grad.shape[0]).residual
-            self.policy.correct(key, grad, residual, clock=clock, used=used, exact=exact)
+            step = clock + shift[self.plan.key(key).shard]  # as it was encoded (encode)
+            residual = self._compressor(key, step, grad.shape[0]).residual
+            self.policy.correct(key, grad, residual, clock=step, used=used, exact=exact)
 
     def _codec_snapshot(self) -> CodecSnapshot:
         norms: dict[int, float] = {}
