@@ -249,7 +249,8 @@ class ShardCore(Registration):
         out = pb.DataHeader(op=pb.REPLY, protocol=PROTOCOL, worker=header.worker,
                             request_id=header.request_id, clock=clock, keys=header.keys,
                             versions=[s.version for s in slots], dtype=pb.FLOAT32,
-                            min_clock=min_clock, frame_codecs=frame_codecs)
+                            min_clock=min_clock, frame_codecs=frame_codecs,
+                            incarnation=self.incarnation)
         if publishes:
             _, out.codec_chunk, out.codec_flags = self.pull_codec.wire_fields()
         return Reply(ident, out, [f for f, _ in frames], [buf for _, buf in frames])
@@ -257,14 +258,14 @@ class ShardCore(Registration):
     def _ack(self, ident: bytes, header: pb.DataHeader, min_clock: int) -> Reply:
         out = pb.DataHeader(op=pb.REPLY, protocol=PROTOCOL, worker=header.worker,
                             request_id=header.request_id, clock=header.clock,
-                            min_clock=min_clock)
+                            min_clock=min_clock, incarnation=self.incarnation)
         return Reply(ident, out, [], [])
 
     def _error(self, ident: bytes, header: pb.DataHeader, err: PSError) -> Reply:
         self.metrics.errors.labels(error_name(err.code)).inc()
         out = pb.DataHeader(op=pb.ERROR, protocol=PROTOCOL, worker=header.worker,
                             request_id=header.request_id, clock=header.clock, error=err.code,
-                            message=err.message)
+                            message=err.message, incarnation=self.incarnation)
         return Reply(ident, out, [], [])
 
     # -- time passing -------------------------------------------------------------------------

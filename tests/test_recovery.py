@@ -389,6 +389,28 @@ def test_a_shard_restored_from_an_older_checkpoint_is_noticed_within_a_heartbeat
     assert counts == {0: (1, 3, 1), 1: (1, 3, 1)}, counts
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_restart_is_noticed_from_the_data_replies_without_heartbeats(tmp_path, mode):
+    """Issue 29: the shard's incarnation rides in every data reply too, so a worker notices a
+    restart from the first answer of the new process, heartbeat or not (here none comes in
+    the run). Before, only heartbeats and registrations named it: an async worker whose
+    requests the restored shard answered trained on without re-registering."""
+    shards = _shards(mode)
+
+    def after_step(step, ps_model):
+        if step == 2:
+            _checkpoint(shards[1], tmp_path)
+        if step == 5:
+            _restart_later(shards, 1, tmp_path, 0.0).join()
+
+    try:
+        _, metrics = _train(shards, 9, after_step=after_step, heartbeat_s=600.0)
+    finally:
+        for s in shards:
+            s.stop(0)
+    assert (metrics.shard_restarts.value, metrics.recoveries.value) == (1, 1)
+
+
 def test_a_sync_worker_dropped_as_a_straggler_rejoins_at_the_shards_step():
     """Issue 29: rank 1 falls silent (its heartbeats stop, it computes nothing) for longer than
     the shards' heartbeat timeout while rank 0 trains on, so the shards drop it and apply their

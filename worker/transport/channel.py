@@ -211,8 +211,10 @@ class Channel:
 
     def __init__(self, context: zmq.Context, endpoints: list[str], *, servers: Sequence[str],
                  metrics: WorkerMetrics, versions: dict[int, int],
-                 codes: CodeApplier | None = None, curve: CurveClient | None = None) -> None:
+                 codes: CodeApplier | None = None, curve: CurveClient | None = None,
+                 heard: Callable[[int, int], None] | None = None) -> None:
         self.lock = threading.Lock()
+        self.heard = heard  # (shard, incarnation) of every reply: ControlClient.heard_from
         self.curve = curve
         self.codes = codes or DECODE_ADD
         self.servers = servers
@@ -328,6 +330,8 @@ class Channel:
         if req is None:
             return self._discard(sock)  # answered after its deadline expired
         self.pending[shard] -= 1
+        if self.heard is not None:
+            self.heard(shard, header.incarnation)
         if header.op == pb.ERROR:
             self._discard(sock)
             # A pull the shard held past its deadline is the same failure as a late answer.

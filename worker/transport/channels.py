@@ -10,7 +10,7 @@ code applier (how published codes are added to the worker's copy) reaches every 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import zmq
 
@@ -24,12 +24,14 @@ class Channels:
     """The data channels of one client: ``endpoints[s]`` is shard ``s``'s ROUTER address."""
 
     def __init__(self, *, servers: Sequence[str], metrics: WorkerMetrics,
-                 versions: dict[int, int], curve: CurveClient | None) -> None:
+                 versions: dict[int, int], curve: CurveClient | None,
+                 heard: Callable[[int, int], None] | None = None) -> None:
         self.context = zmq.Context()
         self.endpoints: list[str] = []
         """Each shard's data endpoint (``tcp://host:port``), set at registration."""
         self._servers, self._metrics, self._versions, self._curve = (servers, metrics, versions,
                                                                      curve)
+        self._heard = heard  # every channel's replies name the shard's life (Channel.heard)
         self._local = threading.local()
         self._all: list[Channel] = []
         self._lock = threading.Lock()
@@ -53,7 +55,7 @@ class Channels:
         if channel is None:
             channel = Channel(self.context, self.endpoints, servers=self._servers,
                               metrics=self._metrics, versions=self._versions,
-                              codes=self._codes, curve=self._curve)
+                              codes=self._codes, curve=self._curve, heard=self._heard)
             self._local.channel = channel
             with self._lock:
                 self._all.append(channel)

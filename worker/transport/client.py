@@ -92,8 +92,8 @@ class PSClient:
         self.incarnation = secrets.randbits(63) | 1
         """Names this client's life on the wire: with the request id, it makes every push
         unique, so a shard applies a replayed push once (``ServerConfig.dedup_window``)."""
-        self.channels = Channels(servers=cfg.servers, metrics=self.metrics,
-                                 versions=self.versions, curve=self.control.curve)
+        self.channels = Channels(servers=cfg.servers, metrics=self.metrics, versions=self.versions,
+                                 curve=self.control.curve, heard=self.control.heard_from)
         """The data connections, one per submitting thread (``worker.transport.channels``)."""
         self._closing = threading.Event()
 

@@ -230,10 +230,12 @@ class ControlClient:
             out, self._restarted = sorted(self._restarted), set()
         return out
 
-    def _check_incarnation(self, shard: int, reply: pb.HeartbeatReply) -> None:
+    def heard_from(self, shard: int, incarnation: int) -> None:
+        """``shard`` answered as life ``incarnation`` (a heartbeat's or a data reply's; 0:
+        none named): another than its registration's is a restart (:meth:`take_restarted`)."""
         with self._restarted_lock:
             known = self.incarnations[shard]
-            if not known or not reply.incarnation or reply.incarnation == known \
+            if not known or not incarnation or incarnation == known \
                     or shard in self._restarted:
                 return
             self._restarted.add(shard)
@@ -241,7 +243,7 @@ class ControlClient:
             self.metrics.shard_restarts.inc()
         log.warning("rank %d: shard %d restarted (incarnation %x, registered with %x): "
                     "re-registering before the next request to it", self.cfg.rank, shard,
-                    reply.incarnation, known)
+                    incarnation, known)
 
     def start_heartbeat(self, clock: Callable[[], int]) -> None:
         """Heartbeat every shard each ``heartbeat_s`` with ``clock()`` until :meth:`close`
@@ -262,7 +264,7 @@ class ControlClient:
                         timeout=max(self.cfg.heartbeat_s, 1.0), metadata=self.metadata)
                     self.min_clock = reply.min_clock
                     fastest = max(fastest, reply.max_steps_per_s)
-                    self._check_incarnation(shard, reply)
+                    self.heard_from(shard, reply.incarnation)
                 except grpc.RpcError as err:
                     log.warning("heartbeat to shard %d failed: %s", shard, err.code().name)
             if fastest > 0:
