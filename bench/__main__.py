@@ -78,6 +78,13 @@ def _run_report(cfg: config.ReportBench, out: Path | None) -> int:
     return 0
 
 
+def _chaos_config() -> type:
+    # its options live beside the soak (bench/chaos.py imports no zmq or torch at import)
+    from bitps.bench.chaos import ChaosBench
+
+    return ChaosBench
+
+
 SCENARIOS = {
     "pushpull": Scenario(config.PushPullBench, _measured("bitps.bench.pushpull"),
                          "push+pull throughput and round trip vs raw pyzmq"),
@@ -103,6 +110,9 @@ SCENARIOS = {
     "pipeline": Scenario(config.PipelineBench, _measured("bitps.bench.pipeline"),
                          "measured pipeline bubbles on sleep-based stages: our schedules vs "
                          "the simulator and torch's pipelining"),
+    "chaos": Scenario(_chaos_config(), _measured("bitps.bench.chaos"),
+                      "a 2 x 2 job soaked under a seeded schedule of shard, worker and network "
+                      "faults: faults survived, updates lost, sync equality, RSS/threads/fds"),
     "compare": Scenario(config.CompareBench, _measured("bitps.bench.compare"),
                         "the same scenarios from this checkout and another (e.g. the previous "
                         "commit), alternated: every figure's ratio and the rounds' noise"),

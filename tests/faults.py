@@ -132,8 +132,13 @@ class DataProxy:
     """A ZeroMQ proxy in front of the data port ``target`` (``tcp://host:port``), served by one
     thread; workers connect to ``tcp://127.0.0.1:<port>``. Set :attr:`rules` at any time."""
 
-    def __init__(self, target: str, rules=(), *, seed: int = 0) -> None:
+    def __init__(self, target: str, rules=(), *, seed: int = 0,
+                 idle_close_s: float | None = None) -> None:
         self.target = target
+        self.idle_close_s = idle_close_s
+        """Close the shard-side connection of a worker connection silent this long (``None``:
+        never): a worker that reconnected or died leaves its old one idle, and a long run
+        would otherwise hold one connection to the shard per reconnect."""
         self.rules: list[Rule] = list(rules)
         self.rng = random.Random(seed)
         self.counts: Counter = Counter()
@@ -154,6 +159,7 @@ class DataProxy:
         self._requests: dict[tuple[bytes, int], pb.DataHeader] = {}
         self._queues: dict[tuple[bytes, str], deque] = {}
         self._late: list[tuple[float, list]] = []
+        self._heard: dict[bytes, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="data-proxy", daemon=True)
         self._thread.start()
@@ -181,6 +187,22 @@ class DataProxy:
                 else:
                     self._arrive(self._ident_of[sock], "reply", frames)
             self._flush(time.monotonic())
+            if self.idle_close_s is not None:
+                self._close_idle(time.monotonic() - self.idle_close_s)
+
+    def _close_idle(self, before: float) -> None:
+        for ident in [i for i, t in self._heard.items() if t < before
+                      and not self._queues.get((i, "request"))
+                      and not self._queues.get((i, "reply"))]:
+            del self._heard[ident]
+            conn = self._conns.pop(ident, None)
+            if conn is not None:  # None: every request it sent was dropped
+                del self._ident_of[conn]
+                self._poller.unregister(conn)
+                conn.close(linger=0)
+            for key in [k for k in self._requests if k[0] == ident]:
+                del self._requests[key]
+            self.counts["closed_idle"] += 1
 
     def _timeout_ms(self) -> int:
         dues = [q[0][0] for q in self._queues.values() if q] + [d for d, _ in self._late]
@@ -190,6 +212,8 @@ class DataProxy:
 
     def _arrive(self, ident: bytes, direction: str, frames: list) -> None:
         header = _parse(frames[0]) if frames else None
+        if direction == "request":
+            self._heard[ident] = time.monotonic()
         if header is not None and direction == "request":
             self._requests[ident, header.request_id] = header
         request = header if direction == "request" or header is None else \
@@ -313,9 +337,11 @@ class ShardProxy:
     """Both planes of one shard behind proxies: give workers :attr:`address` as the shard's
     server; :attr:`data` is the :class:`DataProxy` whose rules act on its data messages."""
 
-    def __init__(self, grpc_address: str, data_port: int, rules=(), *, seed: int = 0) -> None:
+    def __init__(self, grpc_address: str, data_port: int, rules=(), *, seed: int = 0,
+                 idle_close_s: float | None = None) -> None:
         host = grpc_address.rsplit(":", 1)[0]
-        self.data = DataProxy(f"tcp://{host}:{data_port}", rules, seed=seed)
+        self.data = DataProxy(f"tcp://{host}:{data_port}", rules, seed=seed,
+                              idle_close_s=idle_close_s)
         self.control = ControlProxy(grpc_address, data_port=self.data.port)
         self.address = f"127.0.0.1:{self.control.port}"
 
@@ -353,6 +379,14 @@ class Proc:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
         raise AssertionError(f"no VmRSS for pid {self.pid}")
+
+    def threads(self) -> int:
+        """Its threads (``/proc/PID/task``)."""
+        return len(os.listdir(f"/proc/{self.pid}/task"))
+
+    def fds(self) -> int:
+        """Its open file descriptors (``/proc/PID/fd``): sockets, pipes, files."""
+        return len(os.listdir(f"/proc/{self.pid}/fd"))
 
     def read_line(self, timeout: float) -> str:
         """The next stdout line, or AssertionError after ``timeout`` seconds."""
