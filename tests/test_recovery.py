@@ -411,32 +411,31 @@ def test_a_restart_is_noticed_from_the_data_replies_without_heartbeats(tmp_path,
     assert (metrics.shard_restarts.value, metrics.recoveries.value) == (1, 1)
 
 
-def test_a_sync_worker_dropped_as_a_straggler_rejoins_at_the_shards_step():
-    """Issue 29: rank 1 falls silent (its heartbeats stop, it computes nothing) for longer than
-    the shards' heartbeat timeout while rank 0 trains on, so the shards drop it and apply their
-    sync steps without it. When it comes back its push is for a step they have finished;
-    before, its re-registration handed it its own old clock again and it was refused
-    (``BAD_CLOCK``) until ``ShardLostError``. Now it adopts the shards' step and trains on."""
+def _two_sync_ranks(steps: int, *, before_step, after_step=None, setup=None,
+                    **client_kw) -> dict[int, list[int]]:
+    """Two workers (threads) train ``steps`` steps on two sync shards that drop a worker
+    silent for 1 s; ``before_step(r, step)`` and ``after_step(r, step)`` run around each step,
+    ``setup(r, client)`` once the client is made. Returns each rank's final shifts."""
     shards = [create_server(ServerConfig(shard_id=i, num_shards=2, mode="sync", metrics_port=-1,
                                          heartbeat_timeout_s=1.0,
                                          optimizer=OptimizerConfig(name="sgd", lr=0.05)))
               for i in range(2)]
-    steps, pause_at, errors, ahead = 10, 3, [], {}
-    models = [_model(), _model()]
+    models, errors, ahead = [_model(), _model()], [], {}
 
     def rank(r):
         try:
-            ps_model = PSModel(models[r], _client(shards, rank=r, world_size=2, deadline_s=2.0))
-            control = ps_model.client.control
+            client = _client(shards, rank=r, world_size=2, deadline_s=2.0, **client_kw)
+            if setup is not None:
+                setup(r, client)
+            ps_model = PSModel(models[r], client)
             try:
                 for step in range(steps):
-                    if r == 1 and step == pause_at:
-                        stubs, control.stubs = control.stubs, ()  # no heartbeat goes out
-                        time.sleep(3.0)  # rank 0 goes on alone once this rank is dropped
-                        control.stubs = stubs
+                    before_step(r, step, client)
                     x, y = _batch(2 * step + r)
                     torch.nn.functional.mse_loss(models[r](x), y).backward()
                     ps_model.step()
+                    if after_step is not None:
+                        after_step(r, step)
                 ps_model.synchronize()
                 ahead[r] = list(ps_model.client.shift)
             finally:
@@ -450,6 +449,23 @@ def test_a_sync_worker_dropped_as_a_straggler_rejoins_at_the_shards_step():
         for s in shards:
             s.stop(0)
     assert not errors, errors
+    return ahead
+
+
+def test_a_sync_worker_dropped_as_a_straggler_rejoins_at_the_shards_step():
+    """Issue 29: rank 1 falls silent (its heartbeats stop, it computes nothing) for longer than
+    the shards' heartbeat timeout while rank 0 trains on, so the shards drop it and apply their
+    sync steps without it. When it comes back its push is for a step they have finished;
+    before, its re-registration handed it its own old clock again and it was refused
+    (``BAD_CLOCK``) until ``ShardLostError``. Now it adopts the shards' step and trains on."""
+
+    def before_step(r, step, client):
+        if r == 1 and step == 3:
+            stubs, client.control.stubs = client.control.stubs, ()  # no heartbeat goes out
+            time.sleep(3.0)  # rank 0 goes on alone once this rank is dropped
+            client.control.stubs = stubs
+
+    ahead = _two_sync_ranks(10, before_step=before_step)
     assert ahead[0] == [0, 0] and all(a > 0 for a in ahead[1]), ahead  # rank 1 skipped steps
 
 
@@ -461,49 +477,24 @@ def test_a_dropped_sync_worker_rejoins_while_its_peer_trains_on():
     step too). Before, the worker adopted the shards' step only when ``start_clock`` was not
     ahead of its own clock, redid the push at its old step and was refused until
     ``ShardLostError``; now a shard whose sync step is ahead is always followed."""
-    shards = [create_server(ServerConfig(shard_id=i, num_shards=2, mode="sync", metrics_port=-1,
-                                         heartbeat_timeout_s=1.0,
-                                         optimizer=OptimizerConfig(name="sgd", lr=0.05)))
-              for i in range(2)]
-    steps, pause_at, errors, ahead = 12, 3, [], {}
-    models = [_model(), _model()]
     back = threading.Event()  # rank 1 has pushed again: rank 0 is still live, steps ahead
 
-    def rank(r):
-        try:
-            client = _client(shards, rank=r, world_size=2, deadline_s=2.0,
-                             reconnect_timeout_s=8.0)
-            if r == 1:  # heard only through its requests: nothing else un-drops it
-                client.control.start_heartbeat = lambda clock: None
-            ps_model = PSModel(models[r], client)
-            try:
-                for step in range(steps):
-                    if r == 1 and step == pause_at:
-                        time.sleep(2.5)  # dropped; rank 0 goes on alone
-                    if r == 0 and step > pause_at and not back.is_set():
-                        time.sleep(0.25)  # slowly: still live, ahead, when rank 1 is back
-                    x, y = _batch(2 * step + r)
-                    torch.nn.functional.mse_loss(models[r](x), y).backward()
-                    ps_model.step()
-                    if r == 1 and step == pause_at:
-                        back.set()
-                ps_model.synchronize()
-                ahead[r] = list(ps_model.client.shift)
-            finally:
-                ps_model.close()
-        except BaseException as err:  # noqa: BLE001 - the test looks at it
-            errors.append(err)
+    def setup(r, client):
+        if r == 1:  # heard only through its requests: nothing else un-drops it
+            client.control.start_heartbeat = lambda clock: None
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-    finally:
-        for s in shards:
-            s.stop(0)
-    assert not errors, errors
+    def before_step(r, step, client):
+        if r == 1 and step == 3:
+            time.sleep(2.5)  # dropped; rank 0 goes on alone
+        if r == 0 and step > 3 and not back.is_set():
+            time.sleep(0.25)  # slowly: still live, ahead, when rank 1 is back
+
+    def after_step(r, step):
+        if r == 1 and step == 3:
+            back.set()
+
+    ahead = _two_sync_ranks(12, before_step=before_step, after_step=after_step, setup=setup,
+                            reconnect_timeout_s=8.0)
     assert ahead[0] == [0, 0] and all(a > 0 for a in ahead[1]), ahead
 
 
