@@ -11,6 +11,7 @@ recovery: the worker's step raises ``PSTimeoutError`` instead.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+import zmq
 
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto import bitps_pb2_grpc as pb_grpc
@@ -68,7 +70,17 @@ def _restart_later(shards: list, i: int, directory: Path, delay_s: float) -> thr
 
     def run() -> None:
         time.sleep(delay_s)
-        new = ServerShard(cfg)
+        end = time.monotonic() + 10
+        while True:  # the old sockets' ports are freed by their I/O threads, a little later
+            try:
+                new = ServerShard(cfg)
+                break
+            except (zmq.ZMQError, OSError) as err:
+                in_use = getattr(err, "errno", None) == errno.EADDRINUSE or \
+                    str(err).startswith("cannot bind")
+                if not in_use or time.monotonic() > end:
+                    raise
+                time.sleep(0.05)
         restore(new.core, load_latest(directory))
         shards[i] = new.start()
 
