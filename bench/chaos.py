@@ -28,8 +28,8 @@ the end of the mode, every rank's last process exited 0. The kinds:
 - ``netem``: the link's qdisc replaced on both ends by ``netem loss 10% delay 20ms``; where the
   kernel has no netem, by a ``tbf`` of 4 Mbit/s with 10 ms of queue (queueing delay and tail
   drops), and the report says which;
-- ``duplicate``: the proxy of a shard duplicates every 3rd data request (alternately at once
-  and 200 ms late on a side connection) for the hold;
+- ``duplicate``: the proxy of a shard duplicates every 6th push at once and, of the others,
+  every 6th 200 ms late on a side connection (a late resend), for the hold;
 - ``delay``: the proxy of a shard holds every 2nd data request 150 ms for the hold.
 
 **What is measured.** Updates lost per shard: in sync, ``n_keys x final clock`` less the
@@ -192,7 +192,14 @@ class _Job:
                 raise RuntimeError(f"shard {i} exited {rc} after SIGTERM")
         ports = ("--grpc-port", str(old.ready["grpc_port"]),
                  "--data-port", str(old.ready["data_port"]))
-        self.shards[i] = self._shard(i, ports)
+        for attempt in range(20):
+            try:
+                self.shards[i] = self._shard(i, ports)
+                return
+            except AssertionError:  # exited before its ready line: the old ports not free yet
+                if attempt == 19:
+                    raise
+                time.sleep(0.25)
 
     def start_worker(self, rank: int) -> None:
         k = len(self.started)
