@@ -5,7 +5,7 @@ schedule injects faults, then reports what held (issue 29).
 one veth link (``bench.link.shaped_link``); the two workers run here, each a small numpy
 process (:func:`worker_main`: a float32 vector of ``n`` elements, a gradient computed from the
 pulled values, a real ``PSClient`` recovering lost shards with ``complete``). Every worker talks
-to each shard through a seeded ZeroMQ/gRPC proxy in this process (``tests.faults.ShardProxy``),
+to each shard through a seeded ZeroMQ/gRPC proxy in this process (``bench.faults.ShardProxy``),
 so the path is worker -> proxy -> veth -> shard. The soak runs each of ``--modes`` for
 ``--duration-s / len(modes)``; sync checkpoints every step (its replies wait for the step's
 checkpoint), async/ssp every ``--checkpoint-steps`` steps' worth of updates. At the end of a
@@ -42,7 +42,7 @@ parameters (the checkpoints SIGTERM wrote) are compared bit for bit with a fault
 the same number of steps on loopback.
 
 Needs root and ``ip``/``tc`` for the namespace (without them it reports why and fails its
-coverage check), and a source checkout (the proxies are ``tests/faults.py``'s).
+coverage check).
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ class _Job:
     """The processes of one mode: 2 shards in the namespace, their proxies, 2 workers."""
 
     def __init__(self, mode: str, cfg: ChaosBench, link, root: Path, keys: list[int]) -> None:
-        from tests import faults
+        from bitps.bench import faults
 
         self.f, self.mode, self.cfg, self.link, self.root = faults, mode, cfg, link, root
         self.keys = keys  # keys per shard
@@ -445,8 +445,8 @@ def _lost(leg: dict, keys: list[int]) -> list[dict]:
 def _reference(cfg: ChaosBench, final_clock: int, root: Path) -> list[dict]:
     """The same sync job, no faults, no pause, on loopback, to ``final_clock``; its final
     parameters by shard."""
+    from bitps.bench import faults
     from bitps.ps.checkpoint import load_latest
-    from tests import faults
 
     root.mkdir(parents=True, exist_ok=True)
     stop_file = root / "final-clock"

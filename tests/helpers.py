@@ -1,5 +1,6 @@
 """Small helpers several test modules share (the bigger ones have modules of their own:
-``tests.faults``, ``tests.encoding``)."""
+``tests.encoding``; the fault injection is ``bench/faults.py``, which the chaos bench
+shares)."""
 
 from __future__ import annotations
 

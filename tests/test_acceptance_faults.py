@@ -1,5 +1,5 @@
 """The acceptance scenarios of issue 17 on real processes: ``bitps-server`` shards and
-``bitps-worker`` ranks training the demo model on loopback (``tests/faults.py`` starts, kills,
+``bitps-worker`` ranks training the demo model on loopback (``bench/faults.py`` starts, kills,
 stops and continues them, by pid).
 
 1. A shard killed with ``kill -9`` mid-run and restarted with the same flags and ports, in async
@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.faults import ROOT, Proc, ServerProcess, start_server, wait_clock
+from bitps.bench.faults import ROOT, Proc, ServerProcess, start_server, wait_clock
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")

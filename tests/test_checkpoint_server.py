@@ -25,6 +25,7 @@ import grpc
 import numpy as np
 import pytest
 
+from bitps.bench.faults import RawPeer as Raw
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto import bitps_pb2_grpc as pb_grpc
 from bitps.proto.keyplan import ParamSpec, make_plan
@@ -32,7 +33,6 @@ from bitps.ps import ServerConfig, create_server
 from bitps.ps.__main__ import parse_config
 from bitps.ps.checkpoint import checkpoints, load_latest
 from bitps.worker import ClientConfig, PSClient
-from tests.faults import RawPeer as Raw
 
 ROOT = Path(__file__).resolve().parents[1]
 N = 64  # one key of 64 float32: one push is one update

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from bitps.bench.faults import start_server
 from bitps.worker.launch import launcher
-from tests.faults import start_server
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train.py"

@@ -23,12 +23,12 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bitps.bench.faults import ROOT, ServerProcess, start_server
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto import bitps_pb2_grpc as pb_grpc
 from bitps.proto.plugins import PluginError, load_plugins
 from bitps.proto.settings import SettingError
 from bitps.proto.wire import PROTOCOL
-from tests.faults import ROOT, ServerProcess, start_server
 from tests.helpers import one_key_core
 
 PLUGINS = ROOT / "tests" / "plugins_outside"

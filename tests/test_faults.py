@@ -1,4 +1,4 @@
-"""Faults injected into real clusters (``tests/faults.py``): duplicated, dropped and delayed
+"""Faults injected into real clusters (``bench/faults.py``): duplicated, dropped and delayed
 data messages through a proxy, and a worker process stopped and continued.
 
 ``bitps-server`` processes on free ports, real ``PSClient`` s (threads of this process, or
@@ -14,10 +14,18 @@ import time
 import numpy as np
 import pytest
 
+from bitps.bench.faults import (
+    Rule,
+    ShardProxy,
+    pulls,
+    pushes,
+    start_server,
+    start_worker,
+    wait_clock,
+)
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.keyplan import ParamSpec, make_plan
 from bitps.worker import ClientConfig, PSClient, PSTimeoutError
-from tests.faults import Rule, ShardProxy, pulls, pushes, start_server, start_worker, wait_clock
 
 N = 4096  # 4 keys of 1024 float32 (partition 4 KiB), 2 per shard, each key its own message
 STEPS = 20

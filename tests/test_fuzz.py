@@ -24,11 +24,11 @@ import pytest
 import zmq
 from grpc_health.v1 import health_pb2
 
+from bitps.bench.faults import start_server
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.keyplan import ParamSpec, make_plan
 from bitps.proto.wire import PROTOCOL
 from bitps.worker import ClientConfig, PSClient
-from tests.faults import start_server
 
 TOKEN = "fuzz-token-17"
 N = 4096

@@ -22,13 +22,13 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bitps.bench.faults import RawPeer as Raw
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto import bitps_pb2_grpc as pb_grpc
 from bitps.proto.keyplan import ParamSpec, make_plan
 from bitps.proto.wire import PROTOCOL, PSError
 from bitps.ps import OptimizerConfig
 from bitps.worker import ClientConfig, PSClient
-from tests.faults import RawPeer as Raw
 
 ROOT = Path(__file__).resolve().parents[1]
 SGD = OptimizerConfig(name="sgd", lr=0.5)

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from bench.link import shaped_link
-from tests.faults import ROOT, ServerProcess, wait_clock
+from bitps.bench.faults import ROOT, ServerProcess, wait_clock
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")

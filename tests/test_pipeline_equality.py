@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.faults import start_server
+from bitps.bench.faults import start_server
 from tests.test_pipeline_runtime import (
     collect,
     finish,

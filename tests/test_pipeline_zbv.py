@@ -246,7 +246,7 @@ def test_zbv_on_gloo_gives_single_process_gradients_over_2p_virtual_stages(p):
 
 @pytest.mark.parametrize("p", [2, 4])
 def test_zbv_through_a_sync_shard_ends_with_single_process_parameters(p):
-    from tests.faults import start_server
+    from bitps.bench.faults import start_server
     from tests.test_pipeline_equality import LR, reference
 
     shard = start_server("--mode", "sync", "--optimizer", "sgd", "--lr", str(LR))

@@ -503,7 +503,7 @@ def test_sighup_reloads_the_allowed_client_keys(tmp_path, keys):
     """Issue 29: a shard read its allowed client keys only at start, so adding a worker meant
     a restart. SIGHUP to ``bitps-server`` reads the directory again: a key added since is let
     in, a key removed is refused from its next connection on."""
-    from tests.faults import start_server
+    from bitps.bench.faults import start_server
 
     shard = start_server("--mode", "async", "--optimizer", "sgd",
                          *(f"--{k.replace('_', '-')}={v}" for k, v in _curve(keys).items()))

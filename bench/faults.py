@@ -1,5 +1,5 @@
-"""Fault injection for tests: a proxy that drops, delays and duplicates data-plane messages, and
-helpers that start, kill and pause real processes.
+"""Fault injection for the tests and the chaos bench (``bitps-bench chaos``): a proxy that drops,
+delays and duplicates data-plane messages, and helpers that start, kill and pause real processes.
 
 Network faults. :class:`ShardProxy` stands between workers and one shard, on both planes:
 
