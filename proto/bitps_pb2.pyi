@@ -365,7 +365,7 @@ class LeaveReply(_message.Message):
     def __init__(self) -> None: ...
 
 class DataHeader(_message.Message):
-    __slots__ = ("op", "protocol", "worker", "request_id", "clock", "keys", "versions", "dtype", "codec", "error", "message", "deadline_s", "token", "min_clock", "codec_chunk", "codec_flags", "frame_codecs", "pad", "incarnation", "lr", "weight_decay")
+    __slots__ = ("op", "protocol", "worker", "request_id", "clock", "keys", "versions", "dtype", "codec", "error", "message", "deadline_s", "token", "min_clock", "codec_chunk", "codec_flags", "frame_codecs", "pad", "incarnation", "lr", "weight_decay", "shard_incarnation")
     OP_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
@@ -387,6 +387,7 @@ class DataHeader(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     op: Op
     protocol: int
     worker: int
@@ -408,4 +409,5 @@ class DataHeader(_message.Message):
     incarnation: int
     lr: _containers.RepeatedScalarFieldContainer[float]
     weight_decay: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, op: _Optional[_Union[Op, str]] = ..., protocol: _Optional[int] = ..., worker: _Optional[int] = ..., request_id: _Optional[int] = ..., clock: _Optional[int] = ..., keys: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., error: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., deadline_s: _Optional[float] = ..., token: _Optional[str] = ..., min_clock: _Optional[int] = ..., codec_chunk: _Optional[int] = ..., codec_flags: _Optional[int] = ..., frame_codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., pad: _Optional[bytes] = ..., incarnation: _Optional[int] = ..., lr: _Optional[_Iterable[float]] = ..., weight_decay: _Optional[_Iterable[float]] = ...) -> None: ...
+    shard_incarnation: int
+    def __init__(self, op: _Optional[_Union[Op, str]] = ..., protocol: _Optional[int] = ..., worker: _Optional[int] = ..., request_id: _Optional[int] = ..., clock: _Optional[int] = ..., keys: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., error: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., deadline_s: _Optional[float] = ..., token: _Optional[str] = ..., min_clock: _Optional[int] = ..., codec_chunk: _Optional[int] = ..., codec_flags: _Optional[int] = ..., frame_codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., pad: _Optional[bytes] = ..., incarnation: _Optional[int] = ..., lr: _Optional[_Iterable[float]] = ..., weight_decay: _Optional[_Iterable[float]] = ..., shard_incarnation: _Optional[int] = ...) -> None: ...

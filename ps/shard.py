@@ -195,6 +195,11 @@ class ShardCore(Registration):
         slots, clock, grads, codec = checks.validate(
             cfg, header, payload, self.slots, registered=self.clocks.is_registered(header.worker),
             own_clock=worker.clock if worker is not None else 0, pool=self.key_pool)
+        if header.shard_incarnation and header.shard_incarnation != self.incarnation:
+            raise PSError(pb.NOT_REGISTERED, f"worker {header.worker}'s request (clock "
+                          f"{header.clock}) is for an earlier life of shard {cfg.shard_id} "
+                          f"(incarnation {header.shard_incarnation:x}, this is "
+                          f"{self.incarnation:x}): register again")
         if grads is not None:
             self.rule.check_push(header, slots, codec)
         if header.op != pb.PUSH and self.held.full(header.worker):

@@ -402,11 +402,13 @@ def test_a_shard_restored_from_an_older_checkpoint_is_noticed_within_a_heartbeat
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_restart_is_noticed_from_the_data_replies_without_heartbeats(tmp_path, mode):
-    """Issue 29: the shard's incarnation rides in every data reply too, so a worker notices a
-    restart from the first answer of the new process, heartbeat or not (here none comes in
-    the run). Before, only heartbeats and registrations named it: an async worker whose
-    requests the restored shard answered trained on without re-registering."""
+def test_a_restart_is_noticed_at_the_first_request_without_heartbeats(tmp_path, mode):
+    """Issue 29: every data request names the shard life it is for, and every reply the life
+    that answered, so a worker notices a restart at its first request to the new process,
+    heartbeat or not (here none comes in the run): the request is refused, the worker
+    re-registers and adopts the restored shard's clock, its 3 lost steps counted. Before, an
+    async worker's push for step 6 was applied by the shard restored at step 3 (the bitps-bench
+    chaos soak saw the clocks jump and ssp deadlock), and nothing was noticed or counted."""
     shards = _shards(mode)
 
     def after_step(step, ps_model):
@@ -420,7 +422,48 @@ def test_a_restart_is_noticed_from_the_data_replies_without_heartbeats(tmp_path,
     finally:
         for s in shards:
             s.stop(0)
-    assert (metrics.shard_restarts.value, metrics.recoveries.value) == (1, 1)
+    counts = (metrics.shard_restarts.value, metrics.lost_steps.value, metrics.recoveries.value)
+    assert counts == (1, 3, 1), counts
+
+
+def test_a_replacement_worker_keeps_its_predecessors_clock_on_a_restored_shard(tmp_path):
+    """Issue 29 (found by the bitps-bench chaos soak): rank 0 trains on after shard 1 came back
+    from an older checkpoint, 3 steps behind it there (``PSClient.shift``), and is then killed.
+    Its replacement registers at the rank's clock on shard 0 and, before, at that clock on
+    shard 1 too, which was 3 steps ahead of what shard 1 had: in ssp its pulls waited for
+    steps nobody would push. Now it keeps each shard's own clock, as the predecessor did."""
+    shards = _shards("async")
+
+    def after_step(step, ps_model):
+        if step == 2:
+            _checkpoint(shards[1], tmp_path)
+        if step == 5:
+            _restart_later(shards, 1, tmp_path, 0.0).join()
+
+    try:
+        model = _model()
+        first = PSModel(model, _client(shards))
+        for step in range(8):
+            x, y = _batch(step)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            first.step()
+            after_step(step, first)
+        first.synchronize()
+        assert first.client.shift == [0, -3]
+        first.client.close(leave=False)  # killed: no Leave
+        replacement = PSModel(_model(), _client(shards))
+        try:
+            assert replacement.clock == 8 and replacement.client.shift == [0, -3]
+            x, y = _batch(8)
+            torch.nn.functional.mse_loss(replacement.model(x), y).backward()
+            replacement.step()
+            clocks = [s.core.clocks.workers[0].clock for s in shards]
+            assert clocks == [9, 6], clocks
+        finally:
+            replacement.close()
+    finally:
+        for s in shards:
+            s.stop(0)
 
 
 def _two_sync_ranks(steps: int, *, before_step, after_step=None, setup=None,

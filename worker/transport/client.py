@@ -11,11 +11,10 @@ plane is :attr:`PSClient.control` (``worker.transport.control``)::
     client.push_pull(keys, grads, outs, clock=0).wait()  # float32 gradients, as they are
     client.close()
 
-What a push carries is decided above the transport: float32 arrays as they are, or an
-:class:`~bitps.worker.transport.messages.Encoded` push (``worker.training.encoder``), each
-key's payload in the codec the header names; codes in pull replies are added through
-:attr:`PSClient.codes`. Payloads go out zero-copy: unchanged until the handle completes (it
-keeps them alive); pulled values are copied from the received frame into ``outs``.
+What a push carries is decided above the transport: float32 arrays, or an ``Encoded`` push
+(``worker.training.encoder``), each key's payload in the codec the header names; codes in pull
+replies are added through :attr:`PSClient.codes`. Payloads go out zero-copy: unchanged until
+the handle completes; pulled values are copied from the received frame into ``outs``.
 """
 
 from __future__ import annotations
@@ -153,7 +152,9 @@ class PSClient:
             self.start_clock = max(self.start_clock, reply.start_clock)
             self.holds_pulls = self.holds_pulls or reply.holds_pulls
             replies.append(reply)
-        self.clock = self.start_clock
+        # a shard behind for this rank (restored while a predecessor ran) keeps its clock
+        start = self.clock = self.start_clock
+        self.shift = [r.start_clock - start for r in replies]
         # a request names versions only of received keys (codes go only against a copy sent)
         self.versions.clear()
         self.versions.update(current)
@@ -172,8 +173,7 @@ class PSClient:
     # -- data plane ---------------------------------------------------------------------------
     def push(self, keys: Sequence[int], grads: Sequence[np.ndarray] | Encoded, *,
              clock: int) -> Handle:
-        """Send the gradients of ``keys`` for step ``clock``: float32 arrays as they are, or
-        an :class:`Encoded` push."""
+        """Send the gradients of ``keys`` for step ``clock`` (float32 arrays, or Encoded)."""
         return self._submit(pb.PUSH, keys, grads, (), clock)
 
     def pull(self, keys: Sequence[int], outs: Sequence[np.ndarray], *, clock: int) -> Handle:
@@ -182,8 +182,7 @@ class PSClient:
 
     def push_pull(self, keys: Sequence[int], grads: Sequence[np.ndarray] | Encoded,
                   outs: Sequence[np.ndarray], *, clock: int) -> Handle:
-        """Push gradients for step ``clock`` (as for :meth:`push`) and pull parameters for
-        ``clock + 1`` into ``outs``."""
+        """Push for step ``clock`` (as :meth:`push`), pull for ``clock + 1`` into ``outs``."""
         return self._submit(pb.PUSH_PULL, keys, grads, outs, clock)
 
     def progress(self, timeout_s: float, *, wake_fd: int | None = None) -> None:
@@ -224,7 +223,7 @@ class PSClient:
             ks = [keys[i] for i in idx]
             header = pb.DataHeader(op=op, protocol=PROTOCOL, worker=self.cfg.rank,
                                    request_id=next(self._ids), clock=clock + self.shift[shard],
-                                   keys=ks,
+                                   keys=ks, shard_incarnation=self.control.incarnations[shard],
                                    dtype=pb.FLOAT32, deadline_s=self.cfg.deadline_s,
                                    token=self.cfg.token, incarnation=self.incarnation)
             # The versions of this worker's copies: what a gradient was computed from, and
@@ -367,6 +366,7 @@ class PSClient:
         for r in old:
             header = pb.DataHeader()
             header.CopyFrom(r.header)
+            header.shard_incarnation = self.control.incarnations[r.shard]  # re-registered
             clock = r.clock + self.shift[r.shard]
             if header.clock != clock:
                 # The shard came back behind: this is a push of another step there, and the
