@@ -17,7 +17,9 @@ rounds in which every kind of ``--kinds`` comes once, in a shuffled order, each 
 the pause before it and how long it is held. One fault at a time: the bench injects it, heals
 it, and waits until every rank's clock has advanced twice on both shards: its recovery, timed
 from the heal. A fault is *survived* when that happens within ``--recover-timeout-s`` and, at
-the end of the mode, every rank's last process exited 0. The kinds:
+the end of the mode, every rank's last process exited 0 with every shard at the final clock
+for it (less the steps a shard that came back from an older checkpoint lost: the worker's
+``PSClient.shift``, which it prints last). The kinds:
 
 - ``shard_term``: SIGTERM to a shard (it answers held pulls SHUTTING_DOWN, writes its final
   checkpoint, exits 0), restarted on its ports from its checkpoint;
@@ -416,8 +418,18 @@ def _finish(job: _Job, cfg: ChaosBench) -> dict:
         s.popen.send_signal(signal.SIGTERM)
         term.append(s.popen.wait(60))
     answered = sum(_steps(out) for _, _, out in job.started)
+    last = {rank: out for rank, _, out in job.started}  # each rank's last process
     return {"final_clock": final, "worker_rc": rcs, "clocks": clocks, "applied": applied,
-            "shard_rc": term, "answered_steps": answered}
+            "shard_rc": term, "answered_steps": answered,
+            "shifts": {r: _shift(out) for r, out in last.items()}}
+
+
+def _shift(out: Path) -> list[int] | None:
+    """The shifts a worker process printed when it finished (``None``: it did not finish)."""
+    for line in reversed(out.read_text().splitlines()):
+        if '"shift"' in line:
+            return json.loads(line)["shift"]
+    return None
 
 
 def _steps(out: Path) -> int:
@@ -523,7 +535,8 @@ def _report(cfg, link, legs, planned, equal, keys, wall_s, out) -> dict:
                for k in cfg.kinds}
     finished = all(rc == 0 for leg in legs for rc in leg["worker_rc"].values()) and \
         all(rc == 0 for leg in legs for rc in leg["shard_rc"]) and \
-        all(set(c.values()) == {leg["final_clock"]} for leg in legs for c in leg["clocks"])
+        all(leg["shifts"][r] is not None and c[r] == leg["final_clock"] + leg["shifts"][r][i]
+            for leg in legs for i, c in enumerate(leg["clocks"]) for r in c)
     lost = {leg["mode"]: _lost(leg, keys) for leg in legs}
     bounded = {f"{leg['mode']} {k}": v for leg in legs
                for k, v in _bounded(leg["samples"]).items()}
@@ -626,6 +639,8 @@ def worker_main(spec: dict) -> None:
         clock += 1
         client.clock = clock
         print(json.dumps({"clock": clock}), flush=True)
+    # where each shard has this rank: the final clock plus the shift of a shard that lost steps
+    print(json.dumps({"final": clock, "shift": client.shift}), flush=True)
     client.close()
 
 
