@@ -401,6 +401,19 @@ def test_a_shard_restored_from_an_older_checkpoint_is_noticed_within_a_heartbeat
     assert counts == {0: (1, 3, 1), 1: (1, 3, 1)}, counts
 
 
+def _restored_3_steps_behind(shards: list, directory: Path):
+    """An ``after_step`` for :func:`_train`: shard 1 is checkpointed after step 2 and restarted
+    from that checkpoint after step 5, so it comes back 3 steps behind the worker."""
+
+    def after_step(step, ps_model):
+        if step == 2:
+            _checkpoint(shards[1], directory)
+        if step == 5:
+            _restart_later(shards, 1, directory, 0.0).join()
+
+    return after_step
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_restart_is_noticed_at_the_first_request_without_heartbeats(tmp_path, mode):
     """Issue 29: every data request names the shard life it is for, and every reply the life
@@ -410,12 +423,7 @@ def test_a_restart_is_noticed_at_the_first_request_without_heartbeats(tmp_path, 
     async worker's push for step 6 was applied by the shard restored at step 3 (the bitps-bench
     chaos soak saw the clocks jump and ssp deadlock), and nothing was noticed or counted."""
     shards = _shards(mode)
-
-    def after_step(step, ps_model):
-        if step == 2:
-            _checkpoint(shards[1], tmp_path)
-        if step == 5:
-            _restart_later(shards, 1, tmp_path, 0.0).join()
+    after_step = _restored_3_steps_behind(shards, tmp_path)
 
     try:
         _, metrics = _train(shards, 9, after_step=after_step, heartbeat_s=600.0)
@@ -433,12 +441,7 @@ def test_a_replacement_worker_keeps_its_predecessors_clock_on_a_restored_shard(t
     shard 1 too, which was 3 steps ahead of what shard 1 had: in ssp its pulls waited for
     steps nobody would push. Now it keeps each shard's own clock, as the predecessor did."""
     shards = _shards("async")
-
-    def after_step(step, ps_model):
-        if step == 2:
-            _checkpoint(shards[1], tmp_path)
-        if step == 5:
-            _restart_later(shards, 1, tmp_path, 0.0).join()
+    after_step = _restored_3_steps_behind(shards, tmp_path)
 
     try:
         model = _model()
