@@ -233,6 +233,8 @@ class ControlClient:
     def heard_from(self, shard: int, incarnation: int) -> None:
         """``shard`` answered as life ``incarnation`` (a heartbeat's or a data reply's; 0:
         none named): another than its registration's is a restart (:meth:`take_restarted`)."""
+        if not incarnation or incarnation == self.incarnations[shard]:
+            return  # every reply comes here: the common case takes no lock
         with self._restarted_lock:
             known = self.incarnations[shard]
             if not known or not incarnation or incarnation == known \
