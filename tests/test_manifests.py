@@ -776,6 +776,9 @@ def test_k8s_topology_and_ports_agree(k8s, kprocs, images):
         want = {"grpc": a.grpc_port, "data": a.data_port, "metrics": a.metrics_port}
         if a.health_port > 0:
             want["health"] = a.health_port
+        else:  # issue 29: the kubelet's gRPC probe speaks plaintext only
+            problems.append(f"{p.where}: no --health-port, so the probes cannot check a shard "
+                            f"whose gRPC port speaks TLS")
         if ports != want:
             problems.append(f"{p.where}: containerPorts {ports}, the shard listens on {want}")
         # the health port when there is one: plaintext, so probes work under TLS too

@@ -103,7 +103,6 @@ class Encoder:
         self.pull_codec = Codec.from_config(cfg.pull_codec or cfg.push_codec)
         """What the shards publish for this worker's pulls (registered; ``ps.publish``)."""
         self._compressors: dict[tuple[int, int], Compressor] = {}
-        self._copies: Mapping[int, np.ndarray] | None = None  # for re-registering (register)
         self._shifts: list[int] = []  # the client's shifts the policy last heard of
         self._large: dict[int, bool] = {}
         self._large_for: KeyPlan | None = None
@@ -139,7 +138,7 @@ class Encoder:
         self.policy.bind(functools.partial(self.client.control.rule_state, plan=plan,
                                            versions=self.client.versions), plan)
         self.client.codes = self.policy.codes
-        self._copies, self._shifts = copies, list(self.client.shift)
+        self._shifts = list(self.client.shift)
         return replies
 
     def follow_shards(self, clock: int) -> None:
@@ -147,9 +146,7 @@ class Encoder:
         restarted (the client would at its next request, after this push was encoded at the
         step that shard is no longer at), then tell the push policy of the keys whose shard's
         step moved against this worker's (``PushPolicy.moved``)."""
-        if self._copies is not None:
-            for shard in self.client.control.take_restarted():
-                self.client.recover(shard, self._copies, clock=clock)
+        self.client.rejoin_restarted(clock)
         shifts = self.client.shift
         if self._shifts != shifts and self.plan is not None:
             moved = [s for s, (a, b) in enumerate(zip(self._shifts, shifts)) if a != b]

@@ -68,9 +68,8 @@ class PSClient:
         self.control = ControlClient(cfg, metrics=self.metrics)
         """Register, Heartbeat, Status, Leave, rule state (``worker.transport.control``)."""
         self.on_slow_wait: Callable[[int, float], object] | None = None
-        """Called by ``Handle.wait`` as ``on_slow_wait(shard, waited_s)`` once per shard still
-        owing an answer at half the wait's limit (``bitps-worker`` logs the shard's Status), on
-        the waiting thread: it must return quickly; what it raises is logged."""
+        """``on_slow_wait(shard, waited_s)``, from ``Handle.wait`` on the waiting thread, once per
+        shard owing an answer at half the wait's limit; quick; what it raises is logged."""
         self.plan: KeyPlan | None = None
         self._registration = Registration()
         self.versions: dict[int, int] = {}
@@ -81,16 +80,13 @@ class PSClient:
         """Set at registration: the shards may hold a pull until other workers push the same
         keys (sync, W > 1): it must never hold back this worker's own pushes (``comm``)."""
         self.shift = [0] * self.num_shards
-        """Per shard: what its clock is ahead of this worker's (negative: behind). Requests to
-        shard ``s`` for step ``c`` carry clock ``c + shift[s]``; nonzero once a shard came back
-        from a checkpoint older than this worker's clock (:meth:`recover`)."""
+        """Per shard: its clock less this worker's (requests for step ``c`` carry ``c +
+        shift[s]``): nonzero once it came back behind or went on without this worker."""
         self.hyperparameters: Callable[[Sequence[int], int], tuple] | None = None
-        """``(keys, clock) -> (lrs, weight_decays)`` per push message: ``DataHeader.lr`` /
-        ``weight_decay`` (``bitps.Optimizer``'s groups; called on the pushing thread)."""
+        """``(keys, clock) -> (lrs, weight_decays)`` per push: ``DataHeader.lr`` and so on."""
         self._ids = itertools.count(1)
         self.incarnation = secrets.randbits(63) | 1
-        """Names this client's life on the wire: with the request id, it makes every push
-        unique, so a shard applies a replayed push once (``ServerConfig.dedup_window``)."""
+        """This client's life on the wire: with the request id, a push is applied once."""
         self.channels = Channels(servers=cfg.servers, metrics=self.metrics, versions=self.versions,
                                  curve=self.control.curve, heard=self.control.heard_from)
         """The data connections, one per submitting thread (``worker.transport.channels``)."""
@@ -105,8 +101,7 @@ class PSClient:
 
     @property
     def codes(self) -> CodeApplier:
-        """How a published code in a pull reply is added to this worker's copy (every
-        channel's; set by the encoder once the shards' rule is known)."""
+        """How a pulled code is added to this worker's copy (set by the encoder)."""
         return self.channels.codes
 
     @codes.setter
@@ -197,14 +192,19 @@ class PSClient:
         channel = self.channels.existing()
         return channel.min_clock if channel is not None else self.control.min_clock
 
+    def rejoin_restarted(self, clock: int) -> None:
+        """Re-register the shards a heartbeat or a reply found restarted (:meth:`recover`, at
+        step ``clock``); before each request, and before a push is encoded (``Encoder``)."""
+        copies = self._registration.copies
+        for shard in self.control.take_restarted() if copies is not None else ():
+            self.recover(shard, copies, clock=clock)
+
     def _submit(self, op, keys, grads, outs, clock) -> Handle:
         if self.plan is None:
             raise RuntimeError("register() before push/pull")
         if self._closing.is_set():
             raise RuntimeError("the client is closed")
-        copies = self._registration.copies  # a heartbeat saw a shard restart: rejoin first
-        for shard in self.control.take_restarted() if copies is not None else ():
-            self.recover(shard, copies, clock=clock)
+        self.rejoin_restarted(clock)
         encoded = grads if isinstance(grads, Encoded) else None
         arrays = encoded.payloads if encoded is not None else grads
         if arrays and len(arrays) != len(keys) or outs and len(outs) != len(keys):
