@@ -9,7 +9,9 @@ The settings (JSON) say what kind of rank it is:
   ``bf16`` for :func:`bf16_hook`, ``powersgd`` for PowerSGD rank 1), with the same optimizer,
   clipping and schedule as ``local``;
 - ``bitps``: a ``PSModel`` over a ``PSClient`` against the run's shards, which hold the optimizer
-  and the schedule.
+  and the schedule; with ``bitps.local_sgd`` (``{"inner_steps": H, "adaptive": bool}``) DiLoCo
+  instead: ``LocalSGD`` with an inner AdamW at ``lr`` on this rank's own schedule over its own
+  ``steps``, the shards running the outer rule.
 
 Every rank reads the demo corpus with its own rank's batches (``worker.demo.batches``), the
 same for every run, and prints one JSON line per step (``loss``, the wall-clock ``end`` of the
@@ -76,19 +78,41 @@ def _wrap_ddp(model, s: dict):
     return ddp
 
 
-def _bitps(model, s: dict):
+def _client(s: dict, *, clip: bool):
     from bitps.proto.codecs import CodecConfig
-    from bitps.worker.config import ClientConfig, OverlapConfig
-    from bitps.worker.training.model import PSModel
+    from bitps.worker.config import ClientConfig
     from bitps.worker.transport.client import PSClient
 
     b = s["bitps"]
     codec = CodecConfig(name=b["push_codec"])
     cfg = ClientConfig(servers=tuple(b["servers"]), rank=s["rank"], world_size=s["world"],
                        push_codec=codec, compress_min_bytes=b["compress_min_bytes"],
-                       clip_norm=s["clip_norm"], deadline_s=300.0)
-    client = PSClient(cfg)
-    return PSModel(model, client, overlap=OverlapConfig(mode=b["overlap"]))
+                       clip_norm=s["clip_norm"] if clip else 0.0, deadline_s=300.0)
+    return PSClient(cfg)
+
+
+def _bitps(model, s: dict):
+    from bitps.worker.config import OverlapConfig
+    from bitps.worker.training.model import PSModel
+
+    return PSModel(model, _client(s, clip=True),
+                   overlap=OverlapConfig(mode=s["bitps"]["overlap"]))
+
+
+def _local_sgd(model, s: dict):
+    """DiLoCo: the inner AdamW and its schedule (this rank's own steps), the clipping done
+    here on the inner gradients; the pseudo-gradients go unclipped."""
+    import torch
+
+    from bitps.proto.schedule import LRSchedule
+    from bitps.worker.algorithms.local_sgd import LocalSGD
+
+    d = s["bitps"]["local_sgd"]
+    inner = torch.optim.AdamW(model.parameters(), lr=s["lr"], weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(inner, LRSchedule(**s["schedule"]).factor)
+    local = LocalSGD(model, _client(s, clip=False), inner, inner_steps=d["inner_steps"],
+                     adaptive=d["adaptive"])
+    return local, sched
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,8 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     corpus = load_corpus(2_000_000)
     data = batches(corpus, batch_size=spec.batch, seq_len=spec.seq_len, rank=s["rank"],
                    world_size=s["world"], seed=s["seed"])
-    kind, ps_model, opt, sched = s["kind"], None, None, None
-    if kind == "bitps":
+    kind, ps_model, local, opt, sched = s["kind"], None, None, None, None
+    if kind == "bitps" and s["bitps"].get("local_sgd"):
+        local, sched = _local_sgd(model, s)
+        train = model
+    elif kind == "bitps":
         ps_model = _bitps(model, s)
         train = model
     else:
@@ -130,6 +157,14 @@ def main(argv: list[str] | None = None) -> int:
         if ps_model is not None:
             ps_model.step()
             exposed = ps_model.last_stats.exposed_s
+        elif local is not None:
+            if s["clip_norm"] > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), s["clip_norm"])
+            t1 = time.time()
+            # a round's exchange blocks in step(): that is its exposed communication
+            if local.step():
+                exposed = time.time() - t1
+            sched.step()
         else:
             if s["clip_norm"] > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), s["clip_norm"])
@@ -148,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         done.update(push_wire_bytes=m.push_wire_bytes.value, pull_bytes=m.pull_bytes.value,
                     overlap=bool(ps_model.decision and ps_model.decision.enabled))
         ps_model.close()
+    if local is not None:
+        m = local.client.metrics
+        done.update(push_wire_bytes=m.push_wire_bytes.value, pull_bytes=m.pull_bytes.value,
+                    rounds=local.clock)
+        local.close()
     done["cpu_s"] = time.process_time() - cpu0
     if kind == "ddp":
         import torch.distributed as dist

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bitps.bench.e2e import best_run
+from bitps.bench.e2e_report import best_run
 from bitps.bench.report import DEFAULT_OUT, _fmt, moving_average
 
 __all__ = ["claims", "write_report"]

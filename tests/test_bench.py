@@ -269,7 +269,7 @@ def test_e2e_quick_and_report_figures_equal_the_json(tmp_path):
         cells = _cells(md, name)
         assert cells[2] == _fmt(by[name]["samples_per_s"])  # the e2e table's samples/s
         assert cells[4] == _fmt(by[name]["step_ms"])
-    from bitps.bench.e2e import best_run
+    from bitps.bench.e2e_report import best_run
 
     best = best_run(doc["rows"])
     ddp = by["DDP fp32"]
@@ -290,7 +290,7 @@ def test_straggler_checks_measure_the_bound_a_staleness_bound_sets():
     """With a persistent straggler a staleness bound holds every worker to the slow one's
     pace: the checks report that bound from the ceiling run's slowest rank beside the ratios."""
     from bitps.bench.config import E2EBench
-    from bitps.bench.e2e import _checks
+    from bitps.bench.e2e_report import checks as _checks
 
     by = {"ceiling (no traffic)": {"run": "ceiling (no traffic)", "lr": None, "step_ms": 1500.0,
                                    "samples_per_s": 6.9, "rank_cpu_ms": [980, 980]},
@@ -314,7 +314,8 @@ def test_e2e_checks_judge_bounded_compressed_runs_against_ddp_and_the_users_lr()
     the best DDP variant's (0.8 on the LM, under 1 elsewhere), the run at DDP's lr within 3 %;
     under a straggler the first bounded run against sync 1-bit Adam (0.85)."""
     from bitps.bench.config import E2EBench
-    from bitps.bench.e2e import RECOMMENDED, _checks
+    from bitps.bench.e2e_report import RECOMMENDED
+    from bitps.bench.e2e_report import checks as _checks
 
     def row(name, t, final=2.4, speed=6.0):
         return {"run": name, "lr": 2e-4, "samples_per_s": speed, "time_to_target_s": t,
@@ -408,3 +409,70 @@ def test_a_shaped_link_without_ip_falls_back_to_loopback(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))  # no ip, no tc
     with shaped_link("1gbit") as link:
         assert link.kind == "loopback" and "not found" in link.note
+
+
+def test_a_straggler_async_run_splits_the_samples_by_speed_and_merges_the_ranks_curves():
+    """Under ``--straggler`` an async run (DiLoCo's too) splits ``workers x steps`` by the
+    ceiling's rank speeds, so both ranks stop together; sync and ssp keep equal steps, and a
+    split without speeds is refused. The curve then merges every rank's steps in the order
+    they ended, two points a step, and the report's windows and step counts follow."""
+    import pytest
+
+    from bitps.bench.config import E2EBench
+    from bitps.bench.e2e import CASES, STRAGGLER_CASES, _curve, rank_steps
+    from bitps.bench.e2e_report import _catch_up, _learning, _Marks
+
+    by = {c.name: c for c in CASES + STRAGGLER_CASES}
+    slow = E2EBench(model="lm", straggler=True)
+    fast_slow = [3.0, 2.0]  # steps/s: worker 1 at 1/1.5 of worker 0's pace
+    assert rank_steps(by["bitps async sign1"], slow, 60, fast_slow) == [72, 48]
+    assert rank_steps(by["bitps async DiLoCo H=5, DyLU"], slow, 60, fast_slow) == [72, 48]
+    for name in ("bitps ssp sign1", "bitps sync DiLoCo H=5", "DDP fp32"):
+        assert rank_steps(by[name], slow, 60, fast_slow) == [60, 60]
+    assert rank_steps(by["bitps async sign1"], E2EBench(model="lm"), 60, None) == [60, 60]
+    with pytest.raises(ValueError, match="run the ceiling first"):
+        rank_steps(by["bitps async sign1"], slow, 60, None)
+
+    # rank 0 steps every 1 s with loss 10 - t, rank 1 every 1.5 s with loss 20 - t
+    ranks = [[{"start": 0.0, "end": 1.0 * (i + 1), "loss": 10 - 1.0 * (i + 1)}
+              for i in range(6)],
+             [{"start": 0.0, "end": 1.5 * (i + 1), "loss": 20 - 1.5 * (i + 1)}
+              for i in range(4)]]
+    loss, t, per_step = _curve(ranks, merged=True)
+    assert per_step == 2 and len(loss) == 10 and list(t) == sorted(t)
+    assert list(t[:3]) == [1.0, 1.5, 2.0] and list(loss[:3]) == [9.0, 18.5, 8.0]
+    mean, t_mean, one = _curve([r[:4] for r in ranks], merged=False)
+    assert one == 1 and list(t_mean) == [1.5, 3.0, 4.5, 6.0]  # each step's slowest rank
+
+    r = {"loss": [6.0, 5.0, 4.0, 3.0, 2.0, 1.0, 1.0, 1.0], "time": [float(i) for i in
+                                                                   range(1, 9)],
+         "points_per_step": 2}
+    marks = _Marks(window=1, target=4.5, equal_time=4.0, ceiling=None, compute=None,
+                   fp32_wire=None)
+    row = _learning(r, marks, batch=4)
+    # windows of 1 step = 2 points: (6+5)/2, (5+4)/2 = 4.5 at point 2, i.e. step 2, t = 3
+    assert row["steps_to_target"] == 2 and row["time_to_target_s"] == 3.0
+    assert row["samples_to_target"] == 3 * 4 * 2 // 2
+    assert row["loss_at_equal_time"] == 3.5  # points 2 and 3 (t <= 4)
+    sync = {"loss": [9.0] * 9 + [3.0], "time": [2.0 * (i + 1) for i in range(10)]}
+    c = _catch_up(r, sync, "sync", window=1)  # sync's final (last 10 %) = 3.0
+    assert c["loss"] == 3.0 and c["time_s"] == 5.0 and c["vs_time"] == 5.0 / 20.0
+
+
+def test_straggler_checks_report_the_async_time_bound_and_diloco_catch_up():
+    from bitps.bench.config import E2EBench
+    from bitps.bench.e2e_report import checks
+
+    by = {"ceiling (no traffic)": {"run": "ceiling (no traffic)", "lr": None,
+                                   "rank_steps_per_s": [1.0, 1 / 1.5], "step_ms": 1500.0,
+                                   "samples_per_s": 6.0, "rank_cpu_ms": [900, 600]},
+          "bitps async DiLoCo H=5, DyLU": {
+              "run": "bitps async DiLoCo H=5, DyLU", "lr": 4e-4, "samples_per_s": 5.0,
+              "catch_up": {"of": "bitps sync DiLoCo H=5", "loss": 2.5, "time_s": 70.0,
+                           "of_time_s": 100.0, "vs_time": 0.7}}}
+    out = checks(by, E2EBench(model="lm", straggler=True))
+    # 2 ranks at 1 and 2/3 steps/s: the same samples take 2 x (2/3) / (5/3) = 0.8 of sync's
+    assert out["straggler_async_time_bound_vs_sync"] == {
+        "value": 0.8, "goal": "<= 0.8 (is the goal reachable)", "ok": True}
+    assert out["straggler_async_diloco_time_to_sync_diloco_final"] == {
+        "value": "70.0 s of 100.0 s: 0.700", "goal": "<= 0.8", "ok": True}
