@@ -457,6 +457,12 @@ def test_a_straggler_async_run_splits_the_samples_by_speed_and_merges_the_ranks_
     sync = {"loss": [9.0] * 9 + [3.0], "time": [2.0 * (i + 1) for i in range(10)]}
     c = _catch_up(r, sync, "sync", window=1)  # sync's final (last 10 %) = 3.0
     assert c["loss"] == 3.0 and c["time_s"] == 5.0 and c["vs_time"] == 5.0 / 20.0
+    # a run that dips to the level and climbs away has not reached it
+    climbs = {**r, "loss": [6.0, 2.0, 2.0, 5.0, 5.0, 2.5, 2.5, 2.5]}
+    # the moving average stays at or below 3 from the window of points 5 and 6 on
+    assert _catch_up(climbs, sync, "sync", window=1)["time_s"] == 7.0
+    climbs["loss"][-1] = 4.0
+    assert _catch_up(climbs, sync, "sync", window=1)["vs_time"] is None
 
 
 def test_straggler_checks_report_the_async_time_bound_and_diloco_catch_up():
