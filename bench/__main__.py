@@ -110,6 +110,9 @@ SCENARIOS = {
     "pipeline": Scenario(config.PipelineBench, _measured("bitps.bench.pipeline"),
                          "measured pipeline bubbles on sleep-based stages: our schedules vs "
                          "the simulator and torch's pipelining"),
+    "scale": Scenario(config.ScaleBench, _measured("bitps.bench.scale"),
+                      "step time and shards needed from per-byte costs measured here, "
+                      "checked on the emulated cluster, extrapolated to 64 workers"),
     "chaos": Scenario(_chaos_config(), _measured("bitps.bench.chaos"),
                       "a 2 x 2 job soaked under a seeded schedule of shard, worker and network "
                       "faults: faults survived, updates lost, sync equality, RSS/threads/fds"),

@@ -23,7 +23,7 @@ from bitps.proto.settings import CHOICES
 
 __all__ = ["AllBench", "CodecBench", "CompareBench", "ConvergenceBench", "E2EBench", "KernelsBench",
            "MemoryBench", "OverlapBench", "PipelineBench",
-           "PushPullBench", "ReportBench", "VolumeBench"]
+           "PushPullBench", "ReportBench", "ScaleBench", "VolumeBench"]
 
 PLACEMENTS = ("colocated", "own")
 PIPELINE_PARTS = ("a", "b", "c")
@@ -290,6 +290,79 @@ class PipelineBench(_Checked):
             return self
         return dataclasses.replace(self, ms=(min(self.ms),), rounds=1, parts=("a",),
                                    quiet_wait_s=0.0)
+
+
+SCALE_SCHEMES = ("fp32", "sign1", "onebit")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScaleBench(_Checked):
+    """``bitps-bench scale``: a sync step's time from per-byte costs measured here, checked
+    against measured points on the emulated cluster, then extrapolated to a large job."""
+
+    workers: tuple[int, ...] = (1, 2, 4)
+    """workers of the measured points (a node each)"""
+    shards: tuple[int, ...] = (1, 2)
+    """shards of the measured points (a node each)"""
+    rates: tuple[str, ...] = ("1gbit", "10gbit")
+    """tc tbf rate of every link, each way, of the measured points"""
+    schemes: tuple[str, ...] = field(default=SCALE_SCHEMES, metadata={CHOICES: SCALE_SCHEMES})
+    """fp32 Adam; Adam with sign1 pushes and pulls; sync 1-bit Adam (compressed phase)"""
+    mib: int = 32
+    """key set each worker pushes and pulls per step (MiB of float32)"""
+    key_kib: int = 1024
+    """size of each key (KiB; 1024: the default key plan's)"""
+    steps: int = 20
+    """steps per measured point, the warm-up's included"""
+    warmup: int = 2
+    """untimed steps of each measured point"""
+    rounds: int = 5
+    """rounds of the cost measurements (medians)"""
+    tolerance: float = 0.15
+    """largest |measured / predicted - 1| of a measured point"""
+    quiet: float = 0.1
+    """a point during which other work (the machine's CPU less this point's processes') used
+    more than this share of a core is measured again, up to --tries times (the quietest kept)"""
+    tries: int = 3
+    """most measurements of one point"""
+    params: float = 30e9
+    """extrapolation: parameters of the model (the seed's 30 B)"""
+    big_workers: int = 64
+    """extrapolation: workers, each on a machine of its own"""
+    max_shards: int = 16
+    """extrapolation: shards 1 .. this, each on a machine of its own"""
+    link_gbps: tuple[float, ...] = (10, 25, 100)
+    """extrapolation: link rates (Gbit/s, each way)"""
+    big_key_mib: int = 16
+    """extrapolation: also with keys of this size (MiB; a plan's partition_bytes), the per-byte
+    costs measured at it too"""
+    shard_cores: int = 32
+    """extrapolation: cores of a shard machine (its update threads)"""
+    shard_memory_gbps: float = 100.0
+    """extrapolation: memory bandwidth of a shard machine (GB/s; caps its threads' speed-up)"""
+    compute_s: float = 0.87
+    """extrapolation: a worker's compute per step that the exchange overlaps (s; the problem
+    statement's 30 B step)"""
+    quick: bool = False
+    """8 MiB, 1 and 2 workers on 1 shard, 5 steps, 2 rounds (smoke test)"""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # 1-bit Adam's first two steps are its warm-up and the switch to compression
+        if (min(self.workers + self.shards) < 1 or not 2 <= self.warmup < self.steps
+                or not 0 < self.tolerance < 1 or self.tries < 1 or self.quiet < 0):
+            raise ValueError(f"ScaleBench: workers {self.workers}, shards {self.shards}, "
+                             f"warmup {self.warmup}, steps {self.steps}, tolerance "
+                             f"{self.tolerance}, tries {self.tries}, quiet {self.quiet}; "
+                             f"expected counts >= 1, 2 <= warmup < steps, 0 < tolerance < 1, "
+                             f"tries >= 1 and quiet >= 0")
+
+    def sized(self) -> ScaleBench:
+        if not self.quick:
+            return self
+        return dataclasses.replace(self, mib=8, workers=tuple(w for w in self.workers
+                                                             if w <= 2) or (1,),
+                                   shards=(min(self.shards),), steps=5, warmup=2, rounds=2)
 
 
 @dataclass(frozen=True, kw_only=True)

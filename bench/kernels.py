@@ -102,10 +102,14 @@ SCALING_CASES = ("adam, async, raw -> raw", "1-bit Adam, sync")
 
 
 class _Pusher:
-    """A one-worker shard for ``case`` over ``keys`` keys of ``n`` elements, and the pushes it
-    takes: :meth:`push` sends the next one (a PUSH of every key at the next clock)."""
+    """A shard for ``case`` over ``keys`` keys of ``n`` elements with ``workers`` registered
+    workers, and the pushes it takes: :meth:`push` sends the next step's (a PUSH of every key
+    at the next clock from each worker in turn; in sync the last one completes the step).
+    ``per_key``: one PUSH per key, each worker's in turn, as a shard receives keys that
+    travel alone; ``chunk``: the elements per scale of sign1 pushes (default sign1's)."""
 
-    def __init__(self, case: Case, keys: int, n: int, *, threads: int = 1) -> None:
+    def __init__(self, case: Case, keys: int, n: int, *, threads: int = 1, workers: int = 1,
+                 per_key: bool = False, chunk: int = 0) -> None:
         from bitps.native import sign1
         from bitps.proto import bitps_pb2 as pb
         from bitps.proto.codecs import CODECS
@@ -125,22 +129,26 @@ class _Pusher:
         values = {k: (rng.standard_normal(n) * 0.02).astype(np.float32).tobytes()
                   for k in range(keys)}
         pull = CODECS["sign1"] if case.pull == "sign1" else pb.CODEC_RAW
-        self.core.register(pb.RegisterRequest(
-            protocol=PROTOCOL, rank=0, world_size=1, signature="kernels", num_shards=1,
-            shard_id=0, keys=specs, sends_values=True, pull_codec=pull,
-            pull_codec_chunk=sign1.DEFAULT_CHUNK if case.pull == "sign1" else 0), values)
+        for rank in range(workers):
+            self.core.register(pb.RegisterRequest(
+                protocol=PROTOCOL, rank=rank, world_size=workers, signature="kernels",
+                num_shards=1, shard_id=0, keys=specs, sends_values=rank == 0, pull_codec=pull,
+                pull_codec_chunk=sign1.DEFAULT_CHUNK if case.pull == "sign1" else 0),
+                values if rank == 0 else {})
+        self.workers = workers
         self.keys = list(range(keys))
         grads = [rng.standard_normal(n).astype(np.float32) * np.float32(1e-3)
                  for _ in range(2)]
         self.raw = [[g.tobytes()] * keys for g in grads]
+        self.chunk = chunk or sign1.DEFAULT_CHUNK
         codes = []
         for g in grads:
-            out = np.empty(sign1.payload_bytes(n), np.uint8)
-            sign1.encode(g, np.zeros(n, np.float32), out)
+            out = np.empty(sign1.payload_bytes(n, self.chunk), np.uint8)
+            sign1.encode(g, np.zeros(n, np.float32), out, chunk=self.chunk)
             codes.append([out.tobytes()] * keys)
         self.codes = codes
         self.sign1 = CODECS["sign1"]
-        self.chunk = sign1.DEFAULT_CHUNK
+        self.batches = [[k] for k in self.keys] if per_key else [self.keys]
         self.clock = 0
         self.push_bytes = 0
         if case.onebit:
@@ -151,14 +159,19 @@ class _Pusher:
         compressed = self.case.push == "sign1" and not (self.case.onebit and self.clock == 0)
         frames = (self.codes if compressed else self.raw)[self.clock % 2]
         fields = dict(codec=self.sign1, codec_chunk=self.chunk) if compressed else {}
-        header = pb.DataHeader(op=pb.PUSH, protocol=self.protocol, worker=0,
-                               request_id=self.clock + 1, clock=self.clock, keys=self.keys,
-                               dtype=pb.FLOAT32, incarnation=_INCARNATION, **fields)
-        replies = self.core.handle(b"w0", [header.SerializeToString(), *frames])
-        reply = replies[-1].header if replies else None
-        if reply is None or reply.op != pb.REPLY:
-            raise RuntimeError(f"{self.case.name}: push at clock {self.clock} was answered "
-                               f"{reply}")
+        for i, batch in enumerate(self.batches):
+            for worker in range(self.workers):
+                header = pb.DataHeader(
+                    op=pb.PUSH, protocol=self.protocol, worker=worker,
+                    request_id=self.clock * len(self.batches) + i + 1, clock=self.clock,
+                    keys=batch, dtype=pb.FLOAT32, incarnation=_INCARNATION + 2 * worker,
+                    **fields)
+                replies = self.core.handle(f"w{worker}".encode(), [
+                    header.SerializeToString(), *(frames[k] for k in batch)])
+                reply = replies[-1].header if replies else None
+                if reply is None or reply.op != pb.REPLY:
+                    raise RuntimeError(f"{self.case.name}: worker {worker}'s push at clock "
+                                       f"{self.clock} was answered {reply}")
         self.push_bytes = sum(len(f) for f in frames)
         self.clock += 1
 
