@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["WORKER_CASES", "Worker", "WorkerCase", "measure"]
+__all__ = ["ENCODER_SCALING_CASES", "WORKER_CASES", "Worker", "WorkerCase", "measure"]
 
 MIB = 1 << 20
 
@@ -80,12 +80,18 @@ WORKER_CASES = (
 )
 """Every worker configuration the bench measures, in table order."""
 
+ENCODER_SCALING_CASES = ("worker: adam, async, sign1 -> raw",
+                         "worker: 1-bit Adam, async, worker moments")
+"""The worker cases whose encode is timed with several encoder threads
+(``EncoderConfig.threads``, ``KernelsBench.thread_counts``)."""
+
 
 class Worker:
     """One registered worker of ``case`` over ``keys`` keys of ``n`` elements against its own
-    in-process shard; :meth:`step` is one push_pull of every key at the next clock."""
+    in-process shard; :meth:`step` is one push_pull of every key at the next clock,
+    :meth:`encode` the encode of one alone (on ``threads`` encoder threads)."""
 
-    def __init__(self, case: WorkerCase, keys: int, n: int) -> None:
+    def __init__(self, case: WorkerCase, keys: int, n: int, *, threads: int = 1) -> None:
         from bitps.proto.codecs import CodecConfig
         from bitps.proto.keyplan import ParamSpec, make_plan
         from bitps.ps import ServerConfig, create_server
@@ -109,7 +115,7 @@ class Worker:
         push = CodecConfig(name=case.push)
         pull = CodecConfig(name=case.pull) if case.pull != case.push else None
         self.encoder = Encoder(EncoderConfig(push_codec=push, pull_codec=pull,
-                                             clip_norm=0.0), self.client)
+                                             clip_norm=0.0, threads=threads), self.client)
         rng = np.random.default_rng(0)
         self.params = (rng.standard_normal(keys * n) * 0.02).astype(np.float32)
         self.keys = [k.key for k in plan.keys]
@@ -131,6 +137,11 @@ class Worker:
         self.push_bytes = int(self._wire() - push0)
         self.pull_bytes = int(m.pull_bytes.value - pull0)
 
+    def encode(self) -> None:
+        """Encode every key's gradient for the current clock, as a push would (the error
+        feedback and the policy's moments advance; nothing is sent)."""
+        self.encoder.encode(self.keys, self.grads, clock=self.clock)
+
     def _wire(self) -> float:
         """The compressed payload bytes pushed so far (``bitps_worker_codec_wire_bytes``)."""
         return sum(c.value for c in self.client.metrics.codec_wire_bytes.children.values())
@@ -145,6 +156,7 @@ class Worker:
         return arrays * (c.reads + c.writes) + coded_push + coded_pull
 
     def close(self) -> None:
+        self.encoder.close()
         self.client.close()
         self.shard.stop(0)
 

@@ -1,4 +1,5 @@
-"""Numba kernels: server update rules, the fused update-and-publish kernels (``publish``) and
+"""Numba kernels: server update rules, the fused update-and-publish kernels (``publish``), the
+thread pool that runs them over a message's keys (``keypool``) and
 gradient codecs (``casts``, ``sign1``, ``sparse``;
 each module also holds the numpy reference it is tested against; ``sparse`` re-exports the
 names of its split: ``sparse_format``, ``sparse_kernels``, ``sparse_reference``).

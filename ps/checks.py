@@ -14,12 +14,12 @@ import math
 
 import numpy as np
 
+from bitps.native.keypool import KeyPool
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import Codec
 from bitps.proto.wire import PROTOCOL, PSError
 from bitps.ps.config import RULES, ServerConfig
 from bitps.ps.store import Slot
-from bitps.ps.threads import KeyPool
 
 __all__ = ["MAX_CLOCK", "OPS", "check_clock", "check_hyperparameters", "decode_push",
            "request_slots", "token_ok", "validate"]
@@ -148,7 +148,7 @@ def decode_push(cfg: ServerConfig, header: pb.DataHeader, payload: list,
     grads: list = [None] * len(slots)
     finite = [True] * len(slots)
 
-    def one(i: int) -> None:  # one key: its own scratch array (ps.threads)
+    def one(i: int) -> None:  # one key: its own scratch array (native.keypool)
         slot, frame = slots[i], payload[i]
         grads[i] = grad = codec.decode(frame, slot.length, slot.decode_buffer())
         if cfg.reject_nonfinite:

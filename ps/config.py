@@ -195,10 +195,10 @@ class ServerConfig:
     max_pull_deadline_s: float = 600.0
     """Longest a held pull waits, whatever deadline the request asks for."""
     threads: int = 0
-    """Threads that update one message's keys at once (``ps.threads.KeyPool``); 0 = one per
+    """Threads that update one message's keys at once (``native.keypool.KeyPool``); 0 = one per
     core this process may run on (``os.sched_getaffinity``). The kernels release the GIL, so a
     message of several large keys is spread over them; a message of one key, or of keys
-    smaller than ``ps.threads.MIN_SPLIT_BYTES`` together, runs on the data loop's thread.
+    smaller than ``native.keypool.MIN_SPLIT_BYTES`` together, runs on the data loop's thread.
     ``bitps-launch`` starts its shards with 1: a local cluster's shards share the cores with
     its workers."""
     max_plan_bytes: int = 8 << 30

@@ -45,8 +45,8 @@ from bitps.ps.config import CONSISTENCY, ServerConfig
 from bitps.ps.store import Slot
 
 if TYPE_CHECKING:
+    from bitps.native.keypool import KeyPool
     from bitps.ps.metrics import ShardMetrics
-    from bitps.ps.threads import KeyPool
     from bitps.ps.updates import Updates
 
 __all__ = ["CONSISTENCY", "SSP", "Async", "Consistency", "Core", "Sync", "hyperparameters",
@@ -63,7 +63,7 @@ class Core(Protocol):
     updates: Updates
     """Applies a push (``ps.updates``)."""
     key_pool: KeyPool
-    """Runs a push's per-key work on the shard's threads (``ps.threads``)."""
+    """Runs a push's per-key work on the shard's threads (``native.keypool``)."""
     partial: bool
     """Whether some worker's plan lacks some of the keys (only then do a key's pushers differ
     from the live ranks)."""
@@ -240,7 +240,7 @@ class Sync(Consistency):
                               f"{_shown(slot.step_hyper)}")
 
     def push(self, core, header, slots, grads, live, min_clock):
-        def one(i):  # one key: touches only its slot (ps.threads)
+        def one(i):  # one key: touches only its slot (native.keypool)
             slot, grad = slots[i], grads[i]
             if not slot.pushed:
                 slot.step_hyper = hyperparameters(header, i)
@@ -279,7 +279,7 @@ class Async(Consistency):
         return self.cfg.lookahead
 
     def push(self, core, header, slots, grads, live, min_clock):
-        def one(i):  # one key: touches only its slot, its compensation state (ps.threads)
+        def one(i):  # one key: touches only its slot, its compensation state (native.keypool)
             slot, grad = slots[i], grads[i]
             vgap = slot.version - header.versions[i] if header.versions else 0
             hyper = hyperparameters(header, i)

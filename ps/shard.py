@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from bitps.native.keypool import KeyPool
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import Codec
 from bitps.proto.wire import PROTOCOL, PSError, error_name, parse_header
@@ -42,7 +43,6 @@ from bitps.ps.registration import Registration
 from bitps.ps.replies import Admission, Reply, reply_frames
 from bitps.ps.rules import make_rule
 from bitps.ps.store import Slot
-from bitps.ps.threads import KeyPool
 from bitps.ps.updates import Updates
 
 __all__ = ["Admission", "Reply", "ShardCore"]
@@ -65,7 +65,7 @@ class ShardCore(Registration):
         self.updates = Updates(self.rule, cfg, self.metrics)
         """Applies validated pushes through the rule (``ps.updates``), as the mode decides."""
         self.key_pool = KeyPool(cfg.threads)
-        """Spreads a push's keys over ``cfg.threads`` threads (``ps.threads``); the modes
+        """Spreads a push's keys over ``cfg.threads`` threads (``native.keypool``); the modes
         apply a push's keys through it."""
         self.metrics.watch_rule(self._rule_metrics)
         self.consistency = make_consistency(cfg)

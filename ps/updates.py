@@ -9,7 +9,7 @@ a mode never calls back into the shard core:
   applied as their mean.
 
 Everything here runs under the shard core's lock, from the data loop's thread or, for a
-push's keys, from the key pool's threads (``ps.threads``): each call touches one key, and the
+push's keys, from the key pool's threads (``native.keypool``): each call touches one key, and the
 count and the metrics, shared by every key, are updated under :attr:`Updates.lock`.
 """
 

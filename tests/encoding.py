@@ -41,4 +41,5 @@ class EncodingClient:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.encoder.close()
         self.transport.close()

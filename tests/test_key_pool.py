@@ -1,4 +1,4 @@
-"""``ps.threads.KeyPool``: a push's keys on several threads give the same bits as on one, an
+"""``native.keypool.KeyPool``: a push's keys on several threads give the same bits as on one, an
 error in one key's work is raised after the others finished, and the helper threads end."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from bitps.bench.kernels import CASES, _Pusher
-from bitps.ps.threads import MIN_SPLIT_BYTES, KeyPool
+from bitps.native.keypool import MIN_SPLIT_BYTES, KeyPool
 
 _N = 1 << 18  # 1 MiB keys: a message of 4 is spread over the threads
 

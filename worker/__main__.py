@@ -135,6 +135,8 @@ def program() -> Program:
                    help="clip the local gradient to this L2 norm before error feedback, when "
                         "pushes are compressed (0 = off)"),
         from_field(EncoderConfig, "codec_seed", help="seed of sparse sampling and rounding"),
+        from_field(EncoderConfig, "threads", name="encoder-threads",
+                   help="threads that encode one push's keys (0 = one per core)"),
         from_field(_O, "mode", name="overlap",
                    help="push buckets from backward hooks; auto = on when communication "
                         "exceeds --overlap-min-ratio of compute, measured over the first steps"),

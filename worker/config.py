@@ -160,11 +160,22 @@ class EncoderConfig:
     codec_seed: int = 0
     """Seed of the sparse codec's sampling and stochastic rounding (mixed with rank, key and
     step, so runs repeat exactly)."""
+    threads: int = 1
+    """Threads that check and encode one push's keys at once (``native.keypool.KeyPool``: the
+    calling thread and ``threads - 1`` helpers; 0 = one per core this process may run on); a
+    push whose keys hold less than ``native.keypool.MIN_SPLIT_BYTES`` together stays on the
+    calling thread. The payloads are the same bits with any number. 1 by default: a worker's
+    host cores also run its training (on a CPU run they are the compute's); raise it where they
+    sit idle during the step, as on a GPU host (``bitps-bench kernels``' encoder scaling,
+    docs/benchmarks.md)."""
 
     def __post_init__(self) -> None:
         if self.compress_min_bytes < 0 or self.clip_norm < 0:
             raise ValueError(f"compress_min_bytes and clip_norm must be >= 0, got "
                              f"{self.compress_min_bytes} and {self.clip_norm}")
+        if self.threads < 0:
+            raise ValueError(f"encoder threads must be >= 0 (0: one per core), got "
+                             f"{self.threads}")
 
     @classmethod
     def from_client(cls, cfg: ClientConfig) -> EncoderConfig:

@@ -240,4 +240,5 @@ class LocalSGD:
             for f in list(self._inflight):
                 self._land(f)
         finally:
+            self.encoder.close()
             self.client.close()

@@ -26,6 +26,8 @@ in the layout ``proto/onebit.proto`` documents.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 from prometheus_client.core import GaugeMetricFamily
 
@@ -102,8 +104,11 @@ class OneBitMomentum:
             casts.bf16_decode_add(v.data, n, v_out)
         else:
             v_out = np.frombuffer(v.data, np.float32).copy()
-        self.m[state.key], self.v[state.key] = m_out, v_out
+        self.v[state.key] = v_out
         self.bc2[state.key] = np.float32(state.fields["bias_correction2_sqrt"])
+        # m last: :meth:`loaded` reads it, so an encoder thread that sees the key loaded finds
+        # v and the bias correction in place too
+        self.m[state.key] = m_out
 
     def momentum(self, key: int, grad: np.ndarray, scale: float = 1.0) -> np.ndarray:
         """This worker's momentum ``m + (1 - beta1) * (g - m)`` for ``g = grad * scale`` (the
@@ -274,6 +279,9 @@ class SyncMomenta(_OneBitPush):
         super().__init__(params)
         self.momentum = OneBitMomentum(params)
         self.codes = self.momentum
+        self._fetching = threading.Lock()
+        """The encoder's threads encode keys at once (``EncoderConfig.threads``): one of them
+        fetches a shard's m and v, the others wait for it instead of fetching them again."""
 
     def bind(self, fetch, plan):
         super().bind(fetch, plan)
@@ -296,7 +304,9 @@ class SyncMomenta(_OneBitPush):
         if not self.fuses(comp, clock):
             return None
         if not self.momentum.loaded(key):
-            self._fetch([key], self.momentum.load)  # one call loads every key of the shard
+            with self._fetching:
+                if not self.momentum.loaded(key):  # one call loads every key of the shard
+                    self._fetch([key], self.momentum.load)
         return self.momentum.encode(key, grad, comp, clip)
 
     def correct(self, key, grad, residual, *, clock, used, exact):

@@ -47,7 +47,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bitps.proto.wire import PSError
-from bitps.worker.training.encoder import Encoder, Payload
+from bitps.worker.training.encoder import Encoder
+from bitps.worker.training.payload import Payload
 from bitps.worker.transport.channel import Handle, PSTimeoutError
 
 __all__ = ["CommThread", "Job", "Payload"]

@@ -13,6 +13,9 @@ push it owns:
   into the residuals;
 - the **finiteness check**: a NaN or Inf is refused before it reaches any residual or moment
   (``NON_FINITE``, counted; nothing sent);
+- the **threads** (``EncoderConfig.threads``, ``native.keypool``): a push's keys are checked
+  and encoded on several threads at once, each key's state touched by one thread, the same bits
+  as on one;
 - the **push policy** (``worker.push_policy``) that the shards' registration replies
   call for, which may push something else than the gradients (1-bit Adam's momenta or Adam
   directions) and adds published codes its own way.
@@ -28,11 +31,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from bitps import native
+from bitps.native.keypool import KeyPool
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import RAW, Codec, Compressor
 from bitps.proto.keyplan import KeyPlan
@@ -40,55 +43,18 @@ from bitps.proto.wire import PSError
 from bitps.worker.config import EncoderConfig
 from bitps.worker.metrics import CodecSnapshot
 from bitps.worker.push_policy import CODEC_PUSH, PushPolicy, for_registration
+from bitps.worker.training.payload import ClipCorrection, Payload, refused_nonfinite
 from bitps.worker.transport.client import Encoded, Handle, PSClient
 from bitps.worker.transport.messages import check_array
 
 __all__ = ["STATE_VERSION", "ClipCorrection", "Encoder", "Payload", "refused_nonfinite"]
+# ClipCorrection, Payload and refused_nonfinite live in worker.training.payload; re-exported
+# here, where the encoder's callers have always found them
 
 _F32 = np.dtype("<f4")
 _U64 = (1 << 64) - 1
 STATE_VERSION = 1
 """Version of :meth:`Encoder.state_dict`'s layout."""
-
-
-@dataclass(frozen=True)
-class ClipCorrection:
-    """``grads`` of ``keys`` went out for ``clock`` with clip factor ``used``
-    (``worker.training.clip``): what :meth:`Encoder.clip_correct` is told once the step's exact
-    factor is known."""
-
-    clock: int
-    keys: Sequence[int]
-    grads: Sequence[np.ndarray]
-    used: float
-
-
-@dataclass(frozen=True)
-class Payload:
-    """One push's arguments, as ``worker.training.staging`` prepares them for the encoder."""
-
-    keys: Sequence[int]
-    grads: Sequence[np.ndarray]
-    """Host float32 gradients, one per key (a device-encoded key's is not read)."""
-    outs: Sequence[np.ndarray]
-    """Where the key's parameters are pulled to."""
-    encoded: Mapping[int, np.ndarray] | None = None
-    """Keys already compressed where the gradients are (the device codec)."""
-    scale: float | None = None
-    """The clip factor of these gradients, or ``None``: no clipping."""
-    corrections: Sequence[ClipCorrection] = ()
-    """The step's last payload: its earlier ones' clip corrections, to make once this one is
-    sent (``exact`` is their step's exact factor)."""
-    exact: float = 1.0
-
-
-def refused_nonfinite(metrics, key: int) -> PSError:
-    """Count a push refused on this worker because ``key``'s gradient holds NaN or Inf, and
-    return the error to raise (``WorkerMetrics.nonfinite``)."""
-    with metrics.lock:
-        metrics.nonfinite.inc()
-    return PSError(pb.NON_FINITE, f"key {key}: gradient holds NaN or Inf; nothing sent, "
-                   f"error feedback and moments unchanged")
 
 
 class Encoder:
@@ -109,7 +75,13 @@ class Encoder:
         self.policy: PushPolicy = CODEC_PUSH
         """What pushes carry, set at registration: the gradients through the push codec,
         unless the shards' rule calls for another (1-bit Adam)."""
+        self._pool = KeyPool(cfg.threads)
         self.metrics.watch_codecs(self._codec_snapshot)
+
+    def close(self) -> None:
+        """Stop the encoder's helper threads (``EncoderConfig.threads``); the client is the
+        caller's to close."""
+        self._pool.close()
 
     @property
     def plan(self) -> KeyPlan | None:
@@ -284,24 +256,29 @@ class Encoder:
         self._check_shapes(keys, grads)
         large = self._large_keys(self.plan)
         seed = (self.cfg.codec_seed * 1_000_003 + clock) * 65_537 + self.client.cfg.rank
-        payloads, codecs, owned, raw_bytes = [], [], [], 0
+        payloads: list = [None] * len(keys)
+        codecs, owned, todo, raw_bytes = [], [], [], 0
         for i, (key, grad) in enumerate(zip(keys, grads)):
             compressed = not codec.is_raw and large[key]
             if i in fused:
-                payload = fused[i]
+                payloads[i] = fused[i]
             elif compressed and encoded and key in encoded:
-                payload = memoryview(encoded[key]).cast("B")
-            elif compressed:
-                payload = self._compressor(key, clock, grad.shape[0]).encode(
-                    grad, seed=(seed * 131 + key) & _U64, scale=clip)
-            elif scale is not None:  # clipped raw keys: a raw compressor keeps their residual
-                payload = self._compressor(key, clock, grad.shape[0]).encode(grad, scale=clip)
+                payloads[i] = memoryview(encoded[key]).cast("B")
+            elif compressed or scale is not None:  # clipped raw keys: a raw compressor keeps
+                # their residual; compressors are made here, on this thread (a dict of them)
+                todo.append((i, self._compressor(key, clock, grad.shape[0]),
+                             (seed * 131 + key) & _U64 if compressed else 0))
             else:
-                payload = grad
+                payloads[i] = grad
             raw_bytes += grad.nbytes if compressed else 0
-            payloads.append(payload)
             codecs.append(codec if compressed else RAW)
             owned.append(compressed or own or scale is not None)
+
+        def one(item: tuple[int, Compressor, int]) -> None:  # one key: its own compressor
+            i, comp, key_seed = item
+            payloads[i] = comp.encode(grads[i], seed=key_seed, scale=clip)
+
+        self._pool.map(one, todo, sum(grads[i].nbytes for i, _, _ in todo))
         if raw_bytes:
             wire = sum(p.nbytes for p, c in zip(payloads, codecs) if c is codec)
             with self.metrics.lock:
@@ -316,15 +293,21 @@ class Encoder:
         and code together), for the keys ``codec`` compresses, not in ``skip``."""
         if codec.is_raw:
             return {}
-        large, fused = self._large_keys(self.plan), {}
+        large, todo = self._large_keys(self.plan), []
         for i, (key, grad) in enumerate(zip(keys, grads)):
             if large.get(key) and key not in skip:
+                # every key checked before any is encoded: a bad one changes no state
                 check_array(self.plan, key, grad, "gradient")
-                payload = self.policy.encode(key, grad, self._compressor(key, clock,
-                                                                         grad.shape[0]),
-                                             clock=clock, clip=clip)
-                if payload is not None:
-                    fused[i] = payload
+                todo.append((i, key, self._compressor(key, clock, grad.shape[0])))
+        fused: dict[int, memoryview] = {}
+
+        def one(item: tuple[int, int, Compressor]) -> None:  # one key: its own state
+            i, key, comp = item
+            payload = self.policy.encode(key, grads[i], comp, clock=clock, clip=clip)
+            if payload is not None:
+                fused[i] = payload
+
+        self._pool.map(one, todo, sum(grads[i].nbytes for i, _, _ in todo))
         return fused
 
     def _check_shapes(self, keys: Sequence[int], grads: Sequence[np.ndarray]) -> None:
@@ -357,11 +340,17 @@ class Encoder:
         moments would fold it into state that every later push carries (the shard refuses raw
         pushes itself, with the same code). Keys in ``skip`` arrive encoded (device codec):
         their host gradient is not read."""
-        for key, grad in zip(keys, grads):
-            if key in skip:
-                continue
-            if grad.dtype == _F32 and grad.flags.c_contiguous and not native.all_finite(grad):
-                raise self.refuse_nonfinite(key)
+        todo = [i for i, (key, grad) in enumerate(zip(keys, grads)) if key not in skip
+                and grad.dtype == _F32 and grad.flags.c_contiguous]
+        finite = [True] * len(keys)
+
+        def one(i: int) -> None:
+            finite[i] = native.all_finite(grads[i])
+
+        self._pool.map(one, todo, sum(grads[i].nbytes for i in todo))
+        for i in todo:  # the first such key, as one thread finds it
+            if not finite[i]:
+                raise self.refuse_nonfinite(keys[i])
 
     def refuse_nonfinite(self, key: int) -> PSError:
         """Count a push refused on this worker because ``key``'s gradient holds NaN or Inf, and

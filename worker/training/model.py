@@ -295,4 +295,5 @@ class PSModel:
             self._staging.show_exact()
         finally:
             self._overlap.close()
+            self.encoder.close()
             self.client.close()

@@ -39,7 +39,7 @@ from bitps.proto.keyplan import Key, KeyPlan
 from bitps.worker.metrics import WorkerMetrics
 from bitps.worker.training import codec_torch
 from bitps.worker.training.clip import StepClip
-from bitps.worker.training.encoder import ClipCorrection, Payload, refused_nonfinite
+from bitps.worker.training.payload import ClipCorrection, Payload, refused_nonfinite
 from bitps.worker.training.prediction import WeightPrediction
 
 __all__ = ["Staging"]

@@ -1,14 +1,19 @@
-"""``KeyPool``: a message's keys updated on several threads at once.
+"""``KeyPool``: one message's keys worked on by several threads at once.
 
-The shard's kernels (``native``) release the GIL, so the per-key work of one push (decode,
-the rule's update, publishing) runs in parallel on ``ServerConfig.threads`` threads: the data
-loop's own and ``threads - 1`` helpers. Each key's work touches only that key's slot, its rule
-state and its publisher, so keys need no lock against each other; what is shared across keys
-(``Updates``' count, the metrics) is counted under a lock or by prometheus-client's own.
+The kernels here release the GIL, so the per-key work of one message runs in parallel on
+``threads`` threads: the caller's own and ``threads - 1`` helpers. Two users:
+
+- a shard (``ServerConfig.threads``, ``bitps-server --threads``): a push's decode, the rule's
+  update and publishing, per key (``ps.consistency``, ``ps.checks``);
+- a worker's encoder (``EncoderConfig.threads``, ``bitps-worker --encoder-threads``): a push's
+  finiteness check and encode with error feedback, per key (``worker.training.encoder``).
+
+Each key's work touches only that key's state, so keys need no lock against each other; what
+is shared across keys (counts, metrics) is counted under a lock by the caller.
 
 The results do not depend on the threads: each key's arithmetic is the same sequence whichever
-thread runs it, and the data loop waits for every key before it answers (``map`` returns when
-all are done; an error in one key's work is raised once every other key was done).
+thread runs it, and ``map`` returns once every key is done (an error in one key's work is raised
+once every other key was done).
 """
 
 from __future__ import annotations
