@@ -486,3 +486,20 @@ def test_straggler_checks_report_the_async_time_bound_and_diloco_catch_up():
         "value": 0.8, "goal": "<= 0.8 (is the goal reachable)", "ok": True}
     assert out["straggler_async_diloco_time_to_sync_diloco_final"] == {
         "value": "70.0 s of 100.0 s: 0.700", "goal": "<= 0.8", "ok": True}
+
+
+def test_local_sgd_exposed_communication_is_the_mean_over_steps():
+    """A DiLoCo rank's exchange blocks one step in H: the median step exposes none, which is how
+    the committed straggler table came to show 0 ms for the DiLoCo rows. Local SGD reports the
+    mean over steps; every other run the median step's, robust to one slow step."""
+    from bitps.bench.e2e import exposed_per_step
+
+    # H = 5: step 4 of each round blocks 0.5 s (rank 0) or 1.0 s (rank 1)
+    ranks = [[{"exposed": 0.5 if i % 5 == 4 else 0.0} for i in range(20)],
+             [{"exposed": 1.0 if i % 5 == 4 else 0.0} for i in range(20)]]
+    assert exposed_per_step(ranks, 0, local=False) == 0.0
+    assert exposed_per_step(ranks, 0, local=True) == pytest.approx((0.1 + 0.2) / 2)
+    # the skipped steps do not count: after 10 of 20, two exchanges in 10 steps
+    assert exposed_per_step(ranks, 10, local=True) == pytest.approx((0.1 + 0.2) / 2)
+    steady = [[{"exposed": e} for e in (0.01, 0.01, 0.9, 0.01)]]  # one slow step
+    assert exposed_per_step(steady, 0, local=False) == 0.01
