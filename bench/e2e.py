@@ -36,7 +36,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +47,8 @@ from bitps.bench.config import E2EBench
 from bitps.bench.e2e_report import RECOMMENDED, final_loss, report
 from bitps.bench.models import MODELS
 from bitps.bench.proc import ReadyProcess, machine_busy, process_cpu
+from bitps.bench.ranks import Ranks
+from bitps.bench.spy import Spy, executable, top_consumers
 
 __all__ = ["CASES", "Case", "run"]
 
@@ -143,56 +144,6 @@ def _schedule(steps: int, s: E2EBench) -> dict:
     return {"warmup_steps": warm, "decay_steps": steps, "min_ratio": 0.1}
 
 
-class _Ranks:
-    """Worker processes of one run, their JSON lines collected by reader threads."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
-        self.lines: list[list[dict]] = []
-        self.errors: list[str] = []
-
-    def start(self, argv: list[str], log: Path) -> None:
-        err = log.open("wb")
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err,
-                                stdin=subprocess.DEVNULL, text=True)
-        err.close()
-        lines: list[dict] = []
-        self.procs.append(proc)
-        self.lines.append(lines)
-
-        def read() -> None:
-            for raw in proc.stdout:
-                try:
-                    lines.append(json.loads(raw))
-                except ValueError:
-                    pass
-
-        threading.Thread(target=read, daemon=True).start()
-
-    def wait(self, timeout: float, logs: list[Path]) -> None:
-        deadline = time.monotonic() + timeout
-        for rank, (proc, log) in enumerate(zip(self.procs, logs)):
-            try:
-                proc.wait(max(deadline - time.monotonic(), 1))
-            except subprocess.TimeoutExpired as err:
-                raise RuntimeError(f"rank {rank} timed out {self._progress()}; log {log}:\n"
-                                   f"{log.read_text()[-3000:]}") from err
-            if proc.returncode:
-                raise RuntimeError(f"rank {rank} exited {proc.returncode} {self._progress()}; "
-                                   f"log {log}:\n{log.read_text()[-3000:]}")
-        time.sleep(0.2)  # let the readers drain
-
-    def _progress(self) -> str:
-        steps = [sum(e.get("event") == "step" for e in ls) for ls in self.lines]
-        return f"(steps logged per rank: {steps}, exit codes {[p.poll() for p in self.procs]})"
-
-    def kill(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-
-
 def _shard_nodes(cluster: Cluster, case: Case, s: E2EBench) -> tuple:
     """A shard beside each worker (colocated), or on nodes of their own."""
     n = case.workers
@@ -247,8 +198,23 @@ def _train(cluster: Cluster, case: Case, s: E2EBench, lr: float, steps: int, tmp
            port: int, speeds: list[float] | None = None) -> dict:
     """One run: start shards (bitps) and ranks, collect per-step lines and counters."""
     counts = rank_steps(case, s, steps, speeds)
+    freeze = _freeze_step(case, s, steps)
     shards = _shards(cluster, case, s, lr, steps) if case.kind == "bitps" else []
-    ranks, logs = _Ranks(), []
+    ranks, logs = Ranks(), []
+    # --profile: py-spy on each rank once its steady phase begins (1-bit Adam: the step after
+    # the switch; else after the warm-up steps _measure skips)
+    spies: dict[int, Spy | BaseException] = {}
+    spy_from = freeze if freeze is not None else 2
+
+    def spy(rank: int):
+        def on_line(proc, line) -> None:  # on the rank's reader thread: errors kept, raised
+            if line.get("event") == "step" and line.get("step") == spy_from:
+                try:
+                    spies[rank] = Spy(proc.pid, tmp / f"rank{rank}.spy")
+                except Exception as exc:
+                    spies[rank] = exc
+        return on_line if s.profile and case.learns else None
+
     wire0 = cluster.wire_bytes()
     try:
         servers = [f"{node.ip}:{p.ready['grpc_port']}"
@@ -273,16 +239,26 @@ def _train(cluster: Cluster, case: Case, s: E2EBench, lr: float, steps: int, tmp
             log = tmp / f"rank{r}.log"
             logs.append(log)
             ranks.start([*node.prefix, sys.executable, "-m", "bitps.bench.e2e_rank",
-                         json.dumps(settings)], log)
+                         json.dumps(settings)], log, spy(r))
         ranks.wait(timeout=120 + max(counts) * 20, logs=logs)
         shard_cpu = [process_cpu(p.proc.pid) for p in shards]
+        profiles = [_profile(spies[r], counts[r] - spy_from - 1) | {"rank": r, "from": spy_from}
+                    for r in sorted(spies)]
     finally:
         ranks.kill()
         for p in shards:
             p.stop()
     wire1 = cluster.wire_bytes()
-    return _measure(case, s, ranks.lines, shard_cpu, counts, _freeze_step(case, s, steps),
-                    {k: wire1[k] - wire0.get(k, 0) for k in wire1})
+    out = _measure(case, s, ranks.lines, shard_cpu, counts, freeze,
+                   {k: wire1[k] - wire0.get(k, 0) for k in wire1})
+    return {**out, "profile": profiles} if profiles else out
+
+
+def _profile(spy: Spy | BaseException, steps: int) -> dict:
+    """A rank's top CPU consumers per step (``bench.spy``) over its ``steps`` recorded."""
+    if isinstance(spy, BaseException):
+        raise RuntimeError(f"--profile: py-spy did not start: {spy}") from spy
+    return top_consumers(spy.wait(), rate=spy.rate, steps=steps)
 
 
 def _freeze_at(case: Case, s: E2EBench, steps: int) -> int:
@@ -374,6 +350,8 @@ def run(cfg: E2EBench | None = None, *, out: Path | None = None) -> dict:
     under ``out``; ``cfg.quick``: the demo model, few steps, one learning rate."""
     s = (cfg or E2EBench()).sized()
     chosen = _chosen(s)
+    if s.profile and executable() is None:
+        raise RuntimeError("--profile needs py-spy: pip install py-spy (the bench extra)")
     busy = machine_busy()
     nodes = 2 if s.placement == "colocated" else 4
     results: dict[str, dict] = {}

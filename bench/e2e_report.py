@@ -112,7 +112,8 @@ def report(results: dict[str, dict], s: E2EBench, *, busy: float, link_note: str
               "model_description": spec.description, "batch_per_worker": spec.batch,
               "seq_len": spec.seq_len}
     write_results(s.name, config=config, rows=rows, checks=judged, out=out,
-                  notes=_notes(s, marks, link_note, raw_link, busy), columns=_COLUMNS)
+                  notes=_notes(s, marks, link_note, raw_link, busy) + _profiles(rows),
+                  columns=_COLUMNS)
     curves = {n: {"loss": r["loss"], "time": r["time"]} for n, r in results.items()
               if r["lr"] is not None}
     out_dir = Path(out or DEFAULT_OUT)
@@ -131,6 +132,8 @@ def _row(case_name: str, r: dict, marks: _Marks, batch: int) -> dict:
     if "rank_rates" in r:
         row["rank_steps"], row["rank_steps_per_s"] = r["rank_steps"], r["rank_rates"]
     phases = r.get("phases")
+    if r.get("profile"):  # --profile: each rank's top CPU consumers per step (bench.spy)
+        row["profile"] = r["profile"]
     if phases:  # 1-bit Adam: each phase apart (warm-up on bf16 pushes, then 1-bit)
         row["phases"] = phases
         row["phase_step_ms"] = (f"{phases['warmup']['step_ms']:.0f} / "
@@ -214,6 +217,25 @@ def _notes(s: E2EBench, marks: _Marks, link_note: str, raw_link: dict | None,
             + f". Wire MB/step: bytes sent + received per worker node (bridge counters). "
             f"Machine busy before the run: {busy:.0%}."
             + (" Straggler: worker 1 computes 1.5x slower." if s.straggler else ""))
+
+
+def _profiles(rows: list[dict], n: int = 8) -> str:
+    """The notes' account of ``--profile``: per profiled run and rank, its CPU per step as
+    py-spy sampled it and the ``n`` functions that used most of it."""
+    parts = []
+    for row in rows:
+        for p in row.get("profile") or ():
+            top = "; ".join(f"{t['function']} ({t['file']}) {t['ms_per_step']:.0f}"
+                            for t in p["top"][:n])
+            parts.append(f"{row['run']}, rank {p['rank']}, {p['steps']} steps after step "
+                         f"{p['from']}: {p['cpu_ms_per_step']:.0f} ms of active Python threads "
+                         f"sampled per step; top: {top}")
+    if not parts:
+        return ""
+    return ("\n\nProfiles (py-spy at 100 Hz, the Python threads it finds active; each "
+            "function's own samples in ms per step, what it calls into torch, numba or libzmq "
+            "included; torch's own worker threads are not Python threads and not "
+            "sampled):\n\n" + "\n".join(f"- {p}" for p in parts))
 
 
 def best_run(rows) -> dict | None:
