@@ -213,7 +213,8 @@ def _train(cluster: Cluster, case: Case, s: E2EBench, lr: float, steps: int, tmp
                     spies[rank] = Spy(proc.pid, tmp / f"rank{rank}.spy")
                 except Exception as exc:
                     spies[rank] = exc
-        return on_line if s.profile and case.learns else None
+        # a rank with no step after spy_from has nothing to profile
+        return on_line if s.profile and case.learns and counts[rank] > spy_from + 1 else None
 
     wire0 = cluster.wire_bytes()
     try:
