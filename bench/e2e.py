@@ -122,6 +122,11 @@ STRAGGLER_CASES = (
          shard_args=("--compensation", "dc_asgd")),
     Case(name="bitps ssp 1-bit Adam, damping", kind="bitps", mode="ssp",
          optimizer="onebit_adam", shard_args=("--compensation", "damping")),
+    # the schedule read at the job's progress, not each push's clock (--lr-by progress): under
+    # the time budget the fast rank's pushes no longer reach the schedule's floor early while
+    # the slow one's stop at 0.19x the peak
+    Case(name="bitps async 1-bit Adam, lr by progress", kind="bitps", mode="async",
+         optimizer="onebit_adam", shard_args=("--lr-by", "progress")),
     # DiLoCo: sync rounds wait for the straggler; async ones (delayed Nesterov, inner steps
     # sized by speed: Liu et al. 2024) do not. Raw pseudo-gradients, as both papers: with
     # sign1 ones async DiLoCo with DyLU ended at 3.48-3.56 where raw ended at 2.80-2.83
@@ -136,6 +141,7 @@ STRAGGLER_DEFAULT = ("ceiling (no traffic)", "DDP fp32", "bitps sync fp32",
                      "bitps sync 1-bit Adam", "bitps ssp sign1", "bitps ssp sign1 S=8",
                      "bitps ssp 1-bit Adam", "bitps async sign1", "bitps async 1-bit Adam",
                      "bitps async fp32, DC-ASGD", "bitps ssp 1-bit Adam, damping",
+                     "bitps async 1-bit Adam, lr by progress",
                      "bitps sync DiLoCo H=5", "bitps async DiLoCo H=5, DyLU")
 
 

@@ -114,6 +114,9 @@ def _settings(rule_flags: list[Setting]) -> tuple[Setting, ...]:
                    help="async/ssp: how a stale push is adjusted: none, damping, gap_aware, "
                         "dc_asgd or a plug-in's (docs/algorithms.md, Staleness)"),
         from_field(_S, "dc_lambda", help="dc_asgd: lambda_0 of the adaptive delay compensation"),
+        from_field(_S, "lr_by", help="async/ssp: read a push's learning rate from the schedule at "
+                                     "its own clock, or at the job's progress on the key "
+                                     "(updates / live pushers)"),
         from_field(_S, "max_clock_lead",
                    help="largest clock step of one request (beyond: BAD_CLOCK, nothing changed)"),
         from_field(_S, "max_held_pulls", help="pulls of one worker held at once (beyond: LIMIT)"),

@@ -15,7 +15,7 @@ from bitps.proto.registry import Registry
 from bitps.proto.schedule import LRSchedule
 from bitps.proto.wire import MAX_FRAME_BYTES
 
-__all__ = ["COMPENSATIONS", "COMPENSATION_NAMES", "CONSISTENCY", "MODES", "OPTIMIZERS",
+__all__ = ["COMPENSATIONS", "COMPENSATION_NAMES", "CONSISTENCY", "LR_BY", "MODES", "OPTIMIZERS",
            "OptimizerConfig", "RULES", "RuleConfig", "ServerConfig"]
 
 RULES = Registry("update rule")
@@ -33,6 +33,9 @@ MODES = CONSISTENCY.names()
 """The ``--mode`` choices: a live view of :data:`CONSISTENCY` (a plug-in's mode included)."""
 COMPENSATION_NAMES = COMPENSATIONS.names(first=("none",))
 """The ``--compensation`` choices: a live view of :data:`COMPENSATIONS`."""
+LR_BY = ("clock", "progress")
+"""The ``--lr-by`` choices: where async/SSP read a push's learning rate from the schedule
+(``ServerConfig.lr_by``)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -180,6 +183,13 @@ class ServerConfig:
     dc_lambda: float = 0.04
     """``dc_asgd``: lambda_0 of the adaptive form, lambda = lambda_0 / sqrt(mean square of the
     key's gradients) elementwise (Zheng et al. 2017)."""
+    lr_by: str = field(default="clock", metadata={"choices": LR_BY})
+    """Async/SSP: the step a push's learning rate is read from the schedule at. ``clock``: the
+    push's own step, so a slow worker's pushes get the learning rate of its earlier steps
+    while a fast one's reach the schedule's end early. ``progress``: the key's updates so far
+    over its live pushers, the step the job as a whole is at, so every worker's push at one
+    moment gets one learning rate and the schedule ends when the job's samples do (with
+    workers of unequal speed). Sync steps together: it accepts only ``clock``."""
 
     # -- limits: what one request may make a shard hold (typed LIMIT / BAD_CLOCK errors) ------
     max_clock_lead: int = 1024
@@ -289,6 +299,11 @@ class ServerConfig:
                              f"compensation {self.compensation!r}")
         if self.dc_lambda < 0:
             raise ValueError(f"dc_lambda must be >= 0, got {self.dc_lambda}")
+        if self.lr_by not in LR_BY:
+            raise ValueError(f"lr_by {self.lr_by!r}; expected one of {LR_BY}")
+        if self.lr_by != "clock" and self.mode == "sync":
+            raise ValueError(f"lr_by {self.lr_by!r} applies to async/ssp; sync steps together "
+                             f"(use clock)")
         for attr in ("grpc_port", "data_port"):
             port = getattr(self, attr)
             if not 0 <= port <= 65535:

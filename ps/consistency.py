@@ -283,8 +283,11 @@ class Async(Consistency):
             slot, grad = slots[i], grads[i]
             vgap = slot.version - header.versions[i] if header.versions else 0
             hyper = hyperparameters(header, i)
-            lr_scale = self.lr_scale(header.clock, len(_pushers(core, slot, live)), vgap,
-                                     lr=None if hyper is None else hyper[0])
+            pushers = len(_pushers(core, slot, live))
+            # the schedule's step: the push's own, or the job's progress on the key
+            # (ServerConfig.lr_by)
+            step = header.clock if self.cfg.lr_by == "clock" else slot.version // max(pushers, 1)
+            lr_scale = self.lr_scale(step, pushers, vgap, lr=None if hyper is None else hyper[0])
             grad = self.compensation.gradient(slot, grad, header.worker)
             core.updates.on_arrival(slot, grad, header.clock, lr_scale,
                                     clock_gap=header.clock - min_clock, version_gap=vgap,

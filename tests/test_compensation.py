@@ -107,3 +107,67 @@ def test_async_dc_asgd_keeps_what_each_worker_read_and_replicas_stay_exact(clust
         for r in (0, 1):
             for key, copy in out[r][1].items():
                 assert np.array_equal(copy, shards[0].core.slots[key].param)
+
+
+def _async_core(lr_by: str, mode: str = "async"):
+    """A shard (sgd, lr 1, cosine over 10 clocks to 0.1) with two registered workers and one
+    key of 4 zeros."""
+    import time
+
+    from bitps.proto.schedule import LRSchedule
+    from bitps.proto.wire import PROTOCOL
+    from bitps.ps.shard import ShardCore
+
+    opt = OptimizerConfig(name="sgd", lr=1.0, schedule=LRSchedule(decay_steps=10,
+                                                                  min_ratio=0.1))
+    core = ShardCore(ServerConfig(mode=mode, lr_by=lr_by, lookahead=False, optimizer=opt),
+                     now=time.monotonic)
+    spec = pb.KeySpec(key=0, name="w", offset=0, length=4, dtype=pb.FLOAT32)
+    for rank in range(2):
+        core.register(pb.RegisterRequest(
+            protocol=PROTOCOL, rank=rank, world_size=2, signature="lr_by", num_shards=1,
+            shard_id=0, keys=[spec], sends_values=rank == 0),
+            {0: np.zeros(4, np.float32).tobytes()} if rank == 0 else {})
+    return core
+
+
+def _push(core, worker: int, clock: int) -> None:
+    from bitps.proto.wire import PROTOCOL
+
+    header = pb.DataHeader(op=pb.PUSH, protocol=PROTOCOL, worker=worker,
+                           request_id=1000 * worker + clock + 1, clock=clock, keys=[0],
+                           dtype=pb.FLOAT32, incarnation=0x51 + 2 * worker)
+    replies = core.handle(f"w{worker}".encode(), [header.SerializeToString(),
+                                                  np.ones(4, np.float32).tobytes()])
+    assert replies[-1].header.op == pb.REPLY
+
+
+@pytest.mark.parametrize("lr_by", ["clock", "progress"])
+def test_lr_by_progress_reads_a_straggler_push_at_the_jobs_step(lr_by):
+    """Worker 0 pushes clocks 0-3 while worker 1 is still at clock 0 (a straggler). By clock,
+    worker 1's push gets the schedule's factor at 0; by progress, at the key's 4 updates over
+    2 pushers = step 2, what a sync job would be at. Either way split over the 2 pushers."""
+    from bitps.proto.schedule import LRSchedule
+
+    core = _async_core(lr_by)
+    sched = LRSchedule(decay_steps=10, min_ratio=0.1)
+    before = []
+    for clock in range(4):
+        before.append(core.slots[0].param[0].copy())
+        _push(core, 0, clock)
+    x = core.slots[0].param[0].copy()
+    _push(core, 1, 0)
+    moved = float(x - core.slots[0].param[0])
+    step = 0 if lr_by == "clock" else 4 // 2
+    assert moved == pytest.approx(sched.factor(step) / 2, rel=1e-6)
+    # worker 0's own pushes: by progress the steps 0, 0, 1, 1 (updates 0-3 over 2 pushers)
+    first = [float(a - b) for a, b in zip(before, [*before[1:], x])]
+    steps = [0, 1, 2, 3] if lr_by == "clock" else [0, 0, 1, 1]
+    assert first == pytest.approx([sched.factor(c) / 2 for c in steps], rel=1e-6)
+
+
+def test_lr_by_progress_is_refused_in_sync_and_checked():
+    with pytest.raises(ValueError, match="lr_by 'progress' applies to async/ssp"):
+        ServerConfig(mode="sync", lr_by="progress")
+    with pytest.raises(ValueError, match="lr_by 'step'; expected one of"):
+        ServerConfig(mode="async", lr_by="step")
