@@ -8,10 +8,11 @@ Python process from outside, without changing it. :class:`Spy` runs::
 until the process exits (``--nonblocking``: the target is not paused to be read; a sample can
 then be torn, which costs a frame now and then, not the figures). py-spy samples the Python
 threads it finds active, leaving out those it sees idle (in a sleep, or blocked on a lock or a
-socket), so the samples approximate CPU: not exactly (a thread spinning in a wait counts; torch's
-own worker threads, which have no Python frames, are not sampled). On the bench's LM they summed
-to 1.06x (DDP) and 1.3-1.4x (bitps) the ranks' CPU from ``/proc``: read the ranking, and the
-differences between runs, more than the sum.
+socket), so the samples approximate CPU, not exactly: a thread that is runnable but waiting for
+a core counts (on a busy machine, a thread that wakes often), and torch's own worker threads,
+which have no Python frames, are not sampled. On the bench's LM they summed to 1.06x (DDP) and
+1.3-1.4x (bitps) the ranks' CPU from ``/proc``: read the ranking, and the differences between
+runs, more than the sum.
 
 The raw output is one collapsed stack per line, outermost frame first::
 
