@@ -39,6 +39,7 @@ the mean of ``repeats`` pushes. The machine's load in the two seconds before the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -302,80 +303,68 @@ def _workers(cfg: KernelsBench, keys: int, n: int, src: np.ndarray,
     return rows, bandwidth
 
 
-def _copy_scaling(cfg: KernelsBench, keys: int, n: int, counts: list[int]) -> list[dict]:
-    """np.copyto of ``keys`` keys of ``n`` float32, the keys spread over 1 and each of
-    ``counts`` threads as a shard spreads them (``native.keypool``): how far memory bandwidth
-    lets a memory-bound kernel scale here."""
+def _speedups(name: str, runs: dict, cfg: KernelsBench) -> list[dict]:
+    """``runs``: thread count -> a callable doing one update (or encode, or copy) with that
+    many threads. Each is timed ``repeats`` times a round over ``rounds`` rounds, the counts
+    alternated (wall time, medians); one row per count above 1: its time, one thread's, and
+    the speedup (one thread's time over its)."""
+    for fn in runs.values():
+        fn()  # compile, touch every buffer once
+    wall: dict[int, list[float]] = {t: [] for t in runs}
+    for _ in range(cfg.rounds):
+        for t, fn in runs.items():
+            t0 = time.perf_counter()
+            for _ in range(cfg.repeats):
+                fn()
+            wall[t].append((time.perf_counter() - t0) / cfg.repeats)
+    one = median(wall[1])
+    return [{"case": name, "threads": t, "ms": median(wall[t]) * 1e3, "ms_1": one * 1e3,
+             "speedup": one / median(wall[t])} for t in runs if t > 1]
+
+
+def _copy_speedups(cfg: KernelsBench, keys: int, n: int, counts: list[int]) -> list[dict]:
+    """np.copyto of ``keys`` keys of ``n`` float32 spread over 1 and each of ``counts``
+    threads as a shard spreads them (``native.keypool``)."""
     from bitps.native.keypool import KeyPool
 
     src = np.random.default_rng(2).standard_normal(keys * n).astype(np.float32)
     dst = np.empty_like(src)
+
+    def copy(i: int) -> None:
+        np.copyto(dst[i * n:(i + 1) * n], src[i * n:(i + 1) * n])
+
     pools = {t: KeyPool(t) for t in [1, *counts]}
     try:
-        wall: dict[int, list[float]] = {t: [] for t in pools}
-
-        def copy(i: int) -> None:
-            np.copyto(dst[i * n:(i + 1) * n], src[i * n:(i + 1) * n])
-
-        for _ in range(cfg.rounds):
-            for t, pool in pools.items():
-                t0 = time.perf_counter()
-                for _ in range(cfg.repeats):
-                    pool.map(copy, range(keys), src.nbytes)
-                wall[t].append((time.perf_counter() - t0) / cfg.repeats)
+        return _speedups(MEMCPY, {t: functools.partial(p.map, copy, range(keys), src.nbytes)
+                                  for t, p in pools.items()}, cfg)
     finally:
-        for pool in pools.values():
-            pool.close()
-    one = median(wall[1])
-    return [{"case": MEMCPY, "threads": t, "ms": median(wall[t]) * 1e3, "ms_1": one * 1e3,
-             "speedup": one / median(wall[t])} for t in counts]
+        for p in pools.values():
+            p.close()
 
 
 def _scaling(cfg: KernelsBench) -> list[dict]:
     """Wall time per update of :data:`SCALING_CASES` at ``scaling_mib`` with one shard thread
     and with each of ``thread_counts``, and per encode of ``worker_kernels``'
-    :data:`ENCODER_SCALING_CASES` with as many encoder threads, alternated in rounds (medians);
-    speedup = one thread's time over N threads'."""
+    :data:`ENCODER_SCALING_CASES` with as many encoder threads, beside np.copyto of the same
+    keys spread the same way (``native.keypool``: how far memory bandwidth lets a memory-bound
+    kernel scale here), alternated in rounds (medians); speedup = one thread's time over N
+    threads'."""
     counts = [t for t in cfg.thread_counts if t > 1]
     if not counts:
         return []
     n = cfg.key_mib * MIB // 4
     keys = max(1, cfg.scaling_mib // cfg.key_mib)
-    out = _copy_scaling(cfg, keys, n, counts)
+    out = _copy_speedups(cfg, keys, n, counts)
     for case in (c for c in CASES if c.name in SCALING_CASES):
         pushers = {t: _Pusher(case, keys, n, threads=t) for t in [1, *counts]}
-        wall: dict[int, list[float]] = {t: [] for t in pushers}
-        for p in pushers.values():
-            p.push()
-        for _ in range(cfg.rounds):
-            for t, p in pushers.items():
-                t0 = time.perf_counter()
-                for _ in range(cfg.repeats):
-                    p.push()
-                wall[t].append((time.perf_counter() - t0) / cfg.repeats)
-        one = median(wall[1])
-        for t in counts:
-            out.append({"case": case.name, "threads": t, "ms": median(wall[t]) * 1e3,
-                        "ms_1": one * 1e3, "speedup": one / median(wall[t])})
+        out += _speedups(case.name, {t: p.push for t, p in pushers.items()}, cfg)
         del pushers
     for case in (c for c in WORKER_CASES if c.name in ENCODER_SCALING_CASES):
         workers = {t: Worker(case, keys, n, threads=t) for t in [1, *counts]}
         try:
-            wall = {t: [] for t in workers}
-            for w in workers.values():
-                w.encode()
-            for _ in range(cfg.rounds):
-                for t, w in workers.items():
-                    t0 = time.perf_counter()
-                    for _ in range(cfg.repeats):
-                        w.encode()
-                    wall[t].append((time.perf_counter() - t0) / cfg.repeats)
+            out += _speedups(f"{case.name} (encode)",
+                             {t: w.encode for t, w in workers.items()}, cfg)
         finally:
             for w in workers.values():
                 w.close()
-        one = median(wall[1])
-        for t in counts:
-            out.append({"case": f"{case.name} (encode)", "threads": t,
-                        "ms": median(wall[t]) * 1e3, "ms_1": one * 1e3,
-                        "speedup": one / median(wall[t])})
     return out

@@ -19,7 +19,6 @@ class Ranks:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
         self.lines: list[list[dict]] = []
-        self.errors: list[str] = []
 
     def start(self, argv: list[str], log: Path, on_line=None) -> None:
         """Start a rank; ``on_line(proc, line)``, if given, sees each JSON line it prints."""

@@ -266,6 +266,9 @@ class Async(Consistency):
         super().__init__(cfg)
         self.compensation = make_compensation(cfg)
         """How a stale push is adjusted (``ServerConfig.compensation``, ``ps.compensation``)."""
+        self.by_progress = cfg.lr_by == "progress"
+        """A push's learning rate is the schedule's at the key's updates over its live
+        pushers, not at the push's clock (``ServerConfig.lr_by``)."""
 
     def admits(self, clocks, clock, slots):
         return True
@@ -284,9 +287,7 @@ class Async(Consistency):
             vgap = slot.version - header.versions[i] if header.versions else 0
             hyper = hyperparameters(header, i)
             pushers = len(_pushers(core, slot, live))
-            # the schedule's step: the push's own, or the job's progress on the key
-            # (ServerConfig.lr_by)
-            step = header.clock if self.cfg.lr_by == "clock" else slot.version // max(pushers, 1)
+            step = slot.version // max(pushers, 1) if self.by_progress else header.clock
             lr_scale = self.lr_scale(step, pushers, vgap, lr=None if hyper is None else hyper[0])
             grad = self.compensation.gradient(slot, grad, header.worker)
             core.updates.on_arrival(slot, grad, header.clock, lr_scale,
