@@ -230,8 +230,9 @@ class E2EBench(_Checked):
     cases: tuple[str, ...] = ()
     """run only these cases (by name); none: every case (--straggler: its own set)"""
     profile: bool = False
-    """record every rank of each learning run with py-spy from its steady phase on and report
-    the top CPU consumers per step (perturbs the timings: run it apart, with --cases)"""
+    """record every rank and shard of each learning run with py-spy from its steady phase on
+    and report the top CPU consumers per step (perturbs the timings: run it apart, with
+    --cases)"""
     name: str = ""
     """result file stem (default e2e-<model>[-straggler])"""
     quick: bool = False

@@ -209,18 +209,32 @@ def _train(cluster: Cluster, case: Case, s: E2EBench, lr: float, steps: int, tmp
     ranks, logs = Ranks(), []
     # --profile: py-spy on each rank once its steady phase begins (1-bit Adam: the step after
     # the switch; else after the warm-up steps _measure skips)
-    spies: dict[int, Spy | BaseException] = {}
+    # (and on each shard, from rank 0's line); rank 0's step lines also mark each shard's CPU
+    # then, which splits the shards' CPU by phase
+    spies: dict[int | str, Spy | BaseException] = {}
     spy_from = freeze if freeze is not None else 2
+    shard_marks: dict[int, list[float]] = {}
 
-    def spy(rank: int):
-        def on_line(proc, line) -> None:  # on the rank's reader thread: errors kept, raised
-            if line.get("event") == "step" and line.get("step") == spy_from:
-                try:
-                    spies[rank] = Spy(proc.pid, tmp / f"rank{rank}.spy")
-                except Exception as exc:
-                    spies[rank] = exc
+    def start_spy(name: int | str, pid: int) -> None:
+        try:
+            spies[name] = Spy(pid, tmp / f"{name}.spy")
+        except Exception as exc:
+            spies[name] = exc
+
+    def on_line(rank: int):
         # a rank with no step after spy_from has nothing to profile
-        return on_line if s.profile and case.learns and counts[rank] > spy_from + 1 else None
+        profiled = s.profile and case.learns and counts[rank] > spy_from + 1
+
+        def seen(proc, line) -> None:  # on the rank's reader thread: errors kept, raised
+            if line.get("event") != "step":
+                return
+            if rank == 0 and shards:
+                shard_marks[line["step"]] = [process_cpu(p.proc.pid) for p in shards]
+            if profiled and line["step"] == spy_from:
+                start_spy(rank, proc.pid)
+                for i, p in enumerate(shards if rank == 0 else ()):
+                    start_spy(f"shard{i}", p.proc.pid)
+        return seen if profiled or (rank == 0 and shards) else None
 
     wire0 = cluster.wire_bytes()
     try:
@@ -246,26 +260,29 @@ def _train(cluster: Cluster, case: Case, s: E2EBench, lr: float, steps: int, tmp
             log = tmp / f"rank{r}.log"
             logs.append(log)
             ranks.start([*node.prefix, sys.executable, "-m", "bitps.bench.e2e_rank",
-                         json.dumps(settings)], log, spy(r))
+                         json.dumps(settings)], log, on_line(r))
         ranks.wait(timeout=120 + max(counts) * 20, logs=logs)
         shard_cpu = [process_cpu(p.proc.pid) for p in shards]
-        profiles = [_profile(spies[r], counts[r] - spy_from - 1) | {"rank": r, "from": spy_from}
-                    for r in sorted(spies)]
+        profiles = [_profile(spies[r], counts[0 if isinstance(r, str) else r] - spy_from - 1,
+                             ends=isinstance(r, int))
+                    | ({"shard": int(r[5:])} if isinstance(r, str) else {"rank": r})
+                    | {"from": spy_from} for r in sorted(spies, key=str)]
     finally:
         ranks.kill()
         for p in shards:
             p.stop()
     wire1 = cluster.wire_bytes()
     out = _measure(case, s, ranks.lines, shard_cpu, counts, freeze,
-                   {k: wire1[k] - wire0.get(k, 0) for k in wire1})
+                   {k: wire1[k] - wire0.get(k, 0) for k in wire1}, shard_marks)
     return {**out, "profile": profiles} if profiles else out
 
 
-def _profile(spy: Spy | BaseException, steps: int) -> dict:
-    """A rank's top CPU consumers per step (``bench.spy``) over its ``steps`` recorded."""
+def _profile(spy: Spy | BaseException, steps: int, *, ends: bool) -> dict:
+    """A rank's or shard's top CPU consumers per step (``bench.spy``) over its ``steps``
+    recorded; ``ends``: the process has ended (a rank), else its recording is stopped."""
     if isinstance(spy, BaseException):
         raise RuntimeError(f"--profile: py-spy did not start: {spy}") from spy
-    return top_consumers(spy.wait(), rate=spy.rate, steps=steps)
+    return top_consumers(spy.wait() if ends else spy.stop(), rate=spy.rate, steps=steps)
 
 
 def _freeze_at(case: Case, s: E2EBench, steps: int) -> int:
@@ -278,10 +295,12 @@ def _freeze_step(case: Case, s: E2EBench, steps: int) -> int | None:
     return _freeze_at(case, s, steps) if case.optimizer == "onebit_adam" else None
 
 
-def _phases(per_rank: list[list[dict]], skip: int, freeze: int | None) -> dict | None:
-    """Step time (the slowest rank's mean) and each rank's CPU per step in 1-bit Adam's
-    warm-up (steps ``skip .. freeze - 1``) and compressed phase (``freeze + 1 ..``; the
-    switch's own step fetches the moments): the averages over the whole run hide which
+def _phases(per_rank: list[list[dict]], skip: int, freeze: int | None,
+            shard_marks: dict[int, list[float]] | None = None) -> dict | None:
+    """Step time (the slowest rank's mean), each rank's CPU per step and each shard's (from
+    ``shard_marks``: step -> each shard's CPU seconds when rank 0 logged that step) in 1-bit
+    Adam's warm-up (steps ``skip .. freeze - 1``) and compressed phase (``freeze + 1 ..``;
+    the switch's own step fetches the moments): the averages over the whole run hide which
     phase costs what. ``None`` without phases or when a phase has under 2 steps."""
     steps = min(len(p) for p in per_rank)
     if freeze is None or freeze - skip < 2 or steps - freeze - 1 < 2:
@@ -294,6 +313,9 @@ def _phases(per_rank: list[list[dict]], skip: int, freeze: int | None) -> dict |
             "step_ms": 1e3 * max((p[hi]["end"] - p[lo]["end"]) / n for p in per_rank),
             "rank_cpu_ms": [round(1e3 * (p[hi]["cpu"] - p[lo]["cpu"]) / n, 1)
                             for p in per_rank]}
+        if shard_marks and lo in shard_marks and hi in shard_marks:
+            out[name]["shard_cpu_ms"] = [round(1e3 * (b - a) / n, 1) for a, b in
+                                         zip(shard_marks[lo], shard_marks[hi])]
     return out
 
 
@@ -313,7 +335,8 @@ def _curve(per_rank: list[list[dict]], merged: bool) -> tuple[np.ndarray, np.nda
 
 
 def _measure(case: Case, s: E2EBench, lines: list[list[dict]], shard_cpu: list[float],
-             counts: list[int], freeze: int | None, wire: dict[int, int]) -> dict:
+             counts: list[int], freeze: int | None, wire: dict[int, int],
+             shard_marks: dict[int, list[float]] | None = None) -> dict:
     spec = MODELS[s.model]
     per_rank = [[e for e in ls if e["event"] == "step"] for ls in lines]
     done = [next(e for e in ls if e["event"] == "done") for ls in lines]
@@ -340,7 +363,7 @@ def _measure(case: Case, s: E2EBench, lines: list[list[dict]], shard_cpu: list[f
         "rank_cpu_s_per_step": [d["cpu_s"] / n for d, n in zip(done, counts)],
         "shard_cpu_s_per_step": [c / steps for c in shard_cpu],
         "overlap": [d.get("overlap") for d in done],
-        "phases": _phases(per_rank, skip, freeze),
+        "phases": _phases(per_rank, skip, freeze, shard_marks),
     }
 
 

@@ -64,7 +64,8 @@ _COLUMNS = [("run", "run"), ("lr", "lr"), ("samples_per_s", "samples/s"),
             ("rank_cpu_ms", "rank CPU ms/step"),
             ("shard_cpu_ms", "shard CPU ms/step"),
             ("phase_step_ms", "1-bit Adam step ms, warm-up / compressed"),
-            ("phase_rank_cpu_ms", "1-bit Adam rank CPU ms/step, warm-up / compressed")]
+            ("phase_rank_cpu_ms", "1-bit Adam rank CPU ms/step, warm-up / compressed"),
+            ("phase_shard_cpu_ms", "1-bit Adam shard CPU ms/step, warm-up / compressed")]
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,9 @@ def _row(case_name: str, r: dict, marks: _Marks, batch: int) -> dict:
                                 f"{phases['compressed']['step_ms']:.0f}")
         row["phase_rank_cpu_ms"] = (f"{phases['warmup']['rank_cpu_ms']} / "
                                     f"{phases['compressed']['rank_cpu_ms']}")
+        if "shard_cpu_ms" in phases["compressed"]:
+            row["phase_shard_cpu_ms"] = (f"{phases['warmup'].get('shard_cpu_ms')} / "
+                                         f"{phases['compressed']['shard_cpu_ms']}")
     if marks.ceiling is not None:
         row["vs_ceiling"] = r["samples_per_s"] / marks.ceiling["samples_per_s"]
         if r["lr"] is not None and case_name.startswith("DDP"):
@@ -227,7 +231,8 @@ def _profiles(rows: list[dict], n: int = 8) -> str:
         for p in row.get("profile") or ():
             top = "; ".join(f"{t['function']} ({t['file']}) {t['ms_per_step']:.0f}"
                             for t in p["top"][:n])
-            parts.append(f"{row['run']}, rank {p['rank']}, {p['steps']} steps after step "
+            who = f"shard {p['shard']}" if "shard" in p else f"rank {p['rank']}"
+            parts.append(f"{row['run']}, {who}, {p['steps']} steps after step "
                          f"{p['from']}: {p['cpu_ms_per_step']:.0f} ms of active Python threads "
                          f"sampled per step; top: {top}")
     if not parts:

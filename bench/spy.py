@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -62,14 +63,25 @@ class Spy:
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def wait(self, timeout: float = 30.0) -> str:
-        """Wait for the recording to be written once the process has exited; its stacks (the
-        raw text). ``RuntimeError`` with py-spy's own message when it wrote none (no
-        permission to read the process: ptrace, CAP_SYS_PTRACE)."""
+        """Wait for the recording to be written once the process has exited (or ``timeout``
+        has passed: :meth:`stop`); its stacks (the raw text). ``RuntimeError`` with py-spy's
+        own message when it wrote none (no permission to read the process: ptrace,
+        CAP_SYS_PTRACE)."""
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.proc.terminate()  # py-spy writes what it has on SIGTERM
+            return self.stop(timeout)
+        return self._read()
+
+    def stop(self, timeout: float = 30.0) -> str:
+        """End the recording of a process that goes on (a shard); its stacks. py-spy writes
+        what it has on SIGINT (its Ctrl-C); on SIGTERM it dies without writing."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
             self.proc.wait(timeout)
+        return self._read()
+
+    def _read(self) -> str:
         if not self.path.exists():
             raise RuntimeError(f"py-spy wrote no samples (exit {self.proc.returncode}): "
                                f"{self._log.read_text(errors='replace')[-500:]}")

@@ -378,8 +378,9 @@ def test_out_is_taken_before_or_after_the_scenario(tmp_path):
 
 
 def test_e2e_reports_one_bit_adams_warmup_and_compressed_phases_apart():
-    """A 1-bit Adam run's step time and rank CPU per step in each phase (the averages over the
-    run hide which costs what), from the ranks' step lines; the switch's step is in neither."""
+    """A 1-bit Adam run's step time, rank and shard CPU per step in each phase (the averages
+    over the run hide which costs what), from the ranks' step lines and the shards' CPU marked
+    at rank 0's; the switch's step is in neither."""
     from bitps.bench.config import E2EBench
     from bitps.bench.e2e import CASES, _freeze_step, _phases
 
@@ -398,6 +399,12 @@ def test_e2e_reports_one_bit_adams_warmup_and_compressed_phases_apart():
     assert round(phases["warmup"]["step_ms"], 6) == 110.0  # the slower rank's
     assert phases["warmup"]["rank_cpu_ms"] == [80.0, 80.0]
     assert phases["compressed"]["rank_cpu_ms"] == [50.0, 50.0]
+    assert "shard_cpu_ms" not in phases["warmup"]  # no shard marks (DDP)
+    # each shard's CPU when rank 0 logged each step: 30 ms a step in warm-up, 10 after
+    marks = {step: [0.03 * min(step, 8) + 0.01 * max(step - 8, 0), 0.0] for step in range(20)}
+    phases = _phases([rank(0.0), rank(0.01)], skip=2, freeze=8, shard_marks=marks)
+    assert phases["warmup"]["shard_cpu_ms"] == [30.0, 0.0]
+    assert phases["compressed"]["shard_cpu_ms"] == [10.0, 0.0]
     assert _phases([rank(0.0)], skip=2, freeze=None) is None
     s = E2EBench(model="lm")
     onebit = next(c for c in CASES if c.name == "bitps sync 1-bit Adam")

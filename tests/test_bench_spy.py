@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -72,6 +73,29 @@ def test_a_real_recording_names_the_function_that_used_the_cpu(tmp_path):
     assert out["top"][0]["function"] == "spin" and out["top"][0]["share"] > 0.5, out["top"]
 
 
+def test_stop_ends_the_recording_of_a_process_that_goes_on(tmp_path):
+    """A shard outlives its ranks: stop() ends its recording with the samples so far (py-spy
+    killed with SIGTERM, as wait() once did past its timeout, wrote nothing)."""
+    if executable() is None:
+        pytest.skip("py-spy is not installed (the bench extra)")
+    proc = subprocess.Popen([sys.executable, "-c", "def spin():\n while True: sum(range(99))\n"
+                             "spin()"])
+    try:
+        spy = Spy(proc.pid, tmp_path / "p.spy", rate=200)
+        time.sleep(1.0)
+        try:
+            raw = spy.stop()
+        except RuntimeError as err:
+            if "ermission" in str(err) or "ptrace" in str(err).lower():
+                pytest.skip(f"py-spy may not read processes here: {err}")
+            raise
+        assert proc.poll() is None  # the process goes on
+    finally:
+        proc.kill()
+    out = top_consumers(raw, rate=200, steps=1)
+    assert out["top"][0]["function"] == "spin" and out["samples"] > 50, out
+
+
 def _can_record(tmp_path) -> str | None:
     """Why py-spy cannot record a sibling process here (``None``: it can)."""
     if executable() is None:
@@ -89,8 +113,8 @@ def _can_record(tmp_path) -> str | None:
 
 
 def test_e2e_profile_names_each_ranks_top_consumers(tmp_path):
-    """``bitps-bench e2e --profile``: py-spy records each rank from its steady phase on, and
-    the row and the notes name the functions that used the rank's CPU, per step."""
+    """``bitps-bench e2e --profile``: py-spy records each rank and shard from its steady phase
+    on, and the row and the notes name the functions that used its CPU, per step."""
     import json
 
     if why := _can_record(tmp_path):
@@ -106,10 +130,14 @@ def test_e2e_profile_names_each_ranks_top_consumers(tmp_path):
     by = {r["run"]: r for r in doc["rows"]}
     assert "profile" not in by["ceiling (no traffic)"]  # only learning runs are recorded
     profiles = by["bitps sync fp32"]["profile"]
-    assert [p["rank"] for p in profiles] == [0, 1]
+    # each rank, and each shard from rank 0's step on (a shard's recording is stopped)
+    assert [(p.get("rank"), p.get("shard")) for p in profiles] == [
+        (0, None), (1, None), (None, 0), (None, 1)]
+    assert any(t["file"].startswith("ps/") for t in profiles[2]["top"]), profiles[2]
     for p in profiles:
         assert p["from"] == 2 and p["steps"] == 30 - 2 - 1
         assert p["samples"] > 0 and p["top"]
         assert sum(t["ms_per_step"] for t in p["top"]) <= p["cpu_ms_per_step"] + 1e-6
     md = (tmp_path / "e2e-prof.md").read_text()
     assert "Profiles (py-spy" in md and f"({profiles[0]['top'][0]['file']})" in md
+    assert "bitps sync fp32, shard 1, 27 steps" in md

@@ -169,6 +169,55 @@ def test_fp16_cast_rounds_every_region_as_numpy_does():
 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("scale", (1.0, 0.37))
+def test_fp16_hardware_conversion_equals_the_bit_arithmetic(n, scale):
+    """The fp16 kernels convert with the CPU's half instructions where they compile and agree
+    (``casts._hardware_halves``), else with the bit arithmetic: both give the same payload,
+    residual and decoded sum, bit for bit, over every rounding region (overflow, ties,
+    subnormal halves) and every binary16 value decoded."""
+    if not casts._hardware_halves():
+        pytest.skip("no hardware half conversion here: only the bit arithmetic runs")
+    x = np.resize(_hard_values(), n) if n else np.empty(0, F)
+    d = _data(n, 7, False)
+    g = (d["g"] * F(1e4) + x * F(1e-3)).astype(F)
+    outs = {}
+    for name, cast, ef in (("hw", casts._fp16_cast_hw, casts._fp16_encode_ef_hw),
+                           ("bits", casts._fp16_cast, casts._fp16_encode_ef)):
+        plain, coded, r = np.empty(n, np.uint16), np.empty(n, np.uint16), d["r"].copy()
+        cast(x, plain)
+        ef(g, r, coded, F(scale))
+        outs[name] = (plain, coded, r)
+    for a, b in zip(outs["hw"], outs["bits"]):
+        _same(a, b)
+    halves = np.arange(1 << 16, dtype=np.uint16)
+    halves = halves[np.isfinite(halves.view(np.float16)) | np.isinf(halves.view(np.float16))]
+    acc, want = np.ones(halves.size, F), np.ones(halves.size, F)
+    casts._fp16_decode_add_hw(halves, acc)
+    np.add(want, halves.view(np.float16), out=want, casting="same_kind")
+    _same(acc, want)
+
+
+def test_fp16_falls_back_to_the_bit_arithmetic(monkeypatch):
+    """Where the hardware conversion is missing, fp16_encode and fp16_decode_add take the bit
+    arithmetic and numpy's float16, with the same results."""
+    if not casts._hardware_halves():
+        pytest.skip("no hardware half conversion here: the fallback is all that runs")
+    x = _hard_values()
+    d = _data(x.size, 8, False)
+    runs = []
+    for hardware in (True, False):
+        monkeypatch.setattr(casts, "_hardware_halves", lambda hw=hardware: hw)
+        plain, coded, r = np.empty(x.size, np.uint16), np.empty(x.size, np.uint16), d["r"].copy()
+        casts.fp16_encode(x, None, plain)
+        casts.fp16_encode(d["g"], r, coded, scale=0.5)
+        acc = np.ones(x.size, F)
+        casts.fp16_decode_add(plain.tobytes(), x.size, acc)
+        runs.append((plain, coded, r, acc))
+    for a, b in zip(*runs):
+        _same(a, b)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("scale", (1.0, 0.37))
 @pytest.mark.parametrize("special", (False, True))
 def test_fp16_error_feedback_equals_numpy(n, scale, special):
     d = _data(n, 5, special)
@@ -185,7 +234,7 @@ def test_fp16_error_feedback_equals_numpy(n, scale, special):
 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("scale", (1.0, 0.37))
-def test_bf16_blocked_error_feedback_equals_the_reference(n, scale):
+def test_bf16_error_feedback_equals_the_reference(n, scale):
     d = _data(n, 6, True)
     r = d["r"].copy()
     out = np.empty(n, np.uint16)
