@@ -78,7 +78,14 @@ class Spy:
         what it has on SIGINT (its Ctrl-C); on SIGTERM it dies without writing."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
-            self.proc.wait(timeout)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired as err:
+                self.proc.kill()
+                self.proc.wait()
+                raise RuntimeError(f"py-spy did not stop within {timeout} s of SIGINT; "
+                                   f"killed: {self._log.read_text(errors='replace')[-500:]}"
+                                   ) from err
         return self._read()
 
     def _read(self) -> str:
