@@ -510,3 +510,32 @@ def test_local_sgd_exposed_communication_is_the_mean_over_steps():
     assert exposed_per_step(ranks, 10, local=True) == pytest.approx((0.1 + 0.2) / 2)
     steady = [[{"exposed": e} for e in (0.01, 0.01, 0.9, 0.01)]]  # one slow step
     assert exposed_per_step(steady, 0, local=False) == 0.01
+
+
+def test_e2e_reports_each_ranks_cpu_beyond_compute_per_phase_and_checks_it():
+    """Issue 27: a rank's CPU beyond compute is its CPU less the same rank's in the ceiling
+    run, per 1-bit Adam phase (the run's average mixes them), and every bitps learning run is
+    checked against 150 ms a step at its worst rank and phase."""
+    from bitps.bench.config import E2EBench
+    from bitps.bench.e2e_report import _beyond_compute, beyond_compute_worst, checks
+
+    ceiling = {"rank_cpu_s_per_step": [1.000, 1.010]}
+    fp32 = {"run": "bitps sync fp32", "lr": 2e-4, "samples_per_s": 5.0}
+    _beyond_compute(fp32, {"rank_cpu_s_per_step": [1.120, 1.170]}, ceiling)
+    assert fp32["beyond_compute_ms"] == [120, 160]
+    onebit = {"run": "bitps sync 1-bit Adam", "lr": 2e-4, "samples_per_s": 6.0,
+              "phases": {"warmup": {"rank_cpu_ms": [1200.0, 1150.0]},
+                         "compressed": {"rank_cpu_ms": [1100.0, 1120.0]}}}
+    _beyond_compute(onebit, {"rank_cpu_s_per_step": [1.120, 1.125]}, ceiling)
+    assert onebit["phases"]["warmup"]["beyond_compute_ms"] == [200, 140]
+    assert onebit["phases"]["compressed"]["beyond_compute_ms"] == [100, 110]
+    assert onebit["phase_beyond_compute_ms"] == "[200, 140] / [100, 110]"
+    # the worst phase counts, not the run's average (120, 115)
+    assert beyond_compute_worst(onebit) == 200 and beyond_compute_worst(fp32) == 160
+    other = {"run": "bitps async sign1", "lr": 2e-4, "samples_per_s": 7.0}
+    _beyond_compute(other, {"rank_cpu_s_per_step": [1.0]}, ceiling)  # another world size
+    assert beyond_compute_worst(other) is None
+    out = checks({r["run"]: r for r in (fp32, onebit, other)}, E2EBench(model="lm"))
+    assert out["worker_cpu_beyond_compute_ms[bitps sync fp32]"]["value"] == 160
+    assert not out["worker_cpu_beyond_compute_ms[bitps sync 1-bit Adam]"]["ok"]
+    assert "worker_cpu_beyond_compute_ms[bitps async sign1]" not in out
