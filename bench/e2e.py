@@ -266,7 +266,7 @@ def _train(cluster: Cluster, case: Case, s: E2EBench, lr: float, steps: int, tmp
         profiles = [_profile(spies[r], counts[0 if isinstance(r, str) else r] - spy_from - 1,
                              ends=isinstance(r, int))
                     | ({"shard": int(r[5:])} if isinstance(r, str) else {"rank": r})
-                    | {"from": spy_from} for r in sorted(spies, key=str)]
+                    | {"from": spy_from} for r in sorted(spies, key=_spy_order)]
     finally:
         ranks.kill()
         for p in shards:
@@ -275,6 +275,11 @@ def _train(cluster: Cluster, case: Case, s: E2EBench, lr: float, steps: int, tmp
     out = _measure(case, s, ranks.lines, shard_cpu, counts, freeze,
                    {k: wire1[k] - wire0.get(k, 0) for k in wire1}, shard_marks)
     return {**out, "profile": profiles} if profiles else out
+
+
+def _spy_order(name: int | str) -> tuple[bool, int]:
+    """Ranks (ints) first, then shards (``"shard<i>"``), each by number."""
+    return (True, int(name[5:])) if isinstance(name, str) else (False, name)
 
 
 def _profile(spy: Spy | BaseException, steps: int, *, ends: bool) -> dict:
