@@ -207,10 +207,9 @@ def _train(cluster: Cluster, case: Case, s: E2EBench, lr: float, steps: int, tmp
     freeze = _freeze_step(case, s, steps)
     shards = _shards(cluster, case, s, lr, steps) if case.kind == "bitps" else []
     ranks, logs = Ranks(), []
-    # --profile: py-spy on each rank once its steady phase begins (1-bit Adam: the step after
-    # the switch; else after the warm-up steps _measure skips)
-    # (and on each shard, from rank 0's line); rank 0's step lines also mark each shard's CPU
-    # then, which splits the shards' CPU by phase
+    # --profile: py-spy on each rank, and on each shard from rank 0's line, once the steady
+    # phase begins (1-bit Adam: the step after the switch; else after the warm-up steps
+    # _measure skips). Rank 0's step lines also mark each shard's CPU, split by phase later.
     spies: dict[int | str, Spy | BaseException] = {}
     spy_from = freeze if freeze is not None else 2
     shard_marks: dict[int, list[float]] = {}

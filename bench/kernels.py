@@ -99,9 +99,9 @@ CASES = (
 """Every combination the bench measures, in table order."""
 
 SCALING_CASES = ("adam, async, raw -> raw", "1-bit Adam, sync")
+"""The cases timed with several shard threads (``KernelsBench.thread_counts``)."""
 MEMCPY = "memcpy (the bandwidth bound)"
 """The scaling row of np.copyto over the same keys on the same threads."""
-"""The cases timed with several shard threads (``KernelsBench.thread_counts``)."""
 
 
 class _Pusher:

@@ -51,7 +51,7 @@ from bitps.worker.training.encoder import Encoder
 from bitps.worker.training.payload import Payload
 from bitps.worker.transport.channel import Handle, PSTimeoutError
 
-__all__ = ["CommThread", "Job", "Payload"]
+__all__ = ["CommThread", "Job"]
 
 log = logging.getLogger(__name__)
 _SLICE_S = 0.05  # longest single wait; the loop re-checks for closing between waits

@@ -43,13 +43,11 @@ from bitps.proto.wire import PSError
 from bitps.worker.config import EncoderConfig
 from bitps.worker.metrics import CodecSnapshot
 from bitps.worker.push_policy import CODEC_PUSH, PushPolicy, for_registration
-from bitps.worker.training.payload import ClipCorrection, Payload, refused_nonfinite
+from bitps.worker.training.payload import ClipCorrection, refused_nonfinite
 from bitps.worker.transport.client import Encoded, Handle, PSClient
 from bitps.worker.transport.messages import check_array
 
-__all__ = ["STATE_VERSION", "ClipCorrection", "Encoder", "Payload", "refused_nonfinite"]
-# ClipCorrection, Payload and refused_nonfinite live in worker.training.payload; re-exported
-# here, where the encoder's callers have always found them
+__all__ = ["STATE_VERSION", "Encoder"]
 
 _F32 = np.dtype("<f4")
 _U64 = (1 << 64) - 1

@@ -15,7 +15,7 @@ every push:
   key the gradient read in place (CPU), downloaded to pinned memory (CUDA), or compressed next
   to it with its device error feedback (``device_codec``: ``worker.training.codec_torch``, the
   same bytes as the host kernels), handed to the encoder as one
-  :class:`~bitps.worker.training.encoder.Payload`.
+  :class:`~bitps.worker.training.payload.Payload`.
 - **clipping under overlap** (``clip``, ``worker.training.clip``): each payload's clip factor
   and, with the step's last payload, the corrections of the earlier ones: the device residuals'
   here, the host ones' for the encoder to make once that payload is sent.
