@@ -306,7 +306,7 @@ def _exported_model_loads_and_is_trained(tensors: dict[str, np.ndarray]) -> None
 
 def test_a_killed_ssp_worker_is_dropped_and_a_replacement_under_its_rank_joins(
         cluster, keys_per_shard):
-    hb, staleness, steps, extra = 2.5, 2, 50, 10
+    hb, staleness, steps, extra = 2.5, 2, 60, 10
     shards = [cluster.shard(*SHARD, "--shard-id", str(i), "--mode", "ssp", "--staleness",
                             str(staleness), "--heartbeat-timeout", str(hb)) for i in range(2)]
     servers = [s.grpc_address for s in shards]
@@ -315,7 +315,6 @@ def test_a_killed_ssp_worker_is_dropped_and_a_replacement_under_its_rank_joins(
     wait_clock(shards[1], 1, 5, timeout=90)
     w1.kill()
     t_kill = time.monotonic()
-    replacement = cluster.worker(servers, 1, extra, *paced)  # imports while rank 1 is dropped
     dead = [{w.rank: w.clock for w in s.status().workers}[1] for s in shards]
     # Worker 0 passes the SSP bound of the dead rank's clock once the shards drop it.
     status = wait_clock(shards[1], 0, dead[1] + staleness + 2, timeout=hb + 10)
@@ -323,6 +322,9 @@ def test_a_killed_ssp_worker_is_dropped_and_a_replacement_under_its_rank_joins(
     assert waited < hb + 3, waited
     gone = {w.rank: w for w in status.workers}[1]
     assert gone.dropped and not gone.live and gone.clock == dead[1], gone
+    # Started once the drop is seen: started at the kill, it imported and registered before
+    # the drop on a quiet machine (CI, and 2 in 8 runs here: rank 1 live again, not dropped)
+    replacement = cluster.worker(servers, 1, extra, *paced)
     start = json.loads(replacement.read_line(60))
     assert start["event"] == "start"
     first = json.loads(replacement.read_line(30))
@@ -337,7 +339,12 @@ def test_a_killed_ssp_worker_is_dropped_and_a_replacement_under_its_rank_joins(
     assert _finish(replacement)[-1]["steps"] == extra
     for s, k, d in zip(shards, keys_per_shard, dead):
         st = s.status()
-        assert {w.rank: w.clock for w in st.workers} == {0: steps, 1: joined_at + extra}
+        clocks = {w.rank: w.clock for w in st.workers}
+        assert clocks.keys() == {0, 1} and clocks[0] == steps, clocks
+        # the replacement registers with each shard in turn, at that shard's live clock, and
+        # keeps each shard's own: worker 0 may end a step between the two registrations (1 in
+        # 13 runs here: 34 on a shard, against the 35 the replacement's own clock gave)
+        assert abs(clocks[1] - extra - joined_at) <= 1, (clocks, joined_at)
         # every push applied once: worker 0's, the replacement's, and the dead rank's (its
         # last step's messages may have reached a shard in part)
         assert k * (steps + extra + d - 1) < st.updates_applied <= k * (steps + extra + d), \
