@@ -13,7 +13,7 @@ sync fp32 (adam, raw -> raw)                  (zero-copy send)       frame / par
 adam, async, bf16 -> raw (or fp16, sparse)    g, residual / resid.   frame / param
 adam, async, sign1 -> raw                     g, residual / resid.   frame / param
 adam, async, sign1 -> sign1                   g, residual / resid.   param / param
-1-bit Adam, sync (compressed phase)           g, m, resid. / resid.  v, param / m, param
+1-bit Adam, sync (compressed phase)           g, resid. / resid.     v, param / param
 1-bit Adam, async, worker moments             g, m, v, resid. /      param / param
                                               m, v, resid.
 ===========================================  =====================  ==========================
@@ -21,8 +21,9 @@ adam, async, sign1 -> sign1                   g, residual / resid.   param / par
 (A raw push goes out of the gradient itself; libzmq's I/O thread sends it, so the worker's
 thread touches none of it. A raw pull is received straight into the parameters: one read of the
 frame, one write. Compressed pulls add each published code to the copy in place. sync 1-bit
-Adam's published codes are momenta: the pull sets m from the code and applies Adam with the
-frozen v; its push is the momentum ``lerp(m, g, 1 - beta1)`` through error feedback.)
+Adam's published codes are momenta: the pull applies Adam with the frozen v to the momentum the
+code decodes to, and its push is the momentum ``lerp(m, g, 1 - beta1)`` through error feedback,
+m read from the last published code, which the worker keeps instead of m.)
 
 **What is measured**: a real ``PSClient`` and ``Encoder`` registered with an in-process
 ``bitps-server`` shard (``ps.create_server``: real gRPC and ZeroMQ on loopback), one worker,
@@ -74,7 +75,7 @@ WORKER_CASES = (
     WorkerCase(name="worker: adam, async, sign1 -> sign1", push="sign1", pull="sign1",
                reads=3, writes=2),
     WorkerCase(name="worker: 1-bit Adam, sync", optimizer="onebit_adam", mode="sync",
-               push="sign1", reads=5, writes=3),
+               push="sign1", reads=4, writes=2),
     WorkerCase(name="worker: 1-bit Adam, async, worker moments", optimizer="onebit_adam",
                push="sign1", pull="sign1", reads=5, writes=4),
 )

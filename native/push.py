@@ -14,9 +14,16 @@ sees the same float32 operations in the same order (``*``/``+`` where the numpy 
 ``fma`` where ``adam_direction`` has it), and the scales the same fixed-order sums
 (``sign1.chunk_scale``). Loops write one array each: loops that write two do not vectorize.
 
+sync 1-bit Adam's m is, after the first compressed step, the decode of the last published code:
+the worker keeps that code (1/32 of m's bytes) instead of m, and the ``_coded`` push and
+:func:`onebit_code_apply` decode it chunk by chunk in L1. A step then reads the gradient, the
+residual, v and the parameters and writes the residual and the parameters: two passes over the
+key fewer than with m kept (m read by the push, written by the pull).
+
 Payload written to ``scales``/``bits`` (views of the output buffer, ``sign1.payload_views``):
 the sign1 layout of ``native/sign1.py``. Buffer ownership: the caller owns every array; the
-kernels never allocate beyond 64 float64 lanes. ``grad`` and the code may be read-only.
+kernels never allocate beyond 64 float64 lanes and one chunk of float32 scratch. ``grad`` and
+the code may be read-only.
 """
 
 from __future__ import annotations
@@ -27,9 +34,14 @@ import numpy as np
 from bitps.native.sign1 import LANES, chunk_scale, pack_signs, split
 from bitps.native.update_rules import fma, onebit_adam_apply
 
-__all__ = ["adam_direction_encode", "onebit_momentum_apply", "onebit_momentum_encode"]
+__all__ = ["adam_direction_encode", "onebit_code_apply", "onebit_momentum_decode",
+           "onebit_momentum_encode", "onebit_momentum_encode_coded"]
 
 _jit = numba.njit(cache=True, nogil=True, fastmath=False, boundscheck=False, error_model="numpy")
+# a kernel's per-chunk body, inlined in numba's IR (as a called function LLVM may not inline
+# it, and the kernel slows: 6-18 % measured on a shard publish kernel so split)
+_inline = numba.njit(cache=True, nogil=True, fastmath=False, boundscheck=False,
+                     error_model="numpy", inline="always")
 
 
 @_jit
@@ -46,13 +58,45 @@ def onebit_momentum_encode(grad, exp_avg, grad_scale, one_minus_beta1, residual,
     for c in range(scales.shape[0]):
         lo = c * chunk
         m = min(n, lo + chunk) - lo
-        g = grad[lo:lo + m]
-        mom = exp_avg[lo:lo + m]
-        u = residual[lo:lo + m]
-        for j in range(m):
-            x = mom[j]
-            u[j] = ((g[j] * grad_scale - x) * one_minus_beta1 + x) + u[j]
-        _encode(u, bits[lo >> 3:(lo + m + 7) >> 3], scales, c, lanes, mean_abs)
+        _momentum_push_chunk(grad[lo:lo + m], exp_avg[lo:lo + m], grad_scale, one_minus_beta1,
+                             residual[lo:lo + m], bits[lo >> 3:(lo + m + 7) >> 3], scales, c,
+                             lanes, mean_abs)
+
+
+def onebit_momentum_encode_coded(grad, code, grad_scale, one_minus_beta1, residual, scales,
+                                 bits, chunk: int, mean_abs) -> None:
+    """:func:`onebit_momentum_encode` with m the published momentum ``code`` (the sign1 payload
+    :func:`onebit_code_apply` applied last, of the same ``chunk``: the caller checks), decoded
+    chunk by chunk into an L1 scratch: bit for bit the same as with m decoded from it
+    (:func:`onebit_momentum_decode`), without reading an array of the key's length."""
+    m_scales, m_bits = split(code, grad.shape[0], chunk)
+    _momentum_encode_coded(grad, m_scales, m_bits, grad_scale, one_minus_beta1, residual,
+                           scales, bits, np.int64(chunk), mean_abs)
+
+
+@_jit
+def _momentum_encode_coded(grad, m_scales, m_bits, grad_scale, one_minus_beta1, residual,
+                           scales, bits, chunk, mean_abs):
+    n = grad.shape[0]
+    lanes = np.zeros(LANES, np.float64)
+    mom = np.empty(chunk, np.float32)
+    for c in range(scales.shape[0]):
+        lo = c * chunk
+        m = min(n, lo + chunk) - lo
+        _momentum_chunk(m_scales[c], m_bits, lo, m, mom)
+        _momentum_push_chunk(grad[lo:lo + m], mom[:m], grad_scale, one_minus_beta1,
+                             residual[lo:lo + m], bits[lo >> 3:(lo + m + 7) >> 3], scales, c,
+                             lanes, mean_abs)
+
+
+@_inline
+def _momentum_push_chunk(g, mom, grad_scale, one_minus_beta1, u, bits, scales, c, lanes,
+                         mean_abs):
+    """One chunk of :func:`onebit_momentum_encode`."""
+    for j in range(g.shape[0]):
+        x = mom[j]
+        u[j] = ((g[j] * grad_scale - x) * one_minus_beta1 + x) + u[j]
+    _encode(u, bits, scales, c, lanes, mean_abs)
 
 
 @_jit
@@ -97,36 +141,60 @@ def _encode(u, bits, scales, c, lanes, mean_abs):
     scales[c] = s
 
 
-def onebit_momentum_apply(code, exp_avg, exp_avg_sq, param, chunk: int, eps, weight_decay,
-                          neg_lr, bias_correction2_sqrt, ratio_clip) -> None:
-    """sync 1-bit Adam's pull after the warmup (``OneBitMomentum.apply``): set ``exp_avg`` to
-    the published momentum ``code`` (sign1, exactly ``payload_bytes(n, chunk)`` bytes: the
-    caller checks the length) and apply it with the frozen ``exp_avg_sq`` to ``param``
-    (``update_rules.onebit_adam_apply``). Was: ``m.fill(0)``, ``sign1.decode_add``, the apply."""
+def onebit_code_apply(code, exp_avg_sq, param, chunk: int, eps, weight_decay, neg_lr,
+                      bias_correction2_sqrt, ratio_clip) -> None:
+    """sync 1-bit Adam's pull after the warmup (``OneBitMomentum.apply``): apply the published
+    momentum ``code`` (sign1, exactly ``payload_bytes(n, chunk)`` bytes: the caller checks the
+    length) with the frozen ``exp_avg_sq`` to ``param`` (``update_rules.onebit_adam_apply``),
+    each chunk's momentum decoded into an L1 scratch (m is not kept: the worker keeps the code,
+    which :func:`onebit_momentum_encode_coded` reads). Was: ``m.fill(0)``,
+    ``sign1.decode_add`` into m, the apply."""
     n = param.shape[0]
     scales, bits = split(code, n, chunk)
-    _momentum_apply(scales, bits, exp_avg, exp_avg_sq, param, np.int64(chunk), eps,
-                    weight_decay, neg_lr, bias_correction2_sqrt, ratio_clip)
+    _code_apply(scales, bits, exp_avg_sq, param, np.int64(chunk), eps, weight_decay, neg_lr,
+                bias_correction2_sqrt, ratio_clip)
+
+
+def onebit_momentum_decode(code, out: np.ndarray, chunk: int) -> None:
+    """``out`` = m, the published momentum ``code`` decoded as the kernels here decode it
+    (``0.0 +`` the decoded value: what ``sign1.decode_add`` onto zeros gives)."""
+    scales, bits = split(code, out.shape[0], chunk)
+    _momentum_decode(scales, bits, out, np.int64(chunk))
 
 
 @_jit
-def _momentum_apply(scales, bits, exp_avg, exp_avg_sq, param, chunk, eps, weight_decay, neg_lr,
-                    bias_correction2_sqrt, ratio_clip):
-    n = param.shape[0]
+def _momentum_decode(scales, bits, out, chunk):
+    n = out.shape[0]
     for c in range(scales.shape[0]):
         lo = c * chunk
         m = min(n, lo + chunk) - lo
-        s = scales[c]
-        neg_s = -s
-        mom = exp_avg[lo:lo + m]
-        b = bits[lo >> 3:(lo + m + 7) >> 3]
-        # 0.0 + the decoded value: what decode_add onto zeros gives (+0.0 for a zero scale)
-        full = m - m % 8
-        for i in range(full >> 3):
-            byte = b[i]
-            for k in range(8):
-                mom[8 * i + k] = np.float32(0.0) + (neg_s if (byte >> k) & 1 else s)
-        for j in range(full, m):
-            mom[j] = np.float32(0.0) + (neg_s if (b[j >> 3] >> (j & 7)) & 1 else s)
-        onebit_adam_apply(param[lo:lo + m], mom, exp_avg_sq[lo:lo + m], eps, weight_decay,
+        _momentum_chunk(scales[c], bits, lo, m, out[lo:lo + m])
+
+
+@_jit
+def _code_apply(scales, bits, exp_avg_sq, param, chunk, eps, weight_decay, neg_lr,
+                bias_correction2_sqrt, ratio_clip):
+    n = param.shape[0]
+    mom = np.empty(chunk, np.float32)
+    for c in range(scales.shape[0]):
+        lo = c * chunk
+        m = min(n, lo + chunk) - lo
+        _momentum_chunk(scales[c], bits, lo, m, mom)
+        onebit_adam_apply(param[lo:lo + m], mom[:m], exp_avg_sq[lo:lo + m], eps, weight_decay,
                           neg_lr, bias_correction2_sqrt, ratio_clip)
+
+
+@_inline
+def _momentum_chunk(scale, bits, lo, m, mom):
+    """``mom[:m]`` = one chunk (elements ``lo ..``) of a published momentum: 0.0 + the decoded
+    value, what decode_add onto zeros gives (+0.0 for a zero scale)."""
+    s = scale
+    neg_s = -s
+    b = bits[lo >> 3:(lo + m + 7) >> 3]
+    full = m - m % 8
+    for i in range(full >> 3):
+        byte = b[i]
+        for k in range(8):
+            mom[8 * i + k] = np.float32(0.0) + (neg_s if (byte >> k) & 1 else s)
+    for j in range(full, m):
+        mom[j] = np.float32(0.0) + (neg_s if (b[j >> 3] >> (j & 7)) & 1 else s)

@@ -87,18 +87,66 @@ def test_direction_encode_equals_adam_direction_then_encode(n, chunk, mean_abs, 
 @pytest.mark.parametrize("n,chunk,mean_abs,wd,special",
                          [(n, c, ma, wd, sp) for n, c, ma, _, sp in CASES if _ == 1.0
                           for wd in (0.0, 0.01)])
-def test_momentum_apply_equals_zeros_decode_add_then_apply(n, chunk, mean_abs, wd, special):
-    d = _data(n, 2, special)
-    code = _encode_ref(d["g"], d["r"].copy(), chunk, mean_abs).tobytes()
+def test_the_code_kept_as_m_gives_the_same_apply_and_next_push(n, chunk, mean_abs, wd, special):
+    """sync 1-bit Adam's worker keeps the published code instead of m: the apply that decodes
+    it chunk by chunk, the decode, and the push that decodes m from the code give the bits of
+    the unfused sequence (m zeroed, the code added, the apply; the push reading m), a
+    zero-scale chunk included (it decodes to +0.0)."""
+    d = _data(n, 5, special)
+    g = d["g"].copy()
+    g[:min(n, chunk)] = 0  # a chunk of zeros: scale 0
+    code = _encode_ref(g, np.zeros(n, F), chunk, mean_abs).tobytes()
     eps, neg_lr, bc2, clip = F(1e-8), F(-1e-3), F(0.3), F(4.0)
-    m0, p0 = d["m"].copy(), d["p"].copy()
-    m0.fill(0)
+    m0, p0, p1 = np.zeros(n, F), d["p"].copy(), d["p"].copy()
     sign1.decode_add(code, n, m0, chunk=chunk)
     native.onebit_adam_apply(p0, m0, d["v"], eps, F(wd), neg_lr, bc2, clip)
-    m1, p1 = d["m"].copy(), d["p"].copy()
-    push.onebit_momentum_apply(code, m1, d["v"], p1, chunk, eps, F(wd), neg_lr, bc2, clip)
-    _same(m1, m0)
+    push.onebit_code_apply(code, d["v"], p1, chunk, eps, F(wd), neg_lr, bc2, clip)
     _same(p1, p0)
+    m1 = np.full(n, np.nan, F)
+    push.onebit_momentum_decode(code, m1, chunk)
+    _same(m1, m0)
+    for scale in (1.0, 0.37):
+        r0, r1 = d["r"].copy(), d["r"].copy()
+        out0, out1 = (np.empty(sign1.payload_bytes(n, chunk), np.uint8) for _ in range(2))
+        s0, b0, size = sign1.payload_views(out0, n, chunk)
+        s1, b1, _ = sign1.payload_views(out1, n, chunk)
+        push.onebit_momentum_encode(d["g"], m0, F(scale), F(0.1), r0, s0, b0, np.int64(chunk),
+                                    mean_abs)
+        push.onebit_momentum_encode_coded(d["g"], code, F(scale), F(0.1), r1, s1, b1, chunk,
+                                          mean_abs)
+        _same(out1[:size], out0[:size])
+        _same(r1, r0)
+
+
+def test_policy_keeps_the_published_code_as_m_with_the_same_pushes_and_copies():
+    """OneBitMomentum over three steps (the fetched m, then published codes) pushes and applies
+    exactly what a worker that keeps m as an array does (the numpy sequence), and after the
+    first published momentum it holds the code, not m."""
+    n, key, chunk = 1000, 3, 64
+    codec = Codec(pb.CODEC_SIGN1, chunk, 0)
+    mom = OneBitMomentum(_params(chunk=chunk))
+    d = _data(n, 6, False)
+    mom.m[key], mom.v[key], mom.bc2[key] = d["m"].copy(), d["v"].copy(), F(0.5)
+    m_ref, p_ref, p = d["m"].copy(), d["p"].copy(), d["p"].copy()
+    a, b = Compressor(codec, n), Compressor(codec, n)
+    shard = Compressor(codec, n)
+    for step in range(3):
+        g = d["g"] * F(step + 1)
+        with np.errstate(invalid="ignore"):
+            w = np.add(np.multiply(np.subtract(g, m_ref), F(0.1)), m_ref)
+        assert bytes(mom.encode(key, g, a)) == bytes(b.encode(w))
+        _same(a.residual, b.residual)
+        published = bytes(shard.encode(w))  # the shard's mean of one worker's momentum
+        version = mom.params.freeze_step + 1 + step
+        mom.apply(key, published, p, chunk, version)
+        m_ref.fill(0)
+        sign1.decode_add(published, n, m_ref, chunk=chunk)
+        neg_lr = F(-(mom.params.lr * mom._schedule.factor(version - 1)))
+        native.onebit_adam_apply(p_ref, m_ref, d["v"], F(1e-8), F(0.01), neg_lr, F(0.5),
+                                 F(4.0))
+        _same(p, p_ref)
+        assert key not in mom.m and key in mom.m_code and mom.loaded(key)
+        _same(mom.momentum_of(key), m_ref)
 
 
 def _params(**kw) -> OneBitParams:

@@ -59,9 +59,11 @@ class ClientConfig:
     partition_bytes: int = DEFAULT_PARTITION_BYTES
     """Largest key: tensors are cut into partitions of at most this many bytes."""
     message_bytes: int = 256 << 10
-    """Keys going to one shard are batched into data messages of at most this many bytes: small
-    keys share a message to amortise the per-message cost (~100 us of Python per side here),
-    and a larger key travels alone, so the shard updates one key while the next arrives."""
+    """Keys going to one shard are batched into data messages of at most this many bytes on the
+    wire (each key counted at the larger of its payload, a compressed one at its code's size,
+    and its reply, a coded one at the size it last had): small and compressed keys share a
+    message to amortise the per-message cost (~100 us of Python per side here), and a larger
+    key travels alone, so the shard updates one key while the next arrives."""
 
     # Deprecated: compression settings are the encoder's (EncoderConfig); these aliases keep
     # ClientConfig(push_codec=...) working for one release (CHANGELOG.md). PSModel reads them

@@ -63,17 +63,31 @@ class OneBitMomentum:
                                     min_ratio=params.lr_min_ratio)
         self._ratio_clip = f32(params.ratio_clip)
         self.m: dict[int, np.ndarray] = {}
+        """m as fetched at the switch, until the key's first published momentum replaces it."""
+        self.m_code: dict[int, np.ndarray] = {}
+        """The last published momentum per key (its sign1 code, uint8, of the shard's chunk
+        ``OneBitParams.chunk``): m is its decode, which the kernels make chunk by chunk
+        (``native.push``) instead of keeping m."""
         self.v: dict[int, np.ndarray] = {}
         self.bc2: dict[int, np.float32] = {}
         self._u: dict[int, np.ndarray] = {}
 
     def loaded(self, key: int) -> bool:
-        return key in self.m
+        return key in self.m or key in self.m_code
 
     def forget(self, key: int) -> None:
         """Drop ``key``'s m and v: fetched again at its next compressed push."""
-        for held in (self.m, self.v, self.bc2, self._u):
+        for held in (self.m, self.m_code, self.v, self.bc2, self._u):
             held.pop(key, None)
+
+    def momentum_of(self, key: int) -> np.ndarray:
+        """``key``'s m as float32 (the decode of its last published momentum, or as fetched)."""
+        code = self.m_code.get(key)
+        if code is None:
+            return self.m[key]
+        m = np.empty(self.v[key].shape[0], np.float32)
+        push.onebit_momentum_decode(code, m, self.params.chunk)
+        return m
 
     def load(self, state: pb.KeyRuleState, n: int) -> None:
         """Take one key's state (``n`` elements) from the RuleState call: arrays ``exp_avg``
@@ -113,7 +127,7 @@ class OneBitMomentum:
     def momentum(self, key: int, grad: np.ndarray, scale: float = 1.0) -> np.ndarray:
         """This worker's momentum ``m + (1 - beta1) * (g - m)`` for ``g = grad * scale`` (the
         clip factor; float32; an array reused per key: send it before the next call)."""
-        m = self.m[key]
+        m = self.momentum_of(key)
         u = self._u.get(key)
         if u is None:
             u = self._u[key] = np.empty_like(m)
@@ -133,9 +147,13 @@ class OneBitMomentum:
         encode."""
         codec = comp.codec
         scales, bits, size = sign1.payload_views(comp.buffer, grad.shape[0], codec.chunk)
-        push.onebit_momentum_encode(grad, self.m[key], np.float32(scale), self._one_minus_beta1,
-                                    comp.residual, scales, bits, np.int64(codec.chunk),
-                                    bool(codec.flags & MEAN_ABS))
+        tail = (np.float32(scale), self._one_minus_beta1, comp.residual, scales, bits,
+                np.int64(codec.chunk), bool(codec.flags & MEAN_ABS))
+        code = self.m_code.get(key)
+        if code is not None and codec.chunk == self.params.chunk:
+            push.onebit_momentum_encode_coded(grad, code, *tail)  # m decoded chunk by chunk
+        else:
+            push.onebit_momentum_encode(grad, self.momentum_of(key), *tail)
         return memoryview(comp.buffer)[:size]
 
     def is_momentum(self, version: int) -> bool:
@@ -154,13 +172,19 @@ class OneBitMomentum:
 
     def apply(self, key: int, code, out: np.ndarray, chunk: int, version: int) -> None:
         """One published momentum ``code`` (a sign1 payload), the update that made the key's
-        ``version``: set m, update ``out`` (this worker's copy of the key) exactly as the shard
-        updated its own, with the learning rate of clock ``version - 1``
+        ``version``: update ``out`` (this worker's copy of the key) exactly as the shard updated
+        its own, with the learning rate of clock ``version - 1``, and keep the code as m
         (``ps.rules.UpdateRule.neg_lr``: the same float32 from the same doubles)."""
         neg_lr = np.float32(-(self._lr * self._schedule.factor(version - 1)))
-        # one pass: m = decode(code), then the apply (was m.fill(0), decode_add, the apply)
-        push.onebit_momentum_apply(code, self.m[key], self.v[key], out, chunk, self._eps,
-                                   self._wd, neg_lr, self.bc2[key], self._ratio_clip)
+        # one pass: each chunk's m decoded from the code in L1, then applied; the code is
+        # kept as m (was m.fill(0), decode_add into m, the apply)
+        push.onebit_code_apply(code, self.v[key], out, chunk, self._eps, self._wd, neg_lr,
+                               self.bc2[key], self._ratio_clip)
+        kept = self.m_code.get(key)
+        if kept is None or kept.shape[0] != len(code):
+            kept = self.m_code[key] = np.empty(len(code), np.uint8)
+        kept[:] = np.frombuffer(code, np.uint8)
+        self.m.pop(key, None)  # the fetched m is spent: the code is m from now on
 
 
 class WorkerMoments:
@@ -290,7 +314,9 @@ class SyncMomenta(_OneBitPush):
     def prepare(self, keys, grads, clock, clip):
         if not grads or clock < self.freeze_step:
             return grads, clip, False
-        self._fetch([k for k in keys if not self.momentum.loaded(k)], self.momentum.load)
+        if not all(self.momentum.loaded(k) for k in keys):
+            with self._fetching:
+                self._fetch_missing()
         # the clip factor goes into the momentum
         return [self.momentum.momentum(k, g, clip) for k, g in zip(keys, grads)], 1.0, True
 
@@ -305,9 +331,16 @@ class SyncMomenta(_OneBitPush):
             return None
         if not self.momentum.loaded(key):
             with self._fetching:
-                if not self.momentum.loaded(key):  # one call loads every key of the shard
-                    self._fetch([key], self.momentum.load)
+                if not self.momentum.loaded(key):
+                    self._fetch_missing()
         return self.momentum.encode(key, grad, comp, clip)
+
+    def _fetch_missing(self) -> None:
+        """m and v of every key of the plan not loaded yet, from all their shards at once (the
+        call streams the shards together), at the first compressed push: a worker needs
+        them all within the step, and one key at a time would wait for each shard in turn."""
+        self._fetch([k.key for k in self.plan.keys if not self.momentum.loaded(k.key)],
+                    self.momentum.load)
 
     def correct(self, key, grad, residual, *, clock, used, exact):
         # the pushed momentum lerp(m, g, 1 - beta1) is linear in g

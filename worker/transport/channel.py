@@ -220,6 +220,10 @@ class Channel:
         self.servers = servers
         self.metrics = metrics
         self.versions = versions
+        self.reply_bytes: dict[int, int] = {}
+        """Each key's last coded reply's size: what its next pull is counted at when requests
+        are cut into messages (``messages.messages``); a key never answered coded counts its
+        float32 bytes."""
         self.inflight: dict[int, Request] = {}
         self.min_clock = 0
         self._next_expiry_check = 0.0
@@ -347,6 +351,7 @@ class Channel:
             if codecs and codecs[i] != pb.CODEC_RAW:
                 frame = sock.recv(copy=False).buffer
                 nbytes += frame.nbytes
+                self.reply_bytes[key] = frame.nbytes
                 try:
                     if published is None or published.id != codecs[i]:
                         published = Codec.from_header(pb.DataHeader(

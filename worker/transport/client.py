@@ -212,9 +212,9 @@ class PSClient:
         if encoded is not None and len(encoded.codecs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(encoded.codecs)} codecs")
         codecs = encoded.codecs if encoded is not None else None
-        groups = messages(self.plan, keys, arrays if encoded is None else (), outs, codecs,
-                          limit=self.cfg.message_bytes)
         channel = self.channels.mine()
+        groups = messages(self.plan, keys, arrays if encoded is None else (), outs, codecs,
+                          limit=self.cfg.message_bytes, reply_bytes=channel.reply_bytes)
         handle = Handle(channel, len(groups), (self.cfg.rank, op, clock, keys),
                         self.cfg.deadline_s, keep=(grads,), on_slow=self.on_slow_wait)
         deadline = time.monotonic() + self.cfg.deadline_s

@@ -194,12 +194,18 @@ class ControlClient:
 
     def rule_state(self, keys: Sequence[int], load: Callable[[pb.KeyRuleState, int], None], *,
                    plan: KeyPlan, versions: Mapping[int, int]) -> None:
-        """The rule state of ``keys``' shards (the RuleState call, one stream per shard):
-        each key's message handed to ``load(state, length)``; a state of another version than
-        this worker's copy (``versions``) is refused (``BAD_CLOCK``), and a failed call raises
-        the shard's typed error. A push policy that needs the shards' state gets this, bound to
-        the plan and versions (``PushPolicy.bind``)."""
-        for shard in sorted({plan.key(k).shard for k in keys}):
+        """The rule state of ``keys``' shards (the RuleState call, one stream per shard, the
+        shards' streams at once: the state is as large as the model, and one shard's transfer
+        need not wait for another's): each key's message handed to ``load(state, length)``
+        (from the streams' threads, a key at a time; each key once); a state of another
+        version than this worker's copy (``versions``) is refused (``BAD_CLOCK``), and a
+        failed call raises the shard's typed error (the lowest shard's, when several fail).
+        A push policy that needs the shards' state gets this, bound to the plan and versions
+        (``PushPolicy.bind``)."""
+        shards = sorted({plan.key(k).shard for k in keys})
+        errors: dict[int, BaseException] = {}
+
+        def fetch(shard: int) -> None:
             stream = self.stubs[shard].RuleState(pb.RuleStateRequest(
                 rank=self.cfg.rank, token=self.cfg.token), timeout=self.cfg.deadline_s,
                 metadata=self.metadata)
@@ -211,7 +217,22 @@ class ControlClient:
                                       f"version {versions.get(state.key)}", shard=shard)
                     load(state, plan.key(state.key).length)
             except grpc.RpcError as err:
-                raise self.error(err, shard) from None
+                errors[shard] = self.error(err, shard)
+                stream.cancel()
+            except BaseException as err:  # a refused state, or load's own error
+                errors[shard] = err
+                stream.cancel()
+
+        others = [threading.Thread(target=fetch, args=(shard,), daemon=True,
+                                   name=f"bitps-rule-state-{shard}") for shard in shards[1:]]
+        for thread in others:
+            thread.start()
+        if shards:
+            fetch(shards[0])
+        for thread in others:
+            thread.join()
+        if errors:
+            raise errors[min(errors)]
 
     # -- shard restarts ---------------------------------------------------------------------------
     def registered(self, shard: int, reply: pb.RegisterReply) -> None:

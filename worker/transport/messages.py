@@ -1,14 +1,15 @@
 """What one data request becomes on the wire: :class:`Encoded` pushes and the cut into messages.
 
 A message goes to one shard and carries keys of one codec (its header names the codec for all
-of them); keys going to one shard are batched up to ``ClientConfig.message_bytes``, so small
-keys share a message and a large one travels alone (the shard updates one key while the next
-arrives).
+of them); keys going to one shard are batched up to ``ClientConfig.message_bytes`` on the wire
+(the larger of what the request carries and what its reply will, per key), so small keys and
+compressed ones share a message and a large one travels alone (the shard updates one key while
+the next arrives).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,11 +53,15 @@ def check_array(plan: KeyPlan, key: int, array: np.ndarray | None, kind: str) ->
 
 def messages(plan: KeyPlan, keys: Sequence[int], grads: Sequence[np.ndarray],
              outs: Sequence[np.ndarray], codecs: Sequence[Codec] | None, *,
-             limit: int) -> list[tuple[int, Codec, list[int]]]:
+             limit: int, reply_bytes: Mapping[int, int] | None = None
+             ) -> list[tuple[int, Codec, list[int]]]:
     """Split a request of ``keys`` into messages: per shard and codec, then at most ``limit``
-    bytes each (counted in float32 bytes; a larger key travels alone). Returns ``(shard,
-    codec, indices into keys)`` per message. ``grads`` (plain pushes) and ``outs`` are
-    checked against the plan here; an :class:`Encoded` push was checked by its encoder."""
+    bytes each (a larger key travels alone). A key counts the larger of its payload (its
+    codec's size: float32 bytes when raw) and its reply's: ``reply_bytes[key]``, the size of
+    the coded reply it last had (``Channel.reply_bytes``), else its float32 bytes; a push
+    has no reply payload, a pull no request payload. Returns ``(shard, codec, indices into
+    keys)`` per message. ``grads`` (plain pushes) and ``outs`` are checked against the plan
+    here; an :class:`Encoded` push was checked by its encoder."""
     by_shard: dict[tuple[int, Codec], list[int]] = {}
     for i, k in enumerate(keys):
         check_array(plan, k, grads[i] if grads else None, "gradient")
@@ -67,11 +72,14 @@ def messages(plan: KeyPlan, keys: Sequence[int], grads: Sequence[np.ndarray],
             raise ValueError(f"key {k}: output must be a writable contiguous array")
         # One codec per message: the header names it for every key.
         by_shard.setdefault((spec.shard, codecs[i] if codecs else RAW), []).append(i)
+    replies = reply_bytes or {}
     groups = []
     for (shard, codec), idx in by_shard.items():
         batch, size = [], 0
         for i in idx:
-            n = plan.key(keys[i]).nbytes
+            spec = plan.key(keys[i])
+            n = max(codec.max_bytes(spec.length) if grads or codecs else 0,
+                    replies.get(spec.key, spec.nbytes) if outs else 0)
             if batch and size + n > limit:
                 groups.append((shard, codec, batch))
                 batch, size = [], 0
