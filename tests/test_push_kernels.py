@@ -147,6 +147,18 @@ def test_policy_keeps_the_published_code_as_m_with_the_same_pushes_and_copies():
         _same(p, p_ref)
         assert key not in mom.m and key in mom.m_code and mom.loaded(key)
         _same(mom.momentum_of(key), m_ref)
+    # a code of another chunk than the shard's (never sent by a shard of these params): m is
+    # kept as an array, and the next push reads it
+    other = Codec(pb.CODEC_SIGN1, 2 * chunk, 0)
+    published = bytes(Compressor(other, n).encode(d["g"]))
+    mom.apply(key, published, p, 2 * chunk, mom.params.freeze_step + 4)
+    m_ref = np.zeros(n, F)
+    sign1.decode_add(published, n, m_ref, chunk=2 * chunk)
+    assert key not in mom.m_code
+    _same(mom.m[key], m_ref)
+    with np.errstate(invalid="ignore"):
+        w = np.add(np.multiply(np.subtract(d["g"], m_ref), F(0.1)), m_ref)
+    assert bytes(mom.encode(key, d["g"], a)) == bytes(b.encode(w))
 
 
 def _params(**kw) -> OneBitParams:

@@ -180,6 +180,11 @@ class OneBitMomentum:
         # kept as m (was m.fill(0), decode_add into m, the apply)
         push.onebit_code_apply(code, self.v[key], out, chunk, self._eps, self._wd, neg_lr,
                                self.bc2[key], self._ratio_clip)
+        if chunk != self.params.chunk:  # not the chunk the push decodes m with: keep m itself
+            self.m_code.pop(key, None)
+            self.m[key] = np.empty(out.shape[0], np.float32)
+            push.onebit_momentum_decode(code, self.m[key], chunk)
+            return
         kept = self.m_code.get(key)
         if kept is None or kept.shape[0] != len(code):
             kept = self.m_code[key] = np.empty(len(code), np.uint8)
