@@ -27,7 +27,9 @@ from bitps.native.update_rules import (
     look_ahead,
     momentum_step,
     onebit_adam_apply,
+    onebit_adam_apply_den,
     onebit_adam_delta,
+    onebit_denominator,
     onebit_direction_delta,
     sgd_step,
     sum_squares,
@@ -36,6 +38,7 @@ from bitps.native.update_rules import (
 __all__ = ["accumulate", "adam_direction", "adam_direction_correct", "adam_step", "add_into",
            "add_scaled", "all_finite", "delayed_nesterov_step", "extrapolate", "look_ahead",
            "momentum_step",
-           "onebit_adam_apply", "onebit_adam_delta", "onebit_direction_delta",
+           "onebit_adam_apply", "onebit_adam_apply_den", "onebit_adam_delta",
+           "onebit_denominator", "onebit_direction_delta",
            "onebit_direction_publish", "onebit_moments_publish", "onebit_sync_publish",
            "sgd_step", "sign1_publish_delta", "sum_squares"]

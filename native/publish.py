@@ -24,7 +24,7 @@ import numba
 import numpy as np
 
 from bitps.native.sign1 import LANES, chunk_scale, pack_signs
-from bitps.native.update_rules import fma, onebit_adam_apply
+from bitps.native.update_rules import fma, onebit_adam_apply_den
 
 __all__ = ["onebit_direction_publish", "onebit_moments_publish", "onebit_sync_publish",
            "sign1_publish_delta"]
@@ -33,16 +33,16 @@ _jit = numba.njit(cache=True, nogil=True, fastmath=False, boundscheck=False, err
 
 
 @_jit
-def onebit_sync_publish(acc, grad_scale, residual, scales, bits, exp_avg, exp_avg_sq, param,
-                        chunk, mean_abs, eps, weight_decay, neg_lr, bias_correction2_sqrt,
-                        ratio_clip):
+def onebit_sync_publish(acc, grad_scale, residual, scales, bits, exp_avg, denominator, param,
+                        chunk, mean_abs, weight_decay, neg_lr, ratio_clip):
     """sync 1-bit Adam's compressed step on the shard (``OneBitAdamSync``): with the step's
     sum of worker momenta ``acc`` and ``1/W`` in ``grad_scale``, encode ``u = acc * grad_scale
     + residual`` (the sign1 code, the new residual), set ``exp_avg`` to the code's decode (the
-    averaged momentum every replica applies) and apply it with the frozen ``exp_avg_sq``:
-    ``param += -lr * (clip(m / (sqrt(v)/bc2 + eps)) + wd * param)``, coordinates with ``v ==
-    0`` left as they are (``update_rules.onebit_adam_apply``). Was: multiply, encode,
-    ``m.fill(0)``, decode_add, apply."""
+    averaged momentum every replica applies) and apply it with the frozen v's
+    ``denominator`` (``update_rules.onebit_denominator``): ``param += -lr * (clip(m / den) +
+    wd * param)``, coordinates with ``v == 0`` left as they are
+    (``update_rules.onebit_adam_apply_den``). Was: multiply, encode, ``m.fill(0)``,
+    decode_add, apply."""
     n = acc.shape[0]
     lanes = np.zeros(LANES, np.float64)
     for c in range(scales.shape[0]):
@@ -63,8 +63,8 @@ def onebit_sync_publish(acc, grad_scale, residual, scales, bits, exp_avg, exp_av
         for j in range(m):
             x = u[j]
             u[j] = x - (neg_s if x < 0 else s)
-        onebit_adam_apply(param[lo:lo + m], mom, exp_avg_sq[lo:lo + m], eps, weight_decay,
-                          neg_lr, bias_correction2_sqrt, ratio_clip)
+        onebit_adam_apply_den(param[lo:lo + m], mom, denominator[lo:lo + m], weight_decay,
+                              neg_lr, ratio_clip)
         scales[c] = s
 
 
@@ -92,14 +92,15 @@ def onebit_direction_publish(param, direction, grad_scale, residual, scales, bit
 
 
 @_jit
-def onebit_moments_publish(param, grad, exp_avg, exp_avg_sq, grad_scale, residual, scales,
-                           bits, chunk, mean_abs, one_minus_beta1, eps, weight_decay, neg_lr,
-                           bias_correction2_sqrt, ratio_clip):
+def onebit_moments_publish(param, grad, exp_avg, denominator, grad_scale, residual, scales,
+                           bits, chunk, mean_abs, one_minus_beta1, weight_decay, neg_lr,
+                           ratio_clip):
     """async/ssp 1-bit Adam with the moments on the shard (``OneBitAdamShardMoments``):
-    ``m = lerp(m, grad * grad_scale, 1 - beta1)`` and the update ``-lr * (clip(m / (sqrt(v)/
-    bc2 + eps)) + wd * param)`` with the frozen v (``update_rules.onebit_adam_delta``: m and
-    the update 0 where v is 0), encoded with the residual, its decode added to ``param``. Was:
-    delta into a scratch array, encode, decode_add."""
+    ``m = lerp(m, grad * grad_scale, 1 - beta1)`` and the update ``-lr * (clip(m / den) + wd *
+    param)`` with the frozen v's ``denominator`` (``update_rules.onebit_denominator``; as
+    ``update_rules.onebit_adam_delta``: m and the update 0 where v, so den, is 0), encoded with
+    the residual, its decode added to ``param``. Was: delta into a scratch array, encode,
+    decode_add."""
     n = param.shape[0]
     lanes = np.zeros(LANES, np.float64)
     for c in range(scales.shape[0]):
@@ -107,22 +108,21 @@ def onebit_moments_publish(param, grad, exp_avg, exp_avg_sq, grad_scale, residua
         m = min(n, lo + chunk) - lo
         g = grad[lo:lo + m]
         mom = exp_avg[lo:lo + m]
-        v2 = exp_avg_sq[lo:lo + m]
+        dens = denominator[lo:lo + m]
         p = param[lo:lo + m]
         u = residual[lo:lo + m]
-        # selects, not branches, mask v == 0, and each loop writes one array: both keep the
+        # selects, not branches, mask den == 0, and each loop writes one array: both keep the
         # loops vectorized
         for j in range(m):
             mj = mom[j]
             mj = fma(one_minus_beta1, g[j] * grad_scale - mj, mj)
-            mom[j] = np.float32(0.0) if v2[j] == 0 else mj
+            mom[j] = np.float32(0.0) if dens[j] == 0 else mj
         for j in range(m):
-            v = v2[j]
-            d = min(max(mom[j] / (np.sqrt(v) / bias_correction2_sqrt + eps), -ratio_clip),
-                    ratio_clip)
+            den = dens[j]
+            d = min(max(mom[j] / den, -ratio_clip), ratio_clip)
             if weight_decay != 0:
                 d = fma(weight_decay, p[j], d)
-            delta = np.float32(0.0) if v == 0 else neg_lr * d
+            delta = np.float32(0.0) if den == 0 else neg_lr * d
             u[j] = delta * np.float32(1.0) + u[j]
         _encode_apply(u, p, bits[lo >> 3:(lo + m + 7) >> 3], scales, c, lanes, mean_abs)
 

@@ -32,7 +32,7 @@ import numba
 import numpy as np
 
 from bitps.native.sign1 import LANES, chunk_scale, pack_signs, split
-from bitps.native.update_rules import fma, onebit_adam_apply
+from bitps.native.update_rules import fma, onebit_adam_apply_den
 
 __all__ = ["adam_direction_encode", "onebit_code_apply", "onebit_momentum_decode",
            "onebit_momentum_encode", "onebit_momentum_encode_coded"]
@@ -141,18 +141,19 @@ def _encode(u, bits, scales, c, lanes, mean_abs):
     scales[c] = s
 
 
-def onebit_code_apply(code, exp_avg_sq, param, chunk: int, eps, weight_decay, neg_lr,
-                      bias_correction2_sqrt, ratio_clip) -> None:
+def onebit_code_apply(code, denominator, param, chunk: int, weight_decay, neg_lr,
+                      ratio_clip) -> None:
     """sync 1-bit Adam's pull after the warmup (``OneBitMomentum.apply``): apply the published
     momentum ``code`` (sign1, exactly ``payload_bytes(n, chunk)`` bytes: the caller checks the
-    length) with the frozen ``exp_avg_sq`` to ``param`` (``update_rules.onebit_adam_apply``),
-    each chunk's momentum decoded into an L1 scratch (m is not kept: the worker keeps the code,
-    which :func:`onebit_momentum_encode_coded` reads). Was: ``m.fill(0)``,
-    ``sign1.decode_add`` into m, the apply."""
+    length) with the frozen v's ``denominator`` (``update_rules.onebit_denominator``) to
+    ``param`` (``update_rules.onebit_adam_apply_den``), each chunk's momentum decoded into an L1
+    scratch (m is not kept: the worker keeps the code, which
+    :func:`onebit_momentum_encode_coded` reads). Was: ``m.fill(0)``, ``sign1.decode_add`` into
+    m, the apply with ``sqrt(v)`` taken every step."""
     n = param.shape[0]
     scales, bits = split(code, n, chunk)
-    _code_apply(scales, bits, exp_avg_sq, param, np.int64(chunk), eps, weight_decay, neg_lr,
-                bias_correction2_sqrt, ratio_clip)
+    _code_apply(scales, bits, denominator, param, np.int64(chunk), weight_decay, neg_lr,
+                ratio_clip)
 
 
 def onebit_momentum_decode(code, out: np.ndarray, chunk: int) -> None:
@@ -172,16 +173,15 @@ def _momentum_decode(scales, bits, out, chunk):
 
 
 @_jit
-def _code_apply(scales, bits, exp_avg_sq, param, chunk, eps, weight_decay, neg_lr,
-                bias_correction2_sqrt, ratio_clip):
+def _code_apply(scales, bits, denominator, param, chunk, weight_decay, neg_lr, ratio_clip):
     n = param.shape[0]
     mom = np.empty(chunk, np.float32)
     for c in range(scales.shape[0]):
         lo = c * chunk
         m = min(n, lo + chunk) - lo
         _momentum_chunk(scales[c], bits, lo, m, mom)
-        onebit_adam_apply(param[lo:lo + m], mom[:m], exp_avg_sq[lo:lo + m], eps, weight_decay,
-                          neg_lr, bias_correction2_sqrt, ratio_clip)
+        onebit_adam_apply_den(param[lo:lo + m], mom[:m], denominator[lo:lo + m], weight_decay,
+                              neg_lr, ratio_clip)
 
 
 @_inline

@@ -212,6 +212,12 @@ class OneBitState(KeyState):
         self.bias_correction2_sqrt = 1.0
         self.m_code = b""
         """sync, after the switch: the sign1 code the shard's m is the decode of."""
+        self.denominator: np.ndarray | None = None
+        """After the switch (sync, shard moments): ``sqrt(v)/bc2 + eps`` of the frozen v, 0
+        where v is 0 (``native.onebit_denominator``), made once by the rule at its first
+        compressed update (:meth:`OneBitAdam.denominator`) instead of a square root every
+        step; ``None`` until then and after anything that may change v (the switch, a load).
+        Not saved: made again from v."""
         self.mean_abs = mean_abs
         self.pub = Publisher(self.codec, n, history=history)
         """The published codes (``ps.publish``): what pull replies carry."""
@@ -232,6 +238,7 @@ class OneBitState(KeyState):
         bf16, the same on the shard as on the workers that fetch them."""
         self.compressing = True
         self.bias_correction2_sqrt = bias_correction2_sqrt
+        self.denominator = None
         if not self.sync:
             return
         self.server.residual.fill(0.0)
@@ -281,6 +288,7 @@ class OneBitState(KeyState):
         self.check_state(state, {"compressing": ((1,),), "bias_correction2_sqrt": ((1,),),
                                  "m_code": ((0,), (size,))})
         self._load(state)
+        self.denominator = None
         self.compressing = bool(state["compressing"][0])
         self.bias_correction2_sqrt = float(state["bias_correction2_sqrt"][0])
         self.m_code = np.asarray(state["m_code"], np.uint8).tobytes()
@@ -343,6 +351,15 @@ class OneBitAdam(AdamW):
         payload = self._compressed(slot, grad, grad_scale, lr_scale)
         slot.version += 1
         ob.publish(slot.version, payload)
+
+    def denominator(self, ob: OneBitState) -> np.ndarray:
+        """``ob``'s frozen denominators (:attr:`OneBitState.denominator`), made at the first
+        compressed update that needs them: v and its bias correction no longer change."""
+        if ob.denominator is None:
+            ob.denominator = np.empty(ob.n, np.float32)
+            native.onebit_denominator(ob.buf2, np.float32(ob.bias_correction2_sqrt), self._eps,
+                                      ob.denominator)
+        return ob.denominator
 
     def _warmup_push(self, clock: int) -> bool:
         """Whether a push computed at ``clock`` still gets a warmup step after the switch."""
@@ -420,15 +437,15 @@ class OneBitAdamSync(OneBitAdam):
     def _compressed(self, slot, grad, grad_scale, lr_scale):
         ob = slot.rule_state
         # grad is the sum of the workers' momenta: publish their compressed mean as m and
-        # apply it with the frozen v as workers do (native.onebit_adam_apply), in one pass
+        # apply it with the frozen v as workers do (native.onebit_adam_apply_den), in one pass
         # (native.publish)
         scales, bits, size = ob.code_views()
         f32 = np.float32
         ob.step += 1
         native.onebit_sync_publish(
-            grad, f32(grad_scale), ob.server.residual, scales, bits, ob.buf1, ob.buf2,
-            slot.writable(), np.int64(ob.codec.chunk), ob.mean_abs, self._eps, self._wd,
-            self.neg_lr(lr_scale), f32(ob.bias_correction2_sqrt), f32(self.ratio_clip))
+            grad, f32(grad_scale), ob.server.residual, scales, bits, ob.buf1,
+            self.denominator(ob), slot.writable(), np.int64(ob.codec.chunk), ob.mean_abs,
+            self._wd, self.neg_lr(lr_scale), f32(self.ratio_clip))
         return memoryview(ob.server.buffer)[:size]
 
     def rule_state(self, slots):
@@ -476,8 +493,7 @@ class OneBitAdamShardMoments(OneBitAdam):
         scales, bits, size = ob.code_views()
         ob.step += 1
         native.onebit_moments_publish(
-            slot.writable(), grad, ob.buf1, ob.buf2, f32(grad_scale), ob.server.residual,
-            scales, bits, np.int64(ob.codec.chunk), ob.mean_abs, self._one_minus_beta1,
-            self._eps, self._wd, self.neg_lr(lr_scale), f32(ob.bias_correction2_sqrt),
-            f32(self.ratio_clip))
+            slot.writable(), grad, ob.buf1, self.denominator(ob), f32(grad_scale),
+            ob.server.residual, scales, bits, np.int64(ob.codec.chunk), ob.mean_abs,
+            self._one_minus_beta1, self._wd, self.neg_lr(lr_scale), f32(self.ratio_clip))
         return memoryview(ob.server.buffer)[:size]

@@ -56,11 +56,36 @@ def test_sync_publish_equals_multiply_encode_decode_apply(n, chunk, mean_abs, wd
     r1, m1, p1 = d["r"].copy(), d["m"].copy(), d["p"].copy()
     out = np.empty(sign1.payload_bytes(n, chunk), np.uint8)
     scales, bits, size = sign1.payload_views(out, n, chunk)
-    native.onebit_sync_publish(d["g"], F(0.5), r1, scales, bits, m1, d["v"], p1,
-                               np.int64(chunk), mean_abs, eps, F(wd), neg_lr, bc2, clip)
+    den = np.empty(n, F)
+    native.onebit_denominator(d["v"], bc2, eps, den)
+    native.onebit_sync_publish(d["g"], F(0.5), r1, scales, bits, m1, den, p1,
+                               np.int64(chunk), mean_abs, F(wd), neg_lr, clip)
     _same(out[:size], code0)
     for a, b in ((r1, r0), (m1, m0), (p1, p0)):
         _same(a, b)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("wd", (0.0, 0.01))
+@pytest.mark.parametrize("special", (False, True))
+def test_the_frozen_denominator_applies_as_the_square_root_every_step(n, wd, special):
+    """``onebit_adam_apply_den`` with ``onebit_denominator``'s once-made denominators gives the
+    bits of ``onebit_adam_apply``, which takes ``sqrt(v)`` every step: v of 0 (left as they
+    are), subnormal and huge v, NaN/Inf in m and in v."""
+    d = _data(n, 3, special)
+    v = d["v"].copy()
+    if n > 8:
+        v[3], v[4], v[5] = F(1e-45), F(3e38), F(-0.0)
+        if special:
+            v[6], v[7] = np.nan, np.inf
+    eps, neg_lr, bc2, clip = F(1e-8), F(-1e-3), F(0.3), F(4.0)
+    p0, p1, den = d["p"].copy(), d["p"].copy(), np.full(n, np.nan, F)
+    with np.errstate(all="ignore"):
+        native.onebit_adam_apply(p0, d["g"], v, eps, F(wd), neg_lr, bc2, clip)
+        native.onebit_denominator(v, bc2, eps, den)
+        native.onebit_adam_apply_den(p1, d["g"], den, F(wd), neg_lr, clip)
+    _same(p1, p0)
+    assert not den[v == 0].any()
 
 
 @pytest.mark.parametrize("n,chunk,mean_abs,wd,special", CASES)
@@ -95,8 +120,10 @@ def test_moments_publish_equals_delta_encode_decode_add(n, chunk, mean_abs, wd, 
     r1, m1, p1 = d["r"].copy(), d["m"].copy(), d["p"].copy()
     out = np.empty(sign1.payload_bytes(n, chunk), np.uint8)
     scales, bits, size = sign1.payload_views(out, n, chunk)
-    native.onebit_moments_publish(p1, d["g"], m1, d["v"], F(0.5), r1, scales, bits,
-                                  np.int64(chunk), mean_abs, omb1, eps, F(wd), neg_lr, bc2, clip)
+    den = np.empty(n, F)
+    native.onebit_denominator(d["v"], bc2, eps, den)
+    native.onebit_moments_publish(p1, d["g"], m1, den, F(0.5), r1, scales, bits,
+                                  np.int64(chunk), mean_abs, omb1, F(wd), neg_lr, clip)
     _same(out[:size], code0)
     for a, b in ((r1, r0), (m1, m0), (p1, p0)):
         _same(a, b)

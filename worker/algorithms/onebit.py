@@ -5,11 +5,12 @@
 sync (DeepSpeed's compressed-allreduce math):
 
 After the warmup a worker keeps, per key, the momentum ``m`` (the last published one, the same on
-every replica) and the frozen second moment ``v`` it fetched once from the shard. It pushes its
-own momentum ``lerp(m, g, 1 - beta1)`` (the encoder compresses it with error feedback) and, for
-every published code in a pull reply, sets ``m = decode(code)`` and applies
-``x -= lr * (m / (sqrt(v)/bc2 + eps) + wd * x)`` with the shard's kernel, so its copy stays
-bit-identical to the shard's.
+every replica: kept as that code, which decodes to it) and the frozen second moment ``v`` it
+fetched once from the shard (kept as the denominator ``sqrt(v)/bc2 + eps``, which is all the
+apply reads). It pushes its own momentum ``lerp(m, g, 1 - beta1)`` (the encoder compresses it
+with error feedback) and, for every published code in a pull reply, sets ``m = decode(code)``
+and applies ``x -= lr * (m / (sqrt(v)/bc2 + eps) + wd * x)`` with the shard's kernel, so its
+copy stays bit-identical to the shard's.
 
 ``async``/``ssp`` with worker moments (the default): a worker keeps m and v of its own gradients
 for every key, advances them with each push from the first step on, and from the switch on
@@ -68,8 +69,10 @@ class OneBitMomentum:
         """The last published momentum per key (its sign1 code, uint8, of the shard's chunk
         ``OneBitParams.chunk``): m is its decode, which the kernels make chunk by chunk
         (``native.push``) instead of keeping m."""
-        self.v: dict[int, np.ndarray] = {}
-        self.bc2: dict[int, np.float32] = {}
+        self.denominator: dict[int, np.ndarray] = {}
+        """Per key, ``sqrt(v)/bc2 + eps`` of the frozen v fetched (0 where v is 0;
+        ``native.onebit_denominator``, the shard's own): what every apply divides by, made once
+        instead of a square root every step. v itself is not kept."""
         self._u: dict[int, np.ndarray] = {}
 
     def loaded(self, key: int) -> bool:
@@ -77,7 +80,7 @@ class OneBitMomentum:
 
     def forget(self, key: int) -> None:
         """Drop ``key``'s m and v: fetched again at its next compressed push."""
-        for held in (self.m, self.m_code, self.v, self.bc2, self._u):
+        for held in (self.m, self.m_code, self.denominator, self._u):
             held.pop(key, None)
 
     def momentum_of(self, key: int) -> np.ndarray:
@@ -85,7 +88,7 @@ class OneBitMomentum:
         code = self.m_code.get(key)
         if code is None:
             return self.m[key]
-        m = np.empty(self.v[key].shape[0], np.float32)
+        m = np.empty(self.denominator[key].shape[0], np.float32)
         push.onebit_momentum_decode(code, m, self.params.chunk)
         return m
 
@@ -118,10 +121,11 @@ class OneBitMomentum:
             casts.bf16_decode_add(v.data, n, v_out)
         else:
             v_out = np.frombuffer(v.data, np.float32).copy()
-        self.v[state.key] = v_out
-        self.bc2[state.key] = np.float32(state.fields["bias_correction2_sqrt"])
+        native.onebit_denominator(v_out, np.float32(state.fields["bias_correction2_sqrt"]),
+                                  self._eps, v_out)  # in place: v is not kept
+        self.denominator[state.key] = v_out
         # m last: :meth:`loaded` reads it, so an encoder thread that sees the key loaded finds
-        # v and the bias correction in place too
+        # the denominators in place too
         self.m[state.key] = m_out
 
     def momentum(self, key: int, grad: np.ndarray, scale: float = 1.0) -> np.ndarray:
@@ -178,8 +182,8 @@ class OneBitMomentum:
         neg_lr = np.float32(-(self._lr * self._schedule.factor(version - 1)))
         # one pass: each chunk's m decoded from the code in L1, then applied; the code is
         # kept as m (was m.fill(0), decode_add into m, the apply)
-        push.onebit_code_apply(code, self.v[key], out, chunk, self._eps, self._wd, neg_lr,
-                               self.bc2[key], self._ratio_clip)
+        push.onebit_code_apply(code, self.denominator[key], out, chunk, self._wd, neg_lr,
+                               self._ratio_clip)
         if chunk != self.params.chunk:  # not the chunk the push decodes m with: keep m itself
             self.m_code.pop(key, None)
             self.m[key] = np.empty(out.shape[0], np.float32)
