@@ -31,7 +31,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from bitps.native.sign1 import LANES, chunk_scale, pack_signs, split
+from bitps.native.sign1 import LANES, chunk_scale, decoded8, pack_signs, split
 from bitps.native.update_rules import fma, onebit_adam_apply_den
 
 __all__ = ["adam_direction_encode", "onebit_code_apply", "onebit_momentum_decode",
@@ -192,9 +192,9 @@ def _momentum_chunk(scale, bits, lo, m, mom):
     neg_s = -s
     b = bits[lo >> 3:(lo + m + 7) >> 3]
     full = m - m % 8
+    # 0.0 + the selected value, for each of the two values once
+    positive, negative = np.float32(0.0) + s, np.float32(0.0) + neg_s
     for i in range(full >> 3):
-        byte = b[i]
-        for k in range(8):
-            mom[8 * i + k] = np.float32(0.0) + (neg_s if (byte >> k) & 1 else s)
+        decoded8(mom, 8 * i, b[i], positive, negative)
     for j in range(full, m):
         mom[j] = np.float32(0.0) + (neg_s if (b[j >> 3] >> (j & 7)) & 1 else s)

@@ -25,6 +25,11 @@ pairwise (lane l += lane l + w/2 for w = 64, 32, ..., 2). The scale is
 chunk's element count (the last chunk may be short). An all-zero chunk has scale 0 and decodes to
 zeros. Squares of float32 values are exact in float64, so only the fixed-order sums round.
 
+The sign bits are packed and decoded a byte (8 elements) at a time with LLVM vector
+operations (:func:`_signs8`: a compare and its mask; :func:`_set8`, :func:`_add8`: a select from
+the byte's bits), which numba's loops over the bits did not become; plain numpy twins run
+under ``NUMBA_DISABLE_JIT=1``.
+
 Buffer ownership: the caller owns every array; kernels never allocate beyond 64 float64 lanes.
 ``grad`` may be a read-only view of a received frame. ``payload`` arguments of the decoder are
 read only.
@@ -34,11 +39,13 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.extending import intrinsic
 
 from bitps.native.update_rules import all_finite
 
 __all__ = ["DEFAULT_CHUNK", "LANES", "chunk_scale", "decode", "decode_add", "decode_reference",
-           "encode", "encode_reference", "pack_signs", "payload_bytes", "payload_views",
+           "decoded8", "encode", "encode_reference", "pack_signs", "payload_bytes", "payload_views",
            "scales_finite", "split"]
 
 DEFAULT_CHUNK = 2048
@@ -175,15 +182,83 @@ def pack_signs(u, out):
     _pack_signs(u, out)
 
 
+if numba.config.DISABLE_JIT:
+    def _signs8(u, start):
+        """Pure-Python twin for ``NUMBA_DISABLE_JIT=1``."""
+        return np.packbits(u[start:start + 8] < 0, bitorder="little")[0]
+
+    def _set8(out, start, bits, positive, negative):
+        out[start:start + 8] = np.where(np.unpackbits(np.uint8(bits), bitorder="little")
+                                        .astype(bool), negative, positive)
+
+    def _add8(out, start, bits, positive, negative):
+        out[start:start + 8] += np.where(np.unpackbits(np.uint8(bits), bitorder="little")
+                                         .astype(bool), negative, positive)
+else:
+    _V8 = ir.VectorType(ir.FloatType(), 8)
+
+    def _vector8(context, builder, aryty, ary, start):
+        """A pointer to 8 float32 of the contiguous array ``ary`` from element ``start``."""
+        array = context.make_array(aryty)(context, builder, ary)
+        return builder.bitcast(builder.gep(array.data, [start]), _V8.as_pointer())
+
+    def _selected8(builder, bits, positive, negative):
+        """8 lanes: lane k is ``negative`` where bit k of ``bits`` is set, else ``positive``."""
+        mask = builder.bitcast(bits, ir.VectorType(ir.IntType(1), 8))
+        splat = [builder.insert_element(ir.Constant(_V8, ir.Undefined), x, ir.IntType(32)(0))
+                 for x in (negative, positive)]
+        zeros = ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8)
+        negative, positive = (builder.shuffle_vector(v, v, zeros) for v in splat)
+        return builder.select(mask, negative, positive)
+
+    @intrinsic
+    def _signs8(typingctx, u, start):
+        """Bit k of the result is ``u[start + k] < 0`` (false for NaN and -0.0), k = 0..7:
+        one vector compare and its mask (``vcmpltps`` + ``vmovmskps`` with AVX), where numba's
+        loop over the bits ran 2.7x slower (1.69 against 0.63 ms per 16 M elements in L1)."""
+        def codegen(context, builder, signature, args):
+            vec = builder.load(_vector8(context, builder, signature.args[0], *args), align=4)
+            less = builder.fcmp_ordered("<", vec, ir.Constant(_V8, [0.0] * 8))
+            return builder.bitcast(less, ir.IntType(8))
+
+        return numba.types.uint8(u, numba.types.intp), codegen
+
+    @intrinsic
+    def _set8(typingctx, out, start, bits, positive, negative):
+        """``out[start + k] = negative if bit k of bits else positive``, k = 0..7 (one select)."""
+        def codegen(context, builder, signature, args):
+            ptr = _vector8(context, builder, signature.args[0], args[0], args[1])
+            builder.store(_selected8(builder, *args[2:]), ptr, align=4)
+            return context.get_dummy_value()
+
+        return numba.types.void(out, numba.types.intp, numba.types.uint8, numba.types.float32,
+                                numba.types.float32), codegen
+
+    @intrinsic
+    def _add8(typingctx, out, start, bits, positive, negative):
+        """``out[start + k] += negative if bit k of bits else positive``, k = 0..7."""
+        def codegen(context, builder, signature, args):
+            ptr = _vector8(context, builder, signature.args[0], args[0], args[1])
+            total = builder.fadd(builder.load(ptr, align=4),
+                                 _selected8(builder, *args[2:]))
+            builder.store(total, ptr, align=4)
+            return context.get_dummy_value()
+
+        return numba.types.void(out, numba.types.intp, numba.types.uint8, numba.types.float32,
+                                numba.types.float32), codegen
+
+
+decoded8 = _set8
+"""``decoded8(out, start, bits, positive, negative)``: 8 elements of a decode from one byte of
+sign bits, for the kernels that decode a code chunk by chunk (``native.push``)."""
+
+
 @_jit
 def _pack_signs(u, out):
     m = u.shape[0]
     full = m - m % 8
     for i in range(full >> 3):
-        byte = np.uint8(0)
-        for k in range(8):
-            byte |= np.uint8(u[8 * i + k] < 0) << np.uint8(k)
-        out[i] = byte
+        out[i] = _signs8(u, 8 * i)
     if full < m:
         byte = np.uint8(0)
         for k in range(m - full):
@@ -203,9 +278,7 @@ def _decode_add(scales, bits, acc, chunk):
         b = bits[lo >> 3:(lo + m + 7) >> 3]
         full = m - m % 8
         for i in range(full >> 3):
-            byte = b[i]
-            for k in range(8):
-                a[8 * i + k] = a[8 * i + k] + (neg_s if (byte >> k) & 1 else s)
+            _add8(a, 8 * i, b[i], s, neg_s)
         for j in range(full, m):
             a[j] = a[j] + (neg_s if (b[j >> 3] >> (j & 7)) & 1 else s)
 
@@ -224,9 +297,7 @@ def _decode_set(scales, bits, out, chunk):
         b = bits[lo >> 3:(lo + m + 7) >> 3]
         full = m - m % 8
         for i in range(full >> 3):
-            byte = b[i]
-            for k in range(8):
-                a[8 * i + k] = neg_s if (byte >> k) & 1 else s
+            _set8(a, 8 * i, b[i], s, neg_s)
         for j in range(full, m):
             a[j] = neg_s if (b[j >> 3] >> (j & 7)) & 1 else s
 

@@ -171,6 +171,12 @@ _NOJIT_SCRIPT = textwrap.dedent("""
         for step in range(3):
             size = sign1.encode(data[f"g{step}"], residual, buf, chunk=chunk, mean_abs=mean_abs)
             out[f"sign1_{chunk}_{step}"] = buf[:size].copy()
+            n = residual.size
+            out[f"sign1_{chunk}_{step}_decoded"] = sign1.decode(
+                buf[:size], n, np.empty(n, np.float32), chunk=chunk).copy()
+            acc = np.ones(n, np.float32)
+            sign1.decode_add(buf[:size], n, acc, chunk=chunk)
+            out[f"sign1_{chunk}_{step}_added"] = acc
         out[f"sign1_{chunk}_residual"] = residual
     residual = np.zeros(data["g0"].size, np.float32)
     q = np.empty(residual.size, np.uint16)
@@ -197,6 +203,9 @@ def test_pure_python_kernels_equal_reference(run_without_jit):
             payload, residual = sign1.encode_reference(grad, residual, chunk=chunk,
                                                        mean_abs=mean_abs)
             assert got[f"sign1_{chunk}_{step}"].tobytes() == payload
+            decoded = sign1.decode_reference(payload, n, chunk=chunk)
+            assert np.array_equal(got[f"sign1_{chunk}_{step}_decoded"], decoded)
+            assert np.array_equal(got[f"sign1_{chunk}_{step}_added"], np.float32(1) + decoded)
         assert np.array_equal(got[f"sign1_{chunk}_residual"], residual)
     residual = np.zeros(n, np.float32)
     for step, grad in enumerate(grads):
