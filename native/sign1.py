@@ -80,6 +80,12 @@ def payload_views(out: np.ndarray, n: int, chunk: int) -> tuple[np.ndarray, np.n
     return out[:4 * nchunks].view(np.float32), out[4 * nchunks:size], size
 
 
+def _check_contiguous(array: np.ndarray, name: str) -> None:
+    if array.dtype != np.float32 or not array.flags.c_contiguous:
+        raise ValueError(f"{name} is {array.dtype}{array.shape} with strides {array.strides}; "
+                         f"expected a C-contiguous float32 array")
+
+
 def _check_chunk(chunk: int) -> None:
     if chunk <= 0 or chunk % LANES:
         raise ValueError(f"sign1 chunk is {chunk}; expected a positive multiple of {LANES}")
@@ -107,6 +113,7 @@ def decode_add(payload, n: int, acc: np.ndarray, *, chunk: int = DEFAULT_CHUNK) 
     """``acc += decode(payload)`` for a payload of exactly ``payload_bytes(n, chunk)`` bytes
     (the caller checks the length: it comes off the wire)."""
     _check_chunk(chunk)
+    _check_contiguous(acc, "acc")
     scales, bits = split(payload, n, chunk)
     _decode_add(scales, bits, acc[:n], np.int64(chunk))
 
@@ -116,6 +123,7 @@ def decode(payload, n: int, out: np.ndarray, *, chunk: int = DEFAULT_CHUNK) -> n
     ``out.fill(0); decode_add(...)`` gives: a zero scale decodes to +0.0 for either sign, as
     ``0.0 + -0.0`` does. Returns ``out[:n]``."""
     _check_chunk(chunk)
+    _check_contiguous(out, "out")
     scales, bits = split(payload, n, chunk)
     _decode_set(scales, bits, out[:n], np.int64(chunk))
     return out[:n]
@@ -211,6 +219,11 @@ else:
         negative, positive = (builder.shuffle_vector(v, v, zeros) for v in splat)
         return builder.select(mask, negative, positive)
 
+    def _contiguous(*arrays) -> bool:
+        """Typing guard: the vector operations address memory from the data pointer, so they
+        take C-contiguous arrays only (a strided one fails to compile instead of misreading)."""
+        return all(isinstance(a, numba.types.Array) and a.layout == "C" for a in arrays)
+
     @intrinsic
     def _signs8(typingctx, u, start):
         """Bit k of the result is ``u[start + k] < 0`` (false for NaN and -0.0), k = 0..7:
@@ -221,7 +234,8 @@ else:
             less = builder.fcmp_ordered("<", vec, ir.Constant(_V8, [0.0] * 8))
             return builder.bitcast(less, ir.IntType(8))
 
-        return numba.types.uint8(u, numba.types.intp), codegen
+        if _contiguous(u):
+            return numba.types.uint8(u, numba.types.intp), codegen
 
     @intrinsic
     def _set8(typingctx, out, start, bits, positive, negative):
@@ -231,8 +245,9 @@ else:
             builder.store(_selected8(builder, *args[2:]), ptr, align=4)
             return context.get_dummy_value()
 
-        return numba.types.void(out, numba.types.intp, numba.types.uint8, numba.types.float32,
-                                numba.types.float32), codegen
+        if _contiguous(out):
+            return numba.types.void(out, numba.types.intp, numba.types.uint8,
+                                    numba.types.float32, numba.types.float32), codegen
 
     @intrinsic
     def _add8(typingctx, out, start, bits, positive, negative):
@@ -244,8 +259,9 @@ else:
             builder.store(total, ptr, align=4)
             return context.get_dummy_value()
 
-        return numba.types.void(out, numba.types.intp, numba.types.uint8, numba.types.float32,
-                                numba.types.float32), codegen
+        if _contiguous(out):
+            return numba.types.void(out, numba.types.intp, numba.types.uint8,
+                                    numba.types.float32, numba.types.float32), codegen
 
 
 decoded8 = _set8
