@@ -221,3 +221,18 @@ def test_pure_python_kernels_equal_reference(run_without_jit):
         residual = u - h.astype(np.float32)
         assert np.array_equal(got[f"fp16_{step}"], h.view(np.uint16))
     assert np.array_equal(got["fp16_residual"], residual)
+
+
+def test_sign1_decodes_refuse_a_strided_or_wrongly_typed_output():
+    """The decodes write 8 elements at a time from the output's data pointer: a strided or
+    non-float32 output is refused with a ValueError naming it, before anything is written."""
+    n = 100
+    out = np.empty(sign1.payload_bytes(n), np.uint8)
+    size = sign1.encode(np.linspace(-1, 1, n, dtype=np.float32), np.zeros(n, np.float32), out)
+    strided = np.zeros(2 * n, np.float32)
+    for call in (sign1.decode, sign1.decode_add):
+        with pytest.raises(ValueError, match="C-contiguous float32"):
+            call(out[:size], n, strided[::2])
+        with pytest.raises(ValueError, match="C-contiguous float32"):
+            call(out[:size], n, np.zeros(n, np.float64))
+    assert not strided.any()
