@@ -34,8 +34,8 @@ import numpy as np
 from bitps.native.sign1 import LANES, chunk_scale, decoded8, pack_signs, split
 from bitps.native.update_rules import fma, onebit_adam_apply_den
 
-__all__ = ["adam_direction_encode", "onebit_code_apply", "onebit_momentum_decode",
-           "onebit_momentum_encode", "onebit_momentum_encode_coded"]
+__all__ = ["adam_direction_encode", "onebit_code_apply", "onebit_momentum_encode",
+           "onebit_momentum_encode_coded"]
 
 _jit = numba.njit(cache=True, nogil=True, fastmath=False, boundscheck=False, error_model="numpy")
 # a kernel's per-chunk body, inlined in numba's IR (as a called function LLVM may not inline
@@ -68,7 +68,8 @@ def onebit_momentum_encode_coded(grad, code, grad_scale, one_minus_beta1, residu
     """:func:`onebit_momentum_encode` with m the published momentum ``code`` (the sign1 payload
     :func:`onebit_code_apply` applied last, of the same ``chunk``: the caller checks), decoded
     chunk by chunk into an L1 scratch: bit for bit the same as with m decoded from it
-    (:func:`onebit_momentum_decode`), without reading an array of the key's length."""
+    (``sign1.decode``, which gives the same values), without reading an array of the key's
+    length."""
     m_scales, m_bits = split(code, grad.shape[0], chunk)
     _momentum_encode_coded(grad, m_scales, m_bits, grad_scale, one_minus_beta1, residual,
                            scales, bits, np.int64(chunk), mean_abs)
@@ -154,22 +155,6 @@ def onebit_code_apply(code, denominator, param, chunk: int, weight_decay, neg_lr
     scales, bits = split(code, n, chunk)
     _code_apply(scales, bits, denominator, param, np.int64(chunk), weight_decay, neg_lr,
                 ratio_clip)
-
-
-def onebit_momentum_decode(code, out: np.ndarray, chunk: int) -> None:
-    """``out`` = m, the published momentum ``code`` decoded as the kernels here decode it
-    (``0.0 +`` the decoded value: what ``sign1.decode_add`` onto zeros gives)."""
-    scales, bits = split(code, out.shape[0], chunk)
-    _momentum_decode(scales, bits, out, np.int64(chunk))
-
-
-@_jit
-def _momentum_decode(scales, bits, out, chunk):
-    n = out.shape[0]
-    for c in range(scales.shape[0]):
-        lo = c * chunk
-        m = min(n, lo + chunk) - lo
-        _momentum_chunk(scales[c], bits, lo, m, out[lo:lo + m])
 
 
 @_jit

@@ -105,7 +105,7 @@ def test_the_code_kept_as_m_gives_the_same_apply_and_next_push(n, chunk, mean_ab
     push.onebit_code_apply(code, den, p1, chunk, F(wd), neg_lr, clip)
     _same(p1, p0)
     m1 = np.full(n, np.nan, F)
-    push.onebit_momentum_decode(code, m1, chunk)
+    sign1.decode(code, n, m1, chunk=chunk)  # m as the worker decodes it from the kept code
     _same(m1, m0)
     for scale in (1.0, 0.37):
         r0, r1 = d["r"].copy(), d["r"].copy()

@@ -88,9 +88,8 @@ class OneBitMomentum:
         code = self.m_code.get(key)
         if code is None:
             return self.m[key]
-        m = np.empty(self.denominator[key].shape[0], np.float32)
-        push.onebit_momentum_decode(code, m, self.params.chunk)
-        return m
+        n = self.denominator[key].shape[0]
+        return sign1.decode(code, n, np.empty(n, np.float32), chunk=self.params.chunk)
 
     def load(self, state: pb.KeyRuleState, n: int) -> None:
         """Take one key's state (``n`` elements) from the RuleState call: arrays ``exp_avg``
@@ -186,8 +185,8 @@ class OneBitMomentum:
                                self._ratio_clip)
         if chunk != self.params.chunk:  # not the chunk the push decodes m with: keep m itself
             self.m_code.pop(key, None)
-            self.m[key] = np.empty(out.shape[0], np.float32)
-            push.onebit_momentum_decode(code, self.m[key], chunk)
+            self.m[key] = sign1.decode(code, out.shape[0], np.empty(out.shape[0], np.float32),
+                                       chunk=chunk)
             return
         kept = self.m_code.get(key)
         if kept is None or kept.shape[0] != len(code):
