@@ -36,6 +36,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
+from bitps.native.preload import preload
 from bitps.proto import bitps_pb2_grpc as pb_grpc
 from bitps.proto.keys import KeyFileError, load_allowed_keys, load_key_pair, read_pem
 from bitps.ps.checkpoint import Checkpoint, Checkpointer
@@ -132,6 +133,7 @@ class ServerShard:
         self._reload_requested = threading.Event()
 
     def start(self) -> ServerShard:
+        preload()  # numba's set-up now, not inside the first push's update
         self.data.start()
         self.grpc.start()
         if self.health_grpc is not None:

@@ -36,6 +36,7 @@ import numpy as np
 
 from bitps import native
 from bitps.native.keypool import KeyPool
+from bitps.native.preload import preload
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import RAW, Codec, Compressor
 from bitps.proto.keyplan import KeyPlan
@@ -75,6 +76,7 @@ class Encoder:
         unless the shards' rule calls for another (1-bit Adam)."""
         self._pool = KeyPool(cfg.threads)
         self.metrics.watch_codecs(self._codec_snapshot)
+        preload()  # numba's set-up while the model registers, not inside the first step
 
     def close(self) -> None:
         """Stop the encoder's helper threads (``EncoderConfig.threads``); the client is the
