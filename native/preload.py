@@ -26,9 +26,9 @@ log = logging.getLogger(__name__)
 
 
 def _load() -> None:
-    from bitps.native.update_rules import all_finite
-
     try:
+        from bitps.native.update_rules import all_finite
+
         all_finite(np.zeros(1, np.float32))
     except Exception:  # noqa: BLE001 - logged; the first real call raises it again
         log.warning("numba set-up ahead of the first step failed", exc_info=True)

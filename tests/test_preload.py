@@ -53,15 +53,19 @@ def test_a_shard_starts_the_preload(cluster, monkeypatch):
     assert not started[0].is_alive()
 
 
-def test_a_failed_preload_is_logged_not_raised(monkeypatch, caplog):
+@pytest.mark.parametrize("breaks", ["kernel", "import"])
+def test_a_failed_preload_is_logged_not_raised(breaks, monkeypatch, caplog):
     from bitps.native import update_rules
 
     def broken(x):
         raise RuntimeError("no numba here")
 
-    monkeypatch.setattr(update_rules, "all_finite", broken)
+    if breaks == "kernel":
+        monkeypatch.setattr(update_rules, "all_finite", broken)
+    else:  # the module cannot be imported: the thread still ends through the log
+        monkeypatch.setitem(sys.modules, "bitps.native.update_rules", None)
     with caplog.at_level(logging.WARNING, logger=preload_mod.__name__):
         preload_mod.preload().join(10)
+    expected = RuntimeError if breaks == "kernel" else ImportError
     assert any("numba set-up ahead of the first step failed" in r.getMessage()
-               and r.exc_info and "no numba here" in str(r.exc_info[1])
-               for r in caplog.records)
+               and r.exc_info and isinstance(r.exc_info[1], expected) for r in caplog.records)
