@@ -14,7 +14,6 @@ from bitps.native import preload as preload_mod
 
 # a fresh interpreter: no kernel loaded yet, so what is loaded afterwards is the preload's doing
 _FRESH = """
-import sys
 from bitps.native.update_rules import all_finite, sum_squares
 assert not all_finite.signatures and not sum_squares.signatures
 {start}
