@@ -253,6 +253,12 @@ def _check_config(core: ShardCore, ckpt: Checkpoint) -> None:
     saved, live = dict(ckpt.manifest["config"]), _config(core.cfg)
     if isinstance(saved.get("optimizer"), dict):
         saved["optimizer"] = _saved_optimizer(core, saved["optimizer"])
+        # the rule's settings a restore makes the state fit (RuleConfig.restart_free)
+        free = getattr(core.rule.config, "restart_free", ())
+        for opt in (saved["optimizer"], live["optimizer"]):
+            if isinstance(opt.get("rule_config"), dict):
+                opt["rule_config"] = {k: v for k, v in opt["rule_config"].items()
+                                      if k not in free}
     for name in _MUST_MATCH:
         if saved.get(name) != live[name]:
             raise CheckpointError(ckpt.path, f"was saved with {name} {saved.get(name)!r}; this "

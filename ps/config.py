@@ -9,7 +9,7 @@ into ``bitps-server``'s flags, environment variables and config-file keys throug
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 from bitps.proto.registry import Registry
 from bitps.proto.schedule import LRSchedule
@@ -44,6 +44,11 @@ class RuleConfig:
     docstring per field, which the rule names as its ``UpdateRule.config`` (and whose settings
     it lists in ``UpdateRule.settings``, for ``bitps-server``). ``OptimizerConfig.rule_config``
     holds the running rule's section."""
+
+    restart_free: ClassVar[tuple[str, ...]] = ()
+    """Fields a checkpoint need not match: restoring makes the state fit the running value, so
+    the state's layout does not depend on them (``ps.checkpoint``). A checkpoint written before
+    such a field existed restores too."""
 
     def check(self, server: ServerConfig) -> None:
         """Refuse (``ValueError`` naming the values) a combination with the shard's other

@@ -108,6 +108,13 @@ class OneBitConfig(RuleConfig):
     directions are compressed from the first step: bf16 pushes, about one bit per element
     pulled. In sync mode the shard's residual of those updates is dropped at the switch (the
     same on shard and workers, whose copies stay bit-identical)."""
+    restart_free = ("compact_state",)  # a restore rounds v when it is on (OneBitState)
+    compact_state: bool = True
+    """sync: at the switch the shard makes its m the decode of m's own sign1 code (as every
+    later m is: the decode of a published code) and rounds v to bf16, so the m and v each
+    worker fetches once (the RuleState call) take about 2.1 bytes per element instead of 8
+    (float32 m and v). On the 28.6 M LM that is 61 MB instead of 229 MB per worker, over the
+    job's own link, in the step that switches (docs/benchmarks.md, asynchrony on the LM)."""
 
     def __post_init__(self) -> None:
         if self.freeze_step < 1:
@@ -147,6 +154,9 @@ SETTINGS = (
     from_field(_C, "warmup_codes", name="onebit-warmup-codes",
                help="onebit_adam: warmup pulls carry sign1 codes of the Adam updates, not "
                     "float32"),
+    from_field(_C, "compact_state", name="onebit-compact-state",
+               help="onebit_adam in sync: the m and v workers fetch at the switch travel as "
+                    "m's sign1 code and v in bf16 (both rounded so on the shard too)"),
 )
 """``bitps-server``'s flags of :class:`OneBitConfig` (``OneBitAdam.settings``)."""
 
@@ -187,7 +197,7 @@ def new_state(adam: KeyState, cfg: ServerConfig) -> OneBitState:
     opts = cfg.optimizer.rule_config
     return OneBitState(adam, chunk=opts.chunk, history=cfg.optimizer.delta_history,
                        mean_abs=uses_mean_abs(cfg), sync=cfg.mode == "sync",
-                       warmup_codes=opts.warmup_codes)
+                       warmup_codes=opts.warmup_codes, compact_state=opts.compact_state)
 
 
 class OneBitState(KeyState):
@@ -196,7 +206,7 @@ class OneBitState(KeyState):
     codes."""
 
     def __init__(self, adam: KeyState, *, chunk: int, history: int, mean_abs: bool,
-                 sync: bool, warmup_codes: bool = False) -> None:
+                 sync: bool, warmup_codes: bool = False, compact_state: bool = False) -> None:
         super().__init__(adam.step, adam.buf1, adam.buf2, adam.buffers)
         self.n = n = adam.buf1.size
         self.codec = Codec(pb.CODEC_SIGN1, chunk, MEAN_ABS if mean_abs else 0)
@@ -206,6 +216,9 @@ class OneBitState(KeyState):
         self.warmup_codes = warmup_codes
         """Warmup updates are published as sign1 codes of the parameter change
         (``onebit_warmup_codes``) instead of leaving workers to pull the parameters."""
+        self.compact_state = compact_state
+        """sync: the m and v workers fetch at the switch are m's sign1 code and v in bf16
+        (``onebit_compact_state``), both rounded so on the shard as well."""
         self.compressing = False
         """False during warmup; True from the first compressed push on (v is frozen then,
         unless the workers keep the moments)."""
@@ -233,29 +246,35 @@ class OneBitState(KeyState):
 
         In sync mode the published codes become momenta, so the residual of the warmup's
         parameter-update codes is dropped (it is in other units); with
-        ``onebit_warmup_codes`` the state workers fetch once is made compact as well: m
-        becomes the decode of its own sign1 code (as every later m is) and v is rounded to
-        bf16, the same on the shard as on the workers that fetch them."""
+        ``onebit_compact_state`` the state workers fetch once is made compact: m becomes the
+        decode of its own sign1 code (as every later m is) and v is rounded to bf16, the same
+        on the shard as on the workers that fetch them."""
         self.compressing = True
         self.bias_correction2_sqrt = bias_correction2_sqrt
         self.denominator = None
         if not self.sync:
             return
         self.server.residual.fill(0.0)
-        if self.warmup_codes:
+        if self.compact_state:
             self.m_code = bytes(Compressor(self.codec, self.n).encode(self.buf1))
             self.buf1.fill(0.0)
             self.codec.decode_add(self.m_code, self.n, self.buf1)
-            bits = np.empty(self.n, np.uint16)
-            casts.bf16_encode(self.buf2, None, bits)
-            self.buf2.fill(0.0)
-            casts.bf16_decode_add(bits, self.n, self.buf2)
+            self._round_v()
+
+    def _round_v(self) -> None:
+        """v rounded to bf16 in place (what the compact state sends; idempotent)."""
+        bits = np.empty(self.n, np.uint16)
+        casts.bf16_encode(self.buf2, None, bits)
+        self.buf2.fill(0.0)
+        casts.bf16_decode_add(bits, self.n, self.buf2)
 
     def state_message(self, key: int, version: int) -> pb.KeyRuleState:
-        """The key's m and frozen v as the RuleState call sends them (``compact`` with
-        ``onebit_warmup_codes``: m's sign1 code and v in bf16, exact since v was rounded)."""
+        """The key's m and frozen v as the RuleState call sends them (with
+        ``onebit_compact_state``: m's sign1 code and v in bf16, exact since both were rounded
+        at the switch; else float32, which is always exact: also when a checkpoint of a shard
+        without it left no code of m)."""
         msg = pb.KeyRuleState(key=key, version=version)
-        if not self.warmup_codes:
+        if not (self.compact_state and self.m_code):
             msg.arrays.extend([raw_array("exp_avg", self.buf1), raw_array("exp_avg_sq",
                                                                           self.buf2)])
         else:
@@ -292,6 +311,11 @@ class OneBitState(KeyState):
         self.compressing = bool(state["compressing"][0])
         self.bias_correction2_sqrt = float(state["bias_correction2_sqrt"][0])
         self.m_code = np.asarray(state["m_code"], np.uint8).tobytes()
+        if self.sync and self.compressing and self.compact_state:
+            # saved without onebit_compact_state, v may not be rounded: the compact state
+            # workers fetch after the restore must be the shard's own v (m is sent as float32
+            # until a code of it exists: state_message)
+            self._round_v()
 
     def publish(self, version: int, payload: memoryview) -> None:
         """Keep the payload that took the key to ``version`` (sync: the code m decodes from)."""

@@ -314,6 +314,42 @@ def test_a_checkpoint_of_the_flat_optimizer_layout_restores(tmp_path, optimizer)
             restore(ShardCore(a.core.cfg, now=lambda: 0.0), load(path))
 
 
+def test_a_float32_switch_state_restores_into_a_compact_one(tmp_path):
+    """onebit_compact_state may change at a restart (and checkpoints from before it existed
+    restore): a sync 1-bit Adam shard past the switch, saved without it, restored with it,
+    sends workers the m and v it holds itself. Its v was not rounded to bf16 when saved, so
+    the restore rounds it; before, workers fetched a bf16 v the shard did not use, and their
+    copies drifted from the shard's."""
+    from bitps.native import casts, sign1
+
+    def onebit(compact: bool) -> ServerConfig:
+        return _cfg("sync", OptimizerConfig(name="onebit_adam", lr=1e-2, rule_config=OneBitConfig(
+            freeze_step=3, compact_state=compact)))
+
+    a = Driver(_core(onebit(False), world=1), world=1)
+    a.steps(range(5))
+    path = save(a.core, tmp_path, keep=1)
+    manifest = json.loads((path / "manifest.json").read_text())  # as written before the field
+    manifest["config"]["optimizer"]["rule_config"].pop("compact_state")
+    manifest.pop("manifest_sha256")
+    manifest["manifest_sha256"] = ckpt_mod._digest(manifest)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    b = ShardCore(onebit(True), now=lambda: 0.0)
+    restore(b, load(path))
+    for msg in b.rule.rule_state(b.slots):
+        ob, n = b.slots[msg.key].rule_state, b.slots[msg.key].length
+        m, v = msg.arrays
+        assert (m.codec, v.dtype) == (pb.CODEC_SIGN1, pb.BFLOAT16)
+        m_out, v_out = np.zeros(n, np.float32), np.zeros(n, np.float32)
+        sign1.decode_add(m.data, n, m_out, chunk=ob.codec.chunk)
+        casts.bf16_decode_add(v.data, n, v_out)
+        assert np.array_equal(m_out, ob.buf1)
+        assert np.array_equal(v_out, ob.buf2)
+        saved = a.core.slots[msg.key].rule_state.buf2
+        assert not np.array_equal(saved, ob.buf2)  # rounded at the restore, not before
+        assert np.abs(ob.buf2 - saved).max() <= 2 ** -8 * np.abs(saved).max()
+
+
 # -- on disk ------------------------------------------------------------------------------------
 def _trained(steps: int = 2, **cfg_kw) -> Driver:
     d = Driver(_core(_cfg("sync", OptimizerConfig(name="adam"), **cfg_kw), world=1), world=1)

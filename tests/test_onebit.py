@@ -82,21 +82,26 @@ def _train(servers, plan, rank: int, world: int, init, results, barrier, mode):
                          client.metrics.push_bytes.value)
 
 
-@pytest.mark.parametrize(("mode", "moments", "scheduled", "warmup_codes"), [
-    ("async", "auto", False, False), ("async", "shard", False, False),
-    ("sync", "auto", False, False),
+@pytest.mark.parametrize(("mode", "moments", "scheduled", "warmup_codes", "compact"), [
+    ("async", "auto", False, False, True), ("async", "shard", False, False, True),
+    ("sync", "auto", False, False, True),
+    # m and v fetched at the switch as float32, not m's code and bf16 v
+    ("sync", "auto", False, False, False),
     # sync workers apply published momenta with the shard's scheduled learning rate
-    ("sync", "auto", True, False),
+    ("sync", "auto", True, False, True),
     # the warmup's Adam updates published as sign1 codes: sync switches from parameter-update
     # codes to momentum codes at freeze_step
-    ("sync", "auto", True, True), ("async", "auto", False, True)])
-def test_workers_hold_the_shards_parameters_bit_for_bit(mode, moments, scheduled, warmup_codes):
+    ("sync", "auto", True, True, True), ("sync", "auto", True, True, False),
+    ("async", "auto", False, True, True)])
+def test_workers_hold_the_shards_parameters_bit_for_bit(mode, moments, scheduled, warmup_codes,
+                                                        compact):
     schedule = LRSchedule(warmup_steps=3, decay_steps=STEPS, min_ratio=0.1) if scheduled \
         else LRSchedule()
     opt = OptimizerConfig(name="onebit_adam", lr=0.05,
                           delta_history=4 if mode == "async" else 16, schedule=schedule,
                           rule_config=OneBitConfig(freeze_step=FREEZE, chunk=256,
-                                                   moments=moments, warmup_codes=warmup_codes))
+                                                   moments=moments, warmup_codes=warmup_codes,
+                                                   compact_state=compact))
     shards = [create_server(ServerConfig(shard_id=i, num_shards=2, mode=mode, optimizer=opt,
                                          metrics_port=-1)) for i in range(2)]
     try:
@@ -366,6 +371,44 @@ def test_a_compact_optimizer_state_is_decoded_and_checked_for_size():
     with pytest.raises(PSError) as err:
         momentum.load(_compact_state(4, m_code, bits.tobytes()[:-2], n, chunk), n)
     assert err.value.code == pb.BAD_LENGTH and "expected" in err.value.message
+
+
+@pytest.mark.parametrize("compact", [True, False])
+def test_the_state_fetched_at_the_switch_is_compact_by_default(compact):
+    """sync: the m and v each worker fetches at the switch (RuleState) are m's sign1 code and v
+    in bf16 by default (``onebit_compact_state``; float32 without it, 8 bytes per element), and
+    the shard's own m and v are what those bytes decode to, so replicas stay exact."""
+    from bitps.native import casts
+
+    chunk = 256
+    opt = OptimizerConfig(name="onebit_adam", lr=0.01, rule_config=OneBitConfig(
+        freeze_step=2, chunk=chunk, compact_state=compact))
+    shard = create_server(ServerConfig(mode="sync", optimizer=opt, metrics_port=-1))
+    try:
+        with _three_steps(shard):
+            slots = shard.core.slots
+            states = shard.core.rule.rule_state(slots)
+            assert [s.key for s in states] == sorted(slots)
+            for msg in states:
+                ob, n = slots[msg.key].rule_state, slots[msg.key].length
+                m, v = (a for a in msg.arrays)
+                sent = len(m.data) + len(v.data)
+                if not compact:
+                    assert sent == 8 * n
+                    assert np.array_equal(np.frombuffer(m.data, np.float32), ob.buf1)
+                    assert np.array_equal(np.frombuffer(v.data, np.float32), ob.buf2)
+                    continue
+                assert (m.codec, v.dtype) == (pb.CODEC_SIGN1, pb.BFLOAT16)
+                assert sent == sign1.payload_bytes(n, chunk) + 2 * n < 2.2 * n
+                m_out, v_out = np.zeros(n, np.float32), np.zeros(n, np.float32)
+                sign1.decode_add(m.data, n, m_out, chunk=chunk)
+                casts.bf16_decode_add(v.data, n, v_out)
+                assert np.array_equal(v_out, ob.buf2)  # v was rounded on the shard too
+                # m has moved on since (one compressed step): it is its last published code's
+                assert np.array_equal(m_out, ob.buf1)
+                assert np.any(v_out) and np.any(m_out)
+    finally:
+        shard.stop(0)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -17,7 +17,7 @@ from bitps.ps import OptimizerConfig, ServerConfig, create_server
 from bitps.worker import ClientConfig, PSClient
 from bitps.worker.config import OverlapConfig
 from bitps.worker.training.buckets import make_buckets
-from bitps.worker.training.utilization import StepStats, decide
+from bitps.worker.training.utilization import StepStats, decide, settled
 from tests.helpers import run_ranks
 
 torch = pytest.importorskip("torch")
@@ -264,6 +264,24 @@ def test_bytes_pushed_per_bucket_equal_a_synchronous_copy_of_the_gradient(shard_
     assert pushed_bytes_match(server, device="cpu", codec=codec) == []
 
 
+def test_auto_decides_once_the_median_of_the_probe_is_known():
+    """More than half of ``probe_steps`` on one side of ``min_ratio`` fixes the median's side:
+    ``auto`` stops probing there (each probe step runs without overlap), and decides as the
+    full probe would have."""
+    def step(ratio: float) -> StepStats:
+        return StepStats(wall_s=1.0 + ratio, exposed_s=ratio, comm_s=ratio, overlapped=False)
+
+    hi, lo = step(0.5), step(0.1)
+    assert not settled([hi], 0.2, 3) and not settled([hi, lo], 0.2, 3)
+    assert settled([hi, hi], 0.2, 3) and settled([lo, lo], 0.2, 3)
+    assert settled([hi, lo, lo], 0.2, 3)  # probe_steps measured: decided on the median
+    assert not settled([hi, hi], 0.2, 4) and settled([hi, lo, hi, hi], 0.2, 5)
+    assert settled([hi], 0.2, 1) and settled([hi], 0.2, 2) is False
+    for seen, rest in (([hi, hi], [lo]), ([lo, lo], [hi]), ([hi, lo, hi, hi], [lo])):
+        # what the early decision says is what the whole probe would have said
+        assert decide(seen, 0.2).enabled == decide(seen + rest, 0.2).enabled
+
+
 def test_auto_rule_is_observable_both_ways(shard_factory, caplog):
     """Acceptance 4: cheap communication (a small model whose step computes for a while) is
     reported with overlap off and its ratio; dear communication (a large model with almost no
@@ -280,19 +298,25 @@ def test_auto_rule_is_observable_both_ways(shard_factory, caplog):
         model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, 1))
         client = PSClient(ClientConfig(servers=(server,)))
         ps_model = PSModel(model, client, overlap=OverlapConfig(mode="auto", probe_steps=3))
-        for _ in range(6):
+        decided_after = None
+        for step in range(6):
             model(torch.ones(2, width)).sum().backward()
             time.sleep(busy_s)  # stands for compute: it is on the training thread
             ps_model.step()
+            if decided_after is None and ps_model.decision is not None:
+                decided_after = step + 1
         m = client.metrics
         gauges = (m.overlap_enabled.value, m.comm_compute_ratio.value)
         decision = ps_model.decision
         ps_model.close()
-        return decision, gauges
+        return decision, gauges, decided_after
 
     with caplog.at_level(logging.INFO, logger="bitps.worker.training.overlap"):
-        cheap, cheap_gauges = run(width=16, busy_s=0.05)
-        dear, dear_gauges = run(width=2048, busy_s=0.0)  # 16 MiB of parameters
+        cheap, cheap_gauges, cheap_after = run(width=16, busy_s=0.05)
+        dear, dear_gauges, dear_after = run(width=2048, busy_s=0.0)  # 16 MiB of parameters
+    # one warm-up step, then two measured steps on one side settle the median of three (each
+    # probe step runs without overlap; the third was taken as well before)
+    assert cheap_after == dear_after == 3
     assert not cheap.enabled and cheap.ratio < 0.2 and cheap_gauges == (0, cheap.ratio)
     assert dear.enabled and dear.ratio > 0.2 and dear_gauges == (1, dear.ratio)
     text = caplog.text

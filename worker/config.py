@@ -205,7 +205,8 @@ class OverlapConfig:
     min_ratio: float = 0.2
     """``auto`` turns overlap on when (communication time / compute time) exceeds this."""
     probe_steps: int = 3
-    """Steps ``auto`` measures (after one warm-up step) before deciding; the median counts."""
+    """Steps ``auto`` measures (after one warm-up step) before deciding; the median counts, so
+    it decides as soon as more than half of them fall on one side of ``min_ratio``."""
     bucket_bytes: int = 1 << 20
     """Parameters are grouped, in reverse registration order (the order backward produces
     their gradients), into buckets closed once they hold this many float32 bytes or more; a

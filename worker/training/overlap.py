@@ -8,7 +8,8 @@ gradients and submits the bucket (:meth:`Overlap.submit`) to the
 module whose forward reads a parameter (watched in the first step,
 ``worker.training.readers``) waits for that parameter's bucket (:meth:`Overlap.await_bucket`).
 The first steps run without overlap and are timed (``worker.training.utilization``); ``auto``
-then turns overlap on above ``min_ratio`` of communication to compute (:meth:`Overlap.decide`).
+then turns overlap on above ``min_ratio`` of communication to compute (:meth:`Overlap.decide`),
+as soon as the median of its ``probe_steps`` is known to lie on one side.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from bitps.worker.training.comm import CommThread, Job
 from bitps.worker.training.encoder import Encoder
 from bitps.worker.training.readers import ReadTrace
 from bitps.worker.training.staging import Staging
-from bitps.worker.training.utilization import Decision, StepStats, StepTimer, decide
+from bitps.worker.training.utilization import Decision, StepStats, StepTimer, decide, settled
 
 __all__ = ["Overlap"]
 
@@ -113,7 +114,8 @@ class Overlap:
             m.overlap_ratio.set(stats.overlap_ratio)
         if self.decision is None:
             self._probe.append(stats)
-            if len(self._probe) > self.cfg.probe_steps:
+            # each probe step runs without overlap: stop as soon as the median's side is known
+            if settled(self._probe[1:], self.cfg.min_ratio, self.cfg.probe_steps):
                 self.decide(decide(self._probe[1:], self.cfg.min_ratio))
 
     def comm_seconds(self) -> float:

@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Decision", "StepStats", "StepTimer", "decide"]
+__all__ = ["Decision", "StepStats", "StepTimer", "decide", "settled"]
 
 
 @dataclass(frozen=True)
@@ -104,13 +104,25 @@ class Decision:
                 f"({rel} overlap_min_ratio {self.min_ratio:g})")
 
 
+def _ratio(s: StepStats) -> float:
+    return s.exposed_s / s.compute_s if s.compute_s > 0 else float("inf")
+
+
+def settled(steps: Sequence[StepStats], min_ratio: float, probe_steps: int) -> bool:
+    """Whether :func:`decide` over ``probe_steps`` measured steps is already known from the
+    first ``steps``: more than half of ``probe_steps`` lie on one side of ``min_ratio``, so the
+    median of all of them does too, whatever the rest measure (and the median of these lies
+    on that side as well). With the default 3 a clear case costs 2 slow steps, not 3."""
+    above = sum(_ratio(s) > min_ratio for s in steps)
+    return len(steps) >= probe_steps or max(above, len(steps) - above) > probe_steps // 2
+
+
 def decide(steps: Sequence[StepStats], min_ratio: float, reason: str = "") -> Decision:
     """Overlap pays when communication exceeds ``min_ratio`` of compute (the problem
     statement's 20 % rule); ``steps`` were measured with overlap off, so their communication
     was all exposed. ``reason`` forces it off (and is reported)."""
     if not steps:
         raise ValueError("decide() needs at least one measured step")
-    ratio = statistics.median(s.exposed_s / s.compute_s if s.compute_s > 0 else float("inf")
-                              for s in steps)
+    ratio = statistics.median(_ratio(s) for s in steps)
     return Decision(enabled=not reason and ratio > min_ratio, ratio=ratio,
                     min_ratio=min_ratio, reason=reason)
