@@ -109,12 +109,13 @@ class OneBitConfig(RuleConfig):
     pulled. In sync mode the shard's residual of those updates is dropped at the switch (the
     same on shard and workers, whose copies stay bit-identical)."""
     restart_free = ("compact_state",)  # a restore rounds v when it is on (OneBitState)
-    compact_state: bool = True
+    compact_state: bool = False
     """sync: at the switch the shard makes its m the decode of m's own sign1 code (as every
     later m is: the decode of a published code) and rounds v to bf16, so the m and v each
     worker fetches once (the RuleState call) take about 2.1 bytes per element instead of 8
-    (float32 m and v). On the 28.6 M LM that is 61 MB instead of 229 MB per worker, over the
-    job's own link, in the step that switches (docs/benchmarks.md, asynchrony on the LM)."""
+    (float32 m and v): on the 28.6 M LM 61 MB instead of 229 MB per worker, in the step that
+    switches. Off by default: the e2e bench has not shown it faster to the target
+    (docs/benchmarks.md, asynchrony on the LM)."""
 
     def __post_init__(self) -> None:
         if self.freeze_step < 1:

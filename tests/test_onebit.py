@@ -374,10 +374,10 @@ def test_a_compact_optimizer_state_is_decoded_and_checked_for_size():
 
 
 @pytest.mark.parametrize("compact", [True, False])
-def test_the_state_fetched_at_the_switch_is_compact_by_default(compact):
+def test_the_state_fetched_at_the_switch_is_what_the_shard_holds(compact):
     """sync: the m and v each worker fetches at the switch (RuleState) are m's sign1 code and v
-    in bf16 by default (``onebit_compact_state``; float32 without it, 8 bytes per element), and
-    the shard's own m and v are what those bytes decode to, so replicas stay exact."""
+    in bf16 with ``onebit_compact_state`` (float32 without it, 8 bytes per element), and the
+    shard's own m and v are what those bytes decode to, so replicas stay exact."""
     from bitps.native import casts
 
     chunk = 256
