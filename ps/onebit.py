@@ -108,14 +108,16 @@ class OneBitConfig(RuleConfig):
     directions are compressed from the first step: bf16 pushes, about one bit per element
     pulled. In sync mode the shard's residual of those updates is dropped at the switch (the
     same on shard and workers, whose copies stay bit-identical)."""
-    restart_free = ("compact_state",)  # a restore rounds v when it is on (OneBitState)
+    restart_free = ("compact_state",)  # the denominators are made again after a restore
     compact_state: bool = False
     """sync: at the switch the shard makes its m the decode of m's own sign1 code (as every
-    later m is: the decode of a published code) and rounds v to bf16, so the m and v each
-    worker fetches once (the RuleState call) take about 2.1 bytes per element instead of 8
-    (float32 m and v): on the 28.6 M LM 61 MB instead of 229 MB per worker, in the step that
-    switches. Off by default: the e2e bench has not shown it faster to the target
-    (docs/benchmarks.md, asynchrony on the LM)."""
+    later m is: the decode of a published code) and rounds its frozen denominators
+    ``sqrt(v)/bc2 + eps`` to bf16, and the state each worker fetches once (the RuleState
+    call) is that code and those denominators: about 2.1 bytes per element instead of 8
+    (float32 m and v), which the worker keeps as they are (no decode of m, no square root).
+    On the 28.6 M LM that is 61 MB instead of 229 MB per worker, in the step that switches,
+    where the fetch competes with backward for the CPU (docs/benchmarks.md, asynchrony on the
+    LM)."""
 
     def __post_init__(self) -> None:
         if self.freeze_step < 1:
@@ -156,8 +158,8 @@ SETTINGS = (
                help="onebit_adam: warmup pulls carry sign1 codes of the Adam updates, not "
                     "float32"),
     from_field(_C, "compact_state", name="onebit-compact-state",
-               help="onebit_adam in sync: the m and v workers fetch at the switch travel as "
-                    "m's sign1 code and v in bf16 (both rounded so on the shard too)"),
+               help="onebit_adam in sync: workers fetch m's sign1 code and bf16 denominators "
+                    "at the switch (both rounded so on the shard too), not float32 m and v"),
 )
 """``bitps-server``'s flags of :class:`OneBitConfig` (``OneBitAdam.settings``)."""
 
@@ -218,8 +220,8 @@ class OneBitState(KeyState):
         """Warmup updates are published as sign1 codes of the parameter change
         (``onebit_warmup_codes``) instead of leaving workers to pull the parameters."""
         self.compact_state = compact_state
-        """sync: the m and v workers fetch at the switch are m's sign1 code and v in bf16
-        (``onebit_compact_state``), both rounded so on the shard as well."""
+        """sync: the state workers fetch at the switch is m's sign1 code and the denominators
+        in bf16 (``onebit_compact_state``), both rounded so on the shard as well."""
         self.compressing = False
         """False during warmup; True from the first compressed push on (v is frozen then,
         unless the workers keep the moments)."""
@@ -247,9 +249,9 @@ class OneBitState(KeyState):
 
         In sync mode the published codes become momenta, so the residual of the warmup's
         parameter-update codes is dropped (it is in other units); with
-        ``onebit_compact_state`` the state workers fetch once is made compact: m becomes the
-        decode of its own sign1 code (as every later m is) and v is rounded to bf16, the same
-        on the shard as on the workers that fetch them."""
+        ``onebit_compact_state`` m becomes the decode of its own sign1 code (as every later m
+        is), the code workers fetch (the denominators they fetch are rounded to bf16 where
+        they are made: :meth:`OneBitAdam.denominator`)."""
         self.compressing = True
         self.bias_correction2_sqrt = bias_correction2_sqrt
         self.denominator = None
@@ -260,32 +262,25 @@ class OneBitState(KeyState):
             self.m_code = bytes(Compressor(self.codec, self.n).encode(self.buf1))
             self.buf1.fill(0.0)
             self.codec.decode_add(self.m_code, self.n, self.buf1)
-            self._round_v()
 
-    def _round_v(self) -> None:
-        """v rounded to bf16 in place (what the compact state sends; idempotent)."""
-        bits = np.empty(self.n, np.uint16)
-        casts.bf16_encode(self.buf2, None, bits)
-        self.buf2.fill(0.0)
-        casts.bf16_decode_add(bits, self.n, self.buf2)
-
-    def state_message(self, key: int, version: int) -> pb.KeyRuleState:
-        """The key's m and frozen v as the RuleState call sends them (with
-        ``onebit_compact_state``: m's sign1 code and v in bf16, exact since both were rounded
-        at the switch; else float32, which is always exact: also when a checkpoint of a shard
-        without it left no code of m)."""
+    def state_message(self, key: int, version: int, denominator: np.ndarray
+                      ) -> pb.KeyRuleState:
+        """The key's m and frozen v as the RuleState call sends them: with
+        ``onebit_compact_state`` m's sign1 code and ``denominator`` (the shard's own, bf16
+        values: :meth:`OneBitAdam.denominator`) in bf16, exact; else float32 m and v (also when
+        a checkpoint of a shard without it left no code of m), always exact."""
         msg = pb.KeyRuleState(key=key, version=version)
         if not (self.compact_state and self.m_code):
             msg.arrays.extend([raw_array("exp_avg", self.buf1), raw_array("exp_avg_sq",
                                                                           self.buf2)])
         else:
             bits = np.empty(self.n, np.uint16)
-            casts.bf16_encode(self.buf2, None, bits)
+            casts.bf16_encode(denominator, None, bits)
             _, chunk, flags = self.codec.wire_fields()
             msg.arrays.extend([
                 pb.StateArray(name="exp_avg", codec=pb.CODEC_SIGN1, codec_chunk=chunk,
                               codec_flags=flags, length=self.n, data=self.m_code),
-                pb.StateArray(name="exp_avg_sq", dtype=pb.BFLOAT16, codec=pb.CODEC_RAW,
+                pb.StateArray(name="denominator", dtype=pb.BFLOAT16, codec=pb.CODEC_RAW,
                               length=self.n, data=bits.tobytes())])
         msg.fields.update({"bias_correction2_sqrt": self.bias_correction2_sqrt,
                            "step": self.step})
@@ -312,11 +307,6 @@ class OneBitState(KeyState):
         self.compressing = bool(state["compressing"][0])
         self.bias_correction2_sqrt = float(state["bias_correction2_sqrt"][0])
         self.m_code = np.asarray(state["m_code"], np.uint8).tobytes()
-        if self.sync and self.compressing and self.compact_state:
-            # saved without onebit_compact_state, v may not be rounded: the compact state
-            # workers fetch after the restore must be the shard's own v (m is sent as float32
-            # until a code of it exists: state_message)
-            self._round_v()
 
     def publish(self, version: int, payload: memoryview) -> None:
         """Keep the payload that took the key to ``version`` (sync: the code m decodes from)."""
@@ -384,6 +374,13 @@ class OneBitAdam(AdamW):
             ob.denominator = np.empty(ob.n, np.float32)
             native.onebit_denominator(ob.buf2, np.float32(ob.bias_correction2_sqrt), self._eps,
                                       ob.denominator)
+            if ob.compact_state and ob.sync:
+                # what workers fetch (state_message), so what the shard applies with too: the
+                # step size of each coordinate moves by at most 2**-9 of itself
+                bits = np.empty(ob.n, np.uint16)
+                casts.bf16_encode(ob.denominator, None, bits)
+                ob.denominator.fill(0.0)
+                casts.bf16_decode_add(bits, ob.n, ob.denominator)
         return ob.denominator
 
     def _warmup_push(self, clock: int) -> bool:
@@ -481,7 +478,8 @@ class OneBitAdamSync(OneBitAdam):
             if not slot.rule_state.compressing:
                 raise PSError(pb.BAD_CLOCK, f"key {key} is still in warmup (version "
                               f"{slot.version}, freeze_step {self.opts.freeze_step})")
-            out.append(slot.rule_state.state_message(key, slot.version))
+            ob = slot.rule_state
+            out.append(ob.state_message(key, slot.version, self.denominator(ob)))
         return out
 
 

@@ -315,11 +315,10 @@ def test_a_checkpoint_of_the_flat_optimizer_layout_restores(tmp_path, optimizer)
 
 
 def test_a_float32_switch_state_restores_into_a_compact_one(tmp_path):
-    """onebit_compact_state may change at a restart (and checkpoints from before it existed
-    restore): a sync 1-bit Adam shard past the switch, saved without it, restored with it,
-    sends workers the m and v it holds itself. Its v was not rounded to bf16 when saved, so
-    the restore rounds it; before, workers fetched a bf16 v the shard did not use, and their
-    copies drifted from the shard's."""
+    """onebit_compact_state may change at a restart, and checkpoints from before it existed
+    restore: a sync 1-bit Adam shard past the switch, saved without it and restored with it,
+    sends workers m's code and the denominators it applies with itself (rounded to bf16 when
+    they are made again after the restore)."""
     from bitps.native import casts, sign1
 
     def onebit(compact: bool) -> ServerConfig:
@@ -338,16 +337,16 @@ def test_a_float32_switch_state_restores_into_a_compact_one(tmp_path):
     restore(b, load(path))
     for msg in b.rule.rule_state(b.slots):
         ob, n = b.slots[msg.key].rule_state, b.slots[msg.key].length
-        m, v = msg.arrays
-        assert (m.codec, v.dtype) == (pb.CODEC_SIGN1, pb.BFLOAT16)
-        m_out, v_out = np.zeros(n, np.float32), np.zeros(n, np.float32)
+        m, den = msg.arrays
+        assert (m.codec, den.name, den.dtype) == (pb.CODEC_SIGN1, "denominator", pb.BFLOAT16)
+        m_out, den_out = np.zeros(n, np.float32), np.zeros(n, np.float32)
         sign1.decode_add(m.data, n, m_out, chunk=ob.codec.chunk)
-        casts.bf16_decode_add(v.data, n, v_out)
+        casts.bf16_decode_add(den.data, n, den_out)
         assert np.array_equal(m_out, ob.buf1)
-        assert np.array_equal(v_out, ob.buf2)
-        saved = a.core.slots[msg.key].rule_state.buf2
-        assert not np.array_equal(saved, ob.buf2)  # rounded at the restore, not before
-        assert np.abs(ob.buf2 - saved).max() <= 2 ** -8 * np.abs(saved).max()
+        assert np.array_equal(den_out, b.rule.denominator(ob))  # what the shard applies
+        saved = a.core.rule.denominator(a.core.slots[msg.key].rule_state)
+        assert not np.array_equal(saved, den_out)  # rounded after the restore, not before
+        assert np.abs(den_out - saved).max() <= 2 ** -8 * np.abs(saved).max()
 
 
 # -- on disk ------------------------------------------------------------------------------------

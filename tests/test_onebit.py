@@ -330,20 +330,23 @@ def test_a_late_warmup_push_after_the_switch_is_a_gradient_not_a_direction():
         shard.stop(0)
 
 
-def _compact_state(key: int, m_code: bytes, v_bits: bytes, n: int, chunk: int):
-    """A sync 1-bit Adam shard's RuleState message with onebit_warmup_codes (the layout of
-    ``proto/onebit.proto``): m's sign1 code and v in bf16."""
+def _compact_state(key: int, m_code: bytes, den_bits: bytes, n: int, chunk: int):
+    """A sync 1-bit Adam shard's RuleState message with onebit_compact_state (the layout of
+    ``proto/onebit.proto``): m's sign1 code and the denominators in bf16."""
     msg = pb.KeyRuleState(key=key, arrays=[
         pb.StateArray(name="exp_avg", codec=pb.CODEC_SIGN1, codec_chunk=chunk, length=n,
                       data=m_code),
-        pb.StateArray(name="exp_avg_sq", dtype=pb.BFLOAT16, length=n, data=v_bits)])
+        pb.StateArray(name="denominator", dtype=pb.BFLOAT16, length=n, data=den_bits)])
     msg.fields.update({"bias_correction2_sqrt": 0.5})
     return msg
 
 
-def test_a_compact_optimizer_state_is_decoded_and_checked_for_size():
-    """sync with onebit_warmup_codes: OptimizerState sends m as its sign1 code and v as bf16;
-    state bytes that do not fit the key are refused with what was expected."""
+def test_a_compact_optimizer_state_is_kept_as_sent_and_checked_for_size():
+    """sync with onebit_compact_state: RuleState sends m as its sign1 code and the shard's
+    denominators in bf16; the worker keeps the code as m and the denominators as float32,
+    with no square root of its own; a float32 state (m and v) still loads, its denominators
+    made with the shard's kernel; state bytes that do not fit the key are refused with what
+    was expected."""
     from bitps.native import casts
     from bitps.worker.algorithms.onebit import OneBitMomentum, OneBitParams
 
@@ -351,33 +354,44 @@ def test_a_compact_optimizer_state_is_decoded_and_checked_for_size():
     momentum = OneBitMomentum(OneBitParams(chunk=chunk, lr=0.01, beta1=0.9, beta2=0.999,
                                            eps=1e-8))
     rng = np.random.default_rng(0)
-    m_code = bytes(Compressor(Codec(pb.CODEC_SIGN1, chunk), n).encode(
-        rng.standard_normal(n).astype(np.float32)))
-    v = rng.random(n).astype(np.float32)
+    m = rng.standard_normal(n).astype(np.float32)
+    m_code = bytes(Compressor(Codec(pb.CODEC_SIGN1, chunk), n).encode(m))
+    den = (rng.random(n) + 1e-3).astype(np.float32)
     bits = np.empty(n, np.uint16)
-    casts.bf16_encode(v, None, bits)
+    casts.bf16_encode(den, None, bits)
     momentum.load(_compact_state(3, m_code, bits.tobytes(), n, chunk), n)
+    want_den = np.zeros(n, np.float32)
+    casts.bf16_decode_add(bits, n, want_den)
+    assert momentum.loaded(3) and 3 not in momentum.m
+    assert momentum.m_code[3].tobytes() == m_code
+    assert np.array_equal(momentum.denominator[3], want_den)
     want_m = np.zeros(n, np.float32)
     Codec(pb.CODEC_SIGN1, chunk).decode_add(m_code, n, want_m)
-    want_v = np.zeros(n, np.float32)
-    casts.bf16_decode_add(bits, n, want_v)
-    den_of = {}  # v as the apply reads it: sqrt(v)/bc2 + eps, made once
-    for name, values in (("want", want_v), ("sent", v)):
-        den_of[name] = np.empty(n, np.float32)
-        native.onebit_denominator(values, np.float32(0.5), np.float32(1e-8), den_of[name])
-    assert np.array_equal(momentum.m[3], want_m)
-    assert np.array_equal(momentum.denominator[3], den_of["want"])
-    assert np.abs(momentum.denominator[3] - den_of["sent"]).max() <= 2 ** -8 * den_of["sent"].max()
+    assert np.array_equal(momentum.momentum_of(3), want_m)
+    v = rng.random(n).astype(np.float32)
+    momentum.load(pb.KeyRuleState(key=5, arrays=[
+        pb.StateArray(name="exp_avg", dtype=pb.FLOAT32, length=n, data=m.tobytes()),
+        pb.StateArray(name="exp_avg_sq", dtype=pb.FLOAT32, length=n, data=v.tobytes())],
+        fields={"bias_correction2_sqrt": 0.5}), n)
+    want = np.empty(n, np.float32)
+    native.onebit_denominator(v, np.float32(0.5), np.float32(1e-8), want)
+    assert np.array_equal(momentum.m[5], m) and np.array_equal(momentum.denominator[5], want)
     with pytest.raises(PSError) as err:
         momentum.load(_compact_state(4, m_code, bits.tobytes()[:-2], n, chunk), n)
     assert err.value.code == pb.BAD_LENGTH and "expected" in err.value.message
+    with pytest.raises(PSError) as err:
+        momentum.load(pb.KeyRuleState(key=6, arrays=[
+            pb.StateArray(name="exp_avg", dtype=pb.FLOAT32, length=n, data=m.tobytes())]), n)
+    assert err.value.code == pb.BAD_HEADER and "denominator" in err.value.message
+    assert not momentum.loaded(4) and not momentum.loaded(6)
 
 
 @pytest.mark.parametrize("compact", [True, False])
 def test_the_state_fetched_at_the_switch_is_what_the_shard_holds(compact):
-    """sync: the m and v each worker fetches at the switch (RuleState) are m's sign1 code and v
-    in bf16 with ``onebit_compact_state`` (float32 without it, 8 bytes per element), and the
-    shard's own m and v are what those bytes decode to, so replicas stay exact."""
+    """sync: the state each worker fetches at the switch (RuleState) is m's sign1 code and the
+    denominators in bf16 with ``onebit_compact_state`` (float32 m and v without it, 8 bytes per
+    element), and the shard's own m and denominators are what those bytes decode to, so
+    replicas stay exact."""
     from bitps.native import casts
 
     chunk = 256
@@ -398,15 +412,22 @@ def test_the_state_fetched_at_the_switch_is_what_the_shard_holds(compact):
                     assert np.array_equal(np.frombuffer(m.data, np.float32), ob.buf1)
                     assert np.array_equal(np.frombuffer(v.data, np.float32), ob.buf2)
                     continue
-                assert (m.codec, v.dtype) == (pb.CODEC_SIGN1, pb.BFLOAT16)
+                assert (m.codec, v.name, v.dtype) == (pb.CODEC_SIGN1, "denominator",
+                                                      pb.BFLOAT16)
                 assert sent == sign1.payload_bytes(n, chunk) + 2 * n < 2.2 * n
-                m_out, v_out = np.zeros(n, np.float32), np.zeros(n, np.float32)
+                m_out, den = np.zeros(n, np.float32), np.zeros(n, np.float32)
                 sign1.decode_add(m.data, n, m_out, chunk=chunk)
-                casts.bf16_decode_add(v.data, n, v_out)
-                assert np.array_equal(v_out, ob.buf2)  # v was rounded on the shard too
+                casts.bf16_decode_add(v.data, n, den)
+                # what the shard applies with: rounded to bf16 where it was made
+                assert np.array_equal(den, ob.denominator)
+                exact = np.empty(n, np.float32)
+                native.onebit_denominator(ob.buf2, np.float32(ob.bias_correction2_sqrt),
+                                          np.float32(1e-8), exact)
+                assert not np.array_equal(den, exact)
+                assert np.abs(den - exact).max() <= 2 ** -8 * exact.max()
                 # m has moved on since (one compressed step): it is its last published code's
                 assert np.array_equal(m_out, ob.buf1)
-                assert np.any(v_out) and np.any(m_out)
+                assert np.any(den) and np.any(m_out)
     finally:
         shard.stop(0)
 

@@ -92,40 +92,50 @@ class OneBitMomentum:
         return sign1.decode(code, n, np.empty(n, np.float32), chunk=self.params.chunk)
 
     def load(self, state: pb.KeyRuleState, n: int) -> None:
-        """Take one key's state (``n`` elements) from the RuleState call: arrays ``exp_avg``
-        (float32, or the sign1 code m decodes from) and ``exp_avg_sq`` (float32 or bf16), and
-        the field ``bias_correction2_sqrt``; :class:`PSError` ``BAD_LENGTH`` when the bytes
-        do not fit ``n``, ``BAD_HEADER`` when an array or the field is missing."""
+        """Take one key's state (``n`` elements) from the RuleState call, in one of two layouts
+        (``proto/onebit.proto``): float32 arrays ``exp_avg`` and ``exp_avg_sq`` with the field
+        ``bias_correction2_sqrt``, from which the denominators are made; or (the shard's
+        ``onebit_compact_state``) ``exp_avg`` as the sign1 code m decodes from and the shard's
+        own ``denominator`` in bf16, both kept as they are: no decode, no square root, the
+        least CPU at a switch where backward wants it too. :class:`PSError` ``BAD_LENGTH`` when
+        the bytes do not fit ``n``, ``BAD_HEADER`` when an array or the field is missing."""
         arrays = {a.name: a for a in state.arrays}
-        m, v = arrays.get("exp_avg"), arrays.get("exp_avg_sq")
-        if m is None or v is None or "bias_correction2_sqrt" not in state.fields:
+        m = arrays.get("exp_avg")
+        den = arrays.get("denominator")
+        v = arrays.get("exp_avg_sq")
+        if m is None or (den is None and (v is None or "bias_correction2_sqrt"
+                                          not in state.fields)):
             raise PSError(pb.BAD_HEADER, f"key {state.key}: rule state of arrays "
                           f"{sorted(arrays)} and fields {sorted(state.fields)}; expected "
-                          f"exp_avg, exp_avg_sq and bias_correction2_sqrt")
+                          f"exp_avg with exp_avg_sq and bias_correction2_sqrt, or with "
+                          f"denominator")
         compact = m.codec == pb.CODEC_SIGN1
-        sizes = (sign1.payload_bytes(n, self.params.chunk) if compact else 4 * n,
-                 2 * n if v.dtype == pb.BFLOAT16 else 4 * n)
-        if (len(m.data), len(v.data)) != sizes or m.length != n or v.length != n:
+        second = den if den is not None else v
+        chunk = (m.codec_chunk or self.params.chunk) if compact else self.params.chunk
+        sizes = (sign1.payload_bytes(n, chunk) if compact else 4 * n,
+                 2 * n if second.dtype == pb.BFLOAT16 else 4 * n)
+        if (len(m.data), len(second.data)) != sizes or m.length != n or second.length != n:
             raise PSError(pb.BAD_LENGTH, f"key {state.key}: optimizer state of "
-                          f"{len(m.data)} + {len(v.data)} bytes; expected "
+                          f"{len(m.data)} + {len(second.data)} bytes; expected "
                           f"{sizes[0]} + {sizes[1]} for {n} elements"
                           + (" (compact)" if compact else ""))
-        if compact:
-            m_out = np.zeros(n, np.float32)
-            sign1.decode_add(m.data, n, m_out, chunk=self.params.chunk)
+        out = np.zeros(n, np.float32)
+        if second.dtype == pb.BFLOAT16:
+            casts.bf16_decode_add(second.data, n, out)
         else:
-            m_out = np.frombuffer(m.data, np.float32).copy()
-        if v.dtype == pb.BFLOAT16:
-            v_out = np.zeros(n, np.float32)
-            casts.bf16_decode_add(v.data, n, v_out)
-        else:
-            v_out = np.frombuffer(v.data, np.float32).copy()
-        native.onebit_denominator(v_out, np.float32(state.fields["bias_correction2_sqrt"]),
-                                  self._eps, v_out)  # in place: v is not kept
-        self.denominator[state.key] = v_out
+            out[:] = np.frombuffer(second.data, np.float32)
+        if den is None:  # v: the denominators made here, the shard's kernel (in place)
+            native.onebit_denominator(out, np.float32(state.fields["bias_correction2_sqrt"]),
+                                      self._eps, out)
+        self.denominator[state.key] = out
         # m last: :meth:`loaded` reads it, so an encoder thread that sees the key loaded finds
         # the denominators in place too
-        self.m[state.key] = m_out
+        if compact and chunk == self.params.chunk:
+            self.m_code[state.key] = np.frombuffer(m.data, np.uint8).copy()
+        elif compact:
+            self.m[state.key] = sign1.decode(m.data, n, np.empty(n, np.float32), chunk=chunk)
+        else:
+            self.m[state.key] = np.frombuffer(m.data, np.float32).copy()
 
     def momentum(self, key: int, grad: np.ndarray, scale: float = 1.0) -> np.ndarray:
         """This worker's momentum ``m + (1 - beta1) * (g - m)`` for ``g = grad * scale`` (the
