@@ -222,6 +222,9 @@ class OneBitState(KeyState):
         self.compact_state = compact_state
         """sync: the state workers fetch at the switch is m's sign1 code and the denominators
         in bf16 (``onebit_compact_state``), both rounded so on the shard as well."""
+        self._message: pb.KeyRuleState | None = None
+        """The compact state message of the key's current version, made for the first worker
+        that fetches it and sent as it is to the others (the switch is CPU-bound)."""
         self.compressing = False
         """False during warmup; True from the first compressed push on (v is frozen then,
         unless the workers keep the moments)."""
@@ -269,6 +272,9 @@ class OneBitState(KeyState):
         ``onebit_compact_state`` m's sign1 code and ``denominator`` (the shard's own, bf16
         values: :meth:`OneBitAdam.denominator`) in bf16, exact; else float32 m and v (also when
         a checkpoint of a shard without it left no code of m), always exact."""
+        if self._message is not None and (self._message.key, self._message.version) == (
+                key, version):
+            return self._message
         msg = pb.KeyRuleState(key=key, version=version)
         if not (self.compact_state and self.m_code):
             msg.arrays.extend([raw_array("exp_avg", self.buf1), raw_array("exp_avg_sq",
@@ -284,6 +290,8 @@ class OneBitState(KeyState):
                               length=self.n, data=bits.tobytes())])
         msg.fields.update({"bias_correction2_sqrt": self.bias_correction2_sqrt,
                            "step": self.step})
+        if self.compact_state and self.m_code:
+            self._message = msg  # until the next update or load: the version then differs
         return msg
 
     def state_dict(self) -> dict:
@@ -307,9 +315,11 @@ class OneBitState(KeyState):
         self.compressing = bool(state["compressing"][0])
         self.bias_correction2_sqrt = float(state["bias_correction2_sqrt"][0])
         self.m_code = np.asarray(state["m_code"], np.uint8).tobytes()
+        self._message = None
 
     def publish(self, version: int, payload: memoryview) -> None:
         """Keep the payload that took the key to ``version`` (sync: the code m decodes from)."""
+        self._message = None
         self.pub.publish(version, payload)
         if self.sync:
             self.m_code = self.pub.history[-1][1]

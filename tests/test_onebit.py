@@ -399,10 +399,14 @@ def test_the_state_fetched_at_the_switch_is_what_the_shard_holds(compact):
         freeze_step=2, chunk=chunk, compact_state=compact))
     shard = create_server(ServerConfig(mode="sync", optimizer=opt, metrics_port=-1))
     try:
-        with _three_steps(shard):
+        with _three_steps(shard) as (client, _, keys, outs):
             slots = shard.core.slots
             states = shard.core.rule.rule_state(slots)
             assert [s.key for s in states] == sorted(slots)
+            # the next worker's fetch of the same versions gets the messages made for the
+            # first (compact: the switch is CPU-bound); float32 ones are made again
+            again = shard.core.rule.rule_state(slots)
+            assert all((a is b) == compact and a == b for a, b in zip(again, states))
             for msg in states:
                 ob, n = slots[msg.key].rule_state, slots[msg.key].length
                 m, v = (a for a in msg.arrays)
@@ -428,6 +432,12 @@ def test_the_state_fetched_at_the_switch_is_what_the_shard_holds(compact):
                 # m has moved on since (one compressed step): it is its last published code's
                 assert np.array_equal(m_out, ob.buf1)
                 assert np.any(den) and np.any(m_out)
+            # an update moves every key on: its state is made anew
+            client.push_pull(keys, [np.ones(len(o), np.float32) for o in outs], outs,
+                             clock=3).wait()
+            newer = shard.core.rule.rule_state(slots)
+            assert all(n.version == s.version + 1 and n is not s and n != s
+                       for n, s in zip(newer, states))
     finally:
         shard.stop(0)
 
