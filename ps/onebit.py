@@ -130,6 +130,9 @@ class OneBitConfig(RuleConfig):
             raise ValueError(f"onebit_{problem}")
 
     def check(self, server: ServerConfig) -> None:
+        if server.mode != "sync" and self.compact_state:
+            raise ValueError(f"onebit_compact_state applies to sync mode (workers fetch m and v "
+                             f"at the switch there); mode {server.mode!r} fetches nothing")
         if server.mode == "sync" and self.moments != "auto":
             raise ValueError(f"onebit_moments {self.moments!r} applies to async/ssp; sync 1-bit "
                              f"Adam keeps DeepSpeed's layout (use auto)")
