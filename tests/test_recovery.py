@@ -257,7 +257,19 @@ def test_sigterm_worker_leaves_every_shard_and_exits_zero():
             s.stop(0)
 
 
-def test_a_held_pull_answered_shutting_down_waits_for_the_restarted_shard(tmp_path):
+# Found on 2026-12-05: with overlap on, a sync worker's recovery fails where it holds with overlap
+# off (the tests below ran with overlap off until then: `auto` decided after their step 3).
+# A dropped worker that rejoins keeps being refused until ShardLostError (BAD_CLOCK: a push
+# for its clock 3 while the shard aggregates clock 10), and a pull held through a shard's
+# restart ends in ShardLostError (DEADLINE). Not fixed yet; strict, so that the fix shows.
+OVERLAP_RECOVERY = [
+    "off", pytest.param("on", marks=pytest.mark.xfail(
+        strict=True, reason="sync recovery with overlap on fails (found 2026-12-05; the "
+                            "comment above OVERLAP_RECOVERY)"))]
+
+
+@pytest.mark.parametrize("overlap", OVERLAP_RECOVERY)
+def test_a_held_pull_answered_shutting_down_waits_for_the_restarted_shard(tmp_path, overlap):
     """Issue 29: a graceful stop (SIGTERM, a Kubernetes rolling update) answers the pulls a
     shard holds with ``SHUTTING_DOWN``. Rank 0's step-3 pull is held by shard 0 (sync: rank 1
     has not pushed); shard 0 stops (final checkpoint) and comes back from it on the same ports.
@@ -280,7 +292,8 @@ def test_a_held_pull_answered_shutting_down_waits_for_the_restarted_shard(tmp_pa
         def rank(r):
             try:
                 ps_model = PSModel(models[r], _client(shards, rank=r, world_size=2,
-                                                      deadline_s=10.0))
+                                                      deadline_s=10.0),
+                                   overlap=OverlapConfig(mode=overlap))
                 try:
                     for step in range(steps):
                         if before_step is not None:
@@ -477,7 +490,7 @@ def test_a_replacement_worker_keeps_its_predecessors_clock_on_a_restored_shard(t
 
 
 def _two_sync_ranks(steps: int, *, before_step, after_step=None, setup=None,
-                    **client_kw) -> dict[int, list[int]]:
+                    overlap: str = "off", **client_kw) -> dict[int, list[int]]:
     """Two workers (threads) train ``steps`` steps on two sync shards that drop a worker
     silent for 1 s; ``before_step(r, step)`` and ``after_step(r, step)`` run around each step,
     ``setup(r, client)`` once the client is made. Returns each rank's final shifts."""
@@ -492,7 +505,7 @@ def _two_sync_ranks(steps: int, *, before_step, after_step=None, setup=None,
             client = _client(shards, rank=r, world_size=2, deadline_s=2.0, **client_kw)
             if setup is not None:
                 setup(r, client)
-            ps_model = PSModel(models[r], client)
+            ps_model = PSModel(models[r], client, overlap=OverlapConfig(mode=overlap))
             try:
                 for step in range(steps):
                     before_step(r, step, client)
@@ -517,7 +530,8 @@ def _two_sync_ranks(steps: int, *, before_step, after_step=None, setup=None,
     return ahead
 
 
-def test_a_sync_worker_dropped_as_a_straggler_rejoins_at_the_shards_step():
+@pytest.mark.parametrize("overlap", OVERLAP_RECOVERY)
+def test_a_sync_worker_dropped_as_a_straggler_rejoins_at_the_shards_step(overlap):
     """Issue 29: rank 1 falls silent (its heartbeats stop, it computes nothing) for longer than
     the shards' heartbeat timeout while rank 0 trains on, so the shards drop it and apply their
     sync steps without it. When it comes back its push is for a step they have finished;
@@ -530,11 +544,12 @@ def test_a_sync_worker_dropped_as_a_straggler_rejoins_at_the_shards_step():
             time.sleep(3.0)  # rank 0 goes on alone once this rank is dropped
             client.control.stubs = stubs
 
-    ahead = _two_sync_ranks(10, before_step=before_step)
+    ahead = _two_sync_ranks(10, before_step=before_step, overlap=overlap)
     assert ahead[0] == [0, 0] and all(a > 0 for a in ahead[1]), ahead  # rank 1 skipped steps
 
 
-def test_a_dropped_sync_worker_rejoins_while_its_peer_trains_on():
+@pytest.mark.parametrize("overlap", OVERLAP_RECOVERY)
+def test_a_dropped_sync_worker_rejoins_while_its_peer_trains_on(overlap):
     """The CI failure of ``tests/test_partition.py``: rank 1 is dropped (silent past the
     timeout) and comes back while rank 0 is still training, steps ahead. Its first push is
     refused (``BAD_CLOCK``), which leaves it dropped, so its re-registration is counted at the
@@ -559,7 +574,7 @@ def test_a_dropped_sync_worker_rejoins_while_its_peer_trains_on():
             back.set()
 
     ahead = _two_sync_ranks(12, before_step=before_step, after_step=after_step, setup=setup,
-                            reconnect_timeout_s=8.0)
+                            reconnect_timeout_s=8.0, overlap=overlap)
     assert ahead[0] == [0, 0] and all(a > 0 for a in ahead[1]), ahead
 
 
