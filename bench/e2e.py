@@ -98,8 +98,8 @@ CASES = (
     Case(name="bitps sync 1-bit Adam", kind="bitps", optimizer="onebit_adam"),
     Case(name="bitps async 1-bit Adam", kind="bitps", mode="async", optimizer="onebit_adam"),
     Case(name="bitps ssp 1-bit Adam", kind="bitps", mode="ssp", optimizer="onebit_adam"),
-    # the m and v each worker fetches at the switch as m's sign1 code and bf16 v (2.1 B per
-    # element, onebit_compact_state), not float32 (8 B)
+    # the state each worker fetches at the switch as m's sign1 code and the shard's bf16
+    # denominators (2.1 B per element, onebit_compact_state), not float32 m and v (8 B)
     Case(name="bitps sync 1-bit Adam, compact switch state", kind="bitps",
          optimizer="onebit_adam", shard_args=("--onebit-compact-state",)),
     # the recommended compressed bounded configuration (docs/algorithms.md), tried as a user

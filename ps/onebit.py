@@ -275,9 +275,8 @@ class OneBitState(KeyState):
         ``onebit_compact_state`` m's sign1 code and ``denominator`` (the shard's own, bf16
         values: :meth:`OneBitAdam.denominator`) in bf16, exact; else float32 m and v (also when
         a checkpoint of a shard without it left no code of m), always exact."""
-        if self._message is not None and (self._message.key, self._message.version) == (
-                key, version):
-            return self._message
+        if self._message is not None and self._message.version == version:
+            return self._message  # one key per state: the version tells them apart
         msg = pb.KeyRuleState(key=key, version=version)
         if not (self.compact_state and self.m_code):
             msg.arrays.extend([raw_array("exp_avg", self.buf1), raw_array("exp_avg_sq",

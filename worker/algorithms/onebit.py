@@ -119,11 +119,11 @@ class OneBitMomentum:
                           f"{len(m.data)} + {len(second.data)} bytes; expected "
                           f"{sizes[0]} + {sizes[1]} for {n} elements"
                           + (" (compact)" if compact else ""))
-        out = np.zeros(n, np.float32)
         if second.dtype == pb.BFLOAT16:
+            out = np.zeros(n, np.float32)
             casts.bf16_decode_add(second.data, n, out)
         else:
-            out[:] = np.frombuffer(second.data, np.float32)
+            out = np.frombuffer(second.data, np.float32).copy()
         if den is None:  # v: the denominators made here, the shard's kernel (in place)
             native.onebit_denominator(out, np.float32(state.fields["bias_correction2_sqrt"]),
                                       self._eps, out)
