@@ -102,6 +102,14 @@ CASES = (
     # denominators (2.1 B per element, onebit_compact_state), not float32 m and v (8 B)
     Case(name="bitps sync 1-bit Adam, compact switch state", kind="bitps",
          optimizer="onebit_adam", shard_args=("--onebit-compact-state",)),
+    # and the warmup's pulls as bf16 codes of the Adam updates (--onebit-warmup-codec bf16),
+    # not float32 parameters: 2 bytes per element pulled in the warmup instead of 4
+    Case(name="bitps sync 1-bit Adam, bf16 warm-up codes, compact switch state", kind="bitps",
+         optimizer="onebit_adam", shard_args=("--onebit-warmup-codes", "--onebit-warmup-codec",
+                                              "bf16", "--onebit-compact-state")),
+    Case(name="bitps ssp 1-bit Adam, bf16 warm-up codes", kind="bitps", mode="ssp",
+         optimizer="onebit_adam",
+         shard_args=("--onebit-warmup-codes", "--onebit-warmup-codec", "bf16")),
     # the recommended compressed bounded configuration (docs/algorithms.md), tried as a user
     # would: DDP fp32's learning rate and schedule, not retuned
     Case(name=RECOMMENDED, kind="bitps", mode="ssp", optimizer="onebit_adam", lr_of="DDP fp32"),

@@ -55,9 +55,12 @@ exactly-once window (``ShardCore.dedup``, ``ps.dedup.ExactlyOnce``); the key sto
      "clocks": {"world_size", "workers": [{"rank", "clock", "registered", "left", "dropped"}]},
      "keys": {"<key>": {"version", "pushed": [ranks], "folded", "history": [[version, bytes]],
               "pushers": [ranks whose plan has the key], "initialized",
-              "rule": {"<name>": JSON value}}},   (partial plans: each key's pushers; absent
-              from older checkpoints: every registered rank. "rule": the rule state's entries
-              that are no arrays, flat names as in state.safetensors; absent when none)
+              "rule": {"<name>": JSON value},
+              "published_codec": [id, chunk, flags]}},   (partial plans: each key's pushers;
+              absent from older checkpoints: every registered rank. "rule": the rule state's
+              entries that are no arrays, flat names as in state.safetensors; absent when none.
+              "published_codec": the codec of the history's payloads; absent when the key
+              publishes nothing, and from older checkpoints: the publisher's configured one)
      "dedup": {"<rank>": [[incarnation, request_id], ...]},   the exactly-once window
               (ShardCore.dedup's "ids"), oldest first: a push applied before the checkpoint
               and replayed after a restore is answered and not applied again
@@ -171,12 +174,13 @@ def _key_state(key: int, slot: Slot, codes: dict | None, params: dict, state: di
         layouts["codec"] = codes["version"]
         state[f"{key}/residual"] = codes["residual"]
         history = codes["history"]
+    codec = {} if codes is None else {"published_codec": codes["codec"]}
     if history:
         state[f"{key}/history"] = np.frombuffer(b"".join(p for _, p in history),
                                                 np.uint8).copy()
     entry = {"version": slot.version, "pushed": sorted(slot.pushed), "folded": slot.folded,
              "history": [[v, len(p)] for v, p in history], "pushers": sorted(slot.pushers),
-             "initialized": slot.initialized}
+             "initialized": slot.initialized, **codec}
     if values:  # the built-in rules' state is all arrays: their manifests are as before
         entry["rule"] = values
     return entry
@@ -249,6 +253,15 @@ def _saved_optimizer(core: ShardCore, saved: dict) -> dict:
     return out
 
 
+def _defaults(config: type | None, leave: tuple[str, ...]) -> dict:
+    """The defaults of a rule config's fields, but ``leave``, as a saved config holds them."""
+    if config is None:
+        return {}
+    return json.loads(json.dumps({f.name: f.default for f in dataclasses.fields(config)
+                                  if f.default is not dataclasses.MISSING
+                                  and f.name not in leave}))
+
+
 def _check_config(core: ShardCore, ckpt: Checkpoint) -> None:
     saved, live = dict(ckpt.manifest["config"]), _config(core.cfg)
     if isinstance(saved.get("optimizer"), dict):
@@ -259,6 +272,11 @@ def _check_config(core: ShardCore, ckpt: Checkpoint) -> None:
             if isinstance(opt.get("rule_config"), dict):
                 opt["rule_config"] = {k: v for k, v in opt["rule_config"].items()
                                       if k not in free}
+        if isinstance(saved["optimizer"].get("rule_config"), dict):
+            # a field the checkpoint predates reads as its default: a rule's new field
+            # defaults to the behaviour from before it (RuleConfig)
+            saved["optimizer"]["rule_config"] = {
+                **_defaults(core.rule.config, free), **saved["optimizer"]["rule_config"]}
     for name in _MUST_MATCH:
         if saved.get(name) != live[name]:
             raise CheckpointError(ckpt.path, f"was saved with {name} {saved.get(name)!r}; this "
@@ -347,7 +365,8 @@ def _codes(ckpt: Checkpoint, key: int, n: int) -> dict:
     payloads = _array(ckpt, st, f"{key}/history", (sum(sizes),), np.uint8).tobytes() \
         if sizes else b""
     starts = np.cumsum([0, *sizes])
-    return {"version": _layout(ckpt, "codec"),
+    codec = {"codec": info["published_codec"]} if "published_codec" in info else {}
+    return {"version": _layout(ckpt, "codec"), **codec,
             "residual": _array(ckpt, st, f"{key}/residual", (n,), np.float32),
             "history": [[version, payloads[a:b]] for (version, _), a, b
                         in zip(info["history"], starts[:-1], starts[1:])]}

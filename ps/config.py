@@ -48,7 +48,8 @@ class RuleConfig:
     restart_free: ClassVar[tuple[str, ...]] = ()
     """Fields a checkpoint need not match: restoring makes the state fit the running value, so
     the state's layout does not depend on them (``ps.checkpoint``). A checkpoint written before
-    such a field existed restores too."""
+    such a field existed restores too. Any other field a checkpoint predates is read as its
+    default, so a field added later must default to the behaviour from before it."""
 
     def check(self, server: ServerConfig) -> None:
         """Refuse (``ValueError`` naming the values) a combination with the shard's other

@@ -73,6 +73,7 @@ __all__ = ["MOMENTS", "SCALES", "OneBitAdam", "OneBitAdamShardMoments", "OneBitA
 
 MOMENTS = ("auto", "worker", "shard")
 SCALES = ("auto", "mean_abs", "rms")
+WARMUP_CODECS = ("sign1", "bf16")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -108,6 +109,14 @@ class OneBitConfig(RuleConfig):
     directions are compressed from the first step: bf16 pushes, about one bit per element
     pulled. In sync mode the shard's residual of those updates is dropped at the switch (the
     same on shard and workers, whose copies stay bit-identical)."""
+    warmup_codec: str = field(default="sign1", metadata={"choices": WARMUP_CODECS})
+    """The codec of the warmup's codes (``warmup_codes``): ``sign1`` (the codec of the
+    compressed stage, about one bit per element) or ``bf16`` (two bytes per element, error
+    feedback on the shard as well, so the parameters follow full Adam to within one bf16
+    rounding of one update). On the 28.6 M LM, bf16 codes took the sync warmup's step from
+    1521 to 1372 ms at the same final loss (docs/benchmarks.md, asynchrony on the LM). The
+    first compressed update turns the publisher to sign1: workers behind it then pull the
+    parameters."""
     restart_free = ("compact_state",)  # the denominators are made again after a restore
     compact_state: bool = False
     """sync: at the switch the shard makes its m the decode of m's own sign1 code (as every
@@ -126,6 +135,13 @@ class OneBitConfig(RuleConfig):
             raise ValueError(f"onebit_scale {self.scale!r}; expected one of {SCALES}")
         if self.moments not in MOMENTS:
             raise ValueError(f"onebit_moments {self.moments!r}; expected one of {MOMENTS}")
+        if self.warmup_codec not in WARMUP_CODECS:
+            raise ValueError(f"onebit_warmup_codec {self.warmup_codec!r}; expected one of "
+                             f"{WARMUP_CODECS}")
+        if self.warmup_codec != "sign1" and not self.warmup_codes:
+            raise ValueError(f"onebit_warmup_codec {self.warmup_codec!r} applies to the "
+                             f"warmup's codes; without onebit_warmup_codes warmup pulls carry "
+                             f"the parameters")
         if problem := chunk_problem(self.chunk):
             raise ValueError(f"onebit_{problem}")
 
@@ -158,8 +174,10 @@ SETTINGS = (
                help="onebit_adam in async/ssp: Adam's moments on each worker (worker; auto) or "
                     "on the shard (shard); sync accepts only auto"),
     from_field(_C, "warmup_codes", name="onebit-warmup-codes",
-               help="onebit_adam: warmup pulls carry sign1 codes of the Adam updates, not "
-                    "float32"),
+               help="onebit_adam: warmup pulls carry codes of the Adam updates "
+                    "(--onebit-warmup-codec), not float32"),
+    from_field(_C, "warmup_codec", name="onebit-warmup-codec",
+               help="onebit_adam: the codec of the warmup's codes (with --onebit-warmup-codes)"),
     from_field(_C, "compact_state", name="onebit-compact-state",
                help="onebit_adam in sync: workers fetch m's sign1 code and bf16 denominators "
                     "at the switch (both rounded so on the shard too), not float32 m and v"),
@@ -198,12 +216,21 @@ def published_codec(cfg: ServerConfig) -> Codec:
     return Codec(pb.CODEC_SIGN1, _opts(cfg).chunk, MEAN_ABS if uses_mean_abs(cfg) else 0)
 
 
+def warmup_codec(cfg: ServerConfig) -> Codec | None:
+    """The codec of the warmup's published codes (``onebit_warmup_codes``,
+    ``onebit_warmup_codec``); ``None``: warmup pulls carry the parameters."""
+    opts = _opts(cfg)
+    if not opts.warmup_codes:
+        return None
+    return Codec(pb.CODEC_BF16) if opts.warmup_codec == "bf16" else published_codec(cfg)
+
+
 def new_state(adam: KeyState, cfg: ServerConfig) -> OneBitState:
     """A key's 1-bit Adam state around its Adam moments ``adam``, as ``cfg`` sets it up."""
     opts = cfg.optimizer.rule_config
     return OneBitState(adam, chunk=opts.chunk, history=cfg.optimizer.delta_history,
                        mean_abs=uses_mean_abs(cfg), sync=cfg.mode == "sync",
-                       warmup_codes=opts.warmup_codes, compact_state=opts.compact_state)
+                       warmup_codec=warmup_codec(cfg), compact_state=opts.compact_state)
 
 
 class OneBitState(KeyState):
@@ -212,16 +239,18 @@ class OneBitState(KeyState):
     codes."""
 
     def __init__(self, adam: KeyState, *, chunk: int, history: int, mean_abs: bool,
-                 sync: bool, warmup_codes: bool = False, compact_state: bool = False) -> None:
+                 sync: bool, warmup_codec: Codec | None = None,
+                 compact_state: bool = False) -> None:
         super().__init__(adam.step, adam.buf1, adam.buf2, adam.buffers)
         self.n = n = adam.buf1.size
         self.codec = Codec(pb.CODEC_SIGN1, chunk, MEAN_ABS if mean_abs else 0)
         self.sync = sync
         """Momentum lives on the workers (DeepSpeed's math): pushes are worker momenta, the
         published codes are the averaged momentum, every replica applies it."""
-        self.warmup_codes = warmup_codes
-        """Warmup updates are published as sign1 codes of the parameter change
-        (``onebit_warmup_codes``) instead of leaving workers to pull the parameters."""
+        self.warmup_codec = warmup_codec
+        """Warmup updates are published as codes of the parameter change in this codec
+        (``onebit_warmup_codes``, ``onebit_warmup_codec``); ``None``: workers pull the
+        parameters."""
         self.compact_state = compact_state
         """sync: the state workers fetch at the switch is m's sign1 code and the denominators
         in bf16 (``onebit_compact_state``), both rounded so on the shard as well."""
@@ -240,10 +269,18 @@ class OneBitState(KeyState):
         compressed update (:meth:`OneBitAdam.denominator`) instead of a square root every
         step; ``None`` until then and after anything that may change v (the switch, a load).
         Not saved: made again from v."""
+        self.denominator_bits: np.ndarray | None = None
+        """With ``onebit_compact_state``: the bf16 bits of :attr:`denominator` (uint16), as the
+        RuleState call sends them, kept from where they are made."""
         self.mean_abs = mean_abs
-        self.pub = Publisher(self.codec, n, history=history)
-        """The published codes (``ps.publish``): what pull replies carry."""
-        self.server = self.pub.server
+        self.pub = Publisher(warmup_codec or self.codec, n, history=history)
+        """The published codes (``ps.publish``): what pull replies carry; in the warmup's
+        codec until the switch."""
+
+    @property
+    def server(self) -> Compressor:
+        """The publisher's encoder: its residual is the shard's error feedback."""
+        return self.pub.server
 
     def code_views(self) -> tuple[np.ndarray, np.ndarray, int]:
         """Where a fused kernel writes the next published code (``native.publish``): the
@@ -260,7 +297,7 @@ class OneBitState(KeyState):
         they are made: :meth:`OneBitAdam.denominator`)."""
         self.compressing = True
         self.bias_correction2_sqrt = bias_correction2_sqrt
-        self.denominator = None
+        self.denominator = self.denominator_bits = None
         if not self.sync:
             return
         self.server.residual.fill(0.0)
@@ -269,12 +306,12 @@ class OneBitState(KeyState):
             self.buf1.fill(0.0)
             self.codec.decode_add(self.m_code, self.n, self.buf1)
 
-    def state_message(self, key: int, version: int, denominator: np.ndarray
-                      ) -> pb.KeyRuleState:
+    def state_message(self, key: int, version: int) -> pb.KeyRuleState:
         """The key's m and frozen v as the RuleState call sends them: with
-        ``onebit_compact_state`` m's sign1 code and ``denominator`` (the shard's own, bf16
-        values: :meth:`OneBitAdam.denominator`) in bf16, exact; else float32 m and v (also when
-        a checkpoint of a shard without it left no code of m), always exact."""
+        ``onebit_compact_state`` m's sign1 code and the shard's own bf16 denominators
+        (:attr:`denominator_bits`, made first: :meth:`OneBitAdam.denominator`), exact; else
+        float32 m and v (also when a checkpoint of a shard without it left no code of m),
+        always exact."""
         if self._message is not None and self._message.version == version:
             return self._message  # one key per state: the version tells them apart
         msg = pb.KeyRuleState(key=key, version=version)
@@ -282,8 +319,10 @@ class OneBitState(KeyState):
             msg.arrays.extend([raw_array("exp_avg", self.buf1), raw_array("exp_avg_sq",
                                                                           self.buf2)])
         else:
-            bits = np.empty(self.n, np.uint16)
-            casts.bf16_encode(denominator, None, bits)
+            bits = self.denominator_bits
+            if bits is None:
+                raise RuntimeError(f"key {key}: its denominators are not made yet "
+                                   f"(OneBitAdam.denominator comes first)")
             _, chunk, flags = self.codec.wire_fields()
             msg.arrays.extend([
                 pb.StateArray(name="exp_avg", codec=pb.CODEC_SIGN1, codec_chunk=chunk,
@@ -313,7 +352,7 @@ class OneBitState(KeyState):
         self.check_state(state, {"compressing": ((1,),), "bias_correction2_sqrt": ((1,),),
                                  "m_code": ((0,), (size,))})
         self._load(state)
-        self.denominator = None
+        self.denominator = self.denominator_bits = None
         self.compressing = bool(state["compressing"][0])
         self.bias_correction2_sqrt = float(state["bias_correction2_sqrt"][0])
         self.m_code = np.asarray(state["m_code"], np.uint8).tobytes()
@@ -366,8 +405,8 @@ class OneBitAdam(AdamW):
         exactly as workers will add it, and published."""
         ob = slot.rule_state
         if not ob.compressing or self._warmup_push(clock):
-            if ob.warmup_codes:
-                # full Adam, published as the sign1 code of the parameter change
+            if ob.warmup_codec is not None:
+                # full Adam, published as the code of the parameter change
                 return publish_update(slot, lambda dst: self.apply(
                     slot.param, grad, ob, grad_scale=grad_scale, lr_scale=lr_scale,
                     dst=dst), seed=0)
@@ -375,6 +414,9 @@ class OneBitAdam(AdamW):
             slot.version += 1
             ob.forget()
             return
+        # bf16 warmup codes end here, not at the switch: the pull of the warmup's last update
+        # still gets its code (workers behind this update then pull the parameters)
+        ob.pub.recode(ob.codec)
         payload = self._compressed(slot, grad, grad_scale, lr_scale)
         slot.version += 1
         ob.publish(slot.version, payload)
@@ -389,7 +431,7 @@ class OneBitAdam(AdamW):
             if ob.compact_state and ob.sync:
                 # what workers fetch (state_message), so what the shard applies with too: the
                 # step size of each coordinate moves by at most 2**-9 of itself
-                bits = np.empty(ob.n, np.uint16)
+                bits = ob.denominator_bits = np.empty(ob.n, np.uint16)
                 casts.bf16_encode(ob.denominator, None, bits)
                 ob.denominator.fill(0.0)
                 casts.bf16_decode_add(bits, ob.n, ob.denominator)
@@ -491,8 +533,21 @@ class OneBitAdamSync(OneBitAdam):
                 raise PSError(pb.BAD_CLOCK, f"key {key} is still in warmup (version "
                               f"{slot.version}, freeze_step {self.opts.freeze_step})")
             ob = slot.rule_state
-            out.append(ob.state_message(key, slot.version, self.denominator(ob)))
+            self.denominator(ob)
+            out.append(ob.state_message(key, slot.version))
         return out
+
+    def aggregated(self, slot):
+        ob = slot.rule_state
+        warmup = not ob.compressing
+        super().aggregated(slot)
+        if warmup and ob.compressing:
+            # what workers fetch in the next step's backward, made now, while they wait for
+            # this step's pull: at the fetch, each shard's build competed with both ranks'
+            # backward for the CPU and took 0.5-1.2 s (docs/benchmarks.md, asynchrony on the LM)
+            self.denominator(ob)
+            if ob.compact_state:
+                ob.state_message(slot.spec.key, slot.version)
 
 
 class OneBitAdamWorkerMoments(OneBitAdam):

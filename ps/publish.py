@@ -64,6 +64,18 @@ class Publisher:
                                                   and len(self.history) > 1):
             self._nbytes -= len(self.history.popleft()[1])
 
+    def recode(self, codec: Codec) -> None:
+        """Publish in ``codec`` from the next update on (1-bit Adam's first compressed update
+        after bf16 warmup codes, a restore). The history, in the old codec, is dropped:
+        workers behind it pull the parameters. The residual carries over (the same units:
+        parameter changes). Nothing changes when ``codec`` is the current one."""
+        if codec == self.codec:
+            return
+        residual = self.server.residual
+        self.codec, self.server = codec, Compressor(codec, residual.size)
+        self.server.residual[:] = residual
+        self.forget()
+
     def forget(self) -> None:
         """An update without a payload (a rule's warmup step, say): workers behind it need
         the parameters."""
@@ -82,19 +94,24 @@ class Publisher:
         return self.codec.id, b"".join(p for v, p in self.history if v > base)
 
     def state_dict(self) -> dict:
-        """The codec state, layout version 1: ``{"version": 1, "residual": float32[n] (the
-        shard's error feedback), "history": [[version, payload bytes], ...] (oldest first)}``
-        (copies)."""
-        return {"version": 1, "residual": self.server.residual.copy(),
+        """The codec state, layout version 1: ``{"version": 1, "codec": [id, chunk, flags] (of
+        the history's payloads), "residual": float32[n] (the shard's error feedback),
+        "history": [[version, payload bytes], ...] (oldest first)}`` (copies). A state without
+        ``codec`` (written before it was saved) is in the publisher's configured codec."""
+        return {"version": 1, "codec": list(self.codec.wire_fields()),
+                "residual": self.server.residual.copy(),
                 "history": [[v, p] for v, p in self.history]}
 
     def check_state(self, state: Mapping[str, Any]) -> None:
         """Refuse (:class:`PSError`) a state dict :meth:`load_state_dict` cannot take."""
         n = self._raw_bytes // 4
-        if state.get("version") != 1 or set(state) != {"version", "residual", "history"}:
+        if state.get("version") != 1 or set(state) - {"codec"} != {"version", "residual",
+                                                                  "history"}:
             raise PSError(pb.BAD_HEADER, f"published-codes state of version "
                           f"{state.get('version')!r} with {sorted(state)}; expected version 1 "
-                          f"with history, residual")
+                          f"with history, residual and perhaps codec")
+        if "codec" in state:
+            self._codec_of(state)
         if np.shape(state["residual"]) != (n,):
             raise PSError(pb.BAD_LENGTH, f"residual of shape {np.shape(state['residual'])}; "
                           f"expected ({n},)")
@@ -107,12 +124,25 @@ class Publisher:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (nothing changed when it is refused)."""
         self.check_state(state)
+        if "codec" in state:
+            self.recode(self._codec_of(state))
         np.copyto(self.server.residual, state["residual"], casting="same_kind")
         self.forget()
         # republishing the kept payloads in order rebuilds the same history: they fit its
         # limits when saved, and so does every prefix
         for version, payload in state["history"]:
             self.publish(int(version), memoryview(bytes(payload)))
+
+
+    @staticmethod
+    def _codec_of(state: Mapping[str, Any]) -> Codec:
+        try:
+            return Codec.from_header(pb.DataHeader(codec=int(state["codec"][0]),
+                                                   codec_chunk=int(state["codec"][1]),
+                                                   codec_flags=int(state["codec"][2])))
+        except (TypeError, ValueError, IndexError):
+            raise PSError(pb.BAD_HEADER, f"published codes' codec {state['codec']!r}; expected "
+                          f"[id, chunk, flags]") from None
 
 
 class PublishedCodes:

@@ -141,6 +141,12 @@ CASES += [
                              rule_config=OneBitConfig(freeze_step=3)), False),
     ("sync", OptimizerConfig(name="onebit_adam", lr=1e-2,
                              rule_config=OneBitConfig(freeze_step=6, warmup_codes=True)), False),
+    # bf16 warmup codes, restored before the switch (the history is bf16 codes, then sign1),
+    # between the switch and the first compressed update (still bf16 codes) and after it (a
+    # fresh shard's publisher, in the warmup's codec, takes the saved sign1 one)
+    *[(mode, OptimizerConfig(name="onebit_adam", lr=1e-2, rule_config=OneBitConfig(
+        freeze_step=freeze, warmup_codes=True, warmup_codec="bf16")), False)
+      for mode in ("sync", "async") for freeze in (3, 4, 6)],
     ("async", OptimizerConfig(name="onebit_adam", lr=1e-2,
                               rule_config=OneBitConfig(freeze_step=3)), False),
     ("ssp", OptimizerConfig(name="onebit_adam", lr=1e-2, weight_decay=0.01,
@@ -156,7 +162,8 @@ _ONEBIT_DEFAULTS = OneBitConfig()
 def _case_id(m: str, o: OptimizerConfig, c: bool) -> str:
     r = o.rule_config or _ONEBIT_DEFAULTS
     return (f"{m}-{o.name}{'-shard' if r.moments == 'shard' else ''}"
-            f"{'-warmupcodes' if r.warmup_codes else ''}{'-sign1pull' if c else ''}"
+            f"{f'-warmupcodes-{r.warmup_codec}' if r.warmup_codes else ''}"
+            f"{'-sign1pull' if c else ''}"
             f"-f{r.freeze_step}")
 
 
@@ -347,6 +354,51 @@ def test_a_float32_switch_state_restores_into_a_compact_one(tmp_path):
         saved = a.core.rule.denominator(a.core.slots[msg.key].rule_state)
         assert not np.array_equal(saved, den_out)  # rounded after the restore, not before
         assert np.abs(den_out - saved).max() <= 2 ** -8 * np.abs(saved).max()
+
+
+@pytest.mark.parametrize("compact", [True, False])
+def test_the_switch_state_is_made_by_the_update_that_switches(compact):
+    """sync 1-bit Adam: the update that ends the warmup makes each key's frozen denominators
+    (and with onebit_compact_state the message workers fetch), while workers wait for that
+    step's pull, not at their fetch in the next step's backward; the fetch sends them."""
+    cfg = _cfg("sync", OptimizerConfig(name="onebit_adam", lr=1e-2, rule_config=OneBitConfig(
+        freeze_step=3, compact_state=compact)))
+    a = Driver(_core(cfg, world=1), world=1)
+    a.steps(range(2))
+    assert not any(s.rule_state.compressing or s.rule_state.denominator is not None
+                   for s in a.core.slots.values())
+    a.steps(range(2, 3))
+    made = {k: (s.rule_state.denominator, s.rule_state._message)
+            for k, s in a.core.slots.items()}
+    assert all(den is not None and (msg is not None) == compact for den, msg in made.values())
+    for msg in a.core.rule.rule_state(a.core.slots):
+        den, made_msg = made[msg.key]
+        assert a.core.slots[msg.key].rule_state.denominator is den
+        assert (msg is made_msg) == compact
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_bf16_warmup_codes_turn_to_sign1_at_the_first_compressed_update(mode):
+    """With bf16 warmup codes the warmup's pulls carry two bytes per element; the pull of the
+    warmup's last update still gets its bf16 code (the switch keeps them), and the first
+    compressed update turns the publisher to sign1: a worker behind it pulls the
+    parameters."""
+    cfg = _cfg(mode, OptimizerConfig(name="onebit_adam", lr=1e-2, rule_config=OneBitConfig(
+        freeze_step=3, warmup_codes=True, warmup_codec="bf16")))
+    a = Driver(_core(cfg, world=1), world=1)
+    a.steps(range(3))
+    for slot in a.core.slots.values():
+        assert slot.rule_state.compressing == (mode == "sync")  # async: at the next push
+        assert slot.publisher.codec.id == pb.CODEC_BF16
+        assert slot.publisher.reply_frame(2, 3) == (pb.CODEC_BF16, slot.publisher.history[-1][1])
+        assert len(slot.publisher.history[-1][1]) == 2 * slot.length
+    assert {c for _, _, _, codecs, _ in a.log for c in codecs} == {pb.CODEC_RAW, pb.CODEC_BF16}
+    a.steps(range(3, 4))
+    for slot in a.core.slots.values():
+        assert slot.publisher.codec == slot.rule_state.codec
+        assert [v for v, _ in slot.publisher.history] == [4]
+        assert slot.publisher.reply_frame(2, 4) == (pb.CODEC_RAW, None)
+    assert pb.CODEC_SIGN1 in a.log[-1][3]
 
 
 # -- on disk ------------------------------------------------------------------------------------

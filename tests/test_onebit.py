@@ -24,6 +24,7 @@ from bitps.proto.schedule import LRSchedule
 from bitps.proto.wire import PSError
 from bitps.ps import OptimizerConfig, ServerConfig, create_server
 from bitps.ps.onebit import OneBitConfig
+from bitps.ps.publish import Publisher
 from bitps.worker import ClientConfig
 from tests.encoding import EncodingClient
 
@@ -82,25 +83,29 @@ def _train(servers, plan, rank: int, world: int, init, results, barrier, mode):
                          client.metrics.push_bytes.value)
 
 
-@pytest.mark.parametrize(("mode", "moments", "scheduled", "warmup_codes", "compact"), [
-    ("async", "auto", False, False, False), ("async", "shard", False, False, False),
-    ("sync", "auto", False, False, True),
+@pytest.mark.parametrize(("mode", "moments", "scheduled", "warmup", "compact"), [
+    ("async", "auto", False, None, False), ("async", "shard", False, None, False),
+    ("sync", "auto", False, None, True),
     # m and v fetched at the switch as float32, not m's code and bf16 v
-    ("sync", "auto", False, False, False),
+    ("sync", "auto", False, None, False),
     # sync workers apply published momenta with the shard's scheduled learning rate
-    ("sync", "auto", True, False, True),
+    ("sync", "auto", True, None, True),
     # the warmup's Adam updates published as sign1 codes: sync switches from parameter-update
     # codes to momentum codes at freeze_step
-    ("sync", "auto", True, True, True), ("sync", "auto", True, True, False),
-    ("async", "auto", False, True, False)])
-def test_workers_hold_the_shards_parameters_bit_for_bit(mode, moments, scheduled, warmup_codes,
+    ("sync", "auto", True, "sign1", True), ("sync", "auto", True, "sign1", False),
+    ("async", "auto", False, "sign1", False),
+    # and as bf16 codes: the publisher turns to sign1 at the switch
+    ("sync", "auto", True, "bf16", True), ("async", "auto", False, "bf16", False)])
+def test_workers_hold_the_shards_parameters_bit_for_bit(mode, moments, scheduled, warmup,
                                                         compact):
     schedule = LRSchedule(warmup_steps=3, decay_steps=STEPS, min_ratio=0.1) if scheduled \
         else LRSchedule()
     opt = OptimizerConfig(name="onebit_adam", lr=0.05,
                           delta_history=4 if mode == "async" else 16, schedule=schedule,
                           rule_config=OneBitConfig(freeze_step=FREEZE, chunk=256,
-                                                   moments=moments, warmup_codes=warmup_codes,
+                                                   moments=moments,
+                                                   warmup_codes=warmup is not None,
+                                                   warmup_codec=warmup or "sign1",
                                                    compact_state=compact))
     shards = [create_server(ServerConfig(shard_id=i, num_shards=2, mode=mode, optimizer=opt,
                                          metrics_port=-1)) for i in range(2)]
@@ -128,9 +133,12 @@ def test_workers_hold_the_shards_parameters_bit_for_bit(mode, moments, scheduled
             # 52 pulls of 4N bytes if nothing were compressed; ~12 float32 pulls (warmup,
             # and async workers that fell behind the history) and ~N/8 bytes per update
             assert pulled < 0.4 * 52 * 4 * N
-            if warmup_codes and mode == "sync":
+            if warmup == "sign1" and mode == "sync":
                 # one float32 pull (the first); every later one carries codes
                 assert pulled < 4 * N + 52 * N / 6
+            if warmup == "bf16" and mode == "sync":
+                # the first pull float32, the warmup's 2 bytes per element, then codes
+                assert pulled < 4 * N + FREEZE * 2 * N + 52 * N / 6
         assert all(by_key[k].rule_state.compressing for k in plan.keys)
         assert all(by_key[k].publisher.history for k in plan.keys)
         for s in shards:
@@ -138,7 +146,7 @@ def test_workers_hold_the_shards_parameters_bit_for_bit(mode, moments, scheduled
             values = {x.name: x.value for f in text_string_to_metric_families(text)
                       for x in f.samples}
             assert values["bitps_onebit_compressing_keys"] == len(s.core.slots)
-            if mode == "async" and moments == "auto" and not warmup_codes:
+            if mode == "async" and moments == "auto" and warmup is None:
                 # worker moments, no weight decay: a published update is -lr times a decoded
                 # push, already one magnitude per chunk, so the shard's code is exact
                 assert values["bitps_onebit_residual_norm"] == 0
@@ -236,6 +244,10 @@ def test_worker_moments_save_restore_and_layout_settings():
             name="onebit_adam", rule_config=OneBitConfig(compact_state=True)))
     with pytest.raises(ValueError, match="onebit_moments 'both'"):
         OptimizerConfig(name="onebit_adam", rule_config=OneBitConfig(moments="both"))
+    with pytest.raises(ValueError, match="onebit_warmup_codec 'fp8'; expected one of"):
+        OneBitConfig(warmup_codes=True, warmup_codec="fp8")
+    with pytest.raises(ValueError, match="without onebit_warmup_codes warmup pulls carry"):
+        OneBitConfig(warmup_codec="bf16")
     opt = OptimizerConfig(name="onebit_adam", lr=0.01,
                           rule_config=OneBitConfig(freeze_step=2, chunk=256))
     shard = create_server(ServerConfig(mode="ssp", optimizer=opt, metrics_port=-1))
@@ -486,3 +498,26 @@ def test_a_push_of_the_other_phases_codec_is_refused(mode):
             assert np.array_equal(slot().param, before[0]) and slot().version == before[1]
     finally:
         shard.stop(0)
+
+
+def test_a_publisher_recoded_keeps_its_residual_and_drops_its_history():
+    """``Publisher.recode`` (1-bit Adam's first compressed update after bf16 warmup codes):
+    the error feedback carries over, the history in the old codec goes (a worker behind it
+    pulls the parameters), and the same codec changes nothing."""
+    n = 1000
+    pub = Publisher(Codec(pb.CODEC_BF16), n, history=8)
+    param = np.zeros(n, np.float32)
+    delta = (np.random.default_rng(0).standard_normal(n) * 1e-3).astype(np.float32)
+    pub.publish(1, pub.server.publish(delta.copy(), param))
+    assert pub.reply_frame(0, 1)[0] == pb.CODEC_BF16 and len(pub.history[0][1]) == 2 * n
+    residual = pub.server.residual.copy()
+    assert residual.any()
+    np.testing.assert_array_equal(param + residual, delta)  # error feedback: nothing lost
+    pub.recode(Codec(pb.CODEC_BF16))
+    assert pub.reply_frame(0, 1)[0] == pb.CODEC_BF16
+    sign = Codec(pb.CODEC_SIGN1, 256)
+    pub.recode(sign)
+    assert pub.codec == pub.server.codec == sign
+    assert pub.reply_frame(0, 1) == (pb.CODEC_RAW, None)
+    np.testing.assert_array_equal(pub.server.residual, residual)
+    assert pub.state_dict()["codec"] == [pb.CODEC_SIGN1, 256, 0]
