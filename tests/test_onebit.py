@@ -374,7 +374,14 @@ def test_a_compact_optimizer_state_is_kept_as_sent_and_checked_for_size():
     den = (rng.random(n) + 1e-3).astype(np.float32)
     bits = np.empty(n, np.uint16)
     casts.bf16_encode(den, None, bits)
+    # the arrays the denominators load into, made and written ahead (SyncMomenta.bind): no
+    # page faults at the switch
+    momentum.reserve({3: n, 4: n, 5: n})
+    spare = dict(momentum._spare)
+    momentum.reserve({3: n + 1})  # a key reserved already keeps its array
+    assert momentum._spare == spare and all(not a.any() for a in spare.values())
     momentum.load(_compact_state(3, m_code, bits.tobytes(), n, chunk), n)
+    assert momentum.denominator[3] is spare[3]
     want_den = np.zeros(n, np.float32)
     casts.bf16_decode_add(bits, n, want_den)
     assert momentum.loaded(3) and 3 not in momentum.m
@@ -391,6 +398,7 @@ def test_a_compact_optimizer_state_is_kept_as_sent_and_checked_for_size():
     want = np.empty(n, np.float32)
     native.onebit_denominator(v, np.float32(0.5), np.float32(1e-8), want)
     assert np.array_equal(momentum.m[5], m) and np.array_equal(momentum.denominator[5], want)
+    assert momentum.denominator[5] is spare[5]
     with pytest.raises(PSError) as err:
         momentum.load(_compact_state(4, m_code, bits.tobytes()[:-2], n, chunk), n)
     assert err.value.code == pb.BAD_LENGTH and "expected" in err.value.message
@@ -399,6 +407,7 @@ def test_a_compact_optimizer_state_is_kept_as_sent_and_checked_for_size():
             pb.StateArray(name="exp_avg", dtype=pb.FLOAT32, length=n, data=m.tobytes())]), n)
     assert err.value.code == pb.BAD_HEADER and "denominator" in err.value.message
     assert not momentum.loaded(4) and not momentum.loaded(6)
+    assert momentum._spare == {4: spare[4]}  # a refused state leaves its array reserved
 
 
 @pytest.mark.parametrize("compact", [True, False])

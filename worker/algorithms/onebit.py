@@ -28,6 +28,7 @@ in the layout ``proto/onebit.proto`` documents.
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 
 import numpy as np
 from prometheus_client.core import GaugeMetricFamily
@@ -73,7 +74,22 @@ class OneBitMomentum:
         """Per key, ``sqrt(v)/bc2 + eps`` of the frozen v fetched (0 where v is 0;
         ``native.onebit_denominator``, the shard's own): what every apply divides by, made once
         instead of a square root every step. v itself is not kept."""
+        self._spare: dict[int, np.ndarray] = {}
+        """Per key not loaded yet, the zeroed array its denominators will be loaded into
+        (:meth:`reserve`)."""
         self._u: dict[int, np.ndarray] = {}
+
+    def reserve(self, lengths: Mapping[int, int]) -> None:
+        """Make and write (fault in) the zeroed arrays that the keys' denominators will be
+        loaded into, 4 bytes per element, now rather than at the switch: there, while both ranks
+        run backward, the page faults of fresh arrays made the load of the LM's denominators
+        take 0.5-0.6 s of CPU per worker, against 0.1 s for the decode into memory already
+        written (docs/benchmarks.md, asynchrony on the LM). Keys loaded or reserved already are
+        left as they are."""
+        for key, n in lengths.items():
+            if key not in self.denominator and key not in self._spare:
+                spare = self._spare[key] = np.empty(n, np.float32)
+                spare.fill(0.0)  # np.zeros maps pages lazily: the faults would come at the load
 
     def loaded(self, key: int) -> bool:
         return key in self.m or key in self.m_code
@@ -119,11 +135,13 @@ class OneBitMomentum:
                           f"{len(m.data)} + {len(second.data)} bytes; expected "
                           f"{sizes[0]} + {sizes[1]} for {n} elements"
                           + (" (compact)" if compact else ""))
-        if second.dtype == pb.BFLOAT16:
+        out = self._spare.pop(state.key, None)
+        if out is None or out.shape[0] != n:
             out = np.zeros(n, np.float32)
+        if second.dtype == pb.BFLOAT16:
             casts.bf16_decode_add(second.data, n, out)
         else:
-            out = np.frombuffer(second.data, np.float32).copy()
+            np.copyto(out, np.frombuffer(second.data, np.float32))
         if den is None:  # v: the denominators made here, the shard's kernel (in place)
             native.onebit_denominator(out, np.float32(state.fields["bias_correction2_sqrt"]),
                                       self._eps, out)
@@ -328,6 +346,7 @@ class SyncMomenta(_OneBitPush):
     def bind(self, fetch, plan):
         super().bind(fetch, plan)
         self._fetch = fetch
+        self.momentum.reserve({k.key: k.length for k in plan.keys})
 
     def prepare(self, keys, grads, clock, clip):
         if not grads or clock < self.freeze_step:
