@@ -275,7 +275,7 @@ class OneBitState(KeyState):
         self.mean_abs = mean_abs
         self.pub = Publisher(warmup_codec or self.codec, n, history=history)
         """The published codes (``ps.publish``): what pull replies carry; in the warmup's
-        codec until the switch."""
+        codec until the first compressed update (:meth:`OneBitAdam.update`)."""
 
     @property
     def server(self) -> Compressor:

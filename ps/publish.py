@@ -133,7 +133,6 @@ class Publisher:
         for version, payload in state["history"]:
             self.publish(int(version), memoryview(bytes(payload)))
 
-
     @staticmethod
     def _codec_of(state: Mapping[str, Any]) -> Codec:
         try:

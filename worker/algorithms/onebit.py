@@ -83,7 +83,7 @@ class OneBitMomentum:
         """Make and write (fault in) the zeroed arrays that the keys' denominators will be
         loaded into, 4 bytes per element, now rather than at the switch: there, while both ranks
         run backward, the page faults of fresh arrays made the load of the LM's denominators
-        take 0.5-0.6 s of CPU per worker, against 0.1 s for the decode into memory already
+        take 0.5-0.6 s of CPU per worker, against 0.02 s for the decode into memory already
         written (docs/benchmarks.md, asynchrony on the LM). Keys loaded or reserved already are
         left as they are."""
         for key, n in lengths.items():
