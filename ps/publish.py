@@ -69,8 +69,8 @@ class Publisher:
         after bf16 warmup codes, a restore). The history, in the old codec, is dropped:
         workers behind it pull the parameters. The residual carries over (the same units:
         parameter changes). Nothing changes when ``codec`` is the current one."""
-        if codec == self.codec:
-            return
+        if codec is self.codec or codec == self.codec:
+            return  # every compressed update asks (OneBitAdam.update): the identity first
         residual = self.server.residual
         self.codec, self.server = codec, Compressor(codec, residual.size)
         self.server.residual[:] = residual
