@@ -470,7 +470,9 @@ def test_two_stages_two_replicas_sync_through_two_shards(cluster, tmp_path):
                      optimizer=OptimizerConfig(name="sgd", lr=lr))
     servers = ",".join(f"127.0.0.1:{s.ports['grpc_port']}" for s in shards)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    procs = [subprocess.Popen([sys.executable, "-c", _STAGE_WORKER, str(r), servers,
+    # -X faulthandler: a process that dies on a signal prints every thread's stack
+    procs = [subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", _STAGE_WORKER,
+                               str(r), servers,
                                str(tmp_path / f"rank{r}.npz")], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(4)]

@@ -68,3 +68,33 @@ def test_a_failed_preload_is_logged_not_raised(breaks, monkeypatch, caplog):
     expected = RuntimeError if breaks == "kernel" else ImportError
     assert any("numba set-up ahead of the first step failed" in r.getMessage()
                and r.exc_info and isinstance(r.exc_info[1], expected) for r in caplog.records)
+
+
+def test_closing_the_encoder_waits_for_the_preload(monkeypatch):
+    """No preload thread is left running when a worker's interpreter exits: there a garbage
+    collection it triggered freed torch tensors, and the thread's end inside torch's dealloc
+    aborted a stage worker whose work was done (SIGABRT, from its core dump)."""
+    from bitps.worker import ClientConfig, PSClient
+    from bitps.worker.config import EncoderConfig
+    from bitps.worker.training import encoder as encoder_mod
+
+    release = threading.Event()
+    threads = []
+
+    def slow_preload():  # numba's set-up still running when the worker closes
+        t = threading.Thread(target=release.wait, args=(30,), daemon=True)
+        t.start()
+        threads.append(t)
+        return t
+
+    monkeypatch.setattr(encoder_mod, "preload", slow_preload)
+    client = PSClient(ClientConfig(servers=("127.0.0.1:1",), rank=0, world_size=1))
+    enc = encoder_mod.Encoder(EncoderConfig(), client)
+    closer = threading.Thread(target=enc.close)
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive() and threads[0].is_alive()  # close waits for the set-up
+    release.set()
+    closer.join(10)
+    assert not closer.is_alive() and not threads[0].is_alive()
+    client.close()

@@ -54,6 +54,8 @@ _F32 = np.dtype("<f4")
 _U64 = (1 << 64) - 1
 STATE_VERSION = 1
 """Version of :meth:`Encoder.state_dict`'s layout."""
+PRELOAD_JOIN_S = 60.0
+"""The longest :meth:`Encoder.close` waits for numba's set-up (about 0.5 s on an idle core)."""
 
 
 class Encoder:
@@ -76,12 +78,21 @@ class Encoder:
         unless the shards' rule calls for another (1-bit Adam)."""
         self._pool = KeyPool(cfg.threads)
         self.metrics.watch_codecs(self._codec_snapshot)
-        preload()  # numba's set-up while the model registers, not inside the first step
+        # numba's set-up while the model registers, not inside the first step
+        self._preload = preload()
 
     def close(self) -> None:
-        """Stop the encoder's helper threads (``EncoderConfig.threads``); the client is the
-        caller's to close."""
+        """Stop the encoder's helper threads (``EncoderConfig.threads``) and wait for numba's
+        set-up (``bitps.native.preload``) if it still runs; the client is the caller's to
+        close."""
         self._pool.close()
+        # A run of a few fast steps can end before numba's set-up does. Left running, that
+        # daemon thread meets the interpreter's exit: a garbage collection it triggers there
+        # frees torch tensors, whose dealloc releases the GIL, and retaking it during
+        # finalization ends the thread by an unwind through torch's noexcept code: SIGABRT,
+        # "terminate called without an active exception", after the work was done (a stage
+        # worker's core dump, 2026-12-05; pytorch/pytorch#38228).
+        self._preload.join(timeout=PRELOAD_JOIN_S)
 
     @property
     def plan(self) -> KeyPlan | None:
