@@ -113,9 +113,15 @@ class Registration:
             self.clocks.register(req.rank, req.world_size, self.clocks.min_clock())
             self._check_partial()
             self.check_initialized()
+            step = self.consistency.rejoin_step([slots[s.key] for s in req.keys])
+            # Skipped: dropped, or heard from again since (a pull or a heartbeat makes it live
+            # at its old clock) while its keys' sync step went on: its pushes at its own clock
+            # would be refused, so it is named the step they are at, and is counted there.
+            if dropped or step > self.clocks.workers[req.rank].clock:
+                self.clocks.seen(req.rank, step)
+            else:
+                step = 0
             start = self.clocks.workers[req.rank].clock
-            step = self.consistency.rejoin_step([slots[s.key] for s in req.keys]) \
-                if dropped else 0
         reply = pb.RegisterReply(shard_id=cfg.shard_id, num_shards=cfg.num_shards, mode=cfg.mode,
                                  staleness=cfg.staleness, start_clock=start,
                                  max_frame_bytes=cfg.max_frame_bytes, rule=self.rule.name,

@@ -257,15 +257,13 @@ def test_sigterm_worker_leaves_every_shard_and_exits_zero():
             s.stop(0)
 
 
-# Found on 2026-12-05: with overlap on, a sync worker's recovery fails where it holds with overlap
-# off (the tests below ran with overlap off until then: `auto` decided after their step 3).
-# A dropped worker that rejoins keeps being refused until ShardLostError (BAD_CLOCK: a push
-# for its clock 3 while the shard aggregates clock 10), and a pull held through a shard's
-# restart ends in ShardLostError (DEADLINE). Not fixed yet; strict, so that the fix shows.
-OVERLAP_RECOVERY = [
-    "off", pytest.param("on", marks=pytest.mark.xfail(
-        strict=True, reason="sync recovery with overlap on fails (found 2026-12-05; the "
-                            "comment above OVERLAP_RECOVERY)"))]
+# Each recovery test runs with overlap off and on. With overlap on (found 2026-12-05), a
+# sync worker's push and its pull for the next clock travel as two messages: a dropped worker's
+# pull made it live again at its old clock, so its re-registration was not named the shards'
+# step and its pushes were refused (BAD_CLOCK) until ShardLostError; and the pull's own
+# recovery, after its push's, adopted the shard's clock a second time from the pull's clock
+# (one ahead): "1 steps of updates lost", and every later push at the wrong clock.
+OVERLAP_RECOVERY = ["off", "on"]
 
 
 @pytest.mark.parametrize("overlap", OVERLAP_RECOVERY)

@@ -605,6 +605,35 @@ def test_sync_dead_worker_is_dropped_and_aggregate_applied():
     assert core.admissions[-1].waited_s == 4.5
 
 
+@pytest.mark.parametrize("heard_by", ["pull", "heartbeat", None])
+def test_sync_worker_skipped_while_dropped_is_named_the_step_at_re_registration(heard_by):
+    """Worker 1 is dropped and worker 0 goes on alone to version 3. A dropped worker heard from
+    again (a pull sent apart from its push, as with overlap on; a heartbeat) is live at its old
+    clock; its re-registration is still named the step its keys are at (``step``, and
+    ``start_clock`` there), where before only a worker still dropped was: it kept clock 1 and
+    its pushes at clock 1 were refused (BAD_CLOCK) until ShardLostError."""
+    core, t = _core("sync", heartbeat_timeout_s=10.0)
+    for clock in (0, 1, 2):  # worker 1 pushed step 0 only, then fell silent
+        g = [_grad(40 + clock, k) for k in KEYS]
+        if clock == 0:
+            _send(core, pb.PUSH, 1, 0, list(KEYS), g)
+        else:
+            t[0] = 11.0 * clock
+            core.clocks.seen(0)
+            core.tick()
+        _send(core, pb.PUSH_PULL, 0, clock, list(KEYS), g)
+    assert core.clocks.live() == [0] and {s.version for s in core.slots.values()} == {3}
+    if heard_by == "pull":
+        _send(core, pb.PULL, 1, 1, list(KEYS))
+    elif heard_by == "heartbeat":
+        core.clocks.seen(1)
+    assert core.clocks.is_dropped(1) == (heard_by is None)
+    reply = core.register(_reg(1, 2), {})
+    assert (reply.step, reply.start_clock) == (3, 3)
+    assert _send(core, pb.PUSH, 1, 3, list(KEYS), [_grad(50, k) for k in KEYS])[-1] \
+        .header.op == pb.REPLY
+
+
 def test_sync_worker_leaving_completes_pending_aggregate():
     from bitps.ps.control import ControlServicer
 

@@ -85,6 +85,9 @@ class Handle:
         self._error: PSError | None = None
         self.requests: list[Request] = []
         """The data messages of this handle (set by the client once built)."""
+        self.rejoins: tuple[int, ...] = ()
+        """Per shard, the client's count of its re-registrations when this was sent (set by
+        the client): ``PSClient.complete`` re-registers only a shard not re-registered since."""
         self._open: dict[int, int] = {}  # shard -> parts not yet answered
         self._failed: dict[int, PSError] = {}  # shard -> its first error
         # A plain flag, not an Event: every waiter drives the channel itself (blocking on its

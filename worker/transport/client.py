@@ -12,9 +12,9 @@ plane is :attr:`PSClient.control` (``worker.transport.control``)::
     client.close()
 
 What a push carries is decided above the transport: float32 arrays, or an ``Encoded`` push
-(``worker.training.encoder``), each key's payload in the codec the header names; codes in pull
-replies are added through :attr:`PSClient.codes`. Payloads go out zero-copy: unchanged until
-the handle completes; pulled values are copied from the received frame into ``outs``.
+(``worker.training.encoder``); codes in pull replies are added through :attr:`PSClient.codes`.
+Payloads go out zero-copy (unchanged until the handle completes); pulled values are copied
+from the received frame into ``outs``.
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ log = logging.getLogger(__name__)
 _F32 = np.dtype("<f4")
 RECOVERABLE = frozenset({pb.DEADLINE, pb.NOT_REGISTERED, pb.NOT_INITIALIZED, pb.BAD_CLOCK,
                          pb.SHUTTING_DOWN})
-"""Failures of one shard that :meth:`PSClient.complete` recovers from: no answer in time (it
-died, or the connection dropped), a shard that does not know this worker or is not initialized
-(it restarted), a clock it does not take (it restarted from an older checkpoint), a shard
-stopping gracefully (SIGTERM: a rolling restart; it comes back from its final checkpoint)."""
+"""Failures of one shard that :meth:`PSClient.complete` recovers from: no answer in time (it died,
+or the connection dropped), a shard that does not know this worker or is not initialized (it
+restarted), a clock it does not take (restored from an older checkpoint, or it went on without
+this worker), a graceful stop (SIGTERM: it comes back from its final checkpoint)."""
 
 
 class PSClient:
@@ -82,6 +82,7 @@ class PSClient:
         self.shift = [0] * self.num_shards
         """Per shard: its clock less this worker's (requests for step ``c`` carry ``c +
         shift[s]``): nonzero once it came back behind or went on without this worker."""
+        self._rejoins = [0] * self.num_shards  # per shard: re-registrations (:meth:`_rejoin`)
         self.hyperparameters: Callable[[Sequence[int], int], tuple] | None = None
         """``(keys, clock) -> (lrs, weight_decays)`` per push: ``DataHeader.lr`` and so on."""
         self._ids = itertools.count(1)
@@ -123,18 +124,10 @@ class PSClient:
         with the registration, and keys whose shard values match count as received
         (:attr:`versions`), so the first pull can skip them. ``pull_codec``: how the shards
         publish updates of ``compressed_pulls`` for this worker (the encoder's choice)."""
-        if plan.num_shards != self.num_shards:
-            raise ValueError(f"plan is cut for {plan.num_shards} shards; the client has "
-                             f"{self.num_shards} servers")
-        if (values is not None) != self.initializes:
-            raise ValueError(f"rank {self.cfg.rank} {'must' if self.initializes else 'must not'}"
-                             f" pass initial values (ClientConfig.initializes "
-                             f"{self.cfg.initializes})")
-        if copies is not None and set(copies) != {k.key for k in plan.keys}:
-            raise ValueError(f"copies name {len(copies)} keys; the plan has {len(plan.keys)}")
-        self.plan = plan
-        self._registration = Registration(values=values, copies=copies, pull_codec=pull_codec,
-                                          compressed_pulls=frozenset(compressed_pulls))
+        reg = Registration(values=values, copies=copies, pull_codec=pull_codec,
+                           compressed_pulls=frozenset(compressed_pulls))
+        reg.check(plan, self.cfg, initializes=self.initializes)
+        self.plan, self._registration = plan, reg
         endpoints, current, replies = [], {}, []
         for shard in range(self.num_shards):
             reply = self.control.register(shard, plan, self._registration)
@@ -217,6 +210,7 @@ class PSClient:
                           limit=self.cfg.message_bytes, reply_bytes=channel.reply_bytes)
         handle = Handle(channel, len(groups), (self.cfg.rank, op, clock, keys),
                         self.cfg.deadline_s, keep=(grads,), on_slow=self.on_slow_wait)
+        handle.rejoins = tuple(self._rejoins)
         deadline = time.monotonic() + self.cfg.deadline_s
         requests = []
         for shard, codec, idx in groups:
@@ -277,7 +271,10 @@ class PSClient:
             log.warning("rank %d: %s; recovering shards %s", self.cfg.rank, last,
                         sorted(failed))
             for shard in sorted(failed):
-                self.recover(shard, copies, clock=handle.clock, since=since, end=end)
+                # re-registered since this was sent (for a push in flight before this pull):
+                # its clock is adopted; this exchange's clock would adopt it again, wrongly
+                if handle.rejoins[shard] == self._rejoins[shard]:
+                    self.recover(shard, copies, clock=handle.clock, since=since, end=end)
             handle = self._redo(handle, failed)
             try:
                 handle.wait()
@@ -335,6 +332,7 @@ class PSClient:
             raise PSError(pb.BAD_HEADER, f"server {self.cfg.servers[shard]} is now shard "
                           f"{reply.shard_id}; expected shard {shard}", shard=shard)
         self.control.registered(shard, reply)
+        self._rejoins[shard] += 1
         endpoint = self._endpoint(shard, reply)
         if endpoint != self.channels.endpoints[shard]:  # restarted on another data port
             self.channels.reset(shard, endpoint)
@@ -342,7 +340,7 @@ class PSClient:
             self.versions.pop(k.key, None)
         self.versions.update(zip(reply.current_keys, reply.current_versions))
         expected = clock + self.shift[shard]
-        skipped = reply.step > expected  # named only to a dropped worker (start_clock moot)
+        skipped = reply.step > expected  # named only to a skipped worker (start_clock moot)
         lost = 0 if skipped else max(expected - reply.start_clock, 0)  # the shard is behind
         now = reply.step if skipped else reply.start_clock if lost else expected
         self.shift[shard] = now - clock  # its clock adopted
@@ -362,6 +360,7 @@ class PSClient:
         old = [r for r in handle.requests if r.shard in failed]
         redo = Handle(channel, len(old), handle._what, self.cfg.deadline_s,
                       on_slow=self.on_slow_wait)
+        redo.rejoins = tuple(self._rejoins)
         deadline = time.monotonic() + self.cfg.deadline_s
         for r in old:
             header = pb.DataHeader()

@@ -62,6 +62,19 @@ class Registration:
     pull_codec: Codec = RAW
     compressed_pulls: frozenset[int] = field(default_factory=frozenset)
 
+    def check(self, plan: KeyPlan, cfg: ClientConfig, *, initializes: bool) -> None:
+        """:class:`ValueError` unless ``plan`` is cut for ``cfg``'s servers, ``values`` come
+        exactly from the worker that ``initializes`` and ``copies`` name every key of ``plan``."""
+        if plan.num_shards != len(cfg.servers):
+            raise ValueError(f"plan is cut for {plan.num_shards} shards; the client has "
+                             f"{len(cfg.servers)} servers")
+        if (self.values is not None) != initializes:
+            raise ValueError(f"rank {cfg.rank} {'must' if initializes else 'must not'} pass "
+                             f"initial values (ClientConfig.initializes {cfg.initializes})")
+        if self.copies is not None and set(self.copies) != {k.key for k in plan.keys}:
+            raise ValueError(f"copies name {len(self.copies)} keys; the plan has "
+                             f"{len(plan.keys)}")
+
 
 class ControlClient:
     """gRPC ``Control`` stubs for every shard of a cluster, with the worker's credentials."""
