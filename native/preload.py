@@ -10,9 +10,9 @@ which the worker's first pull waits for.
 :func:`preload` does it on a daemon thread when a shard starts and when a worker's encoder is
 made, so the first step finds numba ready. It loads one small kernel (``all_finite``); the
 others still load at their own first call, at the 20-40 ms each. A failure is logged, never
-raised: the first real call would then pay the cost, or raise the same error itself. Whoever
-starts it joins the thread before the process may exit (``Encoder.close``): a daemon thread
-still importing numba at the interpreter's exit can abort the process (see there).
+raised: the first real call would then pay the cost, or raise the same error itself. A worker
+joins the thread before it exits (``Encoder.close``): still importing numba at the
+interpreter's exit, it can abort a process that holds torch tensors (see there).
 """
 
 from __future__ import annotations
