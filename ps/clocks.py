@@ -30,6 +30,9 @@ class WorkerClock:
     registered: bool = False
     left: bool = False
     dropped: bool = False
+    skipped: bool = False
+    """Dropped since it last registered, even if heard from again since: its peers may have
+    gone on without it (``ps.registration`` names it the step they are at)."""
     steps_per_s: float = 0.0
     """The training speed its last heartbeat reported (0: none; ``HeartbeatRequest``)."""
 
@@ -58,7 +61,7 @@ class ClockTable:
                 self.workers.setdefault(r, WorkerClock(rank=r, clock=start_clock, last_seen=t))
             self.world_size = world_size
         w = self.workers.setdefault(rank, WorkerClock(rank=rank, clock=start_clock))
-        w.registered, w.left, w.dropped, w.last_seen = True, False, False, t
+        w.registered, w.left, w.dropped, w.skipped, w.last_seen = True, False, False, False, t
         w.clock = max(w.clock, start_clock)
 
     def leave(self, rank: int) -> None:
@@ -74,6 +77,11 @@ class ClockTable:
         """Whether ``rank`` was dropped (silent past the timeout) and has not spoken since."""
         w = self.workers.get(rank)
         return w is not None and w.dropped and not w.left
+
+    def was_dropped(self, rank: int) -> bool:
+        """Whether ``rank`` was dropped since it last registered (spoken since or not)."""
+        w = self.workers.get(rank)
+        return w is not None and (w.dropped or w.skipped) and not w.left
 
     # -- observations -------------------------------------------------------------------------
     def seen(self, rank: int, clock: int | None = None) -> tuple:
@@ -138,7 +146,7 @@ class ClockTable:
             deadline = w.last_seen + self.timeout_s
             if any(o is not w and o.registered and not o.left and o.last_seen > deadline
                    for o in self.workers.values()):
-                w.dropped = True
+                w.dropped = w.skipped = True
                 gone.append(w.rank)
                 self.generation += 1
         return gone

@@ -109,18 +109,16 @@ class Registration:
                     if not slots[key].initialized:
                         slots[key].set_values(data)
                         slots[key].initialized = True
-            dropped = self.clocks.is_dropped(req.rank)  # the live ranks went on without it
+            # the live ranks went on without it: dropped, or dropped and heard from again
+            # since (a pull or a heartbeat makes it live at its old clock)
+            skipped = self.clocks.was_dropped(req.rank)
             self.clocks.register(req.rank, req.world_size, self.clocks.min_clock())
             self._check_partial()
             self.check_initialized()
-            step = self.consistency.rejoin_step([slots[s.key] for s in req.keys])
-            # Skipped: dropped, or heard from again since (a pull or a heartbeat makes it live
-            # at its old clock) while its keys' sync step went on: its pushes at its own clock
-            # would be refused, so it is named the step they are at, and is counted there.
-            if dropped or step > self.clocks.workers[req.rank].clock:
-                self.clocks.seen(req.rank, step)
-            else:
-                step = 0
+            step = self.consistency.rejoin_step([slots[s.key] for s in req.keys]) \
+                if skipped else 0
+            if step:
+                self.clocks.seen(req.rank, step)  # its next push is for that step
             start = self.clocks.workers[req.rank].clock
         reply = pb.RegisterReply(shard_id=cfg.shard_id, num_shards=cfg.num_shards, mode=cfg.mode,
                                  staleness=cfg.staleness, start_clock=start,
