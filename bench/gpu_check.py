@@ -272,8 +272,10 @@ def clipped_sum_problems(server: str, *, device: str = "cpu", codec: str = "sign
                                    compress_min_bytes=1024, clip_norm=0.5,
                                    push_codec=CodecConfig(name=codec, chunk=64),
                                    pull_codec=CodecConfig(name="raw")))
+    # hold_when_clipping off: every step's buckets go from the hooks with predicted factors
     ps_model = PSModel(model, client, device_codec=device_codec,
-                       overlap=OverlapConfig(mode=mode, bucket_bytes=8192))
+                       overlap=OverlapConfig(mode=mode, bucket_bytes=8192,
+                                             hold_when_clipping=False))
     corrected = []
     correct = ps_model.encoder.clip_correct
 

@@ -217,6 +217,13 @@ class OverlapConfig:
     thread's priority queue rather than in socket buffers, so front layers can overtake; large
     enough to keep the link busy (about two buckets: one being pushed while one is answered).
     ``bitps-bench overlap`` measured 4 MiB (four buckets) at 1 Gbit/s exposing twice the wait."""
+    hold_when_clipping: bool = True
+    """With clipping in force (``ClientConfig.clip_norm``), a step that follows a clipped step
+    (or a worker's first) pushes nothing from backward's hooks: ``step()`` pushes it whole with
+    the exact clip factor, as overlap off does. Buckets pushed before the step's norm is known
+    carry a predicted factor whose error reaches the shards one step late
+    (``worker.training.clip``), which cost the e2e MoE 1.4-3.7 % of final loss; ``False``
+    pushes from the hooks on every step (docs/benchmarks.md has both)."""
 
     def __post_init__(self) -> None:
         if self.mode not in OVERLAP_MODES:

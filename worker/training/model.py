@@ -195,14 +195,16 @@ class PSModel:
         ``reconnect_timeout_s``, ``ShardLostError`` names the shard."""
         ov = self._overlap
         ov.install_waits()
-        if ov.comm is not None:
+        overlapped = ov.comm is not None and not ov.holding()
+        if overlapped:
             with ov.timer.exposed():
                 ov.flush()
             comm_s = ov.comm_seconds()
-        else:
+        else:  # overlap off, or a step held for its exact clip factor (Overlap.holding)
             comm_s = self._step_blocking()
+            ov.end_held_step()
         self._advance()
-        ov.record(ov.timer.end_step(comm_s=comm_s, overlapped=ov.comm is not None))
+        ov.record(ov.timer.end_step(comm_s=comm_s, overlapped=overlapped))
 
     def _step_blocking(self) -> float:
         """Overlap off: push (clipped: one payload, so with the exact factor) and pull

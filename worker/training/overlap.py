@@ -133,12 +133,35 @@ class Overlap:
         self._fired = [False] * len(self.params)
         self._grads: dict[int, torch.Tensor] = {}
         self._left = [len(b.params) for b in self.buckets]
+        self._held: bool | None = None  # decided at the step's first hook (holding)
+
+    def holding(self) -> bool:
+        """Whether this step is held: pushed whole by ``PSModel.step`` with the exact clip
+        factor rather than bucket by bucket from the hooks (``OverlapConfig.hold_when_clipping``:
+        the last step clipped, or no step has yet). Decided once per step, after every bucket of
+        the last step is done (the factor it ended with is made as its last payload is)."""
+        if self._held is None:
+            clip = self.staging.clip
+            if not self.cfg.hold_when_clipping or clip is None:
+                self._held = False
+            else:
+                for job in self._jobs:
+                    if job is not None:
+                        job.wait(self.client.exchange_bound_s)
+                self._held = clip.expects_clipping
+        return self._held
+
+    def end_held_step(self) -> None:
+        """``PSModel.step`` pushed and pulled a held step: the next step starts afresh."""
+        self._reset_bucket_state()
 
     def _hook_for(self, i: int):
         def hook(p: torch.Tensor) -> None:
             if self.comm is None or self._no_sync:
                 return
             with self._lock:
+                if self.holding():
+                    return
                 if self._fired[i]:
                     raise RuntimeError(
                         f"parameter {self.params[i][0]!r} got a second gradient in step "
