@@ -379,6 +379,7 @@ def _measure(case: Case, s: E2EBench, lines: list[list[dict]], shard_cpu: list[f
         "rank_cpu_s_per_step": [d["cpu_s"] / n for d, n in zip(done, counts)],
         "shard_cpu_s_per_step": [c / steps for c in shard_cpu],
         "overlap": [d.get("overlap") for d in done],
+        "held_steps": [d.get("held_steps") for d in done],
         "phases": _phases(per_rank, skip, freeze, shard_marks),
     }
 

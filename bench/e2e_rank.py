@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         ps_model.synchronize()
         m = ps_model.client.metrics
         done.update(push_wire_bytes=m.push_wire_bytes.value, pull_bytes=m.pull_bytes.value,
-                    overlap=bool(ps_model.decision and ps_model.decision.enabled))
+                    overlap=bool(ps_model.decision and ps_model.decision.enabled),
+                    held_steps=m.held_steps.value)
         ps_model.close()
     if local is not None:
         m = local.client.metrics

@@ -135,6 +135,8 @@ def _row(case_name: str, r: dict, marks: _Marks, batch: int) -> dict:
            "sweep": r["sweep"]}
     if "rank_rates" in r:
         row["rank_steps"], row["rank_steps_per_s"] = r["rank_steps"], r["rank_rates"]
+    if any(r.get("overlap") or ()):  # each rank: overlap on, and steps held for their clip
+        row["overlap"], row["held_steps"] = r["overlap"], r.get("held_steps")
     phases = r.get("phases")
     if r.get("profile"):  # --profile: each rank's top CPU consumers per step (bench.spy)
         row["profile"] = r["profile"]

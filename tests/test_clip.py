@@ -202,7 +202,7 @@ def _clipped_sync_run(mode: str, bucket_bytes: int, jitter: int | None = None, *
         out = [p.detach().clone() for p in model.parameters()]
         ps_model.close()
         return {"params": out, "buckets": len(ps_model.buckets), "overlapped": overlapped,
-                "factors": factors}
+                "factors": factors, "held": client.metrics.held_steps.value}
     finally:
         shard.stop(0)
 
@@ -238,6 +238,7 @@ def test_held_steps_clip_exactly_so_a_sync_run_clipped_every_step_equals_overlap
     off, held, predicted = (_clipped_sync_run(mode, 8192, hold=hold, clip_norm=1e-3)
                             for mode, hold in (("off", True), ("on", True), ("on", False)))
     assert held["buckets"] > 4 and max(off["factors"]) < 1.0
+    assert (held["held"], off["held"], predicted["held"]) == (8, 0, 0)
     assert not any(held["overlapped"]) and all(predicted["overlapped"])
     assert _equal(off["params"], held["params"])
     assert not _equal(off["params"], predicted["params"])

@@ -73,6 +73,10 @@ class WorkerMetrics:
                                       "Gradient bytes of buckets in flight (overlap on)")
         self.overlap_enabled = m.gauge("bitps_worker_overlap_enabled",
                                        "1 when gradients are pushed from backward hooks")
+        self.held_steps = m.counter(
+            "bitps_worker_overlap_held_steps_total",
+            "Steps overlap on held for their exact clip factor (the last step clipped): "
+            "pushed whole by step(), not from backward hooks")
         self.comm_compute_ratio = m.gauge(
             "bitps_worker_comm_compute_ratio",
             "Communication time / compute time as measured to decide on overlap")

@@ -202,6 +202,9 @@ class PSModel:
             comm_s = ov.comm_seconds()
         else:  # overlap off, or a step held for its exact clip factor (Overlap.holding)
             comm_s = self._step_blocking()
+            if ov.comm is not None:
+                with self.client.metrics.lock:
+                    self.client.metrics.held_steps.inc()
             ov.end_held_step()
         self._advance()
         ov.record(ov.timer.end_step(comm_s=comm_s, overlapped=overlapped))
