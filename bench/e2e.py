@@ -82,6 +82,9 @@ class Case:
     at ``OUTER_LR`` (momentum 0.9, no schedule)."""
     adaptive: bool = False
     """DiLoCo: each round's inner steps from measured speed (DyLU)."""
+    hold_when_clipping: bool = True
+    """``OverlapConfig.hold_when_clipping``: a step after a clipped one goes whole, with its
+    exact clip factor; ``False``: from backward's hooks with a predicted one."""
 
 
 CASES = (
@@ -110,6 +113,12 @@ CASES = (
     Case(name="bitps ssp 1-bit Adam, bf16 warm-up codes", kind="bitps", mode="ssp",
          optimizer="onebit_adam",
          shard_args=("--onebit-warmup-codes", "--onebit-warmup-codec", "bf16")),
+    # overlap's buckets pushed from the hooks on every step, clipped with a predicted factor
+    # corrected one step late (--no-hold-when-clipping; the default before 2026-12-06)
+    Case(name="bitps sync 1-bit Adam, no clip hold", kind="bitps", optimizer="onebit_adam",
+         hold_when_clipping=False),
+    Case(name="bitps async 1-bit Adam, no clip hold", kind="bitps", mode="async",
+         optimizer="onebit_adam", hold_when_clipping=False),
     # the recommended compressed bounded configuration (docs/algorithms.md), tried as a user
     # would: DDP fp32's learning rate and schedule, not retuned
     Case(name=RECOMMENDED, kind="bitps", mode="ssp", optimizer="onebit_adam", lr_of="DDP fp32"),
@@ -265,6 +274,7 @@ def _train(cluster: Cluster, case: Case, s: E2EBench, lr: float, steps: int, tmp
                         "powersgd_start": s.powersgd_start},
                 "bitps": {"servers": servers, "push_codec": case.push_codec,
                           "compress_min_bytes": case.compress_min_bytes, "overlap": "auto",
+                          "hold_when_clipping": case.hold_when_clipping,
                           "local_sgd": ({"inner_steps": case.inner_steps,
                                          "adaptive": case.adaptive}
                                         if case.inner_steps else None)}}

@@ -96,7 +96,8 @@ def _bitps(model, s: dict):
     from bitps.worker.training.model import PSModel
 
     return PSModel(model, _client(s, clip=True),
-                   overlap=OverlapConfig(mode=s["bitps"]["overlap"]))
+                   overlap=OverlapConfig(mode=s["bitps"]["overlap"],
+                                         hold_when_clipping=s["bitps"]["hold_when_clipping"]))
 
 
 def _local_sgd(model, s: dict):
