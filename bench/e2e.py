@@ -82,9 +82,10 @@ class Case:
     at ``OUTER_LR`` (momentum 0.9, no schedule)."""
     adaptive: bool = False
     """DiLoCo: each round's inner steps from measured speed (DyLU)."""
-    hold_when_clipping: bool = True
-    """``OverlapConfig.hold_when_clipping``: a step after a clipped one goes whole, with its
-    exact clip factor; ``False``: from backward's hooks with a predicted one."""
+    hold_when_clipping: str = "sync"
+    """``OverlapConfig.hold_when_clipping``: where a step after a clipped one goes whole, with
+    its exact clip factor (``sync``: sync jobs; ``on``; ``off``: from backward's hooks with a
+    predicted factor)."""
 
 
 CASES = (
@@ -113,12 +114,13 @@ CASES = (
     Case(name="bitps ssp 1-bit Adam, bf16 warm-up codes", kind="bitps", mode="ssp",
          optimizer="onebit_adam",
          shard_args=("--onebit-warmup-codes", "--onebit-warmup-codec", "bf16")),
-    # overlap's buckets pushed from the hooks on every step, clipped with a predicted factor
-    # corrected one step late (--no-hold-when-clipping; the default before 2026-12-06)
+    # the clip hold's default measured against its absence: sync without it (every step's
+    # buckets pushed from the hooks with a predicted clip factor corrected one step late, as
+    # before 2026-12-06), async with it (the default holds sync jobs only)
     Case(name="bitps sync 1-bit Adam, no clip hold", kind="bitps", optimizer="onebit_adam",
-         hold_when_clipping=False),
-    Case(name="bitps async 1-bit Adam, no clip hold", kind="bitps", mode="async",
-         optimizer="onebit_adam", hold_when_clipping=False),
+         hold_when_clipping="off"),
+    Case(name="bitps async 1-bit Adam, clip hold", kind="bitps", mode="async",
+         optimizer="onebit_adam", hold_when_clipping="on"),
     # the recommended compressed bounded configuration (docs/algorithms.md), tried as a user
     # would: DDP fp32's learning rate and schedule, not retuned
     Case(name=RECOMMENDED, kind="bitps", mode="ssp", optimizer="onebit_adam", lr_of="DDP fp32"),

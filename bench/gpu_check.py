@@ -275,7 +275,7 @@ def clipped_sum_problems(server: str, *, device: str = "cpu", codec: str = "sign
     # hold_when_clipping off: every step's buckets go from the hooks with predicted factors
     ps_model = PSModel(model, client, device_codec=device_codec,
                        overlap=OverlapConfig(mode=mode, bucket_bytes=8192,
-                                             hold_when_clipping=False))
+                                             hold_when_clipping="off"))
     corrected = []
     correct = ps_model.encoder.clip_correct
 

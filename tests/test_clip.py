@@ -118,7 +118,7 @@ def test_overlap_on_with_clipping_reports_overlap_on(tmp_path):
         client = PSClient(cfg)
         # hold_when_clipping off: this model clips every step, which would hold each one
         ps_model = PSModel(model, client, overlap=OverlapConfig(mode="auto", probe_steps=3,
-                                                                hold_when_clipping=False))
+                                                                hold_when_clipping="off"))
         for _ in range(6):
             model(torch.ones(2, 2048)).sum().backward()
             time.sleep(0.002)
@@ -146,7 +146,7 @@ def test_one_bit_adam_with_worker_moments_clips_under_overlap_and_stays_bit_iden
                                        partition_bytes=4096, compress_min_bytes=0,
                                        clip_norm=0.5))
         ps_model = PSModel(model, client, overlap=OverlapConfig(mode="on", bucket_bytes=8192,
-                                                                hold_when_clipping=False))
+                                                                hold_when_clipping="off"))
         gen = torch.Generator().manual_seed(2)
         for step in range(8):
             x = torch.randn(16, 64, generator=gen)
@@ -163,12 +163,14 @@ def test_one_bit_adam_with_worker_moments_clips_under_overlap_and_stays_bit_iden
 
 
 def _clipped_sync_run(mode: str, bucket_bytes: int, jitter: int | None = None, *,
-                      hold: bool = False, clip_norm: float = 0.5) -> dict:
+                      hold: str = "off", clip_norm: float = 0.5,
+                      holds_pulls: bool = False) -> dict:
     """Eight sync steps of ``_Net`` with sign1 pushes and clipping in force (norms vary 30x);
     ``jitter`` seeds random pauses after each layer's gradients; ``hold``:
-    ``OverlapConfig.hold_when_clipping``. Returns the final ``params``, the number of
-    ``buckets``, which steps went from backward's hooks (``overlapped``) and, with overlap off,
-    each step's exact clip ``factors``."""
+    ``OverlapConfig.hold_when_clipping``; ``holds_pulls``: tell the worker its shards hold
+    pulls (as with several sync workers; harmless with one). Returns the final ``params``, the
+    number of ``buckets``, which steps went from backward's hooks (``overlapped``), the steps
+    ``held`` and, with overlap off, each step's exact clip ``factors``."""
     import random
     import time
 
@@ -185,6 +187,7 @@ def _clipped_sync_run(mode: str, bucket_bytes: int, jitter: int | None = None, *
                                        push_codec=CodecConfig(name="sign1", chunk=64)))
         ps_model = PSModel(model, client, overlap=OverlapConfig(
             mode=mode, bucket_bytes=bucket_bytes, hold_when_clipping=hold))
+        client.holds_pulls = client.holds_pulls or holds_pulls  # read at the first hold
         if jitter is not None:  # after PSModel's own hooks: the next gradients come later
             rng = random.Random(jitter)
             for p in model.parameters():
@@ -231,12 +234,12 @@ def test_a_model_in_one_bucket_clips_exactly_so_sync_overlap_on_equals_off():
 
 
 def test_held_steps_clip_exactly_so_a_sync_run_clipped_every_step_equals_overlap_off():
-    """``hold_when_clipping`` (the default): after a clipped step, the next one is pushed whole
+    """``hold_when_clipping`` ``on``: after a clipped step, the next one is pushed whole
     by ``step()`` with the exact factor, so a sync run clipped on every step ends bit for bit
     where overlap off ends, however many buckets (pushed from the hooks with predicted factors
     it does not: the MoE's lost accuracy)."""
     off, held, predicted = (_clipped_sync_run(mode, 8192, hold=hold, clip_norm=1e-3)
-                            for mode, hold in (("off", True), ("on", True), ("on", False)))
+                            for mode, hold in (("off", "on"), ("on", "on"), ("on", "off")))
     assert held["buckets"] > 4 and max(off["factors"]) < 1.0
     assert (held["held"], off["held"], predicted["held"]) == (8, 0, 0)
     assert not any(held["overlapped"]) and all(predicted["overlapped"])
@@ -247,7 +250,20 @@ def test_held_steps_clip_exactly_so_a_sync_run_clipped_every_step_equals_overlap
 def test_only_steps_after_a_clipped_step_are_held():
     """The first step is held (no factor known yet); after it a step goes from the hooks
     exactly when the one before it did not clip."""
-    factors = _clipped_sync_run("off", 8192, hold=True)["factors"]
+    factors = _clipped_sync_run("off", 8192, hold="on")["factors"]
     assert 1.0 in factors[:-1] and min(factors) < 1.0  # both kinds of step
-    overlapped = _clipped_sync_run("on", 8192, hold=True)["overlapped"]
+    overlapped = _clipped_sync_run("on", 8192, hold="on")["overlapped"]
     assert overlapped == [False] + [f == 1.0 for f in factors[:-1]]
+
+
+def test_the_default_holds_only_where_shards_hold_pulls():
+    """``hold_when_clipping="sync"`` (the default) holds as ``on`` does where the shards hold
+    pulls for other workers' pushes (sync with several workers), and never elsewhere (one
+    worker; async and ssp, where async 1-bit Adam did better without the hold)."""
+    assert OverlapConfig().hold_when_clipping == "sync"
+    alone = _clipped_sync_run("on", 8192, hold="sync", clip_norm=1e-3)
+    assert all(alone["overlapped"]) and alone["held"] == 0
+    shared = _clipped_sync_run("on", 8192, hold="sync", clip_norm=1e-3, holds_pulls=True)
+    assert not any(shared["overlapped"]) and shared["held"] == 8
+    with pytest.raises(ValueError, match="hold_when_clipping"):
+        OverlapConfig(hold_when_clipping="always")

@@ -148,7 +148,8 @@ def program() -> Program:
                    help="overlap: gradient bytes in flight before the next bucket waits"),
         from_field(_O, "hold_when_clipping",
                    help="overlap: a step after a clipped one is pushed whole by step() with "
-                        "the exact clip factor, not from the hooks with a predicted one"),
+                        "the exact clip factor, not from the hooks with a predicted one (sync: "
+                        "where shards hold pulls, i.e. sync with several workers)"),
         from_field(_R, "profile_dir", name="profile", metavar="DIR",
                    help="directory: write a torch.profiler trace of --profile-steps steps "
                         "(after 2 warm-up steps) to DIR/trace-rank<R>.json and print the top "

@@ -20,6 +20,7 @@ __all__ = ["ALGORITHMS", "TRAINERS", "AlgorithmConfig", "ClientConfig", "Encoder
            "OverlapConfig", "PoolConfig", "RunConfig"]
 
 OVERLAP_MODES = ("auto", "on", "off")
+HOLD_MODES = ("sync", "on", "off")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -217,19 +218,24 @@ class OverlapConfig:
     thread's priority queue rather than in socket buffers, so front layers can overtake; large
     enough to keep the link busy (about two buckets: one being pushed while one is answered).
     ``bitps-bench overlap`` measured 4 MiB (four buckets) at 1 Gbit/s exposing twice the wait."""
-    hold_when_clipping: bool = True
-    """With clipping in force (``ClientConfig.clip_norm``), a step that follows a clipped step
-    (or a worker's first) pushes nothing from backward's hooks: ``step()`` pushes it whole with
-    the exact clip factor, as overlap off does. Buckets pushed before the step's norm is known
-    carry a predicted factor whose error reaches the shards one step late
-    (``worker.training.clip``), which cost the e2e MoE 1.4-3.7 % of final loss; ``False``
-    pushes from the hooks on every step (docs/benchmarks.md has both)."""
+    hold_when_clipping: str = field(default="sync", metadata={"choices": HOLD_MODES})
+    """With clipping in force (``ClientConfig.clip_norm``), ``on``: a step that follows a
+    clipped step (or a worker's first) pushes nothing from backward's hooks; ``step()`` pushes
+    it whole with the exact clip factor, as overlap off does. Buckets pushed before the step's
+    norm is known carry a predicted factor whose error reaches the shards one step late
+    (``worker.training.clip``), which cost sync 1-bit Adam on the e2e MoE 3.7 % of final
+    loss. ``sync``: ``on`` where the shards hold pulls for the other workers' pushes (sync with
+    more than one worker), ``off`` elsewhere: async 1-bit Adam on the e2e LM ended 2.2 % higher
+    with the hold (docs/benchmarks.md). ``off``: pushes go from the hooks on every step."""
 
     def __post_init__(self) -> None:
         if self.mode not in OVERLAP_MODES:
             raise ValueError(f"overlap mode must be one of {OVERLAP_MODES}, got {self.mode!r}")
         if not self.min_ratio >= 0:
             raise ValueError(f"min_ratio must be >= 0, got {self.min_ratio}")
+        if self.hold_when_clipping not in HOLD_MODES:
+            raise ValueError(f"hold_when_clipping must be one of {HOLD_MODES}, got "
+                             f"{self.hold_when_clipping!r}")
         if self.probe_steps < 1:
             raise ValueError(f"probe_steps must be >= 1, got {self.probe_steps}")
         if self.bucket_bytes < 1 or self.inflight_bytes < 1:

@@ -137,12 +137,13 @@ class Overlap:
 
     def holding(self) -> bool:
         """Whether this step is held: pushed whole by ``PSModel.step`` with the exact clip
-        factor rather than bucket by bucket from the hooks (``OverlapConfig.hold_when_clipping``:
-        the last step clipped, or no step has yet). Decided once per step, after every bucket of
-        the last step is done (the factor it ended with is made as its last payload is)."""
+        factor rather than bucket by bucket from the hooks (``OverlapConfig.hold_when_clipping``
+        ``on``, or ``sync`` with shards that hold pulls: the last step clipped, or no step has
+        yet). Decided once per step, after every bucket of the last step is done (the factor it
+        ended with is made as its last payload is)."""
         if self._held is None:
-            clip = self.staging.clip
-            if not self.cfg.hold_when_clipping or clip is None:
+            clip, hold = self.staging.clip, self.cfg.hold_when_clipping
+            if clip is None or hold == "off" or (hold == "sync" and not self.client.holds_pulls):
                 self._held = False
             else:
                 for job in self._jobs:
