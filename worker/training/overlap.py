@@ -133,7 +133,7 @@ class Overlap:
         self._fired = [False] * len(self.params)
         self._grads: dict[int, torch.Tensor] = {}
         self._left = [len(b.params) for b in self.buckets]
-        self._held: bool | None = None  # decided at the step's first hook (holding)
+        self._held: bool | None = None  # decided once per step, by holding()
 
     def holding(self) -> bool:
         """Whether this step is held: pushed whole by ``PSModel.step`` with the exact clip
