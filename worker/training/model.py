@@ -203,9 +203,7 @@ class PSModel:
         else:  # overlap off, or a step held for its exact clip factor (Overlap.holding)
             comm_s = self._step_blocking()
             if ov.comm is not None:
-                with self.client.metrics.lock:
-                    self.client.metrics.held_steps.inc()
-            ov.end_held_step()
+                ov.end_held_step()
         self._advance()
         ov.record(ov.timer.end_step(comm_s=comm_s, overlapped=overlapped))
 

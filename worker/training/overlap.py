@@ -153,8 +153,11 @@ class Overlap:
         return self._held
 
     def end_held_step(self) -> None:
-        """``PSModel.step`` pushed and pulled a held step: the next step starts afresh."""
-        self._reset_bucket_state()
+        """``PSModel.step`` pushed and pulled a held step (no hook pushed anything in it): count
+        it, and decide afresh for the next step."""
+        self._held = None
+        with self.client.metrics.lock:
+            self.client.metrics.held_steps.inc()
 
     def _hook_for(self, i: int):
         def hook(p: torch.Tensor) -> None:
