@@ -121,6 +121,9 @@ CASES = (
          hold_when_clipping="off"),
     Case(name="bitps async 1-bit Adam, clip hold", kind="bitps", mode="async",
          optimizer="onebit_adam", hold_when_clipping="on"),
+    # float32 pushes clipped as DDP clips (since 2026-12-06), with the hold (the default holds
+    # compressed sync pushes only: held, float32 runs lose the overlap that pays most for them)
+    Case(name="bitps sync fp32, clip hold", kind="bitps", hold_when_clipping="on"),
     # the recommended compressed bounded configuration (docs/algorithms.md), tried as a user
     # would: DDP fp32's learning rate and schedule, not retuned
     Case(name=RECOMMENDED, kind="bitps", mode="ssp", optimizer="onebit_adam", lr_of="DDP fp32"),

@@ -78,24 +78,31 @@ def _wrap_ddp(model, s: dict):
     return ddp
 
 
-def _client(s: dict, *, clip: bool):
-    from bitps.proto.codecs import CodecConfig
+def _client(s: dict):
     from bitps.worker.config import ClientConfig
     from bitps.worker.transport.client import PSClient
 
+    return PSClient(ClientConfig(servers=tuple(s["bitps"]["servers"]), rank=s["rank"],
+                                 world_size=s["world"], deadline_s=300.0))
+
+
+def _encoder(s: dict, *, clip: bool):
+    """The run's pushes; with ``clip``, every push clipped at DDP's norm, float32 ones too
+    (a norm given clips every push: ``EncoderConfig.clip_norm``)."""
+    from bitps.proto.codecs import CodecConfig
+    from bitps.worker.config import EncoderConfig
+
     b = s["bitps"]
-    codec = CodecConfig(name=b["push_codec"])
-    cfg = ClientConfig(servers=tuple(b["servers"]), rank=s["rank"], world_size=s["world"],
-                       push_codec=codec, compress_min_bytes=b["compress_min_bytes"],
-                       clip_norm=s["clip_norm"] if clip else 0.0, deadline_s=300.0)
-    return PSClient(cfg)
+    return EncoderConfig(push_codec=CodecConfig(name=b["push_codec"]),
+                         compress_min_bytes=b["compress_min_bytes"],
+                         clip_norm=s["clip_norm"] if clip else 0.0)
 
 
 def _bitps(model, s: dict):
     from bitps.worker.config import OverlapConfig
     from bitps.worker.training.model import PSModel
 
-    return PSModel(model, _client(s, clip=True),
+    return PSModel(model, _client(s), encoder=_encoder(s, clip=True),
                    overlap=OverlapConfig(mode=s["bitps"]["overlap"],
                                          hold_when_clipping=s["bitps"]["hold_when_clipping"]))
 
@@ -111,8 +118,8 @@ def _local_sgd(model, s: dict):
     d = s["bitps"]["local_sgd"]
     inner = torch.optim.AdamW(model.parameters(), lr=s["lr"], weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(inner, LRSchedule(**s["schedule"]).factor)
-    local = LocalSGD(model, _client(s, clip=False), inner, inner_steps=d["inner_steps"],
-                     adaptive=d["adaptive"])
+    local = LocalSGD(model, _client(s), inner, inner_steps=d["inner_steps"],
+                     encoder=_encoder(s, clip=False), adaptive=d["adaptive"])
     return local, sched
 
 

@@ -132,8 +132,9 @@ def program() -> Program:
                    help="tensors smaller than this go uncompressed; every key of a larger one "
                         "is compressed"),
         from_field(EncoderConfig, "clip_norm",
-                   help="clip the local gradient to this L2 norm before error feedback, when "
-                        "pushes are compressed (0 = off)"),
+                   help="clip each step's local gradient to this L2 norm before its push "
+                        "(0 = off; -1 = auto: 1.0 when pushes are compressed, off for "
+                        "float32 pushes)"),
         from_field(EncoderConfig, "codec_seed", help="seed of sparse sampling and rounding"),
         from_field(EncoderConfig, "threads", name="encoder-threads",
                    help="threads that encode one push's keys (0 = one per core)"),
@@ -149,7 +150,8 @@ def program() -> Program:
         from_field(_O, "hold_when_clipping",
                    help="overlap: a step after a clipped one is pushed whole by step() with "
                         "the exact clip factor, not from the hooks with a predicted one (sync: "
-                        "where shards hold pulls, i.e. sync with several workers)"),
+                        "compressed pushes where shards hold pulls, i.e. sync with several "
+                        "workers)"),
         from_field(_R, "profile_dir", name="profile", metavar="DIR",
                    help="directory: write a torch.profiler trace of --profile-steps steps "
                         "(after 2 warm-up steps) to DIR/trace-rank<R>.json and print the top "

@@ -75,7 +75,7 @@ class ClientConfig:
     """Deprecated: :attr:`EncoderConfig.pull_codec`."""
     compress_min_bytes: int = 1 << 20
     """Deprecated: :attr:`EncoderConfig.compress_min_bytes`."""
-    clip_norm: float = 1.0
+    clip_norm: float = -1.0
     """Deprecated: :attr:`EncoderConfig.clip_norm`."""
     codec_seed: int = 0
     """Deprecated: :attr:`EncoderConfig.codec_seed`."""
@@ -112,9 +112,9 @@ class ClientConfig:
         if not self.reconnect_backoff_max_s >= self.reconnect_backoff_s:
             raise ValueError(f"reconnect_backoff_max_s must be >= reconnect_backoff_s "
                              f"({self.reconnect_backoff_s}), got {self.reconnect_backoff_max_s}")
-        if self.compress_min_bytes < 0 or self.clip_norm < 0:
-            raise ValueError(f"compress_min_bytes and clip_norm must be >= 0, got "
-                             f"{self.compress_min_bytes} and {self.clip_norm}")
+        if self.compress_min_bytes < 0:
+            raise ValueError(f"compress_min_bytes must be >= 0, got {self.compress_min_bytes}")
+        check_clip_norm(self.clip_norm)
         if self.partition_bytes < 1024 or self.message_bytes < 1024:
             raise ValueError(f"partition_bytes and message_bytes must be >= 1024, got "
                              f"{self.partition_bytes} and {self.message_bytes}")
@@ -136,6 +136,20 @@ class ClientConfig:
 
 _COMPRESSION_FIELDS = ("push_codec", "pull_codec", "compress_min_bytes", "clip_norm",
                        "codec_seed")
+AUTO_CLIP = -1.0
+"""``EncoderConfig.clip_norm``'s default: clip compressed pushes at :data:`COMPRESSED_CLIP_NORM`,
+float32 ones not at all."""
+COMPRESSED_CLIP_NORM = 1.0
+"""The norm :data:`AUTO_CLIP` clips compressed pushes to: sign1 and 1-bit Adam train the demo
+model and the e2e models with it (error feedback carries what a gradient spike would leave)."""
+
+
+def check_clip_norm(value: float) -> None:
+    """``ValueError`` unless ``value`` is a norm (>= 0; 0 = off) or :data:`AUTO_CLIP`."""
+    if not (value >= 0 or value == AUTO_CLIP):
+        raise ValueError(f"clip_norm must be >= 0 (0 = no clipping) or {AUTO_CLIP:g} (auto: "
+                         f"{COMPRESSED_CLIP_NORM:g} for compressed pushes, none for float32 "
+                         f"ones), got {value}")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -156,10 +170,14 @@ class EncoderConfig:
     """Tensors smaller than this many (float32) bytes are pushed raw even with a push codec
     (for small messages the per-message cost dominates and compressing gains nothing); every key
     of a tensor at least this large is compressed, whatever size ``partition_bytes`` cut it to."""
-    clip_norm: float = 1.0
-    """When pushes are compressed (a push codec, or 1-bit Adam), the encoder clips the local
-    gradient to this global L2 norm before error feedback (0 = no clipping; raw pushes are
-    never clipped)."""
+    clip_norm: float = AUTO_CLIP
+    """The global L2 norm the encoder clips each step's local gradient to before its push and
+    error feedback, as ``clip_grad_norm_`` would (under overlap, the only place a push can be
+    clipped: buckets leave before ``step()``). 0: no clipping. :data:`AUTO_CLIP` (-1, the
+    default): :data:`COMPRESSED_CLIP_NORM` (1.0) when pushes are compressed (a push codec, or
+    1-bit Adam), none for float32 pushes, as torch clips nothing unless asked. A norm given
+    clips every push, float32 ones too (until 2026-12-06 float32 pushes were never clipped,
+    which left a DDP-equivalent bitps sync fp32 run unclipped beside a clipped DDP one)."""
     codec_seed: int = 0
     """Seed of the sparse codec's sampling and stochastic rounding (mixed with rank, key and
     step, so runs repeat exactly)."""
@@ -173,12 +191,19 @@ class EncoderConfig:
     docs/benchmarks.md)."""
 
     def __post_init__(self) -> None:
-        if self.compress_min_bytes < 0 or self.clip_norm < 0:
-            raise ValueError(f"compress_min_bytes and clip_norm must be >= 0, got "
-                             f"{self.compress_min_bytes} and {self.clip_norm}")
+        if self.compress_min_bytes < 0:
+            raise ValueError(f"compress_min_bytes must be >= 0, got {self.compress_min_bytes}")
+        check_clip_norm(self.clip_norm)
         if self.threads < 0:
             raise ValueError(f"encoder threads must be >= 0 (0: one per core), got "
                              f"{self.threads}")
+
+    def clip_norm_for(self, *, compressed: bool) -> float:
+        """The norm a run clips to (0: none), :data:`AUTO_CLIP` resolved: ``compressed``, its
+        pushes are compressed (a push codec, or a policy that picks codecs, as 1-bit Adam)."""
+        if self.clip_norm == AUTO_CLIP:
+            return COMPRESSED_CLIP_NORM if compressed else 0.0
+        return self.clip_norm
 
     @classmethod
     def from_client(cls, cfg: ClientConfig) -> EncoderConfig:
@@ -225,8 +250,11 @@ class OverlapConfig:
     norm is known carry a predicted factor whose error reaches the shards one step late
     (``worker.training.clip``), which cost sync 1-bit Adam on the e2e MoE 3.7 % of final
     loss. ``sync``: ``on`` where the shards hold pulls for the other workers' pushes (sync with
-    more than one worker), ``off`` elsewhere: async 1-bit Adam on the e2e LM ended 2.2 % higher
-    with the hold (docs/benchmarks.md). ``off``: pushes go from the hooks on every step."""
+    more than one worker) and pushes are compressed, ``off`` elsewhere: async 1-bit Adam on the
+    e2e LM ended 2.2 % higher with the hold, and sync fp32 runs held (clipped at DDP's norm)
+    reached DDP fp32's target later on the e2e LM and MoE (110 s against 86.8 s, 80.1 s
+    against 70.4 s; docs/benchmarks.md): a held step gives up overlap, which gains most where
+    the wire carries float32. ``off``: pushes go from the hooks on every step."""
 
     def __post_init__(self) -> None:
         if self.mode not in OVERLAP_MODES:

@@ -142,6 +142,12 @@ class Encoder:
         policy's (1-bit Adam: bf16 during warmup, then sign1)."""
         return self.policy.codec_at(clock, self._push_codec)
 
+    def compressing(self, clock: int) -> bool:
+        """Whether this run's pushes are compressed: a push codec at ``clock``, or a policy
+        that picks codecs by clock (1-bit Adam). What the clip norm's default and the clip
+        hold's ``sync`` go by (``EncoderConfig.clip_norm``, ``OverlapConfig``)."""
+        return not self.codec_at(clock).is_raw or self.chooses_codecs
+
     def compresses(self, key: int, clock: int) -> bool:
         """Whether a push of ``key`` for ``clock`` goes compressed: a push codec is in force and
         the key's tensor (all its keys together) has at least ``compress_min_bytes``."""

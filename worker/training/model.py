@@ -129,11 +129,11 @@ class PSModel:
             client.pull([self.keys[i] for i in stale], [outs[i] for i in stale],
                         clock=self.clock).wait()
         self._staging.copy_in()
-        clip_norm = self.encoder.cfg.clip_norm
+        clip_norm = self.encoder.cfg.clip_norm_for(
+            compressed=self.encoder.compressing(self.clock))
         # Clip the raw local gradient before error feedback adds the residual (DGC's local
         # clipping): clipping the compensated vector would eat the mass EF is carrying.
-        if clip_norm > 0 and (not self.encoder.codec_at(self.clock).is_raw
-                              or self.encoder.chooses_codecs):
+        if clip_norm > 0:
             self._staging.clip = StepClip(clip_norm)
         self._overlap = Overlap(model, self.params, self.plan, self.encoder, self._staging,
                                 overlap or OverlapConfig(), clock=lambda: self.clock,

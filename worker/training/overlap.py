@@ -138,12 +138,13 @@ class Overlap:
     def holding(self) -> bool:
         """Whether this step is held: pushed whole by ``PSModel.step`` with the exact clip
         factor rather than bucket by bucket from the hooks (``OverlapConfig.hold_when_clipping``
-        ``on``, or ``sync`` with shards that hold pulls: the last step clipped, or no step has
-        yet). Decided once per step, after every bucket of the last step is done (the factor it
-        ended with is made as its last payload is)."""
+        ``on``, or ``sync`` with shards that hold pulls and compressed pushes: the last step
+        clipped, or no step has yet). Decided once per step, after every bucket of the last
+        step is done (the factor it ended with is made as its last payload is)."""
         if self._held is None:
             clip, hold = self.staging.clip, self.cfg.hold_when_clipping
-            if clip is None or hold == "off" or (hold == "sync" and not self.client.holds_pulls):
+            held_here = self.client.holds_pulls and self.encoder.compressing(self.clock())
+            if clip is None or hold == "off" or (hold == "sync" and not held_here):
                 self._held = False
             else:
                 for job in self._jobs:
