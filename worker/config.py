@@ -176,8 +176,7 @@ class EncoderConfig:
     clipped: buckets leave before ``step()``). 0: no clipping. :data:`AUTO_CLIP` (-1, the
     default): :data:`COMPRESSED_CLIP_NORM` (1.0) when pushes are compressed (a push codec, or
     1-bit Adam), none for float32 pushes, as torch clips nothing unless asked. A norm given
-    clips every push, float32 ones too (until 2026-12-06 float32 pushes were never clipped,
-    which left a DDP-equivalent bitps sync fp32 run unclipped beside a clipped DDP one)."""
+    clips every push, float32 ones too."""
     codec_seed: int = 0
     """Seed of the sparse codec's sampling and stochastic rounding (mixed with rank, key and
     step, so runs repeat exactly)."""

@@ -26,13 +26,13 @@ fit one bucket pushes one such bucket: either is pushed with ``s`` exactly.
 
 The correction one step late is not free: on the e2e MoE (clipped at 1.0 nearly every step) it
 cost sync 1-bit Adam 3.7 % of final loss. So in sync jobs with compressed pushes
-(``OverlapConfig.hold_when_clipping``)
-a step that follows a clipped step (or the first step, whose predecessor is unknown) pushes
-nothing from backward's hooks: it is one payload with ``s`` exactly, as with overlap off
-(:attr:`StepClip.expects_clipping`); only a step that clips after one that did not is pushed
-with predicted factors and corrected. Async runs and float32 pushes keep the predicted
-factors by default: on the e2e LM async 1-bit Adam did better without the hold, and sync fp32
-runs reached DDP's target sooner without it on the LM and the MoE (the hold gives up overlap).
+(``OverlapConfig.hold_when_clipping``) a step that follows a clipped step (or the first step,
+whose predecessor is unknown) pushes nothing from backward's hooks: it is one payload with
+``s`` exactly, as with overlap off (:attr:`StepClip.expects_clipping`); only a step that clips
+after one that did not is pushed with predicted factors and corrected. Async runs and float32
+pushes keep the predicted factors by default: on the e2e LM async 1-bit Adam did better
+without the hold, and sync fp32 runs reached DDP's target sooner without it on the LM and the
+MoE (the hold gives up overlap).
 """
 
 from __future__ import annotations
