@@ -277,8 +277,8 @@ def test_the_default_holds_only_compressed_pushes_where_shards_hold_pulls():
 
 def _raw_sync_step(clip_norm: float, mode: str = "off") -> tuple[list, list]:
     """One sync step of ``_Net`` with float32 pushes on an SGD shard (lr 1, so the update is
-    what was pushed), the loss scaled so the gradient's norm is far above 1; returns the
-    parameters before and after."""
+    what was pushed), the loss scaled so the gradient's norm is far above 1; returns what the
+    shard applied to each parameter and the gradients backward left."""
     from bitps.worker.training.model import PSModel
 
     torch.set_num_threads(1)
