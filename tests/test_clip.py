@@ -8,6 +8,8 @@ residuals equals the sum of the exactly clipped gradients, ``sum_t s_t g_t``.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -162,6 +164,17 @@ def test_one_bit_adam_with_worker_moments_clips_under_overlap_and_stays_bit_iden
     assert any(np.any(r) for r in ps_model.encoder.residuals(clock=7).values())
 
 
+@contextlib.contextmanager
+def _sync_shard(name: str, lr: float):
+    """A sync shard of rule ``name`` in this process; yields its address."""
+    shard = create_server(ServerConfig(mode="sync", metrics_port=-1,
+                                       optimizer=OptimizerConfig(name=name, lr=lr)))
+    try:
+        yield f"127.0.0.1:{shard.ports['grpc_port']}"
+    finally:
+        shard.stop(0)
+
+
 def _clipped_sync_run(mode: str, bucket_bytes: int, jitter: int | None = None, *,
                       hold: str = "off", clip_norm: float = 0.5,
                       holds_pulls: bool = False, codec: str = "sign1") -> dict:
@@ -177,11 +190,9 @@ def _clipped_sync_run(mode: str, bucket_bytes: int, jitter: int | None = None, *
     from bitps.worker.training.model import PSModel
 
     torch.set_num_threads(1)
-    shard = create_server(ServerConfig(mode="sync", metrics_port=-1,
-                                       optimizer=OptimizerConfig(name="adam", lr=1e-2)))
-    try:
+    with _sync_shard("adam", 1e-2) as server:
         model = _Net()
-        client = PSClient(ClientConfig(servers=(f"127.0.0.1:{shard.ports['grpc_port']}",),
+        client = PSClient(ClientConfig(servers=(server,),
                                        partition_bytes=4096, compress_min_bytes=1024,
                                        clip_norm=clip_norm,
                                        push_codec=CodecConfig(name=codec, chunk=64)))
@@ -206,8 +217,6 @@ def _clipped_sync_run(mode: str, bucket_bytes: int, jitter: int | None = None, *
         ps_model.close()
         return {"params": out, "buckets": len(ps_model.buckets), "overlapped": overlapped,
                 "factors": factors, "held": client.metrics.held_steps.value}
-    finally:
-        shard.stop(0)
 
 
 def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -282,13 +291,10 @@ def _raw_sync_step(clip_norm: float, mode: str = "off") -> tuple[list, list]:
     from bitps.worker.training.model import PSModel
 
     torch.set_num_threads(1)
-    shard = create_server(ServerConfig(mode="sync", metrics_port=-1,
-                                       optimizer=OptimizerConfig(name="sgd", lr=1.0)))
-    try:
+    with _sync_shard("sgd", 1.0) as server:
         model = _Net()
         before = [p.detach().clone() for p in model.parameters()]
-        client = PSClient(ClientConfig(servers=(f"127.0.0.1:{shard.ports['grpc_port']}",),
-                                       partition_bytes=4096))
+        client = PSClient(ClientConfig(servers=(server,), partition_bytes=4096))
         ps_model = PSModel(model, client, encoder=EncoderConfig(clip_norm=clip_norm),
                            overlap=OverlapConfig(mode=mode, bucket_bytes=8192,
                                                  hold_when_clipping="on"))
@@ -299,8 +305,6 @@ def _raw_sync_step(clip_norm: float, mode: str = "off") -> tuple[list, list]:
         ps_model.synchronize()
         after = [p.detach().clone() for p in model.parameters()]
         ps_model.close()
-    finally:
-        shard.stop(0)
     return [b - a for b, a in zip(before, after)], grads
 
 

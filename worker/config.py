@@ -23,6 +23,22 @@ OVERLAP_MODES = ("auto", "on", "off")
 HOLD_MODES = ("sync", "on", "off")
 
 
+AUTO_CLIP = -1.0
+"""``EncoderConfig.clip_norm``'s default: clip compressed pushes at :data:`COMPRESSED_CLIP_NORM`,
+float32 ones not at all."""
+COMPRESSED_CLIP_NORM = 1.0
+"""The norm :data:`AUTO_CLIP` clips compressed pushes to: sign1 and 1-bit Adam train the demo
+model and the e2e models with it (error feedback carries what a gradient spike would leave)."""
+
+
+def check_clip_norm(value: float) -> None:
+    """``ValueError`` unless ``value`` is a norm (>= 0; 0 = off) or :data:`AUTO_CLIP`."""
+    if not (value >= 0 or value == AUTO_CLIP):
+        raise ValueError(f"clip_norm must be >= 0 (0 = no clipping) or {AUTO_CLIP:g} (auto: "
+                         f"{COMPRESSED_CLIP_NORM:g} for compressed pushes, none for float32 "
+                         f"ones), got {value}")
+
+
 @dataclass(kw_only=True, frozen=True)
 class ClientConfig:
     """How a worker rank reaches the shards."""
@@ -75,7 +91,7 @@ class ClientConfig:
     """Deprecated: :attr:`EncoderConfig.pull_codec`."""
     compress_min_bytes: int = 1 << 20
     """Deprecated: :attr:`EncoderConfig.compress_min_bytes`."""
-    clip_norm: float = -1.0
+    clip_norm: float = AUTO_CLIP
     """Deprecated: :attr:`EncoderConfig.clip_norm`."""
     codec_seed: int = 0
     """Deprecated: :attr:`EncoderConfig.codec_seed`."""
@@ -136,22 +152,6 @@ class ClientConfig:
 
 _COMPRESSION_FIELDS = ("push_codec", "pull_codec", "compress_min_bytes", "clip_norm",
                        "codec_seed")
-AUTO_CLIP = -1.0
-"""``EncoderConfig.clip_norm``'s default: clip compressed pushes at :data:`COMPRESSED_CLIP_NORM`,
-float32 ones not at all."""
-COMPRESSED_CLIP_NORM = 1.0
-"""The norm :data:`AUTO_CLIP` clips compressed pushes to: sign1 and 1-bit Adam train the demo
-model and the e2e models with it (error feedback carries what a gradient spike would leave)."""
-
-
-def check_clip_norm(value: float) -> None:
-    """``ValueError`` unless ``value`` is a norm (>= 0; 0 = off) or :data:`AUTO_CLIP`."""
-    if not (value >= 0 or value == AUTO_CLIP):
-        raise ValueError(f"clip_norm must be >= 0 (0 = no clipping) or {AUTO_CLIP:g} (auto: "
-                         f"{COMPRESSED_CLIP_NORM:g} for compressed pushes, none for float32 "
-                         f"ones), got {value}")
-
-
 @dataclass(kw_only=True, frozen=True)
 class EncoderConfig:
     """How a worker turns gradients into pushes (``worker.training.encoder.Encoder``)."""

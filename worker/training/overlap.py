@@ -143,8 +143,8 @@ class Overlap:
         step is done (the factor it ended with is made as its last payload is)."""
         if self._held is None:
             clip, hold = self.staging.clip, self.cfg.hold_when_clipping
-            held_here = self.client.holds_pulls and self.encoder.compressing(self.clock())
-            if clip is None or hold == "off" or (hold == "sync" and not held_here):
+            if clip is None or hold == "off" or (hold == "sync" and not (
+                    self.client.holds_pulls and self.encoder.compressing(self.clock()))):
                 self._held = False
             else:
                 for job in self._jobs:
