@@ -392,6 +392,8 @@ def _measure(case: Case, s: E2EBench, lines: list[list[dict]], shard_cpu: list[f
                                 else None),
         "push_wire_bytes_per_step": float(np.mean([d["push_wire_bytes"] for d in done])) / steps,
         "rank_cpu_s_per_step": [d["cpu_s"] / n for d, n in zip(done, counts)],
+        "rank_faults_per_step": [d["minor_faults"] / n for d, n in zip(done, counts)],
+        "rank_max_rss_mib": [d["max_rss_mib"] for d in done],
         "shard_cpu_s_per_step": [c / steps for c in shard_cpu],
         "overlap": [d.get("overlap") for d in done],
         "held_steps": [d.get("held_steps") for d in done],

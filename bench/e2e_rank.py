@@ -16,13 +16,15 @@ The settings (JSON) say what kind of rank it is:
 Every rank reads the demo corpus with its own rank's batches (``worker.demo.batches``), the
 same for every run, and prints one JSON line per step (``loss``, the wall-clock ``end`` of the
 step, the ``exposed`` communication ``PSModel`` measured) and a ``done`` line (CPU seconds of
-this process, bytes pushed on the wire).
+this process, bytes pushed on the wire, its peak resident set and the minor page faults of its
+steps).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 import time
 
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule.factor)
     print(json.dumps({"event": "start", "rank": s["rank"],
                       "params": sum(p.numel() for p in model.parameters())}), flush=True)
-    cpu0 = time.process_time()
+    cpu0, faults0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for step in range(s["steps"]):
         t0 = time.time()
         input_ids, labels = (t.to(device) for t in next(data))
@@ -198,6 +200,11 @@ def main(argv: list[str] | None = None) -> int:
                     rounds=local.clock)
         local.close()
     done["cpu_s"] = time.process_time() - cpu0
+    # memory: the peak resident set, and the pages first touched during the steps (each a
+    # fault the kernel zeroes a page for: memory freed to the system and taken back)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    done["max_rss_mib"] = usage.ru_maxrss / 1024
+    done["minor_faults"] = usage.ru_minflt - faults0
     if kind == "ddp":
         import torch.distributed as dist
 

@@ -63,6 +63,8 @@ _COLUMNS = [("run", "run"), ("lr", "lr"), ("samples_per_s", "samples/s"),
             ("time_to_target_s", "s to target"),
             ("rank_cpu_ms", "rank CPU ms/step"),
             ("shard_cpu_ms", "shard CPU ms/step"),
+            ("rank_faults_k", "rank page faults k/step"),
+            ("rank_rss_mib", "rank peak RSS MiB"),
             ("phase_step_ms", "1-bit Adam step ms, warm-up / compressed"),
             ("phase_rank_cpu_ms", "1-bit Adam rank CPU ms/step, warm-up / compressed"),
             ("phase_shard_cpu_ms", "1-bit Adam shard CPU ms/step, warm-up / compressed"),
@@ -133,6 +135,9 @@ def _row(case_name: str, r: dict, marks: _Marks, batch: int) -> dict:
            "rank_cpu_ms": [round(c * 1e3) for c in r["rank_cpu_s_per_step"]],
            "shard_cpu_ms": [round(c * 1e3) for c in r["shard_cpu_s_per_step"]],
            "sweep": r["sweep"]}
+    if "rank_faults_per_step" in r:  # recorded since 2026-12-06
+        row["rank_faults_k"] = [round(f / 1e3, 1) for f in r["rank_faults_per_step"]]
+        row["rank_rss_mib"] = [round(m) for m in r["rank_max_rss_mib"]]
     if "rank_rates" in r:
         row["rank_steps"], row["rank_steps_per_s"] = r["rank_steps"], r["rank_rates"]
     if any(r.get("overlap") or ()):  # each rank: overlap on, and steps held for their clip
