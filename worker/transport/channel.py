@@ -185,7 +185,8 @@ class Request:
     header: pb.DataHeader
     payload: list
     outs: Sequence[np.ndarray]
-    handle: Handle
+    handle: Handle | None
+    """The handle this is part of; ``None`` once :meth:`settle` told it the outcome."""
     deadline: float
     op: int
     nbytes: int
@@ -193,6 +194,15 @@ class Request:
     """Send payload frames by copy: they live in buffers reused by the next encode."""
     clock: int = 0
     """The worker's clock (``header.clock`` is this plus the shard's clock shift)."""
+
+    def settle(self, error: PSError | None, shard: int) -> None:
+        """Tell the handle this part is done (answered, refused or expired), then let go of
+        it. The handle keeps its requests for a redo; a request that kept its handle as well
+        would close a reference cycle, and the payloads (a raw push's gradients, sent
+        zero-copy) would outlive the step until Python's cyclic collector ran: a worker's
+        memory grew by a gradient per step between collections, every step's in fresh pages."""
+        handle, self.handle = self.handle, None
+        handle._part_done(error, shard)
 
 
 class CodeApplier:
@@ -344,7 +354,7 @@ class Channel:
             # A pull the shard held past its deadline is the same failure as a late answer.
             err = (PSTimeoutError(header.message, shard=shard) if header.error == pb.DEADLINE
                    else PSError(header.error, header.message, shard=shard))
-            return req.handle._part_done(err, shard)
+            return req.settle(err, shard)
         error, nbytes, codecs = None, 0, header.frame_codecs
         published = None
         for i, (key, out) in enumerate(zip(req.keys, req.outs)):
@@ -376,7 +386,7 @@ class Channel:
             error = PSError(pb.UNKNOWN_KEY, f"reply names keys {list(header.keys)[:8]}; asked "
                             f"for {req.keys[:8]}", shard=shard)
         if error is not None:
-            return req.handle._part_done(error, shard)
+            return req.settle(error, shard)
         for key, version in zip(req.keys, header.versions):
             self.versions[key] = version
         self.min_clock = header.min_clock
@@ -389,7 +399,7 @@ class Channel:
                 m.pull_bytes.inc(nbytes)
                 m.pull_latency.observe(elapsed)
             m.min_clock.set(header.min_clock)
-        req.handle._part_done(None, shard)
+        req.settle(None, shard)
 
     def _apply_updates(self, frame: memoryview, out: np.ndarray, key: int, version: int,
                        codec: Codec, shard: int) -> PSError | None:
@@ -419,7 +429,7 @@ class Channel:
         for r in [r for r in self.inflight.values() if now > r.deadline]:
             del self.inflight[r.request_id]
             self.pending[r.shard] -= 1
-            r.handle._part_done(PSTimeoutError(
+            r.settle(PSTimeoutError(
                 f"{r.handle.what}: shard {r.shard} ({self.servers[r.shard]}) did not answer "
                 f"within {r.handle.deadline_s:.1f} s", shard=r.shard), r.shard)
 
@@ -431,7 +441,7 @@ class Channel:
         with self.lock:
             for r in [r for r in self.inflight.values() if r.shard == shard]:
                 del self.inflight[r.request_id]
-                r.handle._part_done(PSTimeoutError(
+                r.settle(PSTimeoutError(
                     f"{r.handle.what}: shard {shard} ({self.servers[shard]}) was lost; the "
                     f"request was dropped with its connection", shard=shard), shard)
             self.pending[shard] = 0
