@@ -257,8 +257,12 @@ def test_a_shard_killed_mid_run_restarts_from_its_checkpoint_and_training_comple
     log = workers[0].log.read_text()
     # Shard 1 was recovered with nothing lost. Shard 0 may be recovered too: worker 0 was
     # frozen past its pull's deadline there, and a redo to a shard that kept its clock is
-    # answered from the exactly-once window.
-    assert re.search(r"recovering shards \[(\d+, )*1\]", log), log
+    # answered from the exactly-once window. Or worker 0's pull was answered before the kill
+    # (worker 1's push was on its way when worker 1 froze, and the shard finishes what
+    # reached it): then the new life is found from its incarnation before the next request
+    # (a full run of 2026-12-06 failed on that timing, its counts and clocks all as here).
+    assert re.search(r"recovering shards \[(\d+, )*1\]|shard 1 restarted \(incarnation",
+                     log), log
     assert "steps of updates lost" not in log, log
     for s in statuses:
         assert {w.rank: w.clock for w in s.workers} == {0: STEPS, 1: STEPS}
