@@ -267,6 +267,8 @@ class Channel:
                 old = self.inflight.get(req.request_id)
                 if old is not None:  # sent again (PSClient.complete): one answer expected
                     self.pending[old.shard] -= 1
+                    if old is not req:
+                        old.handle = None  # the answer goes to the redo's handle
                 self.inflight[req.request_id] = req
                 self.pending[req.shard] += 1
                 sock, payload = self.dealers[req.shard], req.payload
