@@ -24,9 +24,13 @@ from bitps.bench.config import E2EBench
 from bitps.bench.models import MODELS
 from bitps.bench.report import DEFAULT_OUT, check, moving_average, write_results
 
-__all__ = ["RECOMMENDED", "TARGET_RUN", "best_run", "checks", "final_loss", "report"]
+__all__ = ["CEILING", "RECOMMENDED", "TARGET_RUN", "best_run", "checks", "final_loss",
+           "report"]
 
 RECOMMENDED = "bitps ssp 1-bit Adam at DDP fp32's lr"
+CEILING = "ceiling (no traffic)"
+"""The run every other one is held against: the same ranks training without traffic."""
+
 TARGET_RUN = "DDP fp32"
 # the best bitps time to target against the best DDP variant's: at most 0.8x on the LM, under
 # 1x on the MoE (the MoE's small dense share leaves less traffic to save) and elsewhere
@@ -96,13 +100,16 @@ class _Marks:
         learners = [n for n, r in results.items() if r["lr"] is not None]
         return cls(window=window, target=target,
                    equal_time=min((results[n]["time"][-1] for n in learners), default=None),
-                   ceiling=results.get("ceiling (no traffic)"),
+                   ceiling=results.get(CEILING),
                    compute=results.get("compute-only"),
                    fp32_wire=(results.get(TARGET_RUN) or {}).get("wire_bytes_per_step"))
 
 
 def report(results: dict[str, dict], s: E2EBench, *, busy: float, link_note: str,
-            link_kind: str, raw_link: dict | None, out: Path | None) -> dict:
+            link_kind: str, raw_link: dict | None, out: Path | None,
+            ceiling_again: dict | None = None) -> dict:
+    """Rows, checks and notes of a run's ``results``; ``ceiling_again``: the ceiling run
+    once more after every other (how far the machine's speed drifted over the run)."""
     spec = MODELS[s.model]
     marks = _Marks.of(results, s)
     rows = [_row(case_name, r, marks, spec.batch) for case_name, r in results.items()]
@@ -116,9 +123,11 @@ def report(results: dict[str, dict], s: E2EBench, *, busy: float, link_note: str
               "equal_time_s": marks.equal_time, "link": link_kind, "link_note": link_note,
               "raw_link": raw_link, "memcpy_gbps": _memcpy_gbps(), "machine_busy_before": busy,
               "model_description": spec.description, "batch_per_worker": spec.batch,
-              "seq_len": spec.seq_len}
+              "seq_len": spec.seq_len,
+              "ceiling_again": _drift(results.get(CEILING), ceiling_again)}
     write_results(s.name, config=config, rows=rows, checks=judged, out=out,
-                  notes=_notes(s, marks, link_note, raw_link, busy) + _profiles(rows),
+                  notes=(_notes(s, marks, link_note, raw_link, busy)
+                         + _drift_note(config["ceiling_again"]) + _profiles(rows)),
                   columns=_COLUMNS)
     curves = {n: {"loss": r["loss"], "time": r["time"]} for n, r in results.items()
               if r["lr"] is not None}
@@ -262,6 +271,28 @@ def _notes(s: E2EBench, marks: _Marks, link_note: str, raw_link: dict | None,
             + (" Straggler: worker 1 computes 1.5x slower." if s.straggler else ""))
 
 
+def _drift(first: dict | None, again: dict | None) -> dict | None:
+    """The ceiling run once more at the end against its first run: samples/s and each
+    rank's CPU per step, and their ratios to the first's."""
+    if first is None or again is None:
+        return None
+    cpu = [round(c * 1e3) for c in again["rank_cpu_s_per_step"]]
+    return {"samples_per_s": again["samples_per_s"], "rank_cpu_ms": cpu,
+            "samples_per_s_vs_first": again["samples_per_s"] / first["samples_per_s"],
+            "rank_cpu_vs_first": [a / b for a, b in zip(again["rank_cpu_s_per_step"],
+                                                        first["rank_cpu_s_per_step"])]}
+
+
+def _drift_note(drift: dict | None) -> str:
+    if drift is None:
+        return ""
+    ratios = ", ".join(f"{r:.2f}" for r in drift["rank_cpu_vs_first"])
+    return (f" The ceiling again, after every other run: {drift['samples_per_s']:.2f} samples/s "
+            f"({drift['samples_per_s_vs_first']:.2f}x its first run's), rank CPU "
+            f"{drift['rank_cpu_ms']} ms/step ({ratios}x): every CPU beyond compute is read "
+            f"against the first, so it carries that drift.")
+
+
 def _profiles(rows: list[dict], n: int = 8) -> str:
     """The notes' account of ``--profile``: per profiled run and rank, its CPU per step as
     py-spy sampled it and the ``n`` functions that used most of it."""
@@ -303,7 +334,7 @@ def checks(by: dict[str, dict], s: E2EBench) -> dict:
     if s.straggler:
         sync = by.get("bitps sync fp32")
         ssps = [r for n, r in by.items() if n.startswith("bitps ssp")]
-        ceiling = by.get("ceiling (no traffic)")
+        ceiling = by.get(CEILING)
         if sync and ssps:
             ssp = max(ssps, key=lambda r: r["samples_per_s"])
             ratio = ssp["samples_per_s"] / sync["samples_per_s"]

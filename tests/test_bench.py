@@ -512,6 +512,22 @@ def test_local_sgd_exposed_communication_is_the_mean_over_steps():
     assert exposed_per_step(steady, 0, local=False) == 0.01
 
 
+def test_e2e_reports_how_far_the_ceiling_drifted_over_the_run():
+    """The ceiling, run once more after every other run, against its first run: the notes say
+    how far this machine's speed moved, which every CPU beyond compute carries."""
+    from bitps.bench.e2e_report import _drift, _drift_note
+
+    first = {"samples_per_s": 6.0, "rank_cpu_s_per_step": [1.0, 1.1]}
+    again = {"samples_per_s": 4.5, "rank_cpu_s_per_step": [1.3, 1.21]}
+    drift = _drift(first, again)
+    assert drift["samples_per_s_vs_first"] == pytest.approx(0.75)
+    assert drift["rank_cpu_ms"] == [1300, 1210]
+    assert drift["rank_cpu_vs_first"] == pytest.approx([1.3, 1.1])
+    assert "(0.75x its first run's), rank CPU [1300, 1210] ms/step (1.30, 1.10x)" in \
+        _drift_note(drift)
+    assert _drift(first, None) is None and _drift_note(None) == ""
+
+
 def test_e2e_reports_each_ranks_cpu_beyond_compute_per_phase_and_checks_it():
     """Issue 27: a rank's CPU beyond compute is its CPU less the same rank's in the ceiling
     run, per 1-bit Adam phase (the run's average mixes them), and every bitps learning run is
