@@ -152,6 +152,8 @@ class ClientConfig:
 
 _COMPRESSION_FIELDS = ("push_codec", "pull_codec", "compress_min_bytes", "clip_norm",
                        "codec_seed")
+
+
 @dataclass(kw_only=True, frozen=True)
 class EncoderConfig:
     """How a worker turns gradients into pushes (``worker.training.encoder.Encoder``)."""
