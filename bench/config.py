@@ -322,6 +322,10 @@ class ScaleBench(_Checked):
     """untimed steps of each measured point"""
     rounds: int = 5
     """rounds of the cost measurements (medians)"""
+    side_rounds: int = 2
+    """rounds of the CPU costs measured again just before and after every point (each row then
+    says how far they moved from the start and across the point, and what they predict; the
+    checks use the start's); 0: none"""
     tolerance: float = 0.15
     """largest |measured / predicted - 1| of a measured point"""
     quiet: float = 0.1
@@ -348,25 +352,28 @@ class ScaleBench(_Checked):
     """extrapolation: a worker's compute per step that the exchange overlaps (s; the problem
     statement's 30 B step)"""
     quick: bool = False
-    """8 MiB, 1 and 2 workers on 1 shard, 5 steps, 2 rounds (smoke test)"""
+    """8 MiB, 1 and 2 workers on 1 shard, 5 steps, 2 rounds, 1 side round (smoke test)"""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         # 1-bit Adam's first two steps are its warm-up and the switch to compression
         if (min(self.workers + self.shards) < 1 or not 2 <= self.warmup < self.steps
-                or not 0 < self.tolerance < 1 or self.tries < 1 or self.quiet < 0):
+                or not 0 < self.tolerance < 1 or self.tries < 1 or self.quiet < 0
+                or self.side_rounds < 0):
             raise ValueError(f"ScaleBench: workers {self.workers}, shards {self.shards}, "
                              f"warmup {self.warmup}, steps {self.steps}, tolerance "
-                             f"{self.tolerance}, tries {self.tries}, quiet {self.quiet}; "
-                             f"expected counts >= 1, 2 <= warmup < steps, 0 < tolerance < 1, "
-                             f"tries >= 1 and quiet >= 0")
+                             f"{self.tolerance}, tries {self.tries}, quiet {self.quiet}, "
+                             f"side_rounds {self.side_rounds}; expected counts >= 1, "
+                             f"2 <= warmup < steps, 0 < tolerance < 1, tries >= 1, quiet >= 0 "
+                             f"and side_rounds >= 0")
 
     def sized(self) -> ScaleBench:
         if not self.quick:
             return self
         return dataclasses.replace(self, mib=8, workers=tuple(w for w in self.workers
                                                              if w <= 2) or (1,),
-                                   shards=(min(self.shards),), steps=5, warmup=2, rounds=2)
+                                   shards=(min(self.shards),), steps=5, warmup=2, rounds=2,
+                                   side_rounds=min(self.side_rounds, 1))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,6 +11,13 @@ inputs are measured in the same run:
   push_pulls through a real shard (round trip, CPU per message);
 - wire bytes per element from the codecs (``Codec.max_bytes``).
 
+This machine's speed moves from one minute to the next (and by 2-5x between runs), so with
+``side_rounds`` > 0 every CPU cost is measured again beside each point (``bench.scale_beside``):
+the row then also says how far the costs moved from the run's start (``drift``), how much they
+differ just before and just after the point (``spread``: how well any prediction from them can
+hold), and the prediction from the costs beside it. The check uses the prediction from the
+costs measured at the start, as does the extrapolation.
+
 Then the measured points: real ``bitps-server`` shards and ``scale_rank`` workers, each on a
 node of its own, a push_pull of the whole key set per step (no model compute), at every
 workers x shards x rate x scheme; each point's step time beside the model's, checked within
@@ -33,6 +40,7 @@ from bitps.bench.cluster import emulated_cluster
 from bitps.bench.config import ScaleBench
 from bitps.bench.proc import machine_busy
 from bitps.bench.report import check, median, write_results
+from bitps.bench.scale_beside import Beside, spread_summary
 from bitps.bench.scale_cluster import Measured, measure_point, measure_wire
 from bitps.bench.scale_costs import (
     SCHEMES,
@@ -52,7 +60,8 @@ _COLUMNS = [("rate", "link"), ("scheme", "scheme"), ("workers", "workers"),
             ("predicted_ms", "predicted ms"), ("ratio", "measured / predicted"),
             ("bottleneck", "bottleneck"), ("machine_cpu_ms", "machine CPU ms"),
             ("predicted_cpu_ms", "predicted CPU ms"), ("other_cpu_ms", "other CPU ms"),
-            ("tries", "tries")]
+            ("tries", "tries"), ("beside_predicted_ms", "predicted from costs beside ms"),
+            ("drift", "costs beside / run start"), ("spread", "costs after / before")]
 
 
 def run(cfg: ScaleBench | None = None, *, out: Path | None = None) -> dict:
@@ -88,18 +97,23 @@ def run(cfg: ScaleBench | None = None, *, out: Path | None = None) -> dict:
             for name in cfg.schemes:
                 for shards in cfg.shards:
                     for workers in cfg.workers:
-                        measured.append((rate, name, workers, shards, *_quiet_point(
-                            cfg, cluster, SCHEMES[name].scheme, workers=workers,
-                            shards=shards, keys=keys, n=n)))
+                        side = Beside(cluster, name, costs[name], keys=keys, n=n,
+                                      workers=cfg.workers, rounds=cfg.side_rounds)
+                        point = _quiet_point(cfg, cluster, SCHEMES[name].scheme,
+                                             workers=workers, shards=shards, keys=keys, n=n)
+                        side.after()
+                        measured.append((rate, name, workers, shards, *point, side))
     # The link's framing is the same at every rate, and a CPU-bound echo reads it low.
     efficiency = {k: max(w.efficiency[k] for w in wires.values())
                   for k in next(iter(wires.values())).efficiency}
     wires = {r: dataclasses.replace(w, efficiency=efficiency) for r, w in wires.items()}
     here = Machines(shared_cores=cores)
     rows, checks = [], {}
-    for rate, name, workers, shards, m, tries in measured:
-        p = step_time(costs[name], wires[rate], here, workers=workers, shards=shards,
-                      model_bytes=4 * keys * n, key_bytes=4 * n)
+    for rate, name, workers, shards, m, tries, side in measured:
+        c, point = costs[name], dict(workers=workers, shards=shards, model_bytes=4 * keys * n,
+                                     key_bytes=4 * n)
+        p = step_time(c, wires[rate], here, **point)
+        beside = step_time(side.costs(), side.wire(wires[rate]), here, **point)
         ratio = m.step_s / p.seconds
         row = {"rate": rate, "scheme": SCHEMES[name].scheme.name, "workers": workers,
                "shards": shards, "measured_ms": m.step_s * 1e3, "mean_ms": m.mean_s * 1e3,
@@ -107,7 +121,11 @@ def run(cfg: ScaleBench | None = None, *, out: Path | None = None) -> dict:
                "encode_ms": m.encode_s * 1e3, "machine_cpu_ms": m.machine_cpu_s * 1e3,
                "other_cpu_ms": m.other_cpu_s * 1e3, "tries": tries,
                "predicted_cpu_ms": 1e3 * (p.terms["machine CPU"] * here.shared_cores
-                                          + workers * costs[name].encode * 4 * keys * n),
+                                          + workers * c.encode * 4 * keys * n),
+               "beside_predicted_ms": beside.seconds * 1e3 if side.measured else None,
+               "beside_ratio": m.step_s / beside.seconds if side.measured else None,
+               "drift": side.drift(wires[rate]), "spread": side.spread(),
+               "beside": side.figures,
                "worker_cpu_ms": [round(c * 1e3, 1) for c in m.worker_cpu_s],
                "shard_cpu_ms": [round(c * 1e3, 1) for c in m.shard_cpu_s],
                "terms_ms": {k: round(v * 1e3, 2) for k, v in p.terms.items()}}
@@ -116,6 +134,10 @@ def run(cfg: ScaleBench | None = None, *, out: Path | None = None) -> dict:
                f"{cfg.tolerance:.0%}"] = check(round(ratio, 3), f"{1 - cfg.tolerance:g} .. "
                                                 f"{1 + cfg.tolerance:g}",
                                                 abs(ratio - 1) <= cfg.tolerance)
+    side = spread_summary([r["spread"] for r in rows], cfg.tolerance)
+    if side is not None:
+        side["beside_within_tolerance"] = sum(abs(r["beside_ratio"] - 1) <= cfg.tolerance
+                                              for r in rows if r["beside_ratio"] is not None)
     machines = Machines(shard_cores=cfg.shard_cores, core_bandwidth=bandwidth,
                         machine_bandwidth=cfg.shard_memory_gbps * 1e9)
     # one flow's efficiency: how 64 flows into a port fare is the switch's buffers' and the
@@ -130,12 +152,14 @@ def run(cfg: ScaleBench | None = None, *, out: Path | None = None) -> dict:
               "links": links, "wires": {r: dataclasses.asdict(w) for r, w in wires.items()},
               "costs": {k: dataclasses.asdict(c) for k, c in costs.items()},
               "cost_figures_ms": figures,
+              "beside": side,
               "per_message_in_process_us": {"shard_handle": handle_s * 1e6,
                                             "worker_thread": thread_s * 1e6},
               "extrapolation": extrapolation, "seconds": round(time.monotonic() - t0, 1)}
     _, md = write_results("scale", config=config, rows=rows, checks=checks, out=out,
                           columns=_COLUMNS,
-                          notes=_notes(cfg, busy, links, wires, bandwidth, contention))
+                          notes=_notes(cfg, busy, links, wires, bandwidth, contention, side,
+                                       len(rows)))
     with md.open("a") as f:
         f.write(_extrapolation_md(cfg, extrapolation))
     return {"rows": rows, "checks": checks}
@@ -237,7 +261,14 @@ def _extrapolation_md(cfg: ScaleBench, rows: list[dict]) -> str:
 
 
 def _notes(cfg: ScaleBench, busy: float, links: dict, wires: dict[str, WireCosts],
-           bandwidth: float, contention: float) -> str:
+           bandwidth: float, contention: float, side: dict | None, points: int) -> str:
+    beside = "" if side is None else (
+        f" Costs beside each point ({cfg.side_rounds} rounds just before it and just after "
+        f"it; bench/scale_beside.py): across one point they moved by a median factor of "
+        f"{side['median_factor']:.2f} (largest {side['largest_factor']:.2f}), by more than "
+        f"{cfg.tolerance:.0%} at {side['beyond_tolerance']:.0%} of the points; predicted from "
+        f"them, {side['beside_within_tolerance']} of {points} points are within "
+        f"{cfg.tolerance:.0%} (the checks use the costs measured at the start).")
     wire = "; ".join(
         f"{rate}: {links[rate]['kind']}, payload "
         + ", ".join(f"{e:.3f}" for e in w.efficiency.values())
@@ -259,4 +290,4 @@ def _notes(cfg: ScaleBench, busy: float, links: dict, wires: dict[str, WireCosts
             f"(/proc/stat), beside the model's; other CPU ms: the machine's less this point's "
             f"processes' (other work; a point with more than {cfg.quiet:.0%} of a core of it "
             f"was measured again, up to {cfg.tries} times, the quietest kept). Machine busy "
-            f"before the run: {busy:.0%}.")
+            f"before the run: {busy:.0%}.{beside}")

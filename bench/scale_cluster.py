@@ -23,7 +23,7 @@ from bitps.bench.proc import ReadyProcess, process_cpu
 from bitps.bench.report import median
 from bitps.bench.scale_model import WireCosts
 
-__all__ = ["Measured", "Scheme", "measure_point", "measure_wire"]
+__all__ = ["Measured", "Scheme", "measure_point", "measure_wire", "measure_wire_cpu"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,11 +206,8 @@ def measure_wire(cluster: Cluster, *, key_bytes: int, echo_keys: int, flows: tup
     same messages and the same wait for every client as a sync shard, no PS work): for each
     count ``k`` of ``flows``, ``k`` clients each sending ``echo_keys`` messages of
     ``key_bytes`` per round as a worker pushes its keys (the payload rate of the ``k`` flows
-    through the peer's port over the link's rate); for each of ``message_sizes``, one client
-    (the machine's CPU per byte that crosses, beyond the CPU of as many 1 KiB messages: a
-    slow link delivers a message's packets one by one, and its receivers wake for each);
-    then ``tiny_steps`` push_pulls of one 1 KiB key through a real shard (the round trip, and
-    the CPU of a message)."""
+    through the peer's port over the link's rate); then the CPU (:func:`measure_wire_cpu`),
+    whose small push_pulls also give the round trip."""
     rate_bps = _rate_bps(cluster.rate) if cluster.kind == "netns" else float("inf")
     efficiency = {}
     for k in flows:
@@ -221,7 +218,20 @@ def measure_wire(cluster: Cluster, *, key_bytes: int, echo_keys: int, flows: tup
                           for ls in lines)
         efficiency[k] = (k * (echo_keys - 1) * key_bytes * 8 / streaming_s / rate_bps
                          if cluster.kind == "netns" and echo_keys > 1 else 1.0)
+    cpu, round_trip = measure_wire_cpu(cluster, echo_keys=echo_keys, message_sizes=message_sizes,
+                                       rounds=rounds, tiny_steps=tiny_steps)
+    return WireCosts(rate_bps=rate_bps, efficiency=efficiency, round_trip=round_trip, **cpu)
 
+
+def measure_wire_cpu(cluster: Cluster, *, echo_keys: int, message_sizes: tuple[int, ...],
+                     rounds: int, tiny_steps: int) -> tuple[dict[str, object], float]:
+    """The wire's CPU, the part of :class:`WireCosts` that moves with the machine's speed (so
+    ``bitps-bench scale`` measures it again beside every point): for each of
+    ``message_sizes``, one echo client (the machine's CPU per byte that crosses, beyond the
+    CPU of as many 1 KiB messages: a slow link delivers a message's packets one by one, and
+    its receivers wake for each); then ``tiny_steps`` push_pulls of one 1 KiB key through a
+    real shard (the CPU of a message, the shard's and the worker's shares). Returns those
+    fields of :class:`WireCosts` and the small push_pull's round trip."""
     def cpu_per_message(size: int) -> float:
         # enough rounds for the CPU counters' 10 ms ticks to resolve it
         many = max(rounds, min(400, (64 << 20) // (echo_keys * size)))
@@ -234,9 +244,9 @@ def measure_wire(cluster: Cluster, *, key_bytes: int, echo_keys: int, flows: tup
     fp32 = Scheme(name="fp32", optimizer="adam", push_codec="raw")
     tiny = measure_point(cluster, fp32, workers=1, shards=1, keys=1, n=256, steps=tiny_steps,
                          warmup=max(2, tiny_steps // 10))
-    return WireCosts(rate_bps=rate_bps, efficiency=efficiency, cpu_per_byte=cpu_per_byte,
-                     message_cpu=tiny.machine_cpu_s, shard_message_cpu=tiny.shard_cpu_s[0],
-                     worker_message_cpu=tiny.worker_cpu_s[0], round_trip=tiny.step_s)
+    return {"cpu_per_byte": cpu_per_byte, "message_cpu": tiny.machine_cpu_s,
+            "shard_message_cpu": tiny.shard_cpu_s[0],
+            "worker_message_cpu": tiny.worker_cpu_s[0]}, tiny.step_s
 
 
 def _rate_bps(rate: str) -> float:

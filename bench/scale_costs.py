@@ -185,11 +185,21 @@ def measure_contention(names, *, keys: int, n: int, cores: int,
                                                          tx)) for _, tx in pipes]
         for c in children:
             c.start()
+        for _, tx in pipes:
+            tx.close()  # a child's end only: its death then reads as EOF here, not a hang
         try:
             return max(rx.recv() for rx, _ in pipes)
+        except EOFError:
+            for c in children:
+                c.join(10)
+            raise RuntimeError(f"contention of {name!r}: a child exited without its figure "
+                               f"(exit codes {[c.exitcode for c in children]}; expected "
+                               f"every one to report)") from None
         finally:
             for c in children:
                 c.join(60)
+                if c.is_alive():
+                    c.kill()
 
     return {name: max(1.0, run(name, cores) / run(name, 1)) for name in names}
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["Machines", "Prediction", "SchemeCosts", "WireCosts", "shards_needed", "step_time"]
+__all__ = ["MESSAGE_BYTES", "Machines", "Prediction", "SchemeCosts", "WireCosts",
+           "message_counts", "shards_needed", "step_time"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,13 +126,33 @@ class Prediction:
     terms: dict[str, float] = field(default_factory=dict)
 
 
+MESSAGE_BYTES = 256 << 10
+"""``ClientConfig.message_bytes``'s default: the wire bytes a worker batches keys up to."""
+
+
+def message_counts(c: SchemeCosts, *, keys: float, shards: int, key_bytes: float,
+             message_bytes: float = MESSAGE_BYTES) -> tuple[int, int]:
+    """The messages a worker sends per step for ``keys`` keys of ``key_bytes`` spread evenly
+    over ``shards`` shards: ``(to the busiest shard, to all)``. The client batches a shard's
+    keys up to ``message_bytes`` on the wire, each key counting the larger of its push and its
+    reply (``worker.transport.messages``), at least one key a message: a 1 MiB key travels
+    alone raw and seven to a message as a sign1 code."""
+    per = max(1, math.floor(message_bytes / (max(c.push_bytes, c.pull_bytes) * key_bytes)))
+    q, r = divmod(max(1, math.ceil(keys)), shards)  # r shards hold q + 1 keys, the rest q
+    busiest = math.ceil((q + (r > 0)) / per)
+    return busiest, r * math.ceil((q + 1) / per) + (shards - r) * math.ceil(q / per)
+
+
 def step_time(c: SchemeCosts, w: WireCosts, m: Machines, *, workers: int, shards: int,
-              model_bytes: float, key_bytes: float) -> Prediction:
+              model_bytes: float, key_bytes: float,
+              message_bytes: float = MESSAGE_BYTES) -> Prediction:
     """One sync step of ``workers`` workers over ``shards`` shards: every worker pushes every
-    key of a ``model_bytes`` float32 key set (keys of ``key_bytes``, one message each) and
-    pulls it back. With ``B`` the key set's bytes, ``W`` workers, ``S`` shards, ``K = B /
-    key_bytes`` keys, ``L_k`` the link's payload rate with ``k`` flows through the busier
-    port (``efficiency(k) x rate / 8``)::
+    key of a ``model_bytes`` float32 key set (keys of ``key_bytes``) and pulls it back. With
+    ``B`` the key set's bytes, ``W`` workers, ``S`` shards, ``K = B / key_bytes`` keys,
+    ``M`` and ``N`` the messages a worker sends the busiest shard and all of them
+    (:func:`message_counts`: the keys batched up to ``message_bytes`` on the wire), ``L_k``
+    the link's payload rate with ``k`` flows through the busier port (``efficiency(k) x rate /
+    8``)::
 
         T = encode + max(pipeline, machine CPU)
 
@@ -140,15 +161,15 @@ def step_time(c: SchemeCosts, w: WireCosts, m: Machines, *, workers: int, shards
           push link = p B max(1 / L_S, W / (S L_W))  (the busier end: a worker's NIC out,
                                                       S flows, or a shard's NIC in, W flows)
           pull link = q B max(1 / L_S, W / (S L_W))
-          shard     = (a + b W) B / S / speedup + m_s W K / S   (a shard's update thread)
-          worker    = d B + m_w K                (a worker's receive and decode)
-          fill      = round trip + (sum of the four - the largest) / (K / S)
+          shard     = (a + b W) B / S / speedup + m_s W M   (a shard's update thread)
+          worker    = d B + m_w N                (a worker's receive and decode)
+          fill      = round trip + (sum of the four - the largest) / M
 
     and where the processes share ``C`` cores (the emulated cluster; with a machine of its own
     per process these terms drop out)::
 
         Y          = (a + b W) B + W d B          (the kernels' CPU, measured in process)
-        Z          = W (p c_p + q c_q) B + m W K  (the wire's and the messages' CPU, measured
+        Z          = W (p c_p + q c_q) B + m W N    (the wire's and the messages' CPU, measured
                                                    on the cluster, both ends at once)
         machine CPU = (k(C) Y + Z) / C
         encode     = e B max(1, W / C) k(min(W, C))
@@ -161,12 +182,14 @@ def step_time(c: SchemeCosts, w: WireCosts, m: Machines, *, workers: int, shards
     ``c_q`` (the CPU per byte of messages of ``p`` and ``q`` key bytes), ``m``, ``m_s``,
     ``m_w``: :class:`WireCosts`; ``speedup``: :class:`Machines`.) Why this shape: a
     sync worker encodes every key before it sends the first, and waits for the last pull
-    before it encodes again, so the encode is serial; the keys then stream through the links,
-    the shard and the worker's receive as a pipeline (a shard updates key ``k`` and answers
-    every worker as soon as all pushed it, while key ``k + 1`` arrives), whose time is its
-    slowest stage's plus one key's way through the others (the first key in, the last key
-    out). ``W / S``: each shard takes every worker's share of its keys (the plan spreads them
-    evenly); with fewer workers than shards a worker's own NIC is the busier end. On one
+    before it encodes again, so the encode is serial; the messages then stream through the
+    links, the shard and the worker's receive as a pipeline (a shard updates a message's keys
+    and answers every worker as soon as all pushed them, while the next message arrives),
+    whose time is its slowest stage's plus one message's way through the others (the first in,
+    the last out); every message costs CPU of its own on both ends beyond its bytes (wake-ups,
+    the receive loops, ZeroMQ), which is why ``M`` and not ``K`` counts it. ``W / S``: each
+    shard takes every worker's share of its keys (the plan spreads them evenly); with fewer
+    workers than shards a worker's own NIC is the busier end. On one
     machine every process and the kernel's network path share the cores, so the pipeline's
     CPU over the cores bounds it too; the kernels are memory-bound, so they run slower while
     other cores work: ``k(n)`` with ``n`` cores busy (``u``: on average over the pipeline;
@@ -181,15 +204,16 @@ def step_time(c: SchemeCosts, w: WireCosts, m: Machines, *, workers: int, shards
                          f"key_bytes {key_bytes}: expected workers, shards >= 1 and sizes > 0")
     big_w, s, b, cores = workers, shards, float(model_bytes), m.shared_cores
     keys = max(1.0, b / key_bytes)
-    per_shard_keys = max(1.0, keys / s)
+    per_shard, per_worker = message_counts(c, keys=keys, shards=s, key_bytes=key_bytes,
+                                           message_bytes=message_bytes)
     # a shard's port carries a flow from every worker, a worker's one to every shard
     shard_port = big_w * b / s / (w.efficiency_at(big_w) * w.rate_bps / 8)
     worker_port = b / (w.efficiency_at(s) * w.rate_bps / 8)
     update = (c.shard_fixed + c.shard_per_push * big_w) * b  # every shard's, together
     # the in-process kernels' CPU (what contention slows), and the messages' on the cluster
     kernels = {"shard CPU": update / s / m.shard_speedup, "worker CPU": c.apply * b}
-    messages = {"shard CPU": w.shard_message_cpu * big_w * per_shard_keys,
-                "worker CPU": w.worker_message_cpu * keys}
+    messages = {"shard CPU": w.shard_message_cpu * big_w * per_shard,
+                "worker CPU": w.worker_message_cpu * per_worker}
     stages = {
         "push link": c.push_bytes * max(worker_port, shard_port),
         "pull link": c.pull_bytes * max(worker_port, shard_port),
@@ -202,14 +226,14 @@ def step_time(c: SchemeCosts, w: WireCosts, m: Machines, *, workers: int, shards
         per_byte = (c.push_bytes * w.cpu_per_byte_at(c.push_bytes * key_bytes)
                     + c.pull_bytes * w.cpu_per_byte_at(c.pull_bytes * key_bytes))
         work = update + big_w * c.apply * b
-        wire = w.message_cpu * big_w * keys + per_byte * big_w * b
+        wire = w.message_cpu * big_w * per_worker + per_byte * big_w * b
         busy = (work + wire) / max(max(stages.values()), (work + wire) / cores)
         for name in kernels:
             stages[name] = kernels[name] * m.slowdown(busy, c.contention) + messages[name]
         stages["shard CPU"] += stages["worker CPU"] * max(0.0, (big_w + s) / cores - 1)
         machine = (m.slowdown(cores, c.contention) * work + wire) / cores
     slowest = max(stages, key=stages.get)
-    fill = w.round_trip + (sum(stages.values()) - stages[slowest]) / per_shard_keys
+    fill = w.round_trip + (sum(stages.values()) - stages[slowest]) / per_shard
     terms = {"encode": encode, **stages, "fill": fill}
     pipeline, bottleneck = stages[slowest] + fill, slowest
     if machine is not None:

@@ -103,20 +103,48 @@ def test_a_port_shared_by_more_flows_takes_their_measured_efficiency():
 
 def test_dedicated_machines_have_no_cpu_term_and_memory_caps_the_threads():
     """64 workers, 16 shards on their own machines: the shard's update over min(32 cores, 100
-    / 10 GB/s) = 10; each shard's NIC takes 64 / 16 workers' pushes; the fill runs over the
-    shard's 100 / 16 keys."""
+    / 10 GB/s) = 10; each shard's NIC takes 64 / 16 workers' pushes; the busiest shard holds
+    7 of the 100 keys (4 shards 7, 12 shards 6), each a message of its own from each worker,
+    and the fill runs over them."""
     big = Machines(shard_cores=32, core_bandwidth=10e9, machine_bandwidth=100e9)
     assert big.shard_speedup == 10 and Machines(shard_cores=8).shard_speedup == 8
     p = step_time(COSTS, WIRE, big, workers=64, shards=16, model_bytes=GB, key_bytes=GB / 100)
-    shard = (1e-9 + 0.5e-9 * 64) * GB / 16 / 10 + 5e-6 * 64 * 100 / 16
+    shard = (1e-9 + 0.5e-9 * 64) * GB / 16 / 10 + 5e-6 * 64 * 7
     assert "machine CPU" not in p.terms
     assert p.terms["push link"] == pytest.approx(4.0) == p.terms["pull link"]
     assert p.terms["shard CPU"] == pytest.approx(shard)
     assert p.terms["encode"] == pytest.approx(0.2)
     stages = [4.0, 4.0, shard, 0.1 + 2e-6 * 100]
-    fill = 1e-4 + (sum(stages) - 4.0) / (100 / 16)
+    fill = 1e-4 + (sum(stages) - 4.0) / 7
     assert p.bottleneck == "push link"
     assert p.seconds == pytest.approx(0.2 + 4.0 + fill)
+
+
+def test_compressed_keys_share_messages_as_the_client_cuts_them():
+    """The client batches a shard's keys up to 256 KiB on the wire (the larger of push and
+    reply): 1 MiB keys go alone raw, seven to a message as sign1 codes (33,280 bytes). 32 keys
+    on 1 shard: 5 messages; on 2: 16 keys, 3 messages each; on 3 (11, 11 and 10 keys): 2 each.
+    Each message, not each key, costs the per-message CPU."""
+    from dataclasses import replace
+
+    from bitps.bench.scale_costs import wire_sizes
+    from bitps.bench.scale_model import message_counts
+
+    n = 1 << 18
+    push, pull = wire_sizes("sign1", n)
+    sign1 = replace(COSTS, push_bytes=push, pull_bytes=pull)
+    counts = [message_counts(sign1, keys=32, shards=s, key_bytes=4 * n) for s in (1, 2, 3)]
+    assert counts == [(5, 5), (3, 6), (2, 6)]
+    assert message_counts(COSTS, keys=32, shards=3, key_bytes=4 * n) == (11, 32)
+    assert message_counts(COSTS, keys=1, shards=4, key_bytes=4 * n) == (1, 1)
+    # a smaller limit: two codes a message
+    assert message_counts(sign1, keys=32, shards=1, key_bytes=4 * n,
+                          message_bytes=70_000) == (16, 16)
+    p = step_time(sign1, WIRE, Machines(), workers=2, shards=1, model_bytes=32 * 4 * n,
+                  key_bytes=4 * n)
+    update = (1e-9 + 0.5e-9 * 2) * 32 * 4 * n
+    assert p.terms["shard CPU"] == pytest.approx(update + 5e-6 * 2 * 5)
+    assert p.terms["worker CPU"] == pytest.approx(0.1e-9 * 32 * 4 * n + 2e-6 * 5)
 
 
 def test_fewer_workers_than_shards_leave_each_workers_nic_the_busier_end():
@@ -180,9 +208,48 @@ def test_the_config_refuses_what_cannot_run_and_quick_sizes_it():
         ScaleBench(warmup=1)
     with pytest.raises(ValueError, match="tries 0"):
         ScaleBench(tries=0)
+    with pytest.raises(ValueError, match="side_rounds -1"):
+        ScaleBench(side_rounds=-1)
     quick = ScaleBench(quick=True, workers=(1, 2, 4), shards=(2, 1)).sized()
-    assert (quick.mib, quick.workers, quick.shards, quick.steps, quick.warmup) == (
-        8, (1, 2), (1,), 5, 2)
+    assert (quick.mib, quick.workers, quick.shards, quick.steps, quick.warmup,
+            quick.side_rounds) == (8, (1, 2), (1,), 5, 2, 1)
+    assert ScaleBench(quick=True, side_rounds=0).sized().side_rounds == 0
+
+
+def test_a_points_costs_are_the_mean_of_those_measured_beside_it():
+    """The in-process costs before and after a point, averaged field by field, with the
+    contention measured beside it; the wire's CPU measured beside it, less the in-process
+    per-message figures measured beside it; without side rounds, the run start's."""
+    from dataclasses import replace
+
+    from bitps.bench.scale_beside import beside_costs, beside_wire
+
+    before = replace(COSTS, shard_fixed=2e-9, encode=0.4e-9)
+    after = replace(COSTS, shard_fixed=4e-9, apply=0.3e-9)
+    c = beside_costs(COSTS, [before, after], contention=1.4)
+    assert (c.shard_fixed, c.shard_per_push, c.encode, c.apply, c.contention) == \
+        pytest.approx((3e-9, 0.5e-9, 0.3e-9, 0.2e-9, 1.4))
+    assert (c.push_bytes, c.pull_bytes) == (COSTS.push_bytes, COSTS.pull_bytes)
+    assert beside_costs(COSTS, [], contention=2.0) is COSTS
+    cpu = {"cpu_per_byte": {1 << 20: 3e-9}, "message_cpu": 40e-6,
+           "shard_message_cpu": 15e-6, "worker_message_cpu": 20e-6}
+    w = beside_wire(WIRE, cpu, shard_handle=5e-6, worker_thread=30e-6)
+    assert (w.cpu_per_byte, w.message_cpu, w.shard_message_cpu, w.worker_message_cpu) == (
+        {1 << 20: 3e-9}, pytest.approx(5e-6), pytest.approx(10e-6), 0.0)
+    assert (w.rate_bps, w.efficiency, w.round_trip) == (WIRE.rate_bps, WIRE.efficiency,
+                                                         WIRE.round_trip)
+    assert beside_wire(WIRE, None, shard_handle=5e-6, worker_thread=30e-6) is WIRE
+
+
+@pytest.mark.timeout(120)
+def test_a_contention_child_that_dies_is_an_error_not_a_hang():
+    """A child that exits without its figure (here: a scheme it does not know) closed the
+    only write end of its pipe, so the parent reads EOF and says which children failed; it
+    used to wait on the pipe forever."""
+    from bitps.bench.scale_costs import measure_contention
+
+    with pytest.raises(RuntimeError, match=r"'nope'.*exited without its figure.*exit codes"):
+        measure_contention(("nope",), keys=1, n=256, cores=2, rounds=1)
 
 
 @pytest.mark.timeout(300)
@@ -201,6 +268,9 @@ def test_the_smallest_scale_run_writes_its_results(tmp_path):
                                                                           1, 1)
     assert row["measured_ms"] > 0 and row["predicted_ms"] > 0
     assert row["ratio"] == pytest.approx(row["measured_ms"] / row["predicted_ms"])
+    # the costs its prediction used were measured beside it, before and after
+    assert set(row["beside"]) >= {"before", "after", "contention", "message_cpu_us"}
+    assert row["drift"].startswith("shard ")
     assert list(doc["checks"]) == ["10gbit fp32 1x1 within 15%"]
     cfg = doc["config"]
     assert cfg["links"]["10gbit"]["kind"] in ("netns", "loopback")
