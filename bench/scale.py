@@ -134,10 +134,10 @@ def run(cfg: ScaleBench | None = None, *, out: Path | None = None) -> dict:
                f"{cfg.tolerance:.0%}"] = check(round(ratio, 3), f"{1 - cfg.tolerance:g} .. "
                                                 f"{1 + cfg.tolerance:g}",
                                                 abs(ratio - 1) <= cfg.tolerance)
-    side = spread_summary([r["spread"] for r in rows], cfg.tolerance)
-    if side is not None:
-        side["beside_within_tolerance"] = sum(abs(r["beside_ratio"] - 1) <= cfg.tolerance
-                                              for r in rows if r["beside_ratio"] is not None)
+    spread = spread_summary([r["spread"] for r in rows], cfg.tolerance)
+    if spread is not None:
+        spread["beside_within_tolerance"] = sum(abs(r["beside_ratio"] - 1) <= cfg.tolerance
+                                                for r in rows if r["beside_ratio"] is not None)
     machines = Machines(shard_cores=cfg.shard_cores, core_bandwidth=bandwidth,
                         machine_bandwidth=cfg.shard_memory_gbps * 1e9)
     # one flow's efficiency: how 64 flows into a port fare is the switch's buffers' and the
@@ -152,13 +152,13 @@ def run(cfg: ScaleBench | None = None, *, out: Path | None = None) -> dict:
               "links": links, "wires": {r: dataclasses.asdict(w) for r, w in wires.items()},
               "costs": {k: dataclasses.asdict(c) for k, c in costs.items()},
               "cost_figures_ms": figures,
-              "beside": side,
+              "beside": spread,
               "per_message_in_process_us": {"shard_handle": handle_s * 1e6,
                                             "worker_thread": thread_s * 1e6},
               "extrapolation": extrapolation, "seconds": round(time.monotonic() - t0, 1)}
     _, md = write_results("scale", config=config, rows=rows, checks=checks, out=out,
                           columns=_COLUMNS,
-                          notes=_notes(cfg, busy, links, wires, bandwidth, contention, side,
+                          notes=_notes(cfg, busy, links, wires, bandwidth, contention, spread,
                                        len(rows)))
     with md.open("a") as f:
         f.write(_extrapolation_md(cfg, extrapolation))
@@ -261,13 +261,13 @@ def _extrapolation_md(cfg: ScaleBench, rows: list[dict]) -> str:
 
 
 def _notes(cfg: ScaleBench, busy: float, links: dict, wires: dict[str, WireCosts],
-           bandwidth: float, contention: float, side: dict | None, points: int) -> str:
-    beside = "" if side is None else (
+           bandwidth: float, contention: float, spread: dict | None, points: int) -> str:
+    beside = "" if spread is None else (
         f" Costs beside each point ({cfg.side_rounds} rounds just before it and just after "
         f"it; bench/scale_beside.py): across one point they moved by a median factor of "
-        f"{side['median_factor']:.2f} (largest {side['largest_factor']:.2f}), by more than "
-        f"{cfg.tolerance:.0%} at {side['beyond_tolerance']:.0%} of the points; predicted from "
-        f"them, {side['beside_within_tolerance']} of {points} points are within "
+        f"{spread['median_factor']:.2f} (largest {spread['largest_factor']:.2f}), by more than "
+        f"{cfg.tolerance:.0%} at {spread['beyond_tolerance']:.0%} of the points; predicted from "
+        f"them, {spread['beside_within_tolerance']} of {points} points are within "
         f"{cfg.tolerance:.0%} (the checks use the costs measured at the start).")
     wire = "; ".join(
         f"{rate}: {links[rate]['kind']}, payload "
