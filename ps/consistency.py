@@ -141,6 +141,12 @@ class Consistency:
         answered 0 (its clock, ``start_clock``, says where it is)."""
         return 0
 
+    def start_clock(self, rank: int, slots: Sequence[Slot], clock: int) -> int:
+        """``RegisterReply.start_clock`` for ``rank`` re-registering ``slots``, whose clock on
+        this shard is ``clock`` (its last pull's): that clock, unless the mode holds a push of
+        ``rank`` for it already (sync, below)."""
+        return clock
+
     def holds_pulls(self, world_size: int) -> bool:
         """Whether a worker's pull may be held in this mode: ``RegisterReply.holds_pulls``
         (SSP says no because it holds only behind a slower peer, which the worker cannot
@@ -221,6 +227,16 @@ class Sync(Consistency):
         # a worker dropped (silent past the timeout) while its peers went on: the steps were
         # applied without it, and its next push is for the step its keys are at now
         return min((s.version for s in slots), default=0)
+
+    def start_clock(self, rank, slots, clock):
+        # Its push of the step being aggregated is here (acknowledged, say, before a restart
+        # from a checkpoint, its next pull not seen yet): it starts at the next step. Told
+        # ``clock``, it would count that push as lost and push the step again, which every
+        # key refuses ("already has this worker's push"), then, once the step is complete,
+        # refuses as a push of a past clock, for good.
+        if slots and all(s.version == clock and rank in s.pushed for s in slots):
+            return clock + 1
+        return clock
 
     def check_push(self, header, slots):
         for i, slot in enumerate(slots):

@@ -119,7 +119,8 @@ class Registration:
                 if skipped else 0
             if step:
                 self.clocks.seen(req.rank, step)  # its next push is for that step
-            start = self.clocks.workers[req.rank].clock
+            start = self.consistency.start_clock(req.rank, [slots[s.key] for s in req.keys],
+                                                 self.clocks.workers[req.rank].clock)
         reply = pb.RegisterReply(shard_id=cfg.shard_id, num_shards=cfg.num_shards, mode=cfg.mode,
                                  staleness=cfg.staleness, start_clock=start,
                                  max_frame_bytes=cfg.max_frame_bytes, rule=self.rule.name,

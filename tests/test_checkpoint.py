@@ -217,6 +217,37 @@ def test_a_restored_shard_takes_its_workers_back(tmp_path):
 
 
 
+def _reregister(core: ShardCore, rank: int) -> pb.RegisterReply:
+    req = pb.RegisterRequest(protocol=PROTOCOL, rank=rank, world_size=2, signature="s",
+                             num_shards=1, shard_id=0, keys=_specs(False),
+                             sends_values=rank == 0)
+    return core.register(req, {i: np.zeros(n, np.float32).tobytes()
+                               for i, (*_, n) in enumerate(KEYS)} if rank == 0 else {})
+
+
+def test_a_worker_whose_push_the_restored_step_holds_starts_at_the_next_step(tmp_path):
+    """Rank 1's push of step 2 was acknowledged, its pull of step 3 never reached the shard,
+    and the shard restarted from a checkpoint holding that push (a graceful stop's final
+    checkpoint). Re-registering, rank 1 is told to start at step 3, not 2: told 2, it counted
+    its push as lost and pushed step 2 again, which every key refused, first as a second push
+    of the step and then, once rank 0's push completed it, as a push of a past clock, until
+    its deadline (``tests/test_recovery.py``'s held-pull restart, once in a full run). Rank 0,
+    which had not pushed, starts at 2; the step then completes as it would have."""
+    cfg = _cfg("sync", OptimizerConfig(name="momentum", lr=1e-2, momentum=0.9))
+    a = Driver(_core(cfg), world=2)
+    a.steps(range(2))
+    a.push(1, 2)
+    b = Driver(ShardCore(cfg, now=lambda: 0.0), world=2)
+    restore(b.core, load(save(a.core, tmp_path, keep=1)))
+    b.versions, b.rid = dict(a.versions), a.rid
+    assert [_reregister(b.core, r).start_clock for r in (1, 0)] == [3, 2]
+    assert _reregister(a.core, 1).start_clock == 3  # without a restart alike
+    for d in (a, b):
+        d.steps(range(2, 4), pushed=(1,))
+    assert all(s.version == 4 for s in b.core.slots.values())
+    assert _state(a.core) == _state(b.core)
+
+
 def test_a_leave_not_yet_applied_is_applied_after_the_restore(tmp_path):
     """Rank 1 leaves after rank 0 pushed for a sync step; the checkpoint is taken before the
     next tick, which completes the step with rank 0 alone, on the restored shard too."""
