@@ -143,8 +143,8 @@ class Consistency:
 
     def start_clock(self, rank: int, slots: Sequence[Slot], clock: int) -> int:
         """``RegisterReply.start_clock`` for ``rank`` re-registering ``slots``, whose clock on
-        this shard is ``clock`` (its last pull's): that clock, unless the mode holds a push of
-        ``rank`` for it already (sync, below)."""
+        this shard is ``clock`` (its last pull's): that clock, unless the mode knows the
+        shard holds its pushes of later steps (sync, below)."""
         return clock
 
     def holds_pulls(self, world_size: int) -> bool:
@@ -229,14 +229,17 @@ class Sync(Consistency):
         return min((s.version for s in slots), default=0)
 
     def start_clock(self, rank, slots, clock):
-        # Its push of the step being aggregated is here (acknowledged, say, before a restart
-        # from a checkpoint, its next pull not seen yet): it starts at the next step. Told
-        # ``clock``, it would count that push as lost and push the step again, which every
-        # key refuses ("already has this worker's push"), then, once the step is complete,
-        # refuses as a push of a past clock, for good.
-        if slots and all(s.version == clock and rank in s.pushed for s in slots):
-            return clock + 1
-        return clock
+        # Its clock here is its last pull's. But no sync step completes without the push of
+        # every live worker, so a key at version v holds its pushes of every step below v,
+        # and of v too where it is among v's pushers already (acknowledged, say, before a
+        # restart from a checkpoint, its next pull not seen yet). Told only ``clock``, it
+        # would count those pushes as lost and push them again: refused by every key ("already
+        # has this worker's push", then, the step complete, a push of a past clock) until its
+        # deadline. A dropped worker's keys went on without it: ``rejoin_step`` named its
+        # step, where it has pushed nothing.
+        if not slots:
+            return clock
+        return max(clock, min(s.version + (rank in s.pushed) for s in slots))
 
     def check_push(self, header, slots):
         for i, slot in enumerate(slots):

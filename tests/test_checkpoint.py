@@ -232,7 +232,8 @@ def test_a_worker_whose_push_the_restored_step_holds_starts_at_the_next_step(tmp
     its push as lost and pushed step 2 again, which every key refused, first as a second push
     of the step and then, once rank 0's push completed it, as a push of a past clock, until
     its deadline (``tests/test_recovery.py``'s held-pull restart, once in a full run). Rank 0,
-    which had not pushed, starts at 2; the step then completes as it would have."""
+    which had not pushed, starts at 2; the step then completes as it would have. Where rank 0's
+    push completed step 2 before rank 1 came back, rank 1 starts at 3 too."""
     cfg = _cfg("sync", OptimizerConfig(name="momentum", lr=1e-2, momentum=0.9))
     a = Driver(_core(cfg), world=2)
     a.steps(range(2))
@@ -242,6 +243,13 @@ def test_a_worker_whose_push_the_restored_step_holds_starts_at_the_next_step(tmp
     b.versions, b.rid = dict(a.versions), a.rid
     assert [_reregister(b.core, r).start_clock for r in (1, 0)] == [3, 2]
     assert _reregister(a.core, 1).start_clock == 3  # without a restart alike
+    # rank 0's push completes step 2 before rank 1 comes back: still 3 (the step had its push)
+    c = Driver(ShardCore(cfg, now=lambda: 0.0), world=2)
+    restore(c.core, load(save(a.core, tmp_path, keep=1)))
+    c.versions, c.rid = dict(a.versions), a.rid
+    c.push(0, 2)
+    assert all(s.version == 3 and not s.pushed for s in c.core.slots.values())
+    assert c.core.clocks.workers[1].clock == 2 and _reregister(c.core, 1).start_clock == 3
     for d in (a, b):
         d.steps(range(2, 4), pushed=(1,))
     assert all(s.version == 4 for s in b.core.slots.values())

@@ -637,14 +637,18 @@ def test_sync_worker_skipped_while_dropped_is_named_the_step_at_re_registration(
 def test_sync_worker_never_dropped_is_not_named_a_step_at_re_registration():
     """A worker whose push of clock 0 completed the step (version 1) but which has not pulled
     yet (with overlap on its pull travels apart) is at clock 0 in the table, behind its keys:
-    re-registering (a lost reply, say) it keeps its clock, so its redo of that push is answered
-    from the exactly-once window instead of being taken as the next step's."""
+    re-registering (a lost reply, say) it is named no step (it was not dropped) and the start
+    its keys hold its pushes to (1: a sync step completes only with its push). A worker still
+    at clock 0 (the reply lost) then loses no step and keeps its clock, so its redo of that
+    push is answered from the exactly-once window instead of being taken as the next step's;
+    one that moved on to clock 1 is not told it lost its push of 0."""
     core, t = _core("sync", heartbeat_timeout_s=10.0)
     for w in (0, 1):
         _send(core, pb.PUSH, w, 0, list(KEYS), [_grad(60 + w, k) for k in KEYS])
     assert {s.version for s in core.slots.values()} == {1}
     reply = core.register(_reg(1, 2), {})
-    assert (reply.step, reply.start_clock) == (0, 0)
+    assert (reply.step, reply.start_clock) == (0, 1)
+    assert core.clocks.workers[1].clock == 0  # the table keeps its last pull's clock
 
 
 def test_sync_worker_leaving_completes_pending_aggregate():
