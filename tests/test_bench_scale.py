@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -66,8 +67,6 @@ def test_shared_cores_slow_the_kernels_by_how_many_are_busy():
     / 2) = 2), so the kernels' part of the shard (2 s) and of the worker (0.1 s) take 1.5x,
     and the machine's CPU is (1.5 x 2.2 + 4.002) / 2; the wire's CPU, measured with both its
     ends at work, is not scaled."""
-    from dataclasses import replace
-
     p = step_time(replace(COSTS, contention=1.5), WIRE, Machines(shared_cores=2), workers=2,
                   shards=1, model_bytes=GB, key_bytes=GB / 100)
     worker = 0.1 * 1.5 + 2e-6 * 100
@@ -82,8 +81,6 @@ def test_shared_cores_slow_the_kernels_by_how_many_are_busy():
 
 
 def test_the_wire_cpu_per_byte_is_the_nearest_measured_message_size():
-    from dataclasses import replace
-
     wire = replace(WIRE, cpu_per_byte={33 << 10: 2e-9, 1 << 20: 1e-9})
     assert [wire.cpu_per_byte_at(b) for b in (1024, 40 << 10, 200 << 10, 64 << 20)] == [
         2e-9, 2e-9, 1e-9, 1e-9]
@@ -92,8 +89,6 @@ def test_the_wire_cpu_per_byte_is_the_nearest_measured_message_size():
 def test_a_port_shared_by_more_flows_takes_their_measured_efficiency():
     """Measured: one flow 100 %, four flows into a port 50 %; two or three flows take the one
     flow's figure (the largest measured count not above theirs)."""
-    from dataclasses import replace
-
     wire = replace(WIRE, efficiency={1: 1.0, 4: 0.5})
     assert [wire.efficiency_at(k) for k in (1, 2, 3, 4, 64)] == [1.0, 1.0, 1.0, 0.5, 0.5]
     p = step_time(COSTS, wire, Machines(), workers=4, shards=1, model_bytes=GB,
@@ -125,8 +120,6 @@ def test_compressed_keys_share_messages_as_the_client_cuts_them():
     reply): 1 MiB keys go alone raw, seven to a message as sign1 codes (33,280 bytes). 32 keys
     on 1 shard: 5 messages; on 2: 16 keys, 3 messages each; on 3 (11, 11 and 10 keys): 2 each.
     Each message, not each key, costs the per-message CPU."""
-    from dataclasses import replace
-
     from bitps.bench.scale_costs import wire_sizes
     from bitps.bench.scale_model import message_counts
 
@@ -216,12 +209,38 @@ def test_the_config_refuses_what_cannot_run_and_quick_sizes_it():
     assert ScaleBench(quick=True, side_rounds=0).sized().side_rounds == 0
 
 
+@pytest.mark.parametrize("codec", ["raw", "sign1"])
+@pytest.mark.parametrize("shards", [1, 2, 3])
+def test_the_models_message_count_is_the_clients_cut(codec, shards):
+    """``message_counts`` against ``worker.transport.messages.messages`` itself, on the plan
+    a measured point uses (32 keys of 1 MiB, ``bench.scale_rank``): the busiest shard's
+    messages and all of them, the replies as large as the pushes (codes both ways)."""
+    import numpy as np
+
+    from bitps.bench.scale_costs import wire_sizes
+    from bitps.bench.scale_model import message_counts
+    from bitps.proto.codecs import RAW, Codec, CodecConfig
+    from bitps.proto.keyplan import ParamSpec, make_plan
+    from bitps.worker.transport.messages import messages
+
+    n, keys = 1 << 18, 32
+    plan = make_plan([ParamSpec("w", (keys * n,))], num_shards=shards, partition_bytes=4 * n)
+    c = RAW if codec == "raw" else Codec.from_config(CodecConfig(name=codec))
+    ids = [k.key for k in plan.keys]
+    outs = [np.empty(k.length, np.float32) for k in plan.keys]
+    cut = messages(plan, ids, None, outs, [c] * len(ids), limit=256 << 10,
+                   reply_bytes={k.key: c.max_bytes(k.length) for k in plan.keys})
+    per_shard = [sum(s == shard for s, *_ in cut) for shard in range(shards)]
+    push, pull = wire_sizes("fp32" if codec == "raw" else codec, n)
+    model = replace(COSTS, push_bytes=push, pull_bytes=pull)
+    assert message_counts(model, keys=keys, shards=shards, key_bytes=4 * n) == (
+        max(per_shard), len(cut))
+
+
 def test_a_points_costs_are_the_mean_of_those_measured_beside_it():
     """The in-process costs before and after a point, averaged field by field, with the
     contention measured beside it; the wire's CPU measured beside it, less the in-process
     per-message figures measured beside it; without side rounds, the run start's."""
-    from dataclasses import replace
-
     from bitps.bench.scale_beside import beside_costs, beside_wire
 
     before = replace(COSTS, shard_fixed=2e-9, encode=0.4e-9)
