@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -75,9 +76,10 @@ class Driver:
         self.versions: dict[int, list[int]] = {}
         self.rid = 0
 
-    def _send(self, header: pb.DataHeader, payload: list) -> None:
-        self.rid += 1
-        header.request_id, header.protocol = self.rid, PROTOCOL
+    def _send(self, header: pb.DataHeader, payload: list, request_id: int | None = None) -> None:
+        if request_id is None:
+            self.rid += 1
+        header.request_id, header.protocol = request_id or self.rid, PROTOCOL
         for r in self.core.handle(f"w{header.worker}".encode(),
                                   [header.SerializeToString(), *payload]):
             assert r.header.op == pb.REPLY, r.header.message
@@ -87,14 +89,18 @@ class Driver:
                              list(r.header.frame_codecs),
                              [bytes(memoryview(p).cast("B")) for p in r.payload]))
 
-    def push(self, worker: int, clock: int) -> None:
+    def push(self, worker: int, clock: int, keys: Sequence[int] = range(len(KEYS)),
+             request_id: int | None = None) -> None:
+        """``worker``'s push of ``clock`` (of ``keys``; under ``request_id``, the next id
+        unless given: a redo keeps its request's id)."""
         grads = [np.random.default_rng([worker, clock, i]).standard_normal(n).astype(np.float32)
                  for i, (*_, n) in enumerate(KEYS)]
+        versions = self.versions.get(worker, [])
         # an incarnation, so that every push lands in the exactly-once window too
-        self._send(pb.DataHeader(op=pb.PUSH, worker=worker, clock=clock, keys=range(len(KEYS)),
+        self._send(pb.DataHeader(op=pb.PUSH, worker=worker, clock=clock, keys=keys,
                                  dtype=pb.FLOAT32, incarnation=1000 + worker,
-                                 versions=self.versions.get(worker, [])),
-                   [g.tobytes() for g in grads])
+                                 versions=[versions[k] for k in keys] if versions else []),
+                   [grads[k].tobytes() for k in keys], request_id)
 
     def pull(self, worker: int, clock: int) -> None:
         self._send(pb.DataHeader(op=pb.PULL, worker=worker, clock=clock, keys=range(len(KEYS)),
@@ -250,6 +256,34 @@ def test_a_worker_whose_push_the_restored_step_holds_starts_at_the_next_step(tmp
     c.push(0, 2)
     assert all(s.version == 3 and not s.pushed for s in c.core.slots.values())
     assert c.core.clocks.workers[1].clock == 2 and _reregister(c.core, 1).start_clock == 3
+    for d in (a, b):
+        d.steps(range(2, 4), pushed=(1,))
+    assert all(s.version == 4 for s in b.core.slots.values())
+    assert _state(a.core) == _state(b.core)
+
+
+def test_a_push_split_over_messages_and_cut_by_the_restart_is_redone_once(tmp_path):
+    """Rank 1's push of step 2 went out as two messages (the client cuts a shard's keys at
+    ``message_bytes``); the shard took the first and was stopped before the second. Restored,
+    it names step 2 as rank 1's start (the step lacks its push of the other keys), so rank 1
+    redoes both messages under their own request ids: the first is a replay, answered and not
+    summed again (the exactly-once window is in the checkpoint), the second completes rank 1's
+    push. The shard then ends bit for bit as one that took the two messages without a stop."""
+    cfg = _cfg("sync", OptimizerConfig(name="momentum", lr=1e-2, momentum=0.9))
+    a = Driver(_core(cfg), world=2)
+    a.steps(range(2))
+    first, second = a.rid + 1, a.rid + 2
+    a.push(1, 2, keys=[0], request_id=first)
+    b = Driver(ShardCore(cfg, now=lambda: 0.0), world=2)
+    restore(b.core, load(save(a.core, tmp_path, keep=1)))
+    b.versions, b.rid = dict(a.versions), a.rid + 2
+    assert [_reregister(b.core, r).start_clock for r in (1, 0)] == [2, 2]
+    a.push(1, 2, keys=[1, 2], request_id=second)
+    a.rid = second
+    b.push(1, 2, keys=[0], request_id=first)
+    b.push(1, 2, keys=[1, 2], request_id=second)
+    assert all(s.pushed == {1} for s in b.core.slots.values())
+    assert _state(a.core) == _state(b.core)
     for d in (a, b):
         d.steps(range(2, 4), pushed=(1,))
     assert all(s.version == 4 for s in b.core.slots.values())
