@@ -10,7 +10,9 @@ document their byte layout and buffer ownership.
 
 from bitps.native.publish import (
     onebit_direction_publish,
+    onebit_direction_publish_code,
     onebit_moments_publish,
+    onebit_moments_publish_code,
     onebit_sync_publish,
     sign1_publish_delta,
 )
@@ -40,5 +42,6 @@ __all__ = ["accumulate", "adam_direction", "adam_direction_correct", "adam_step"
            "momentum_step",
            "onebit_adam_apply", "onebit_adam_apply_den", "onebit_adam_delta",
            "onebit_denominator", "onebit_direction_delta",
-           "onebit_direction_publish", "onebit_moments_publish", "onebit_sync_publish",
+           "onebit_direction_publish", "onebit_direction_publish_code",
+           "onebit_moments_publish", "onebit_moments_publish_code", "onebit_sync_publish",
            "sgd_step", "sign1_publish_delta", "sum_squares"]

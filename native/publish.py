@@ -14,8 +14,13 @@ order, and the scales the same fixed-order sums (``sign1.chunk_scale``).
 
 Payload written to ``scales``/``bits`` (views of the output buffer,
 ``sign1.payload_views``): the sign1 layout of ``native/sign1.py``. Buffer ownership: the caller
-owns every array; the kernels never allocate beyond 64 float64 lanes. ``grad``/``direction``
-may be read-only views of a received frame.
+owns every array; the kernels never allocate beyond 64 float64 lanes (and, for the ``_code``
+kernels, one chunk of float32 for the pushed code's decode). ``grad``/``direction`` and a
+pushed code's scales and bits may be read-only views of a received frame.
+
+The ``_code`` twins take a push still in its sign1 code (``ps.pushcode.PushCode``) and decode
+each chunk of it into L1 scratch right before the update reads it, bit for bit what decoding it
+into a key-long array first gives: one array's write and read fewer per update.
 """
 
 from __future__ import annotations
@@ -23,10 +28,11 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from bitps.native.sign1 import LANES, chunk_scale, pack_signs
+from bitps.native.sign1 import LANES, chunk_scale, decoded8, pack_signs
 from bitps.native.update_rules import fma, onebit_adam_apply_den
 
-__all__ = ["onebit_direction_publish", "onebit_moments_publish", "onebit_sync_publish",
+__all__ = ["onebit_direction_publish", "onebit_direction_publish_code",
+           "onebit_moments_publish", "onebit_moments_publish_code", "onebit_sync_publish",
            "sign1_publish_delta"]
 
 _jit = numba.njit(cache=True, nogil=True, fastmath=False, boundscheck=False, error_model="numpy")
@@ -80,14 +86,31 @@ def onebit_direction_publish(param, direction, grad_scale, residual, scales, bit
     for c in range(scales.shape[0]):
         lo = c * chunk
         m = min(n, lo + chunk) - lo
-        g = direction[lo:lo + m]
         p = param[lo:lo + m]
         u = residual[lo:lo + m]
-        for j in range(m):
-            d = min(max(g[j] * grad_scale, -ratio_clip), ratio_clip)
-            if weight_decay != 0:
-                d = fma(weight_decay, p[j], d)
-            u[j] = (neg_lr * d) * np.float32(1.0) + u[j]
+        _direction_delta(direction[lo:lo + m], p, u, grad_scale, weight_decay, neg_lr,
+                         ratio_clip)
+        _encode_apply(u, p, bits[lo >> 3:(lo + m + 7) >> 3], scales, c, lanes, mean_abs)
+
+
+@_jit
+def onebit_direction_publish_code(param, code_scales, code_bits, code_chunk, grad_scale,
+                                  residual, scales, bits, chunk, mean_abs, weight_decay, neg_lr,
+                                  ratio_clip):
+    """:func:`onebit_direction_publish` of a direction pushed as a sign1 code (its scales and
+    sign bits, ``sign1.split``, in chunks of ``code_chunk``), decoded chunk by chunk into L1
+    scratch: the bits of decoding it into a key-long array first (``sign1.decode``), without
+    writing and reading that array."""
+    n = param.shape[0]
+    lanes = np.zeros(LANES, np.float64)
+    g = np.empty(min(n, chunk), np.float32)
+    for c in range(scales.shape[0]):
+        lo = c * chunk
+        m = min(n, lo + chunk) - lo
+        p = param[lo:lo + m]
+        u = residual[lo:lo + m]
+        _decode_span(code_scales, code_bits, code_chunk, lo, g[:m])
+        _direction_delta(g[:m], p, u, grad_scale, weight_decay, neg_lr, ratio_clip)
         _encode_apply(u, p, bits[lo >> 3:(lo + m + 7) >> 3], scales, c, lanes, mean_abs)
 
 
@@ -106,25 +129,85 @@ def onebit_moments_publish(param, grad, exp_avg, denominator, grad_scale, residu
     for c in range(scales.shape[0]):
         lo = c * chunk
         m = min(n, lo + chunk) - lo
-        g = grad[lo:lo + m]
-        mom = exp_avg[lo:lo + m]
-        dens = denominator[lo:lo + m]
         p = param[lo:lo + m]
         u = residual[lo:lo + m]
-        # selects, not branches, mask den == 0, and each loop writes one array: both keep the
-        # loops vectorized
-        for j in range(m):
-            mj = mom[j]
-            mj = fma(one_minus_beta1, g[j] * grad_scale - mj, mj)
-            mom[j] = np.float32(0.0) if dens[j] == 0 else mj
-        for j in range(m):
-            den = dens[j]
-            d = min(max(mom[j] / den, -ratio_clip), ratio_clip)
-            if weight_decay != 0:
-                d = fma(weight_decay, p[j], d)
-            delta = np.float32(0.0) if den == 0 else neg_lr * d
-            u[j] = delta * np.float32(1.0) + u[j]
+        _moments_delta(grad[lo:lo + m], exp_avg[lo:lo + m], denominator[lo:lo + m], p, u,
+                       grad_scale, one_minus_beta1, weight_decay, neg_lr, ratio_clip)
         _encode_apply(u, p, bits[lo >> 3:(lo + m + 7) >> 3], scales, c, lanes, mean_abs)
+
+
+@_jit
+def onebit_moments_publish_code(param, code_scales, code_bits, code_chunk, exp_avg,
+                                denominator, grad_scale, residual, scales, bits, chunk,
+                                mean_abs, one_minus_beta1, weight_decay, neg_lr, ratio_clip):
+    """:func:`onebit_moments_publish` of a gradient pushed as a sign1 code, decoded chunk by
+    chunk as in :func:`onebit_direction_publish_code`."""
+    n = param.shape[0]
+    lanes = np.zeros(LANES, np.float64)
+    g = np.empty(min(n, chunk), np.float32)
+    for c in range(scales.shape[0]):
+        lo = c * chunk
+        m = min(n, lo + chunk) - lo
+        p = param[lo:lo + m]
+        u = residual[lo:lo + m]
+        _decode_span(code_scales, code_bits, code_chunk, lo, g[:m])
+        _moments_delta(g[:m], exp_avg[lo:lo + m], denominator[lo:lo + m], p, u, grad_scale,
+                       one_minus_beta1, weight_decay, neg_lr, ratio_clip)
+        _encode_apply(u, p, bits[lo >> 3:(lo + m + 7) >> 3], scales, c, lanes, mean_abs)
+
+
+@_jit
+def _direction_delta(g, p, u, grad_scale, weight_decay, neg_lr, ratio_clip):
+    """``u += -lr * (clip(g * grad_scale) + wd * p)`` over one chunk."""
+    for j in range(u.shape[0]):
+        d = min(max(g[j] * grad_scale, -ratio_clip), ratio_clip)
+        if weight_decay != 0:
+            d = fma(weight_decay, p[j], d)
+        u[j] = (neg_lr * d) * np.float32(1.0) + u[j]
+
+
+@_jit
+def _moments_delta(g, mom, dens, p, u, grad_scale, one_minus_beta1, weight_decay, neg_lr,
+                   ratio_clip):
+    """m and the update of one chunk (:func:`onebit_moments_publish`), the update added to
+    ``u``."""
+    m = u.shape[0]
+    # selects, not branches, mask den == 0, and each loop writes one array: both keep the
+    # loops vectorized
+    for j in range(m):
+        mj = mom[j]
+        mj = fma(one_minus_beta1, g[j] * grad_scale - mj, mj)
+        mom[j] = np.float32(0.0) if dens[j] == 0 else mj
+    for j in range(m):
+        den = dens[j]
+        d = min(max(mom[j] / den, -ratio_clip), ratio_clip)
+        if weight_decay != 0:
+            d = fma(weight_decay, p[j], d)
+        delta = np.float32(0.0) if den == 0 else neg_lr * d
+        u[j] = delta * np.float32(1.0) + u[j]
+
+
+@_jit
+def _decode_span(code_scales, code_bits, code_chunk, lo, out):
+    """``out[:]`` = elements ``lo ..`` of a sign1 code's decode, as ``sign1.decode`` writes
+    them (a zero scale decodes to +0.0 for either sign). ``lo`` and ``code_chunk`` are
+    multiples of 8, so every byte of bits lies in one code chunk; the code chunks the span
+    crosses are walked one by one (no division per byte)."""
+    m = out.shape[0]
+    j = 0
+    while j < m:
+        c = (lo + j) // code_chunk
+        end = min(m, (c + 1) * code_chunk - lo)
+        s = code_scales[c] + np.float32(0.0)
+        neg_s = np.float32(0.0) - s if s == 0 else -s
+        b = code_bits[(lo + j) >> 3:(lo + end + 7) >> 3]
+        o = out[j:end]
+        full = (end - j) - (end - j) % 8
+        for i in range(full >> 3):
+            decoded8(o, 8 * i, b[i], s, neg_s)
+        for k in range(full, end - j):
+            o[k] = neg_s if (b[k >> 3] >> (k & 7)) & 1 else s
+        j = end
 
 
 @_jit

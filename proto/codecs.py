@@ -73,6 +73,9 @@ class CodecKind:
     id: int
     chunked = False
     """Whether ``codec_chunk`` is one of this codec's parameters (then checked on receipt)."""
+    payload_finite = False
+    """Whether :meth:`all_finite` reads the payload alone (never ``decoded``): then a push of
+    this codec may reach the update rule undecoded (``ps.pushcode``)."""
     is_raw = False
 
     def max_bytes(self, codec: Codec, n: int) -> int:
@@ -217,6 +220,7 @@ class Sign1Kind(CodecKind):
     :data:`MEAN_ABS` picks the mean-|u| scale over RMS."""
 
     name, id, chunked = "sign1", pb.CODEC_SIGN1, True
+    payload_finite = True
 
     def max_bytes(self, codec, n):
         return sign1.payload_bytes(n, codec.chunk)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -19,6 +20,7 @@ from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import Codec
 from bitps.proto.wire import PROTOCOL, PSError
 from bitps.ps.config import RULES, ServerConfig
+from bitps.ps.pushcode import PushCode
 from bitps.ps.store import Slot
 
 __all__ = ["MAX_CLOCK", "OPS", "check_clock", "check_hyperparameters", "decode_push",
@@ -37,17 +39,19 @@ def token_ok(expected: str, received: str) -> bool:
 
 
 def validate(cfg: ServerConfig, header: pb.DataHeader, payload: list, slots: dict[int, Slot],
-             *, registered: bool, own_clock: int, pool: KeyPool | None = None
-             ) -> tuple[list[Slot], int, list[np.ndarray] | None, Codec | None]:
+             *, registered: bool, own_clock: int, pool: KeyPool | None = None,
+             keeps_code: Callable[[Codec], bool] | None = None
+             ) -> tuple[list[Slot], int, list[np.ndarray | PushCode] | None, Codec | None]:
     """Everything a request is checked for here, in one call: ``(slots, clock, grads,
     codec)``, the slots it names (:func:`request_slots`), the clock it is for
     (:func:`check_clock`, against ``own_clock``, the worker's clock as the shard has it) and
-    for a push its decoded gradients and codec (:func:`decode_push`; ``None`` for a pull)."""
+    for a push its decoded gradients (or codes, ``keeps_code``) and codec
+    (:func:`decode_push`; ``None`` for a pull)."""
     named = request_slots(cfg, header, payload, slots, registered=registered)
     clock = check_clock(cfg, header, own_clock)
     if header.op == pb.PULL:
         return named, clock, None, None
-    grads, codec = decode_push(cfg, header, payload, named, pool=pool)
+    grads, codec = decode_push(cfg, header, payload, named, pool=pool, keeps_code=keeps_code)
     return named, clock, grads, codec
 
 
@@ -120,10 +124,14 @@ def check_clock(cfg: ServerConfig, header: pb.DataHeader, own: int) -> int:
 
 
 def decode_push(cfg: ServerConfig, header: pb.DataHeader, payload: list,
-                slots: list[Slot], *, pool: KeyPool | None = None
-                ) -> tuple[list[np.ndarray], Codec]:
+                slots: list[Slot], *, pool: KeyPool | None = None,
+                keeps_code: Callable[[Codec], bool] | None = None
+                ) -> tuple[list[np.ndarray | PushCode], Codec]:
     """Check every frame of a push, decode compressed ones (into each slot's scratch array;
-    on ``pool``'s threads when given); returns the float32 gradients and the codec."""
+    on ``pool``'s threads when given); returns the float32 gradients and the codec. Where
+    ``keeps_code(codec)`` and the codec reads finiteness from its payload
+    (``CodecKind.payload_finite``), the frames stay codes (:class:`~ps.pushcode.PushCode`),
+    checked alike, for a rule that decodes them in its own kernel."""
     if len(payload) != len(slots):
         raise PSError(pb.FRAME_COUNT, f"{len(payload)} payload frames for {len(slots)} keys")
     if header.dtype != pb.FLOAT32:
@@ -147,12 +155,17 @@ def decode_push(cfg: ServerConfig, header: pb.DataHeader, payload: list,
             raise PSError(pb.BAD_LENGTH, f"key {slot.spec.key}: {problem}")
     grads: list = [None] * len(slots)
     finite = [True] * len(slots)
+    coded = codec.kind.payload_finite and keeps_code is not None and keeps_code(codec)
 
     def one(i: int) -> None:  # one key: its own scratch array (native.keypool)
         slot, frame = slots[i], payload[i]
-        grads[i] = grad = codec.decode(frame, slot.length, slot.decode_buffer())
+        if coded:
+            grads[i] = PushCode(codec, frame, slot.length)
+            decoded = None  # the codec reads finiteness from the payload
+        else:
+            grads[i] = decoded = codec.decode(frame, slot.length, slot.decode_buffer())
         if cfg.reject_nonfinite:
-            finite[i] = codec.all_finite(frame, slot.length, grad)
+            finite[i] = codec.all_finite(frame, slot.length, decoded)
 
     if pool is None:
         for i in range(len(slots)):

@@ -50,6 +50,9 @@ class Compensation:
     name: ClassVar[str]
     snapshots: ClassVar[bool] = False
     """Whether :meth:`handed` wants the values of every answered pull."""
+    reads_gradient: ClassVar[bool] = False
+    """Whether :meth:`gradient` reads the pushed values (then every push reaches it decoded;
+    a method that returns the push as it is lets a rule take it as a code, ``ps.pushcode``)."""
 
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
@@ -101,7 +104,7 @@ class GapAware(Compensation):
 @register_compensation
 class DelayCompensation(Compensation):
     name = "dc_asgd"
-    snapshots = True
+    snapshots = reads_gradient = True
     _MOMENTUM = np.float32(0.95)
     _EPS = np.float32(1e-7)
 

@@ -158,6 +158,12 @@ class Consistency:
         """Whether float32 pulls get the parameters moved ahead (``ServerConfig.lookahead``)."""
         return False
 
+    @property
+    def takes_codes(self) -> bool:
+        """Whether a push may reach the update rule still a code (``ps.pushcode``): the mode
+        applies each push on its own and reads none of its values (sync sums them: no)."""
+        return False
+
     def observe_admission(self, metrics: ShardMetrics, clocks: ClockTable, clock: int,
                           slots: list[Slot]) -> None:
         """A pull for step ``clock`` of ``slots`` was admitted (for the mode's own metrics;
@@ -299,6 +305,10 @@ class Async(Consistency):
     @property
     def looks_ahead(self):
         return self.cfg.lookahead
+
+    @property
+    def takes_codes(self):
+        return not self.compensation.reads_gradient
 
     def push(self, core, header, slots, grads, live, min_clock):
         def one(i):  # one key: touches only its slot, its compensation state (native.keypool)

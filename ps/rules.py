@@ -214,6 +214,11 @@ class UpdateRule:
                    weight_decay=weight_decay)
         slot.version += 1
 
+    def takes_code(self, codec: Codec) -> bool:
+        """Whether :meth:`update` takes a push of ``codec`` as its code (``ps.pushcode``),
+        decoding it in its own kernel; by default no: it gets float32 values."""
+        return False
+
     def check_push(self, header: pb.DataHeader, slots: Sequence[Slot], codec: Codec) -> None:
         """A push of ``slots`` with ``codec`` for ``header.clock``, before anything changes:
         raise :class:`PSError` when this rule cannot take it (a rule whose pushes mean

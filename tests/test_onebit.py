@@ -530,3 +530,73 @@ def test_a_publisher_recoded_keeps_its_residual_and_drops_its_history():
     assert pub.reply_frame(0, 1) == (pb.CODEC_RAW, None)
     np.testing.assert_array_equal(pub.server.residual, residual)
     assert pub.state_dict()["codec"] == [pb.CODEC_SIGN1, 256, 0]
+
+
+def _onebit_core(mode: str, moments: str, lengths: tuple[int, ...], compensation: str = "none"):
+    """A ShardCore of async/ssp 1-bit Adam (freeze_step 1, chunk 256) over keys of
+    ``lengths`` with compressed pulls, rank 0 registered with seeded values."""
+    from bitps.proto.wire import PROTOCOL
+    from bitps.ps.shard import ShardCore
+    opt = OptimizerConfig(name="onebit_adam", lr=1e-3, weight_decay=0.01,
+                          rule_config=OneBitConfig(freeze_step=1, chunk=256, moments=moments))
+    core = ShardCore(ServerConfig(mode=mode, optimizer=opt, metrics_port=-1,
+                                  compensation=compensation), now=lambda: 0.0)
+    rng = np.random.default_rng(7)
+    specs = [pb.KeySpec(key=k, name=f"p{k}", offset=0, length=n, dtype=pb.FLOAT32,
+                        compressed_pull=True) for k, n in enumerate(lengths)]
+    core.register(pb.RegisterRequest(protocol=PROTOCOL, rank=0, world_size=1, signature="s",
+                                     num_shards=1, shard_id=0, keys=specs, sends_values=True,
+                                     pull_codec=pb.CODEC_SIGN1, pull_codec_chunk=256),
+                  {k: rng.standard_normal(n).astype(np.float32).tobytes()
+                   for k, n in enumerate(lengths)})
+    return core
+
+
+def _push_codes(core, clock: int, lengths: tuple[int, ...], push_chunk: int) -> None:
+    """Rank 0's push of ``clock``: raw gradients at clock 0 (the warmup), sign1 codes after."""
+    from bitps.proto.wire import PROTOCOL
+    grads = [np.random.default_rng([clock, k]).standard_normal(n).astype(np.float32)
+             for k, n in enumerate(lengths)]
+    fields, frames = {}, [g.tobytes() for g in grads]
+    if clock:
+        fields = dict(codec=pb.CODEC_SIGN1, codec_chunk=push_chunk)
+        frames = []
+        for g in grads:
+            out = np.empty(sign1.payload_bytes(g.size, push_chunk), np.uint8)
+            frames.append(out[:sign1.encode(g, np.zeros_like(g), out, chunk=push_chunk)])
+    header = pb.DataHeader(op=pb.PUSH, protocol=PROTOCOL, worker=0, clock=clock,
+                           request_id=clock + 1, incarnation=5, keys=range(len(lengths)),
+                           dtype=pb.FLOAT32, **fields)
+    (reply,) = core.handle(b"w0", [header.SerializeToString(), *frames])
+    assert reply.header.op == pb.REPLY, reply.header.message
+
+
+@pytest.mark.parametrize("mode", ("async", "ssp"))
+@pytest.mark.parametrize("moments", ("worker", "shard"))
+@pytest.mark.parametrize("push_chunk", (256, 64))
+def test_a_compressed_push_reaches_the_update_kernel_as_its_code(mode, moments, push_chunk):
+    """async/ssp 1-bit Adam's compressed pushes reach the update kernel as they came
+    (``ps.pushcode``), never written to the key-long scratch array: the shard ends bit for bit
+    as one that decodes every push first (the path before), parameters, residuals and the
+    published codes. dc_asgd reads the pushed values: its pushes are decoded."""
+    lengths = (3001, 256, 70)
+    cores = [_onebit_core(mode, moments, lengths) for _ in range(2)]
+    cores[1]._keeps_code = lambda codec: False  # the decoded path
+    for clock in range(4):
+        for core in cores:
+            _push_codes(core, clock, lengths, push_chunk)
+            if clock == 0:  # the warmup decoded into the scratch arrays: mark them
+                for slot in core.slots.values():
+                    slot.decode_buffer().fill(np.nan)
+    for a, b in zip(cores[0].slots.values(), cores[1].slots.values()):
+        assert a.version == b.version == 4
+        assert np.array_equal(a.param.view(np.uint32), b.param.view(np.uint32))
+        assert np.array_equal(a.rule_state.server.residual.view(np.uint32),
+                              b.rule_state.server.residual.view(np.uint32))
+        assert [bytes(p) for _, p in a.publisher.history] == \
+            [bytes(p) for _, p in b.publisher.history]
+        assert np.isnan(a.decoded).all() and not np.isnan(b.decoded).any()
+    dc = _onebit_core(mode, moments, lengths, compensation="dc_asgd")
+    assert not dc._keeps_code(Codec(pb.CODEC_SIGN1, 256))
+    assert cores[0]._keeps_code(Codec(pb.CODEC_SIGN1, 256))
+    assert not cores[0]._keeps_code(Codec(pb.CODEC_BF16))

@@ -129,6 +129,67 @@ def test_moments_publish_equals_delta_encode_decode_add(n, chunk, mean_abs, wd, 
         _same(a, b)
 
 
+CODE_CASES = [(n, push_chunk, chunk, wd, special) for n in SIZES
+              for push_chunk in (64, 192, 2048) for chunk in CHUNKS for wd in (0.0, 0.01)
+              for special in (False, True)]
+
+
+def _pushed_code(n: int, push_chunk: int, special: bool) -> np.ndarray:
+    """A worker's sign1 code of ``n`` elements: random signs and scales, with NaN/Inf in a
+    scale and an all-zero chunk (scale 0, so both of its signs decode to +0.0) where
+    ``special``."""
+    g = _data(n, 3, special)["g"]
+    if special and n > 2 * push_chunk:
+        g[push_chunk:2 * push_chunk] = 0
+    code = _encode_ref(g, np.zeros(n, F), push_chunk, False).copy()
+    if special and n > 2 * push_chunk:  # half of the zero chunk's signs negative
+        first = 4 * (-(-n // push_chunk)) + push_chunk // 8
+        code[first:first + push_chunk // 8] = 0xAA
+    return code
+
+
+@pytest.mark.parametrize("n,push_chunk,chunk,wd,special", CODE_CASES)
+@pytest.mark.parametrize("moments", ("worker", "shard"))
+def test_publish_of_a_pushed_code_equals_decoding_it_first(n, push_chunk, chunk, wd, special,
+                                                            moments):
+    """The ``_code`` kernels decode the push chunk by chunk as they go; pushes cut in other
+    chunks than the publish (64, 192, 2048 against 64, 2048) cross its chunk boundaries. With
+    ``special``, a residual of -0.0 under the code's zero chunk makes the sign of that chunk's
+    decoded zeros show in the new residual (without weight decay)."""
+    d = _data(n, 4, special)
+    code = _pushed_code(n, push_chunk, special)
+    code_scales, code_bits = sign1.split(code, n, push_chunk)
+    if special and n > 2 * push_chunk:
+        d["r"][push_chunk:2 * push_chunk] = F(-0.0)
+    neg_lr, clip, omb1 = F(-1e-3), F(4.0), F(0.1)
+    den = np.empty(n, F)
+    native.onebit_denominator(d["v"], F(0.3), F(1e-8), den)
+    runs = []
+    for undecoded in (False, True):
+        r, m, p = d["r"].copy(), d["m"].copy(), d["p"].copy()
+        out = np.zeros(sign1.payload_bytes(n, chunk), np.uint8)
+        scales, bits, size = sign1.payload_views(out, n, chunk)
+        publish = (native.onebit_direction_publish_code if moments == "worker"
+                   else native.onebit_moments_publish_code)
+        if undecoded:
+            head = (p, code_scales, code_bits, np.int64(push_chunk))
+        else:
+            head = (p, sign1.decode(code, n, np.empty(n, F), chunk=push_chunk))
+            publish = (native.onebit_direction_publish if moments == "worker"
+                       else native.onebit_moments_publish)
+        if moments == "worker":
+            publish(*head, F(0.5), r, scales, bits, np.int64(chunk), False, F(wd), neg_lr, clip)
+        else:
+            publish(*head, m, den, F(0.5), r, scales, bits, np.int64(chunk), False, omb1, F(wd),
+                    neg_lr, clip)
+        runs.append((out[:size], r, m, p))
+    for a, b in zip(*runs):
+        _same(a, b)
+    if special and n > 2 * push_chunk:
+        assert not np.isfinite(code_scales).all() and code_scales[1] == 0
+        assert code_bits[push_chunk // 8] == 0xAA
+
+
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("special", (False, True))

@@ -1,0 +1,37 @@
+"""``PushCode``: one key's compressed push frame, handed to the update rule undecoded.
+
+A shard decodes every compressed push into the key's scratch array before the mode and the rule
+see it (``ps.checks.decode_push``). Where the rule can read the code itself, in the kernel that
+makes the update (1-bit Adam's async/ssp layouts: ``native.publish``'s ``_code`` kernels), the
+decode into a key-long array is a write and a read of that array the update does not need.
+:func:`keeps_code` says where a push stays a code; everywhere else it is decoded as before.
+
+Contract: a ``PushCode`` reaches only a rule whose :meth:`~ps.rules.UpdateRule.takes_code` said
+yes for its codec, through a mode whose ``Consistency.takes_codes`` is true (each push applied on
+its own, no compensation reading its values). Its frame passed the codec's length check and
+the finiteness check (read from the payload: ``CodecKind.payload_finite``); it is read only and
+lives as long as the request. A rule that needs the values after all calls :meth:`PushCode.decoded`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from bitps.proto.codecs import Codec
+
+__all__ = ["PushCode"]
+
+
+@dataclass(frozen=True, slots=True)
+class PushCode:
+    """A key's push as it came: ``frame`` (``codec``'s payload of ``n`` elements)."""
+
+    codec: Codec
+    frame: memoryview | bytes
+    n: int
+
+    def decoded(self, out: np.ndarray) -> np.ndarray:
+        """The float32 values, written to ``out[:n]`` (returned): what ``decode_push`` gave."""
+        return self.codec.decode(self.frame, self.n, out)
