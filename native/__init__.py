@@ -14,6 +14,7 @@ from bitps.native.publish import (
     onebit_moments_publish,
     onebit_moments_publish_code,
     onebit_sync_publish,
+    onebit_sync_publish_code,
     sign1_publish_delta,
 )
 from bitps.native.update_rules import (
@@ -44,4 +45,5 @@ __all__ = ["accumulate", "adam_direction", "adam_direction_correct", "adam_step"
            "onebit_denominator", "onebit_direction_delta",
            "onebit_direction_publish", "onebit_direction_publish_code",
            "onebit_moments_publish", "onebit_moments_publish_code", "onebit_sync_publish",
+           "onebit_sync_publish_code",
            "sgd_step", "sign1_publish_delta", "sum_squares"]

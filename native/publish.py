@@ -33,7 +33,7 @@ from bitps.native.update_rules import fma, onebit_adam_apply_den
 
 __all__ = ["onebit_direction_publish", "onebit_direction_publish_code",
            "onebit_moments_publish", "onebit_moments_publish_code", "onebit_sync_publish",
-           "sign1_publish_delta"]
+           "onebit_sync_publish_code", "sign1_publish_delta"]
 
 _jit = numba.njit(cache=True, nogil=True, fastmath=False, boundscheck=False, error_model="numpy")
 
@@ -54,24 +54,50 @@ def onebit_sync_publish(acc, grad_scale, residual, scales, bits, exp_avg, denomi
     for c in range(scales.shape[0]):
         lo = c * chunk
         m = min(n, lo + chunk) - lo
-        g = acc[lo:lo + m]
-        u = residual[lo:lo + m]
-        for j in range(m):
-            t = g[j] * grad_scale
-            u[j] = t * np.float32(1.0) + u[j]
-        s = chunk_scale(u, lanes, mean_abs)
-        pack_signs(u, bits[lo >> 3:(lo + m + 7) >> 3])
-        neg_s = -s
-        mom = exp_avg[lo:lo + m]
-        # one array written per loop: loops that write two arrays do not vectorize here
-        for j in range(m):
-            mom[j] = np.float32(0.0) + (neg_s if u[j] < 0 else s)
-        for j in range(m):
-            x = u[j]
-            u[j] = x - (neg_s if x < 0 else s)
-        onebit_adam_apply_den(param[lo:lo + m], mom, denominator[lo:lo + m], weight_decay,
-                              neg_lr, ratio_clip)
-        scales[c] = s
+        _sync_chunk(acc[lo:lo + m], grad_scale, residual[lo:lo + m],
+                    bits[lo >> 3:(lo + m + 7) >> 3], scales, c, lanes, mean_abs,
+                    exp_avg[lo:lo + m], denominator[lo:lo + m], param[lo:lo + m],
+                    weight_decay, neg_lr, ratio_clip)
+
+
+@_jit
+def onebit_sync_publish_code(code_scales, code_bits, code_chunk, grad_scale, residual, scales,
+                             bits, exp_avg, denominator, param, chunk, mean_abs, weight_decay,
+                             neg_lr, ratio_clip):
+    """:func:`onebit_sync_publish` of a step whose one push came as a sign1 code, decoded
+    chunk by chunk as in :func:`onebit_direction_publish_code`."""
+    n = param.shape[0]
+    lanes = np.zeros(LANES, np.float64)
+    g = np.empty(min(n, chunk), np.float32)
+    for c in range(scales.shape[0]):
+        lo = c * chunk
+        m = min(n, lo + chunk) - lo
+        _decode_span(code_scales, code_bits, code_chunk, lo, g[:m])
+        _sync_chunk(g[:m], grad_scale, residual[lo:lo + m], bits[lo >> 3:(lo + m + 7) >> 3],
+                    scales, c, lanes, mean_abs, exp_avg[lo:lo + m], denominator[lo:lo + m],
+                    param[lo:lo + m], weight_decay, neg_lr, ratio_clip)
+
+
+@_jit
+def _sync_chunk(g, grad_scale, u, bits, scales, c, lanes, mean_abs, mom, dens, p, weight_decay,
+                neg_lr, ratio_clip):
+    """One chunk of :func:`onebit_sync_publish`: ``u`` the chunk's residual, ``g`` its sum of
+    momenta; chunk ``c``'s scale and ``bits`` its sign bytes."""
+    m = u.shape[0]
+    for j in range(m):
+        t = g[j] * grad_scale
+        u[j] = t * np.float32(1.0) + u[j]
+    s = chunk_scale(u, lanes, mean_abs)
+    pack_signs(u, bits)
+    neg_s = -s
+    # one array written per loop: loops that write two arrays do not vectorize here
+    for j in range(m):
+        mom[j] = np.float32(0.0) + (neg_s if u[j] < 0 else s)
+    for j in range(m):
+        x = u[j]
+        u[j] = x - (neg_s if x < 0 else s)
+    onebit_adam_apply_den(p, mom, dens, weight_decay, neg_lr, ratio_clip)
+    scales[c] = s
 
 
 @_jit

@@ -44,9 +44,9 @@ from numba.extending import intrinsic
 
 from bitps.native.update_rules import all_finite
 
-__all__ = ["DEFAULT_CHUNK", "LANES", "chunk_scale", "decode", "decode_add", "decode_reference",
-           "decoded8", "encode", "encode_reference", "pack_signs", "payload_bytes", "payload_views",
-           "scales_finite", "split"]
+__all__ = ["DEFAULT_CHUNK", "LANES", "add_decoded", "chunk_scale", "decode", "decode_add",
+           "decode_reference", "decoded8", "encode", "encode_reference", "pack_signs",
+           "payload_bytes", "payload_views", "scales_finite", "split"]
 
 DEFAULT_CHUNK = 2048
 LANES = 64
@@ -115,7 +115,18 @@ def decode_add(payload, n: int, acc: np.ndarray, *, chunk: int = DEFAULT_CHUNK) 
     _check_chunk(chunk)
     _check_contiguous(acc, "acc")
     scales, bits = split(payload, n, chunk)
-    _decode_add(scales, bits, acc[:n], np.int64(chunk))
+    _decode_add(scales, bits, acc[:n], np.int64(chunk), False)
+
+
+def add_decoded(payload, n: int, acc: np.ndarray, *, chunk: int = DEFAULT_CHUNK) -> None:
+    """``acc[:n] += decode(payload)`` in one pass, bit for bit adding what :func:`decode`
+    writes: a zero scale adds +0.0 for either sign (:func:`decode_add` adds -0.0 for a set
+    bit, which differs where ``acc`` holds -0.0). How a shard sums a sync step's pushed codes
+    without decoding each into an array first."""
+    _check_chunk(chunk)
+    _check_contiguous(acc, "acc")
+    scales, bits = split(payload, n, chunk)
+    _decode_add(scales, bits, acc[:n], np.int64(chunk), True)
 
 
 def decode(payload, n: int, out: np.ndarray, *, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
@@ -283,13 +294,16 @@ def _pack_signs(u, out):
 
 
 @_jit
-def _decode_add(scales, bits, acc, chunk):
+def _decode_add(scales, bits, acc, chunk, as_decoded):
     n = acc.shape[0]
     for c in range(scales.shape[0]):
         lo = c * chunk
         m = min(n, lo + chunk) - lo
         s = scales[c]
         neg_s = -s
+        if as_decoded:  # what _decode_set writes: +0.0 for either sign of a zero scale
+            s = s + np.float32(0.0)
+            neg_s = np.float32(0.0) - s if s == 0 else -s
         a = acc[lo:lo + m]
         b = bits[lo >> 3:(lo + m + 7) >> 3]
         full = m - m % 8

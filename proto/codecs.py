@@ -112,6 +112,12 @@ class CodecKind:
         self.decode_add(codec, payload, n, out)
         return out
 
+    def add_decoded(self, codec: Codec, payload, n: int, acc: np.ndarray) -> None:
+        """``acc[:n] += decode(payload)``, bit for bit adding :meth:`decode`'s values (a sync
+        step's sum of pushed codes, ``ps.pushcode``); by default through a temporary array (a
+        codec whose pushes a rule takes as codes overrides it: one pass)."""
+        acc[:n] += self.decode(codec, payload, n, np.empty(n, np.float32))
+
     def all_finite(self, codec: Codec, payload, n: int, decoded: np.ndarray) -> bool:
         """Whether every decoded value is finite; ``decoded`` is :meth:`decode`'s result (a
         codec that can tell from the payload alone overrides it)."""
@@ -233,6 +239,9 @@ class Sign1Kind(CodecKind):
 
     def decode(self, codec, payload, n, out):
         return sign1.decode(payload, n, out, chunk=codec.chunk)
+
+    def add_decoded(self, codec, payload, n, acc):
+        sign1.add_decoded(payload, n, acc, chunk=codec.chunk)
 
     def publish(self, codec, new, param, residual, out, scratch, seed):
         scales, bits, size = sign1.payload_views(out, param.shape[0], codec.chunk)
@@ -393,6 +402,10 @@ class Codec:
         if self.is_raw:
             return np.frombuffer(payload, np.float32, count=n)
         return self.kind.decode(self, payload, n, out)
+
+    def add_decoded(self, payload, n: int, acc: np.ndarray) -> None:
+        """``acc[:n] += decode(payload)``, the same bits as adding :meth:`decode`'s values."""
+        self.kind.add_decoded(self, payload, n, acc)
 
     def all_finite(self, payload, n: int, decoded: np.ndarray) -> bool:
         """Whether every value of ``decoded`` (:meth:`decode` of ``payload``) is finite, read

@@ -165,10 +165,11 @@ def _key_state(key: int, slot: Slot, codes: dict | None, params: dict, state: di
         state[f"{key}/rule/{name}"] = arr
     if slot.previous is not None:
         state[f"{key}/last_delta"] = slot.last_delta
-    if slot.folded:
-        state[f"{key}/acc"] = slot.step_total().copy()
-    for rank, grad in slot.held.items():
-        state[f"{key}/held/{rank}"] = np.array(grad, np.float32, copy=True)
+    total, held = slot.step_values()  # copies, codes decoded
+    if total is not None:
+        state[f"{key}/acc"] = total
+    for rank, grad in held.items():
+        state[f"{key}/held/{rank}"] = grad
     history = []
     if codes is not None:
         layouts["codec"] = codes["version"]

@@ -161,7 +161,9 @@ class Consistency:
     @property
     def takes_codes(self) -> bool:
         """Whether a push may reach the update rule still a code (``ps.pushcode``): the mode
-        applies each push on its own and reads none of its values (sync sums them: no)."""
+        reads none of its values (sync sums a step's pushes in the key's store, which adds
+        codes as they decode, ``Slot.accumulate``). No by default: a mode of its own says
+        so."""
         return False
 
     def observe_admission(self, metrics: ShardMetrics, clocks: ClockTable, clock: int,
@@ -208,6 +210,7 @@ def make_consistency(cfg: ServerConfig) -> Consistency:
 @register
 class Sync(Consistency):
     name = "sync"
+    takes_codes = True
 
     def admits(self, clocks, clock, slots):
         return all(s.version >= clock for s in slots)

@@ -298,6 +298,11 @@ class OneBitAdam(AdamW):
         """Whether a push computed at ``clock`` still gets a warmup step after the switch."""
         return False
 
+    def takes_code(self, codec):
+        # every layout's compressed update reads a pushed sign1 code in its kernel
+        # (native.publish's _code kernels); a warmup step decodes it (update)
+        return codec.id == pb.CODEC_SIGN1
+
     def check_push(self, header, slots, codec):
         """A push's meaning follows its clock: bf16 gradients before ``freeze_step``, sign1
         codes (momenta in sync, Adam directions with worker moments, gradients with shard
@@ -372,13 +377,17 @@ class OneBitAdamSync(OneBitAdam):
         # grad is the sum of the workers' momenta: publish their compressed mean as m and
         # apply it with the frozen v as workers do (native.onebit_adam_apply_den), in one pass
         # (native.publish)
+        # (a step of one push, pushed as a code: decoded chunk by chunk in that pass)
         scales, bits, size = ob.code_views()
         f32 = np.float32
         ob.step += 1
-        native.onebit_sync_publish(
-            grad, f32(grad_scale), ob.server.residual, scales, bits, ob.buf1,
-            self.denominator(ob), slot.writable(), np.int64(ob.codec.chunk), ob.mean_abs,
-            self._wd, self.neg_lr(lr_scale), f32(self.ratio_clip))
+        tail = (f32(grad_scale), ob.server.residual, scales, bits, ob.buf1,
+                self.denominator(ob), slot.writable(), np.int64(ob.codec.chunk), ob.mean_abs,
+                self._wd, self.neg_lr(lr_scale), f32(self.ratio_clip))
+        if isinstance(grad, PushCode):
+            native.onebit_sync_publish_code(*_sign1_code(grad), *tail)
+        else:
+            native.onebit_sync_publish(grad, *tail)
         return memoryview(ob.server.buffer)[:size]
 
     def rule_state(self, slots):
@@ -415,9 +424,6 @@ class OneBitAdamWorkerMoments(OneBitAdam):
         # slower async worker's) gets a warmup step even after the switch
         return clock < self.opts.freeze_step
 
-    def takes_code(self, codec):
-        return _takes_sign1(codec)
-
     def rule_state(self, slots):
         raise PSError(pb.BAD_HEADER, f"shard {self.server.shard_id} runs onebit_adam in "
                       f"{self.server.mode} mode with the moments on the workers: it keeps no "
@@ -441,9 +447,6 @@ class OneBitAdamWorkerMoments(OneBitAdam):
 class OneBitAdamShardMoments(OneBitAdam):
     """async/ssp, moments on the shard: pushes are gradients; m is updated and v frozen."""
 
-    def takes_code(self, codec):
-        return _takes_sign1(codec)
-
     def _compressed(self, slot, grad, grad_scale, lr_scale):
         # delta (m updated), its code and the code added to the parameters, in one pass
         ob, f32 = slot.rule_state, np.float32
@@ -457,11 +460,6 @@ class OneBitAdamShardMoments(OneBitAdam):
         else:
             native.onebit_moments_publish(slot.writable(), grad, *tail)
         return memoryview(ob.server.buffer)[:size]
-
-
-def _takes_sign1(codec: Codec) -> bool:
-    """The async/ssp layouts read a compressed-phase push (a sign1 code) in their kernel."""
-    return codec.id == pb.CODEC_SIGN1
 
 
 def _sign1_code(push: PushCode) -> tuple[np.ndarray, np.ndarray, np.int64]:

@@ -7,8 +7,10 @@ decode into a key-long array is a write and a read of that array the update does
 :func:`keeps_code` says where a push stays a code; everywhere else it is decoded as before.
 
 Contract: a ``PushCode`` reaches only a rule whose :meth:`~ps.rules.UpdateRule.takes_code` said
-yes for its codec, through a mode whose ``Consistency.takes_codes`` is true (each push applied on
-its own, no compensation reading its values). Its frame passed the codec's length check and
+yes for its codec, through a mode whose ``Consistency.takes_codes`` is true: async/ssp apply each
+push on its own (with no compensation reading its values); sync sums a step's pushes in the
+key's store (``Slot.accumulate``: a step's only push stays a code, two or more are decoded into
+the sum as they are added, :meth:`PushCode.add_to`). Its frame passed the codec's length check and
 the finiteness check (read from the payload: ``CodecKind.payload_finite``); it is read only and
 lives as long as the request. A rule that needs the values after all calls :meth:`PushCode.decoded`.
 """
@@ -35,3 +37,7 @@ class PushCode:
     def decoded(self, out: np.ndarray) -> np.ndarray:
         """The float32 values, written to ``out[:n]`` (returned): what ``decode_push`` gave."""
         return self.codec.decode(self.frame, self.n, out)
+
+    def add_to(self, acc: np.ndarray) -> None:
+        """``acc += `` the values, bit for bit adding what :meth:`decoded` gives."""
+        self.codec.add_decoded(self.frame, self.n, acc)

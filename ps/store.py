@@ -25,6 +25,7 @@ import numpy as np
 from bitps import native
 from bitps.proto import bitps_pb2 as pb
 from bitps.ps.publish import Publisher
+from bitps.ps.pushcode import PushCode
 
 __all__ = ["ZERO_COPY_MIN_BYTES", "Buffer", "Slot"]
 
@@ -71,14 +72,15 @@ class Slot:
     acc: np.ndarray = field(default_factory=lambda: _EMPTY)
     """Sync mode: sum of the pushes of the current step (:meth:`step_total` while only one is
     in)."""
-    first: np.ndarray | None = None
+    first: np.ndarray | PushCode | None = None
     """Sync mode: the step's first push while it is the only one, kept as received (a raw
-    push's view of its frame, which the view keeps alive) instead of copied into :attr:`acc`:
-    the second push is added to it into ``acc`` in one pass, and a step of one push is
-    applied from it directly."""
+    push's view of its frame, which the view keeps alive, or a code the rule reads,
+    ``ps.pushcode``) instead of copied into :attr:`acc`: the second push is added to it into
+    ``acc`` (in one pass where both are arrays), and a step of one push is applied from it
+    directly."""
     pushed: set[int] = field(default_factory=set)
     """Sync mode: ranks that pushed for the current step (in ``acc`` or in ``held``)."""
-    held: dict[int, np.ndarray] = field(default_factory=dict)
+    held: dict[int, np.ndarray | PushCode] = field(default_factory=dict)
     """Sync mode: pushes waiting for a lower live rank's before they are added."""
     folded: int = 0
     """Sync mode: pushes added to ``acc`` so far this step."""
@@ -202,26 +204,29 @@ class Slot:
         self.buffer = Buffer(np.frombuffer(data, np.float32).copy())
         self.updated, self.restored_delta = False, None
 
-    def accumulate(self, rank: int, grad: np.ndarray, live: Sequence[int]) -> None:
+    def accumulate(self, rank: int, grad: np.ndarray | PushCode, live: Sequence[int]) -> None:
         """Sync mode: add ``rank``'s push for the current step (``live``: the key's live
         pushers). Pushes are added in rank order, whatever order they arrive in, so a step's
         sum (float addition does not associate) is the same on every run: a push that arrives
         before a lower live rank's is kept aside (copied when it lives in the reused decode
-        buffer; a raw push is a view of its received frame, which the view keeps alive) until
-        that one is in."""
+        buffer; a raw push is a view of its received frame, which the view keeps alive, and a
+        code, ``ps.pushcode``, keeps its frame) until that one is in."""
         self.pushed.add(rank)
         if any(r < rank and r not in self.pushed for r in live):
-            shares = self.decoded is not _EMPTY and np.may_share_memory(grad, self.decoded)
+            shares = self.decoded is not _EMPTY and isinstance(grad, np.ndarray) \
+                and np.may_share_memory(grad, self.decoded)
             self.held[rank] = grad.copy() if shares else grad
             return
         self._add(grad)
         self._add_held(live)
 
-    def _add(self, grad: np.ndarray) -> None:
+    def _add(self, grad: np.ndarray | PushCode) -> None:
         # the same bits as copying the first push into acc and adding the others in order,
-        # with a pass over the key fewer
+        # with a pass over the key fewer (two, where a code is added without decoding it
+        # into the scratch array first)
         if self.folded == 0:
-            if grad.shape == self.decoded.shape and np.may_share_memory(grad, self.decoded):
+            if isinstance(grad, np.ndarray) and grad.shape == self.decoded.shape \
+                    and np.may_share_memory(grad, self.decoded):
                 # decoded into the scratch array: it becomes the sum, the old sum the next
                 # scratch
                 self.acc, self.decoded = self.decoded, self.acc
@@ -231,16 +236,26 @@ class Slot:
             if self.first is not None:
                 if self.acc is _EMPTY:
                     self.acc = np.empty_like(self.param)
-                native.add_into(self.acc, self.first, grad)
-                self.first = None
+                first, self.first = self.first, None
+                if isinstance(first, np.ndarray) and isinstance(grad, np.ndarray):
+                    native.add_into(self.acc, first, grad)
+                else:
+                    _values(first, self.acc)
+                    _add_to(self.acc, grad)
             else:
-                native.accumulate(self.acc, grad, False)
+                _add_to(self.acc, grad)
         self.folded += 1
 
-    def step_total(self) -> np.ndarray:
+    def step_total(self) -> np.ndarray | PushCode:
         """Sync mode: the sum of the pushes added so far this step (the first push itself
-        while it is the only one: do not write it)."""
+        while it is the only one, an array or a code: do not write it)."""
         return self.first if self.first is not None else self.acc
+
+    def step_values(self) -> tuple[np.ndarray | None, dict[int, np.ndarray]]:
+        """Sync mode: :meth:`step_total` (``None`` while nothing is added) and :attr:`held`
+        as float32 arrays of their own (a checkpoint's copy: codes decoded)."""
+        total = _values(self.step_total(), np.empty_like(self.param)) if self.folded else None
+        return total, {r: _values(g, np.empty_like(self.param)) for r, g in self.held.items()}
 
     def _add_held(self, live: Sequence[int] | None) -> None:
         """Add kept pushes in rank order while no lower live rank is missing (``None``: add
@@ -284,3 +299,20 @@ class Slot:
             if not buf.in_flight():
                 return self.spare.pop(i)
         return Buffer(np.empty_like(self.buffer.array))
+
+
+def _values(push: np.ndarray | PushCode, out: np.ndarray) -> np.ndarray:
+    """``out`` holding ``push``'s float32 values (an array copied, a code decoded)."""
+    if isinstance(push, PushCode):
+        push.decoded(out)
+    else:
+        np.copyto(out, push)
+    return out
+
+
+def _add_to(acc: np.ndarray, push: np.ndarray | PushCode) -> None:
+    """``acc += push``, element by element (a code's values as it decodes them)."""
+    if isinstance(push, PushCode):
+        push.add_to(acc)
+    else:
+        native.accumulate(acc, push, False)

@@ -25,6 +25,7 @@ from bitps.proto.wire import PSError
 from bitps.ps import OptimizerConfig, ServerConfig, create_server
 from bitps.ps.onebit import OneBitConfig
 from bitps.ps.publish import Publisher
+from bitps.ps.pushcode import PushCode
 from bitps.worker import ClientConfig
 from tests.encoding import EncodingClient
 
@@ -532,53 +533,74 @@ def test_a_publisher_recoded_keeps_its_residual_and_drops_its_history():
     assert pub.state_dict()["codec"] == [pb.CODEC_SIGN1, 256, 0]
 
 
-def _onebit_core(mode: str, moments: str, lengths: tuple[int, ...], compensation: str = "none"):
-    """A ShardCore of async/ssp 1-bit Adam (freeze_step 1, chunk 256) over keys of
-    ``lengths`` with compressed pulls, rank 0 registered with seeded values."""
+
+def _onebit_core(mode: str, moments: str, lengths: tuple[int, ...], *, world: int = 1,
+                 compensation: str = "none"):
+    """A ShardCore of 1-bit Adam (freeze_step 1, chunk 256) over keys of ``lengths``, the
+    pulls compressed, ``world`` ranks registered (rank 0 with seeded values)."""
     from bitps.proto.wire import PROTOCOL
     from bitps.ps.shard import ShardCore
-    opt = OptimizerConfig(name="onebit_adam", lr=1e-3, weight_decay=0.01,
-                          rule_config=OneBitConfig(freeze_step=1, chunk=256, moments=moments))
+    rule = OneBitConfig(freeze_step=1, chunk=256, moments="auto" if mode == "sync" else moments)
+    opt = OptimizerConfig(name="onebit_adam", lr=1e-3, weight_decay=0.01, rule_config=rule)
     core = ShardCore(ServerConfig(mode=mode, optimizer=opt, metrics_port=-1,
                                   compensation=compensation), now=lambda: 0.0)
     rng = np.random.default_rng(7)
     specs = [pb.KeySpec(key=k, name=f"p{k}", offset=0, length=n, dtype=pb.FLOAT32,
                         compressed_pull=True) for k, n in enumerate(lengths)]
-    core.register(pb.RegisterRequest(protocol=PROTOCOL, rank=0, world_size=1, signature="s",
-                                     num_shards=1, shard_id=0, keys=specs, sends_values=True,
-                                     pull_codec=pb.CODEC_SIGN1, pull_codec_chunk=256),
-                  {k: rng.standard_normal(n).astype(np.float32).tobytes()
-                   for k, n in enumerate(lengths)})
+    values = {k: rng.standard_normal(n).astype(np.float32).tobytes()
+              for k, n in enumerate(lengths)}
+    for rank in range(world):
+        core.register(pb.RegisterRequest(
+            protocol=PROTOCOL, rank=rank, world_size=world, signature="s", num_shards=1,
+            shard_id=0, keys=specs, sends_values=rank == 0, pull_codec=pb.CODEC_SIGN1,
+            pull_codec_chunk=256), values if rank == 0 else {})
     return core
 
 
-def _push_codes(core, clock: int, lengths: tuple[int, ...], push_chunk: int) -> None:
-    """Rank 0's push of ``clock``: raw gradients at clock 0 (the warmup), sign1 codes after."""
+def _push_codes(core, clock: int, lengths: tuple[int, ...], push_chunk: int,
+                worker: int = 0) -> None:
+    """``worker``'s push of ``clock``: raw gradients at clock 0 (the warmup), sign1 codes after
+    (a zero chunk, its signs half negative, in the first key)."""
     from bitps.proto.wire import PROTOCOL
-    grads = [np.random.default_rng([clock, k]).standard_normal(n).astype(np.float32)
+    grads = [np.random.default_rng([clock, worker, k]).standard_normal(n).astype(np.float32)
              for k, n in enumerate(lengths)]
     fields, frames = {}, [g.tobytes() for g in grads]
     if clock:
         fields = dict(codec=pb.CODEC_SIGN1, codec_chunk=push_chunk)
         frames = []
+        grads[0][:push_chunk] = 0
         for g in grads:
             out = np.empty(sign1.payload_bytes(g.size, push_chunk), np.uint8)
             frames.append(out[:sign1.encode(g, np.zeros_like(g), out, chunk=push_chunk)])
-    header = pb.DataHeader(op=pb.PUSH, protocol=PROTOCOL, worker=0, clock=clock,
-                           request_id=clock + 1, incarnation=5, keys=range(len(lengths)),
-                           dtype=pb.FLOAT32, **fields)
-    (reply,) = core.handle(b"w0", [header.SerializeToString(), *frames])
+        frames[0][4 * -(-lengths[0] // push_chunk):][:push_chunk // 8] = 0xAA
+    header = pb.DataHeader(op=pb.PUSH, protocol=PROTOCOL, worker=worker, clock=clock,
+                           request_id=100 * clock + worker + 1, incarnation=5 + worker,
+                           keys=range(len(lengths)), dtype=pb.FLOAT32, **fields)
+    (reply,) = core.handle(f"w{worker}".encode(), [header.SerializeToString(), *frames])
     assert reply.header.op == pb.REPLY, reply.header.message
 
 
-@pytest.mark.parametrize("mode", ("async", "ssp"))
-@pytest.mark.parametrize("moments", ("worker", "shard"))
+def _same_keys(a, b) -> None:
+    """Two cores' keys hold the same bits: parameters, versions, residuals, published codes
+    and Adam's moments."""
+    for x, y in zip(a.slots.values(), b.slots.values()):
+        assert x.version == y.version
+        for u, v in ((x.param, y.param), (x.rule_state.server.residual,
+                                           y.rule_state.server.residual),
+                     (x.rule_state.buf1, y.rule_state.buf1)):
+            assert np.array_equal(u.view(np.uint32), v.view(np.uint32))
+        assert [bytes(p) for _, p in x.publisher.history] == \
+            [bytes(p) for _, p in y.publisher.history]
+
+
+@pytest.mark.parametrize("mode,moments", [("async", "worker"), ("ssp", "worker"),
+                                          ("async", "shard"), ("sync", "auto")])
 @pytest.mark.parametrize("push_chunk", (256, 64))
 def test_a_compressed_push_reaches_the_update_kernel_as_its_code(mode, moments, push_chunk):
-    """async/ssp 1-bit Adam's compressed pushes reach the update kernel as they came
-    (``ps.pushcode``), never written to the key-long scratch array: the shard ends bit for bit
-    as one that decodes every push first (the path before), parameters, residuals and the
-    published codes. dc_asgd reads the pushed values: its pushes are decoded."""
+    """1-bit Adam's compressed pushes reach the update kernel as they came (``ps.pushcode``),
+    never written to the key-long scratch array: the shard ends bit for bit as one that
+    decodes every push first (the path before): parameters, residuals, m and the published
+    codes. dc_asgd reads the pushed values: its pushes are decoded."""
     lengths = (3001, 256, 70)
     cores = [_onebit_core(mode, moments, lengths) for _ in range(2)]
     cores[1]._keeps_code = lambda codec: False  # the decoded path
@@ -588,15 +610,41 @@ def test_a_compressed_push_reaches_the_update_kernel_as_its_code(mode, moments, 
             if clock == 0:  # the warmup decoded into the scratch arrays: mark them
                 for slot in core.slots.values():
                     slot.decode_buffer().fill(np.nan)
-    for a, b in zip(cores[0].slots.values(), cores[1].slots.values()):
-        assert a.version == b.version == 4
-        assert np.array_equal(a.param.view(np.uint32), b.param.view(np.uint32))
-        assert np.array_equal(a.rule_state.server.residual.view(np.uint32),
-                              b.rule_state.server.residual.view(np.uint32))
-        assert [bytes(p) for _, p in a.publisher.history] == \
-            [bytes(p) for _, p in b.publisher.history]
-        assert np.isnan(a.decoded).all() and not np.isnan(b.decoded).any()
+    assert all(s.version == 4 for s in cores[0].slots.values())
+    _same_keys(*cores)
+    assert all(np.isnan(s.decoded).all() for s in cores[0].slots.values())
+    assert not any(np.isnan(s.decoded).any() for s in cores[1].slots.values())
     dc = _onebit_core(mode, moments, lengths, compensation="dc_asgd")
-    assert not dc._keeps_code(Codec(pb.CODEC_SIGN1, 256))
+    assert dc._keeps_code(Codec(pb.CODEC_SIGN1, 256)) == (mode == "sync")
     assert cores[0]._keeps_code(Codec(pb.CODEC_SIGN1, 256))
     assert not cores[0]._keeps_code(Codec(pb.CODEC_BF16))
+
+
+def test_a_sync_step_of_pushed_codes_sums_and_checkpoints_as_decoded_ones(tmp_path):
+    """sync 1-bit Adam, three workers pushing codes in the order 2, 0, 1 (rank 2's kept aside
+    as a code, rank 0's the step's first, rank 1's summed into it): bit for bit the shard that
+    decodes each push first, also after a checkpoint taken with rank 2's and rank 0's pushes
+    in and restored into a fresh core (the codes decoded into the saved sum and held push)."""
+    from bitps.ps.checkpoint import load, restore, save
+    from bitps.ps.shard import ShardCore
+    lengths = (3001, 256, 70)
+    cores = [_onebit_core("sync", "auto", lengths, world=3) for _ in range(2)]
+    cores[1]._keeps_code = lambda codec: False
+    for clock in range(3):
+        for core in cores:
+            for worker in (2, 0, 1):
+                _push_codes(core, clock, lengths, 64, worker)
+    _same_keys(*cores)
+    for core in cores:
+        for worker in (2, 0):
+            _push_codes(core, 3, lengths, 64, worker)
+    slot = next(iter(cores[0].slots.values()))
+    assert isinstance(slot.first, PushCode) and isinstance(slot.held[2], PushCode)
+    restored = ShardCore(cores[0].cfg, now=lambda: 0.0)
+    restore(restored, load(save(cores[0], tmp_path, keep=1)))
+    for core in (*cores, restored):
+        _push_codes(core, 3, lengths, 64, 1)
+        _push_codes(core, 4, lengths, 64, 0)
+    assert all(s.version == 4 and s.pushed == {0} for s in restored.slots.values())
+    _same_keys(cores[0], cores[1])
+    _same_keys(cores[0], restored)

@@ -149,7 +149,7 @@ def _pushed_code(n: int, push_chunk: int, special: bool) -> np.ndarray:
 
 
 @pytest.mark.parametrize("n,push_chunk,chunk,wd,special", CODE_CASES)
-@pytest.mark.parametrize("moments", ("worker", "shard"))
+@pytest.mark.parametrize("moments", ("worker", "shard", "sync"))
 def test_publish_of_a_pushed_code_equals_decoding_it_first(n, push_chunk, chunk, wd, special,
                                                             moments):
     """The ``_code`` kernels decode the push chunk by chunk as they go; pushes cut in other
@@ -169,25 +169,50 @@ def test_publish_of_a_pushed_code_equals_decoding_it_first(n, push_chunk, chunk,
         r, m, p = d["r"].copy(), d["m"].copy(), d["p"].copy()
         out = np.zeros(sign1.payload_bytes(n, chunk), np.uint8)
         scales, bits, size = sign1.payload_views(out, n, chunk)
-        publish = (native.onebit_direction_publish_code if moments == "worker"
-                   else native.onebit_moments_publish_code)
-        if undecoded:
-            head = (p, code_scales, code_bits, np.int64(push_chunk))
-        else:
-            head = (p, sign1.decode(code, n, np.empty(n, F), chunk=push_chunk))
-            publish = (native.onebit_direction_publish if moments == "worker"
-                       else native.onebit_moments_publish)
+        pushed = ((code_scales, code_bits, np.int64(push_chunk)) if undecoded
+                  else (sign1.decode(code, n, np.empty(n, F), chunk=push_chunk),))
+        code_or = "_code" if undecoded else ""
         if moments == "worker":
-            publish(*head, F(0.5), r, scales, bits, np.int64(chunk), False, F(wd), neg_lr, clip)
+            getattr(native, f"onebit_direction_publish{code_or}")(
+                p, *pushed, F(0.5), r, scales, bits, np.int64(chunk), False, F(wd), neg_lr,
+                clip)
+        elif moments == "shard":
+            getattr(native, f"onebit_moments_publish{code_or}")(
+                p, *pushed, m, den, F(0.5), r, scales, bits, np.int64(chunk), False, omb1,
+                F(wd), neg_lr, clip)
         else:
-            publish(*head, m, den, F(0.5), r, scales, bits, np.int64(chunk), False, omb1, F(wd),
-                    neg_lr, clip)
+            getattr(native, f"onebit_sync_publish{code_or}")(
+                *pushed, F(0.5), r, scales, bits, m, den, p, np.int64(chunk), False, F(wd),
+                neg_lr, clip)
         runs.append((out[:size], r, m, p))
     for a, b in zip(*runs):
         _same(a, b)
     if special and n > 2 * push_chunk:
         assert not np.isfinite(code_scales).all() and code_scales[1] == 0
         assert code_bits[push_chunk // 8] == 0xAA
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("chunk", (64, 192))
+def test_add_decoded_adds_what_decode_writes(n, chunk):
+    """``sign1.add_decoded``: ``acc += decode(code)`` bit for bit, -0.0 in ``acc`` under a
+    zero-scale chunk with set bits included (``decode_add`` gives -0.0 there, decode +0.0),
+    and a -0.0 scale read as zero; NaN and Inf scales."""
+    code = _pushed_code(n, chunk, True)
+    scales, bits = sign1.split(code, n, chunk)
+    acc = _data(n, 5, True)["p"]
+    if n > 2 * chunk:
+        acc[chunk:2 * chunk] = F(-0.0)
+        code[4 * 2:4 * 3] = np.frombuffer(F(-0.0).tobytes(), np.uint8)  # scale 2: -0.0
+    want = acc + sign1.decode(code, n, np.empty(n, F), chunk=chunk)
+    got = acc.copy()
+    sign1.add_decoded(code, n, got, chunk=chunk)
+    _same(got, want)
+    if n > 2 * chunk:
+        plain = acc.copy()
+        sign1.decode_add(code, n, plain, chunk=chunk)
+        assert np.signbit(plain[chunk:2 * chunk]).any()  # where the two differ
+        assert not np.signbit(got[chunk:2 * chunk]).any()
 
 
 @pytest.mark.parametrize("n", SIZES)
