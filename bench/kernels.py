@@ -109,13 +109,15 @@ class _Pusher:
     workers, and the pushes it takes: :meth:`push` sends the next step's (a PUSH of every key
     at the next clock from each worker in turn; in sync the last one completes the step).
     ``per_key``: one PUSH per key, each worker's in turn, as a shard receives keys that
-    travel alone; ``chunk``: the elements per scale of sign1 pushes (default sign1's)."""
+    travel alone; ``chunk``: the elements per scale of sign1 pushes (default sign1's);
+    ``decoded_first``: the shard decodes every push into the key's scratch array before the
+    rule sees it, where it would hand the rule the code (the path before 2026-12-06)."""
 
     def __init__(self, case: Case, keys: int, n: int, *, threads: int = 1, workers: int = 1,
-                 per_key: bool = False, chunk: int = 0) -> None:
+                 per_key: bool = False, chunk: int = 0, decoded_first: bool = False) -> None:
         from bitps.native import sign1
         from bitps.proto import bitps_pb2 as pb
-        from bitps.proto.codecs import CODECS
+        from bitps.proto.codecs import CODECS, Codec
         from bitps.proto.wire import PROTOCOL
         from bitps.ps.config import OptimizerConfig, ServerConfig
         from bitps.ps.onebit import OneBitConfig
@@ -126,6 +128,11 @@ class _Pusher:
         cfg = ServerConfig(mode=case.mode, threads=threads, optimizer=OptimizerConfig(
             name=case.optimizer, lr=1e-4, rule_config=rule_config))
         self.core = ShardCore(cfg, now=time.monotonic)
+        self.reads_codes = case.push == "sign1" and self.core.keeps_code(
+            Codec(pb.CODEC_SIGN1, chunk or sign1.DEFAULT_CHUNK))
+        """Whether the rule reads this case's pushed codes in its kernel (``ps.pushcode``)."""
+        if decoded_first:  # every push decoded into the key's scratch array first, as before
+            self.core.keeps_code = lambda codec: False
         rng = np.random.default_rng(0)
         specs = [pb.KeySpec(key=k, name=f"p{k}", offset=0, length=n, dtype=pb.FLOAT32,
                             compressed_pull=case.pull == "sign1") for k in range(keys)]
@@ -199,24 +206,29 @@ def run(cfg: KernelsBench | None = None, *, out: Path | None = None) -> dict:
     keys = max(1, cfg.mib // cfg.key_mib)
     cases = [c for c in CASES if not cfg.cases or c.name in cfg.cases]
     pushers = {c.name: _Pusher(c, keys, n) for c in cases}
+    # the cases whose rule reads the pushed codes, also with every push decoded first: the
+    # path before, in the same rounds
+    before = {name: _Pusher(p.case, keys, n, decoded_first=True)
+              for name, p in pushers.items() if p.reads_codes}
     src = np.random.default_rng(1).standard_normal(keys * n).astype(np.float32)
     dst = np.empty_like(src)
     busy = machine_busy(2.0)
-    cpu: dict[str, list[float]] = {c.name: [] for c in cases}
+    timed = [(c.name, pushers[c.name]) for c in cases] \
+        + [(f"{name} (decoded first)", p) for name, p in before.items()]
+    cpu: dict[str, list[float]] = {name: [] for name, _ in timed}
     copy: list[float] = []
-    for p in pushers.values():
+    for _, p in timed:
         p.push()  # compile, touch every buffer once
     np.copyto(dst, src)
     for _ in range(cfg.rounds):
         t0 = time.thread_time()
         np.copyto(dst, src)
         copy.append(time.thread_time() - t0)
-        for c in cases:
-            p = pushers[c.name]
+        for name, p in timed:
             t0 = time.thread_time()
             for _ in range(cfg.repeats):
                 p.push()
-            cpu[c.name].append((time.thread_time() - t0) / cfg.repeats)
+            cpu[name].append((time.thread_time() - t0) / cfg.repeats)
     bandwidth = 2 * src.nbytes / median(copy)
     rows = []
     for c in cases:
@@ -225,12 +237,15 @@ def run(cfg: KernelsBench | None = None, *, out: Path | None = None) -> dict:
             + (p.push_bytes if c.push == "sign1" else 0) + p.published_bytes()
         floor = floor_bytes / bandwidth
         t = median(cpu[c.name])
+        first = cpu.get(f"{c.name} (decoded first)")
         rows.append({"case": c.name, "cpu_ms": t * 1e3, "floor_ms": floor * 1e3,
                      "vs_floor": t / floor, "goal": c.goal, "reads": c.reads,
                      "writes": c.writes, "floor_mb": floor_bytes / 1e6,
+                     "decoded_first_ms": None if first is None else median(first) * 1e3,
+                     "decoded_first_vs_floor": None if first is None else median(first) / floor,
                      "rounds_ms": [round(x * 1e3, 2) for x in cpu[c.name]]})
     total = src.nbytes
-    del pushers
+    del pushers, before
     worker_rows, worker_bandwidth = _workers(cfg, keys, n, src, dst)
     del src, dst  # the scaling runs need the memory
     scaling = _scaling(cfg)
@@ -252,11 +267,14 @@ def run(cfg: KernelsBench | None = None, *, out: Path | None = None) -> dict:
              f"memcpy bandwidth measured here ({bandwidth / 1e9:.2f} GB/s read + written, "
              f"np.copyto of {total / MIB:.0f} MiB: {median(copy) * 1e3:.2f} ms). Machine "
              f"busy before the run: {busy:.0%}. The accounting of what each update must touch "
-             f"is in bench/kernels.py and docs/benchmarks.md. Worker rows (\"worker: ...\"): CPU "
-             f"per step of a worker's thread (push_pull of every key through a real PSClient "
-             f"and Encoder to an in-process shard, wait included; no clipping, no weight "
-             f"prediction), floor from the memcpy measured in their own rounds ("
-             f"{worker_bandwidth / 1e9:.2f} GB/s); accounting in bench/worker_kernels.py. "
+             f"is in bench/kernels.py and docs/benchmarks.md. \"pushes decoded first\": the "
+             f"cases whose rule reads the pushed sign1 codes in its update kernel "
+             f"(ps.pushcode), timed in the same rounds on a shard that decodes every push "
+             f"into the key's scratch array first (the path before 2026-12-06). Worker rows "
+             f"(\"worker: ...\"): CPU per step of a worker's thread (push_pull of every key "
+             f"through a real PSClient and Encoder to an in-process shard, wait included; no "
+             f"clipping, no weight prediction), floor from the memcpy measured in their own "
+             f"rounds ({worker_bandwidth / 1e9:.2f} GB/s); accounting in bench/worker_kernels.py. "
              f"Thread scaling (the threads_* "
              f"checks): {cfg.scaling_mib} MiB of {cfg.key_mib} MiB keys, wall time per update "
              f"with ServerConfig.threads = 1 and each of {list(cfg.thread_counts)}, and for "
@@ -275,7 +293,9 @@ def run(cfg: KernelsBench | None = None, *, out: Path | None = None) -> dict:
                   columns=[("case", "rule, mode, push -> pull"), ("cpu_ms", "CPU ms/update"),
                            ("floor_ms", "floor ms"), ("vs_floor", "vs floor"),
                            ("goal", "goal"), ("reads", "arrays read"),
-                           ("writes", "arrays written"), ("floor_mb", "floor MB")])
+                           ("writes", "arrays written"), ("floor_mb", "floor MB"),
+                           ("decoded_first_ms", "pushes decoded first: CPU ms/update"),
+                           ("decoded_first_vs_floor", "pushes decoded first: vs floor")])
     return {"rows": rows, "checks": checks}
 
 

@@ -195,7 +195,7 @@ class ShardCore(Registration):
         slots, clock, grads, codec = checks.validate(
             cfg, header, payload, self.slots, registered=self.clocks.is_registered(header.worker),
             own_clock=worker.clock if worker is not None else 0, pool=self.key_pool,
-            keeps_code=self._keeps_code)
+            keeps_code=self.keeps_code)
         if header.shard_incarnation and header.shard_incarnation != self.incarnation:
             raise PSError(pb.NOT_REGISTERED, f"worker {header.worker}'s request (clock "
                           f"{header.clock}) is for an earlier life of shard {cfg.shard_id} "
@@ -211,9 +211,11 @@ class ShardCore(Registration):
             grads = codec = None  # a replay: answered, not applied again
         return slots, grads, codec, clock
 
-    def _keeps_code(self, codec: Codec) -> bool:
+    def keeps_code(self, codec: Codec) -> bool:
         """Whether a push of ``codec`` reaches the rule undecoded (``ps.pushcode``): the mode
-        applies each push alone, unadjusted, and the rule reads the code in its kernel."""
+        reads none of its values and the rule reads the code in its kernel. Read on every
+        push, so a core given ``lambda codec: False`` decodes every push first (the path
+        before 2026-12-06; ``bitps-bench kernels`` times both, the tests compare them)."""
         return self.consistency.takes_codes and self.rule.takes_code(codec)
 
     def _push(self, header: pb.DataHeader, payload: list, grads: list[np.ndarray],

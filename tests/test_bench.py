@@ -81,6 +81,11 @@ def test_kernels_bench_measures_every_case_against_its_floor(tmp_path):
         codes = row["floor_mb"] - arrays
         assert (codes > 0) == (case.push == "sign1" or case.pull == "sign1"), case.name
         assert codes < 2 * n_bytes / 32 / 1e6 * 1.1  # at most a push and a published code
+        # 1-bit Adam reads its pushed codes in its kernel: timed beside the decoded path
+        assert (row["decoded_first_ms"] is not None) == case.onebit, case.name
+        if case.onebit:
+            assert row["decoded_first_vs_floor"] * row["floor_ms"] == \
+                pytest.approx(row["decoded_first_ms"])
     assert doc["config"]["worker_bandwidth_gbps"] > 0
     for case in WORKER_CASES:
         row = rows[case.name]

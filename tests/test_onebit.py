@@ -603,7 +603,7 @@ def test_a_compressed_push_reaches_the_update_kernel_as_its_code(mode, moments, 
     codes. dc_asgd reads the pushed values: its pushes are decoded."""
     lengths = (3001, 256, 70)
     cores = [_onebit_core(mode, moments, lengths) for _ in range(2)]
-    cores[1]._keeps_code = lambda codec: False  # the decoded path
+    cores[1].keeps_code = lambda codec: False  # the decoded path
     for clock in range(4):
         for core in cores:
             _push_codes(core, clock, lengths, push_chunk)
@@ -615,9 +615,9 @@ def test_a_compressed_push_reaches_the_update_kernel_as_its_code(mode, moments, 
     assert all(np.isnan(s.decoded).all() for s in cores[0].slots.values())
     assert not any(np.isnan(s.decoded).any() for s in cores[1].slots.values())
     dc = _onebit_core(mode, moments, lengths, compensation="dc_asgd")
-    assert dc._keeps_code(Codec(pb.CODEC_SIGN1, 256)) == (mode == "sync")
-    assert cores[0]._keeps_code(Codec(pb.CODEC_SIGN1, 256))
-    assert not cores[0]._keeps_code(Codec(pb.CODEC_BF16))
+    assert dc.keeps_code(Codec(pb.CODEC_SIGN1, 256)) == (mode == "sync")
+    assert cores[0].keeps_code(Codec(pb.CODEC_SIGN1, 256))
+    assert not cores[0].keeps_code(Codec(pb.CODEC_BF16))
 
 
 def test_a_sync_step_of_pushed_codes_sums_and_checkpoints_as_decoded_ones(tmp_path):
@@ -629,7 +629,7 @@ def test_a_sync_step_of_pushed_codes_sums_and_checkpoints_as_decoded_ones(tmp_pa
     from bitps.ps.shard import ShardCore
     lengths = (3001, 256, 70)
     cores = [_onebit_core("sync", "auto", lengths, world=3) for _ in range(2)]
-    cores[1]._keeps_code = lambda codec: False
+    cores[1].keeps_code = lambda codec: False
     for clock in range(3):
         for core in cores:
             for worker in (2, 0, 1):
