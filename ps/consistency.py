@@ -210,7 +210,10 @@ def make_consistency(cfg: ServerConfig) -> Consistency:
 @register
 class Sync(Consistency):
     name = "sync"
-    takes_codes = True
+
+    @property
+    def takes_codes(self):
+        return True  # a step's pushes are summed as they decode (Slot.accumulate)
 
     def admits(self, clocks, clock, slots):
         return all(s.version >= clock for s in slots)

@@ -1,18 +1,19 @@
 """``PushCode``: one key's compressed push frame, handed to the update rule undecoded.
 
-A shard decodes every compressed push into the key's scratch array before the mode and the rule
-see it (``ps.checks.decode_push``). Where the rule can read the code itself, in the kernel that
-makes the update (1-bit Adam's async/ssp layouts: ``native.publish``'s ``_code`` kernels), the
-decode into a key-long array is a write and a read of that array the update does not need.
-:func:`keeps_code` says where a push stays a code; everywhere else it is decoded as before.
+A shard decodes a compressed push into the key's scratch array before the mode and the rule see
+it (``ps.checks.decode_push``). Where the rule reads the code itself, in the kernel that makes
+the update (1-bit Adam, every layout: ``native.publish``'s ``_code`` kernels), that decode is a
+write and a read of a key-long array the update does not need. ``ShardCore.keeps_code`` says
+where a push stays a code; everywhere else it is decoded as before.
 
 Contract: a ``PushCode`` reaches only a rule whose :meth:`~ps.rules.UpdateRule.takes_code` said
 yes for its codec, through a mode whose ``Consistency.takes_codes`` is true: async/ssp apply each
 push on its own (with no compensation reading its values); sync sums a step's pushes in the
 key's store (``Slot.accumulate``: a step's only push stays a code, two or more are decoded into
-the sum as they are added, :meth:`PushCode.add_to`). Its frame passed the codec's length check and
-the finiteness check (read from the payload: ``CodecKind.payload_finite``); it is read only and
-lives as long as the request. A rule that needs the values after all calls :meth:`PushCode.decoded`.
+the sum as they are added, :meth:`PushCode.add_to`). Its frame passed the codec's length check
+and the finiteness check (read from the payload: ``CodecKind.payload_finite``) and is read only;
+the ``PushCode`` keeps it alive, as a raw push's view does (a sync step's pending push outlives
+its request). A rule that needs the values after all calls :meth:`PushCode.decoded`.
 """
 
 from __future__ import annotations
