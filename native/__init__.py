@@ -4,7 +4,8 @@ gradient codecs (``casts``, ``sign1``, ``sparse``;
 each module also holds the numpy reference it is tested against; ``sparse`` re-exports the
 names of its split: ``sparse_format``, ``sparse_kernels``, ``sparse_reference``).
 
-Imports numpy and numba only. Kernels take flat numpy arrays and scalars, never allocate, and
+Imports numpy and numba only. Kernels take flat numpy arrays and scalars, allocate nothing
+beyond a chunk's scratch (sign1's 64 float64 lanes, a pushed code's decoded chunk), and
 document their byte layout and buffer ownership.
 """
 

@@ -3,7 +3,8 @@
 :func:`request_slots` checks the header (token, protocol, op, registration, a push's
 incarnation, keys);
 :func:`decode_push` checks a push's frames against its codec and the keys, decodes compressed
-ones and refuses non-finite gradients. Both raise :class:`PSError` naming the offending value
+ones (or leaves them codes for a rule that reads them in its kernel, ``ps.pushcode``) and
+refuses non-finite gradients. Both raise :class:`PSError` naming the offending value
 and what was expected; the shard turns that into one ``ERROR`` reply.
 """
 
