@@ -1,4 +1,5 @@
-"""Numba kernels: server update rules, the fused update-and-publish kernels (``publish``), the
+"""Numba kernels: server update rules (and Adam's step of a pushed code, ``coded``), the fused
+update-and-publish kernels (``publish``), the
 thread pool that runs them over a message's keys (``keypool``) and
 gradient codecs (``casts``, ``sign1``, ``sparse``;
 each module also holds the numpy reference it is tested against; ``sparse`` re-exports the
@@ -9,6 +10,7 @@ beyond a chunk's scratch (sign1's 64 float64 lanes, a pushed code's decoded chun
 document their byte layout and buffer ownership.
 """
 
+from bitps.native.coded import adam_step_code
 from bitps.native.publish import (
     onebit_direction_publish,
     onebit_direction_publish_code,
@@ -39,7 +41,8 @@ from bitps.native.update_rules import (
     sum_squares,
 )
 
-__all__ = ["accumulate", "adam_direction", "adam_direction_correct", "adam_step", "add_into",
+__all__ = ["accumulate", "adam_direction", "adam_direction_correct", "adam_step",
+           "adam_step_code", "add_into",
            "add_scaled", "all_finite", "delayed_nesterov_step", "extrapolate", "look_ahead",
            "momentum_step",
            "onebit_adam_apply", "onebit_adam_apply_den", "onebit_adam_delta",

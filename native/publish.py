@@ -28,7 +28,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from bitps.native.sign1 import LANES, chunk_scale, decoded8, pack_signs
+from bitps.native.sign1 import LANES, chunk_scale, decode_span, pack_signs
 from bitps.native.update_rules import fma, onebit_adam_apply_den
 
 __all__ = ["onebit_direction_publish", "onebit_direction_publish_code",
@@ -72,7 +72,7 @@ def onebit_sync_publish_code(code_scales, code_bits, code_chunk, grad_scale, res
     for c in range(scales.shape[0]):
         lo = c * chunk
         m = min(n, lo + chunk) - lo
-        _decode_span(code_scales, code_bits, code_chunk, lo, g[:m])
+        decode_span(code_scales, code_bits, code_chunk, lo, g[:m])
         _sync_chunk(g[:m], grad_scale, residual[lo:lo + m], bits[lo >> 3:(lo + m + 7) >> 3],
                     scales, c, lanes, mean_abs, exp_avg[lo:lo + m], denominator[lo:lo + m],
                     param[lo:lo + m], weight_decay, neg_lr, ratio_clip)
@@ -135,7 +135,7 @@ def onebit_direction_publish_code(param, code_scales, code_bits, code_chunk, gra
         m = min(n, lo + chunk) - lo
         p = param[lo:lo + m]
         u = residual[lo:lo + m]
-        _decode_span(code_scales, code_bits, code_chunk, lo, g[:m])
+        decode_span(code_scales, code_bits, code_chunk, lo, g[:m])
         _direction_delta(g[:m], p, u, grad_scale, weight_decay, neg_lr, ratio_clip)
         _encode_apply(u, p, bits[lo >> 3:(lo + m + 7) >> 3], scales, c, lanes, mean_abs)
 
@@ -176,7 +176,7 @@ def onebit_moments_publish_code(param, code_scales, code_bits, code_chunk, exp_a
         m = min(n, lo + chunk) - lo
         p = param[lo:lo + m]
         u = residual[lo:lo + m]
-        _decode_span(code_scales, code_bits, code_chunk, lo, g[:m])
+        decode_span(code_scales, code_bits, code_chunk, lo, g[:m])
         _moments_delta(g[:m], exp_avg[lo:lo + m], denominator[lo:lo + m], p, u, grad_scale,
                        one_minus_beta1, weight_decay, neg_lr, ratio_clip)
         _encode_apply(u, p, bits[lo >> 3:(lo + m + 7) >> 3], scales, c, lanes, mean_abs)
@@ -211,29 +211,6 @@ def _moments_delta(g, mom, dens, p, u, grad_scale, one_minus_beta1, weight_decay
             d = fma(weight_decay, p[j], d)
         delta = np.float32(0.0) if den == 0 else neg_lr * d
         u[j] = delta * np.float32(1.0) + u[j]
-
-
-@_jit
-def _decode_span(code_scales, code_bits, code_chunk, lo, out):
-    """``out[:]`` = elements ``lo ..`` of a sign1 code's decode, as ``sign1.decode`` writes
-    them (a zero scale decodes to +0.0 for either sign). ``lo`` and ``code_chunk`` are
-    multiples of 8, so every byte of bits lies in one code chunk; the code chunks the span
-    crosses are walked one by one (no division per byte)."""
-    m = out.shape[0]
-    j = 0
-    while j < m:
-        c = (lo + j) // code_chunk
-        end = min(m, (c + 1) * code_chunk - lo)
-        s = code_scales[c] + np.float32(0.0)
-        neg_s = np.float32(0.0) - s if s == 0 else -s
-        b = code_bits[(lo + j) >> 3:(lo + end + 7) >> 3]
-        o = out[j:end]
-        full = (end - j) - (end - j) % 8
-        for i in range(full >> 3):
-            decoded8(o, 8 * i, b[i], s, neg_s)
-        for k in range(full, end - j):
-            o[k] = neg_s if (b[k >> 3] >> (k & 7)) & 1 else s
-        j = end
 
 
 @_jit

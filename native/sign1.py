@@ -45,8 +45,8 @@ from numba.extending import intrinsic
 from bitps.native.update_rules import all_finite
 
 __all__ = ["DEFAULT_CHUNK", "LANES", "add_decoded", "chunk_scale", "decode", "decode_add",
-           "decode_reference", "decoded8", "encode", "encode_reference", "pack_signs",
-           "payload_bytes", "payload_views", "scales_finite", "split"]
+           "decode_reference", "decode_span", "decoded8", "encode", "encode_reference",
+           "pack_signs", "payload_bytes", "payload_views", "scales_finite", "split"]
 
 DEFAULT_CHUNK = 2048
 LANES = 64
@@ -311,6 +311,29 @@ def _decode_add(scales, bits, acc, chunk, as_decoded):
             _add8(a, 8 * i, b[i], s, neg_s)
         for j in range(full, m):
             a[j] = a[j] + (neg_s if (b[j >> 3] >> (j & 7)) & 1 else s)
+
+
+@_jit
+def decode_span(code_scales, code_bits, code_chunk, lo, out):
+    """``out[:]`` = elements ``lo ..`` of a sign1 code's decode, as ``sign1.decode`` writes
+    them (a zero scale decodes to +0.0 for either sign). ``lo`` and ``code_chunk`` are
+    multiples of 8, so every byte of bits lies in one code chunk; the code chunks the span
+    crosses are walked one by one (no division per byte)."""
+    m = out.shape[0]
+    j = 0
+    while j < m:
+        c = (lo + j) // code_chunk
+        end = min(m, (c + 1) * code_chunk - lo)
+        s = code_scales[c] + np.float32(0.0)
+        neg_s = np.float32(0.0) - s if s == 0 else -s
+        b = code_bits[(lo + j) >> 3:(lo + end + 7) >> 3]
+        o = out[j:end]
+        full = (end - j) - (end - j) % 8
+        for i in range(full >> 3):
+            _set8(o, 8 * i, b[i], s, neg_s)
+        for k in range(full, end - j):
+            o[k] = neg_s if (b[k >> 3] >> (k & 7)) & 1 else s
+        j = end
 
 
 @_jit

@@ -28,9 +28,11 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 
 from bitps import native
+from bitps.native import sign1
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.wire import PSError
 from bitps.ps.config import RULES, OptimizerConfig, RuleConfig, ServerConfig
+from bitps.ps.pushcode import PushCode
 
 if TYPE_CHECKING:
     from google.protobuf.message import Message
@@ -312,11 +314,18 @@ class Adam(UpdateRule):
         t = state.step
         neg_step_size = -(cfg.lr * lr_scale) / (1 - cfg.beta1**t)
         bc2_sqrt = (1 - cfg.beta2**t) ** 0.5
-        native.adam_step(param, grad, state.buf1, state.buf2, scale,
-                         self._one_minus_beta1, self._beta2, self._one_minus_beta2,
-                         self._eps, f32(wd), self.decoupled,
-                         f32(1 - cfg.lr * lr_scale * wd), f32(neg_step_size),
-                         f32(bc2_sqrt))
+        tail = (state.buf1, state.buf2, scale, self._one_minus_beta1, self._beta2,
+                self._one_minus_beta2, self._eps, f32(wd), self.decoupled,
+                f32(1 - cfg.lr * lr_scale * wd), f32(neg_step_size), f32(bc2_sqrt))
+        if isinstance(grad, PushCode):  # decoded block by block inside the step
+            scales, bits = sign1.split(grad.frame, grad.n, grad.codec.chunk)
+            native.adam_step_code(param, scales, bits, np.int64(grad.codec.chunk), *tail)
+        else:
+            native.adam_step(param, grad, *tail)
+
+    def takes_code(self, codec):
+        # a sign1 push is read by the step itself (native.coded), not decoded first
+        return codec.id == pb.CODEC_SIGN1
 
 
 @register

@@ -192,6 +192,31 @@ def test_publish_of_a_pushed_code_equals_decoding_it_first(n, push_chunk, chunk,
         assert code_bits[push_chunk // 8] == 0xAA
 
 
+@pytest.mark.parametrize("n,push_chunk,wd,special", sorted({
+    (n, push_chunk, wd, special) for n, push_chunk, _, wd, special in CODE_CASES}))
+@pytest.mark.parametrize("decoupled", (False, True))
+def test_adam_step_of_a_pushed_code_equals_decoding_it_first(n, push_chunk, wd, special,
+                                                             decoupled):
+    """``native.adam_step_code`` decodes the push block by block (2048 elements, across the
+    code's chunks) inside the step: the same bits as ``adam_step`` of the decoded array."""
+    d = _data(n, 6, special)
+    code = _pushed_code(n, push_chunk, special)
+    scales, bits = sign1.split(code, n, push_chunk)
+    args = (F(0.5), F(0.1), F(0.999), F(0.001), F(1e-8), F(wd), decoupled, F(1 - 1e-3 * wd),
+            F(-1e-3), F(0.3))
+    runs = []
+    for undecoded in (False, True):
+        p, m, v = d["p"].copy(), d["m"].copy(), d["v"].copy()
+        if undecoded:
+            native.adam_step_code(p, scales, bits, np.int64(push_chunk), m, v, *args)
+        else:
+            native.adam_step(p, sign1.decode(code, n, np.empty(n, F), chunk=push_chunk), m, v,
+                             *args)
+        runs.append((p, m, v))
+    for a, b in zip(*runs):
+        _same(a, b)
+
+
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("chunk", (64, 192))
 def test_add_decoded_adds_what_decode_writes(n, chunk):
