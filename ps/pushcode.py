@@ -3,9 +3,9 @@
 A shard decodes a compressed push into the key's scratch array before the mode and the rule see
 it (``ps.checks.decode_push``). Where the rule reads the code itself, in the kernel that makes
 the update (1-bit Adam, every layout: ``native.publish``'s ``_code`` kernels; Adam and AdamW:
-``native.coded``), that decode is a
-write and a read of a key-long array the update does not need. ``ShardCore.keeps_code`` says
-where a push stays a code; everywhere else it is decoded as before.
+``native.coded``), that decode is a write and a read of a key-long array the update does not
+need. ``ShardCore.keeps_code`` says where a push stays a code; everywhere else it is decoded as
+before.
 
 Contract: a ``PushCode`` reaches only a rule whose :meth:`~ps.rules.UpdateRule.takes_code` said
 yes for its codec, through a mode whose ``Consistency.takes_codes`` is true: async/ssp apply each
