@@ -136,7 +136,7 @@ def decode(payload, n: int, out: np.ndarray, *, chunk: int = DEFAULT_CHUNK) -> n
     _check_chunk(chunk)
     _check_contiguous(out, "out")
     scales, bits = split(payload, n, chunk)
-    _decode_set(scales, bits, out[:n], np.int64(chunk))
+    decode_span(scales, bits, np.int64(chunk), 0, out[:n])
     return out[:n]
 
 
@@ -301,7 +301,7 @@ def _decode_add(scales, bits, acc, chunk, as_decoded):
         m = min(n, lo + chunk) - lo
         s = scales[c]
         neg_s = -s
-        if as_decoded:  # what _decode_set writes: +0.0 for either sign of a zero scale
+        if as_decoded:  # what decode writes: +0.0 for either sign of a zero scale
             s = s + np.float32(0.0)
             neg_s = np.float32(0.0) - s if s == 0 else -s
         a = acc[lo:lo + m]
@@ -315,10 +315,12 @@ def _decode_add(scales, bits, acc, chunk, as_decoded):
 
 @_jit
 def decode_span(code_scales, code_bits, code_chunk, lo, out):
-    """``out[:]`` = elements ``lo ..`` of a sign1 code's decode, as ``sign1.decode`` writes
-    them (a zero scale decodes to +0.0 for either sign). ``lo`` and ``code_chunk`` are
-    multiples of 8, so every byte of bits lies in one code chunk; the code chunks the span
-    crosses are walked one by one (no division per byte)."""
+    """``out[:]`` = elements ``lo ..`` of a sign1 code's decode: :func:`decode` (a span from
+    0 over the whole key) and the kernels that decode a push chunk by chunk as they read it.
+    A zero scale decodes to +0.0 for either sign, as ``0.0 + -0.0`` (``decode_add`` onto
+    zeros) gives. ``lo`` and ``code_chunk`` are multiples of 8, so every byte of bits lies in
+    one code chunk; the code chunks the span crosses are walked one by one (no division per
+    byte)."""
     m = out.shape[0]
     j = 0
     while j < m:
@@ -334,25 +336,6 @@ def decode_span(code_scales, code_bits, code_chunk, lo, out):
         for k in range(full, end - j):
             o[k] = neg_s if (b[k >> 3] >> (k & 7)) & 1 else s
         j = end
-
-
-@_jit
-def _decode_set(scales, bits, out, chunk):
-    n = out.shape[0]
-    for c in range(scales.shape[0]):
-        lo = c * chunk
-        m = min(n, lo + chunk) - lo
-        s = scales[c]
-        # 0.0 + -0.0 is +0.0: what decode_add onto zeros gives for a zero scale
-        s = s + np.float32(0.0)
-        neg_s = np.float32(0.0) - s if s == 0 else -s
-        a = out[lo:lo + m]
-        b = bits[lo >> 3:(lo + m + 7) >> 3]
-        full = m - m % 8
-        for i in range(full >> 3):
-            _set8(a, 8 * i, b[i], s, neg_s)
-        for j in range(full, m):
-            a[j] = neg_s if (b[j >> 3] >> (j & 7)) & 1 else s
 
 
 # -- numpy reference (the spec check; written independently of the kernels) --------------------

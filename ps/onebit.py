@@ -385,7 +385,7 @@ class OneBitAdamSync(OneBitAdam):
                 self.denominator(ob), slot.writable(), np.int64(ob.codec.chunk), ob.mean_abs,
                 self._wd, self.neg_lr(lr_scale), f32(self.ratio_clip))
         if isinstance(grad, PushCode):
-            native.onebit_sync_publish_code(*_sign1_code(grad), *tail)
+            native.onebit_sync_publish_code(*grad.sign1_sections(), *tail)
         else:
             native.onebit_sync_publish(grad, *tail)
         return memoryview(ob.server.buffer)[:size]
@@ -438,7 +438,7 @@ class OneBitAdamWorkerMoments(OneBitAdam):
                 np.int64(ob.codec.chunk), ob.mean_abs, self._wd, self.neg_lr(lr_scale),
                 np.float32(self.ratio_clip))
         if isinstance(grad, PushCode):
-            native.onebit_direction_publish_code(slot.writable(), *_sign1_code(grad), *tail)
+            native.onebit_direction_publish_code(slot.writable(), *grad.sign1_sections(), *tail)
         else:
             native.onebit_direction_publish(slot.writable(), grad, *tail)
         return memoryview(ob.server.buffer)[:size]
@@ -456,13 +456,8 @@ class OneBitAdamShardMoments(OneBitAdam):
                 bits, np.int64(ob.codec.chunk), ob.mean_abs, self._one_minus_beta1, self._wd,
                 self.neg_lr(lr_scale), f32(self.ratio_clip))
         if isinstance(grad, PushCode):
-            native.onebit_moments_publish_code(slot.writable(), *_sign1_code(grad), *tail)
+            native.onebit_moments_publish_code(slot.writable(), *grad.sign1_sections(), *tail)
         else:
             native.onebit_moments_publish(slot.writable(), grad, *tail)
         return memoryview(ob.server.buffer)[:size]
 
-
-def _sign1_code(push: PushCode) -> tuple[np.ndarray, np.ndarray, np.int64]:
-    """A sign1 push's scales, sign bits and chunk: what the ``_code`` kernels read."""
-    scales, bits = sign1.split(push.frame, push.n, push.codec.chunk)
-    return scales, bits, np.int64(push.codec.chunk)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bitps.native import sign1
 from bitps.proto.codecs import Codec
 
 __all__ = ["PushCode"]
@@ -43,3 +44,10 @@ class PushCode:
     def add_to(self, acc: np.ndarray) -> None:
         """``acc += `` the values, bit for bit adding what :meth:`decoded` gives."""
         self.codec.add_decoded(self.frame, self.n, acc)
+
+    def sign1_sections(self) -> tuple[np.ndarray, np.ndarray, np.int64]:
+        """A sign1 push's scales and sign bits (views of the frame, ``native.sign1.split``)
+        and its chunk: what the kernels that read a code take (``native.publish``'s
+        ``_code`` kernels, ``native.coded``)."""
+        scales, bits = sign1.split(self.frame, self.n, self.codec.chunk)
+        return scales, bits, np.int64(self.codec.chunk)

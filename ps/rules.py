@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 
 from bitps import native
-from bitps.native import sign1
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.wire import PSError
 from bitps.ps.config import RULES, OptimizerConfig, RuleConfig, ServerConfig
@@ -318,8 +317,7 @@ class Adam(UpdateRule):
                 self._one_minus_beta2, self._eps, f32(wd), self.decoupled,
                 f32(1 - cfg.lr * lr_scale * wd), f32(neg_step_size), f32(bc2_sqrt))
         if isinstance(grad, PushCode):  # decoded block by block inside the step
-            scales, bits = sign1.split(grad.frame, grad.n, grad.codec.chunk)
-            native.adam_step_code(param, scales, bits, np.int64(grad.codec.chunk), *tail)
+            native.adam_step_code(param, *grad.sign1_sections(), *tail)
         else:
             native.adam_step(param, grad, *tail)
 
