@@ -88,6 +88,31 @@ def test_the_frozen_denominator_applies_as_the_square_root_every_step(n, wd, spe
     assert not den[v == 0].any()
 
 
+@pytest.mark.parametrize("wd", (0.0, 0.01))
+def test_a_masked_coordinate_keeps_its_parameter_bit_for_bit(wd):
+    """Where v == 0 (den == 0) both applies add a step of -0.0 instead of selecting the old
+    parameter (the select kept the loop from vectorizing): every parameter a mask leaves,
+    +0.0, -0.0, NaN, Inf and subnormals among them, comes out with its own bits; a step of
+    +0.0 would turn -0.0 into +0.0."""
+    specials = np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 1e-45, -1e-45, 3e38, -1.5], F)
+    n = 4 * specials.size + 3
+    p = np.resize(specials, n)
+    m = np.linspace(-3, 3, n).astype(F)
+    v = np.zeros(n, F)
+    v[-3:] = F(1e-4)  # three unmasked coordinates: the step still lands
+    den = np.empty(n, F)
+    native.onebit_denominator(v, F(0.3), F(1e-8), den)
+    for apply in ("sqrt", "den"):
+        got = p.copy()
+        with np.errstate(all="ignore"):
+            if apply == "sqrt":
+                native.onebit_adam_apply(got, m, v, F(1e-8), F(wd), F(-1e-3), F(0.3), F(4.0))
+            else:
+                native.onebit_adam_apply_den(got, m, den, F(wd), F(-1e-3), F(4.0))
+        _same(got[:-3], p[:-3])
+        assert not np.array_equal(got[-3:], p[-3:])
+
+
 @pytest.mark.parametrize("n,chunk,mean_abs,wd,special", CASES)
 def test_direction_publish_equals_delta_encode_decode_add(n, chunk, mean_abs, wd, special):
     d = _data(n, 1, special)
