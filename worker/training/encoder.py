@@ -224,6 +224,7 @@ class Encoder:
         payloads: list = [None] * len(keys)
         codecs: list = [None] * len(keys)
         owned: list = [None] * len(keys)
+        owners: list = [None] * len(keys)
         for step, idx in steps.items():
             part = self._encode([keys[i] for i in idx], [grads[i] for i in idx], clock=step,
                                 encoded={keys[i]: encoded[keys[i]] for i in idx
@@ -234,7 +235,8 @@ class Encoder:
             for j, i in enumerate(idx):
                 payloads[i], codecs[i], owned[i] = part.payloads[j], part.codecs[j], \
                     part.owned[j]
-        return Encoded(payloads, codecs, owned)
+                owners[i] = part.owners[j] if part.owners else None
+        return Encoded(payloads, codecs, owned, owners)
 
     def _by_step(self, keys: Sequence[int], clock: int) -> dict[int, list[int]]:
         """Positions in ``keys`` by the step their shard is at for this worker's ``clock``."""
@@ -274,11 +276,14 @@ class Encoder:
         large = self._large_keys(self.plan)
         seed = (self.cfg.codec_seed * 1_000_003 + clock) * 65_537 + self.client.cfg.rank
         payloads: list = [None] * len(keys)
+        owners: list = [None] * len(keys)  # the compressors whose buffers hold payloads
         codecs, owned, todo, raw_bytes = [], [], [], 0
         for i, (key, grad) in enumerate(zip(keys, grads)):
             compressed = not codec.is_raw and large[key]
             if i in fused:
                 payloads[i] = fused[i]
+                comp = self._compressors.get((key, codec.id))
+                owners[i] = comp if comp is not None and comp.owns(fused[i]) else None
             elif compressed and encoded and key in encoded:
                 payloads[i] = memoryview(encoded[key]).cast("B")
             elif compressed or scale is not None:  # clipped raw keys: a raw compressor keeps
@@ -293,7 +298,7 @@ class Encoder:
 
         def one(item: tuple[int, Compressor, int]) -> None:  # one key: its own compressor
             i, comp, key_seed = item
-            payloads[i] = comp.encode(grads[i], seed=key_seed, scale=clip)
+            payloads[i], owners[i] = comp.encode(grads[i], seed=key_seed, scale=clip), comp
 
         self._pool.map(one, todo, sum(grads[i].nbytes for i, _, _ in todo))
         if raw_bytes:
@@ -301,7 +306,7 @@ class Encoder:
             with self.metrics.lock:
                 self.metrics.codec_raw_bytes.labels(codec.name).inc(raw_bytes)
                 self.metrics.codec_wire_bytes.labels(codec.name).inc(wire)
-        return Encoded(payloads, codecs, owned)
+        return Encoded(payloads, codecs, owned, owners)
 
     def _fused(self, keys: Sequence[int], grads: Sequence[np.ndarray], codec: Codec,
                clock: int, clip: float, skip: Mapping[int, object]) -> dict[int, memoryview]:

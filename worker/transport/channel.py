@@ -26,6 +26,7 @@ from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import Codec
 from bitps.proto.wire import PSError, encode_header, parse_header
 from bitps.worker.metrics import WorkerMetrics
+from bitps.worker.transport.messages import COPY
 
 __all__ = ["Channel", "CurveClient", "Handle", "PSTimeoutError", "ShardLostError"]
 
@@ -190,8 +191,10 @@ class Request:
     deadline: float
     op: int
     nbytes: int
-    copy: bool = False
-    """Send payload frames by copy: they live in buffers reused by the next encode."""
+    owners: Sequence = ()
+    """Per payload frame, where given: ``None``, sent zero-copy as it is; ``messages.COPY``,
+    by copy (a buffer reused by the next encode); else its ``messages.PayloadOwner``, sent
+    zero-copy and held by it until ZeroMQ lets go."""
     clock: int = 0
     """The worker's clock (``header.clock`` is this plus the shard's clock shift)."""
 
@@ -272,14 +275,20 @@ class Channel:
                 self.inflight[req.request_id] = req
                 self.pending[req.shard] += 1
                 sock, payload = self.dealers[req.shard], req.payload
+                owners = req.owners or [None] * len(payload)
                 # Zero-copy for big payloads; below ZeroMQ's copy threshold a copying send is
                 # cheaper than building a zero-copy frame that copies anyway.
-                copies = [req.copy or part.nbytes < _ZERO_COPY_MIN for part in payload]
+                copies = [owner is COPY or part.nbytes < _ZERO_COPY_MIN
+                          for part, owner in zip(payload, owners)]
                 bulk = payload[0] if payload and not copies[0] else None
                 sock.send(encode_header(req.header, bulk), _SNDMORE if payload else 0)
                 last = len(payload) - 1
-                for i, (part, copy) in enumerate(zip(payload, copies)):
-                    sock.send(part, 0 if i == last else _SNDMORE, copy=copy)
+                for i, (part, copy, owner) in enumerate(zip(payload, copies, owners)):
+                    flags = 0 if i == last else _SNDMORE
+                    if copy or owner is None:
+                        sock.send(part, flags, copy=copy)
+                    else:  # the encoder's buffer: it writes another until ZeroMQ lets go
+                        owner.hold(part, sock.send(part, flags, copy=False, track=True))
         if wire:
             with self.metrics.lock:
                 self.metrics.push_wire_bytes.inc(wire)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -19,9 +20,23 @@ from bitps.proto.codecs import RAW, Codec
 from bitps.proto.keyplan import KeyPlan
 from bitps.proto.wire import PSError
 
-__all__ = ["Encoded", "check_array", "messages"]
+__all__ = ["COPY", "Encoded", "PayloadOwner", "check_array", "messages"]
 
 _F32 = np.dtype("<f4")
+
+
+class PayloadOwner(Protocol):
+    """What wrote a payload into a buffer it reuses and can leave that buffer alone while a
+    send reads it (``proto.codecs.Compressor``)."""
+
+    def hold(self, payload: memoryview | np.ndarray, released: Any) -> None:
+        """``payload`` is sent without a copy: write nothing into its buffer until
+        ``released.done`` (pyzmq's ``MessageTracker``)."""
+
+
+COPY = object()
+"""``Request.owners`` entry: a payload sent by copy (a buffer reused by an owner that cannot
+hold it)."""
 
 
 @dataclass(frozen=True)
@@ -31,11 +46,21 @@ class Encoded:
     ``codecs[i]`` is the codec ``payloads[i]`` is in (``RAW``: float32 values, ``4 * length``
     bytes; otherwise the codec's own layout, ``proto.codecs``). Keys of one codec travel in
     messages of their own, each header naming it. ``owned[i]``: ``payloads[i]`` is a buffer its
-    encoder reuses for the next push, so its message goes by copy instead of zero-copy."""
+    encoder reuses for the next push, so its message goes by copy instead of zero-copy, unless
+    ``owners[i]`` (where given) can hold that buffer while the send reads it."""
 
     payloads: Sequence[np.ndarray | memoryview]
     codecs: Sequence[Codec]
     owned: Sequence[bool]
+    owners: Sequence[PayloadOwner | None] = ()
+
+    def senders(self, idx: Sequence[int]) -> list:
+        """``Request.owners`` of the payloads at positions ``idx``: ``None`` (zero-copy as it
+        is), :data:`COPY`, or the :class:`PayloadOwner` that holds its buffer for a zero-copy
+        send."""
+        return [None if not self.owned[i] else
+                (self.owners[i] if self.owners and self.owners[i] is not None else COPY)
+                for i in idx]
 
 
 def check_array(plan: KeyPlan, key: int, array: np.ndarray | None, kind: str) -> None:
