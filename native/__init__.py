@@ -10,8 +10,14 @@ beyond a chunk's scratch (sign1's 64 float64 lanes, a pushed code's decoded chun
 document their byte layout and buffer ownership.
 """
 
-from bitps.native.coded import adam_step_code
-from bitps.native.publish import (
+from pathlib import Path
+
+from bitps.native.cache import drop_stale
+
+drop_stale(Path(__file__).parent)  # before any kernel module: numba may load stale kernels
+
+from bitps.native.coded import adam_step_code  # noqa: E402 (after the cache is checked)
+from bitps.native.publish import (  # noqa: E402
     onebit_direction_publish,
     onebit_direction_publish_code,
     onebit_moments_publish,
@@ -20,7 +26,7 @@ from bitps.native.publish import (
     onebit_sync_publish_code,
     sign1_publish_delta,
 )
-from bitps.native.update_rules import (
+from bitps.native.update_rules import (  # noqa: E402
     accumulate,
     adam_direction,
     adam_direction_correct,
