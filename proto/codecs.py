@@ -39,6 +39,7 @@ import numpy as np
 from bitps.native import all_finite, casts, sign1, sign1_publish_delta, sparse
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.registry import Names
+from bitps.proto.sendbuffer import Buffer
 from bitps.proto.wire import PSError
 
 __all__ = ["CODECS", "CODEC_NAMES", "RAW", "Codec", "CodecConfig", "CodecKind", "Compressor",
@@ -426,9 +427,7 @@ class Compressor:
     def __init__(self, codec: Codec, n: int) -> None:
         self.codec, self.n = codec, n
         self.residual = np.zeros(n, np.float32)
-        self._out = np.empty(codec.max_bytes(n), np.uint8)
-        self._holds: list = []
-        """Sends still reading ``_out`` (:meth:`hold`), as far as anyone told."""
+        self._out = Buffer(np.empty(codec.max_bytes(n), np.uint8))
         self._scratch = codec.kind.scratch(codec, n)
 
     def encode(self, grad: np.ndarray, *, seed: int = 0, scale: float = 1.0) -> memoryview:
@@ -458,16 +457,15 @@ class Compressor:
         into, which :meth:`encode` returns views of: where a fused kernel writes its payload
         too (``native.publish``). The same buffer every time, unless a send still reads it
         (:meth:`hold`): then a new one, and the old one is left to that send."""
-        if self._holds:
-            if any(not released.done for released in self._holds):
-                self._out = np.empty_like(self._out)
-            self._holds = []
-        return self._out
+        if self._out.in_flight():
+            self._out = Buffer(np.empty_like(self._out.array))
+        return self._out.array
 
     def owns(self, payload: memoryview | np.ndarray) -> bool:
         """Whether ``payload`` is a view of the buffer the last payload was written into (what
         :meth:`hold` protects)."""
-        return _base(payload) is self._out
+        base = payload.obj if isinstance(payload, memoryview) else payload.base
+        return base is self._out.array
 
     def hold(self, payload: memoryview | np.ndarray, released) -> None:
         """A transport sends ``payload`` without copying it (ZeroMQ's zero-copy send, read by
@@ -477,17 +475,12 @@ class Compressor:
         machine's EPYC, mostly page faults in ZeroMQ's fresh messages, against 0.2 ms. A
         payload that is not a view of the current buffer needs no hold: nothing writes the
         old ones."""
-        if _base(payload) is self._out:
-            self._holds.append(released)
+        if self.owns(payload):
+            self._out.track(released)
 
     def residual_norm(self) -> float:
         """L2 norm of the residual, for metrics."""
         return float(np.sqrt(np.dot(self.residual, self.residual)))
-
-
-def _base(payload: memoryview | np.ndarray) -> object:
-    """The array a payload is a view of."""
-    return payload.obj if isinstance(payload, memoryview) else payload.base
 
 
 RAW = Codec(pb.CODEC_RAW)

@@ -1,13 +1,13 @@
 """The key store: each key's parameters, update-rule state and version, copy-on-write.
 
 Replies are sent zero-copy: a parameter buffer handed to ZeroMQ must not change until ZeroMQ is
-done with it. So a key's parameters live in a :class:`Buffer` that records the sends still using
-it (``zmq.MessageTracker``). An update writes in place when nothing is in flight (the common
-case: a worker's next push arrives a round trip after its last pull was sent) and otherwise on
-a copy in a spare buffer, which then becomes the key's parameters; retired buffers are reused
-once their sends complete, so steady state allocates nothing and a pull never copies in
-Python. Keys under :data:`ZERO_COPY_MIN_BYTES` are sent by a copying send instead (ZeroMQ's one
-copy is cheaper than tracking a frame that small).
+done with it. So a key's parameters live in a ``Buffer`` (``proto.sendbuffer``) that records
+the sends still using it (``zmq.MessageTracker``). An update writes in place when nothing is in
+flight (the common case: a worker's next push arrives a round trip after its last pull was
+sent) and otherwise on a copy in a spare buffer, which then becomes the key's parameters;
+retired buffers are reused once their sends complete, so steady state allocates nothing and a
+pull never copies in Python. Keys under :data:`ZERO_COPY_MIN_BYTES` are sent by a copying
+send instead (ZeroMQ's one copy is cheaper than tracking a frame that small).
 
 The store knows no update rule: a key's rule state (``Slot.rule_state``) is whatever the rule's
 ``setup`` put there, and only the rule looks inside (``ps.rules``, which imports this module,
@@ -24,33 +24,14 @@ import numpy as np
 
 from bitps import native
 from bitps.proto import bitps_pb2 as pb
+from bitps.proto.sendbuffer import ZERO_COPY_MIN_BYTES, Buffer
 from bitps.ps.publish import Publisher
 from bitps.ps.pushcode import PushCode
 
 __all__ = ["ZERO_COPY_MIN_BYTES", "Buffer", "Slot"]
 
-ZERO_COPY_MIN_BYTES = 1 << 20
 _MAX_SPARE = 4
 _EMPTY = np.empty(0, dtype=np.float32)
-
-
-@dataclass
-class Buffer:
-    """One parameter array and the ZeroMQ sends still reading it."""
-
-    array: np.ndarray
-    trackers: list = field(default_factory=list)
-
-    def in_flight(self) -> bool:
-        if self.trackers:
-            self.trackers = [t for t in self.trackers if not t.done]
-        return bool(self.trackers)
-
-    def track(self, tracker) -> None:
-        """Record a send reading this buffer (finished sends are dropped, so a key that is
-        only ever pulled does not collect trackers)."""
-        self.in_flight()
-        self.trackers.append(tracker)
 
 
 @dataclass

@@ -13,11 +13,17 @@ import pytest
 import zmq
 
 from bitps.proto import bitps_pb2 as pb
-from bitps.proto.codecs import CODECS, Codec, Compressor
+from bitps.proto.codecs import CODECS, Codec, CodecConfig, Compressor
+from bitps.proto.keyplan import ParamSpec, make_plan
 from bitps.proto.wire import PROTOCOL, parse_header
+from bitps.ps import OptimizerConfig, ServerConfig, create_server
+from bitps.worker import ClientConfig
+from bitps.worker.config import EncoderConfig
 from bitps.worker.metrics import WorkerMetrics
+from bitps.worker.transport import channel as channel_module
 from bitps.worker.transport.channel import Channel, Request
-from bitps.worker.transport.messages import COPY, Encoded
+from bitps.worker.transport.messages import COPY
+from tests.encoding import EncodingClient
 
 N = 1 << 20  # a bf16 payload of 2 MiB: above the transport's zero-copy threshold
 
@@ -61,14 +67,48 @@ def test_a_payload_of_anything_else_is_neither_owned_nor_held():
     assert comp.owns(comp.encode(_grad(1))) and comp.owns(payload)
 
 
-def test_senders_hold_what_an_owner_can_hold_and_copy_the_rest():
-    comp = Compressor(Codec(CODECS["bf16"]), N)
-    payload = comp.encode(_grad(0))
-    grad = _grad(1)
-    enc = Encoded([payload, payload, grad], [comp.codec] * 3, [True, True, False],
-                  [comp, None, None])
-    assert enc.senders([0, 1, 2]) == [comp, COPY, None]
-    assert Encoded([payload], [comp.codec], [True]).senders([0]) == [COPY]
+def _push_pulls(codec: str, *, clip: bool, steps: int = 3):
+    """``steps`` push_pulls of 2 keys of ``N`` float32 through a real client and encoder to an
+    in-process shard: the owners of the last push and the shard's parameters."""
+    plan = make_plan([ParamSpec("w", (2 * N,))], num_shards=1, partition_bytes=4 * N)
+    keys = [k.key for k in plan.keys]
+    copy = (np.random.default_rng(7).standard_normal(2 * N) * 0.02).astype(np.float32)
+    outs = [copy[k.offset:k.offset + k.length] for k in plan.keys]
+    shard = create_server(ServerConfig(mode="sync", metrics_port=-1, threads=1,
+                                       optimizer=OptimizerConfig(name="adam", lr=1e-3)))
+    try:
+        cfg = ClientConfig(servers=(f"127.0.0.1:{shard.ports['grpc_port']}",),
+                           partition_bytes=4 * N)
+        enc = EncoderConfig(push_codec=CodecConfig(name=codec), compress_min_bytes=0)
+        with EncodingClient(cfg, encoder=enc) as client:
+            client.register(plan, dict(zip(keys, outs)))
+            rng = np.random.default_rng(1)
+            for step in range(steps):
+                grads = [(rng.standard_normal(N) * 1e-2).astype(np.float32) for _ in keys]
+                scale = 0.5 if clip else None
+                sent = client.encode(keys, grads, clock=step, scale=scale)
+                client.push_pull(keys, grads, outs, clock=step, scale=scale).wait()
+        # raw and unclipped: the gradients themselves, no Encoded
+        params = np.concatenate([shard.core.slots[k].param for k in keys])
+        return getattr(sent, "owners", None), params
+    finally:
+        shard.stop(0)
+
+
+@pytest.mark.parametrize("codec,clip", [("bf16", False), ("raw", True), ("raw", False)])
+def test_pushes_held_zero_copy_land_as_pushes_sent_by_copy(codec, clip, monkeypatch):
+    """A compressor's payloads (bf16; raw keys with clipping, whose raw compressor keeps the
+    residual) are sent zero-copy and held by their compressor, a caller's own gradients
+    zero-copy as they are; the shard ends bit for bit where it ends when every frame goes by
+    copy."""
+    owners, held = _push_pulls(codec, clip=clip)
+    if codec == "raw" and not clip:
+        assert owners is None
+    else:
+        assert all(isinstance(o, Compressor) for o in owners)
+    monkeypatch.setattr(channel_module, "ZERO_COPY_MIN_BYTES", 1 << 62)  # every frame copied
+    _, copied = _push_pulls(codec, clip=clip)
+    np.testing.assert_array_equal(held.view(np.uint32), copied.view(np.uint32))
 
 
 def _free_port() -> int:

@@ -46,7 +46,7 @@ from bitps.worker.metrics import CodecSnapshot
 from bitps.worker.push_policy import CODEC_PUSH, PushPolicy, for_registration
 from bitps.worker.training.payload import ClipCorrection, refused_nonfinite
 from bitps.worker.transport.client import Encoded, Handle, PSClient
-from bitps.worker.transport.messages import check_array
+from bitps.worker.transport.messages import COPY, check_array
 
 __all__ = ["STATE_VERSION", "Encoder"]
 
@@ -223,7 +223,6 @@ class Encoder:
                                 scale=scale)
         payloads: list = [None] * len(keys)
         codecs: list = [None] * len(keys)
-        owned: list = [None] * len(keys)
         owners: list = [None] * len(keys)
         for step, idx in steps.items():
             part = self._encode([keys[i] for i in idx], [grads[i] for i in idx], clock=step,
@@ -231,12 +230,11 @@ class Encoder:
                                          if keys[i] in encoded} if encoded else None,
                                 scale=scale)
             if not isinstance(part, Encoded):  # raw, as they are
-                part = Encoded(list(part), [RAW] * len(idx), [False] * len(idx))
+                part = Encoded(list(part), [RAW] * len(idx), [None] * len(idx))
             for j, i in enumerate(idx):
-                payloads[i], codecs[i], owned[i] = part.payloads[j], part.codecs[j], \
-                    part.owned[j]
-                owners[i] = part.owners[j] if part.owners else None
-        return Encoded(payloads, codecs, owned, owners)
+                payloads[i], codecs[i], owners[i] = part.payloads[j], part.codecs[j], \
+                    part.owners[j]
+        return Encoded(payloads, codecs, owners)
 
     def _by_step(self, keys: Sequence[int], clock: int) -> dict[int, list[int]]:
         """Positions in ``keys`` by the step their shard is at for this worker's ``clock``."""
@@ -276,14 +274,17 @@ class Encoder:
         large = self._large_keys(self.plan)
         seed = (self.cfg.codec_seed * 1_000_003 + clock) * 65_537 + self.client.cfg.rank
         payloads: list = [None] * len(keys)
-        owners: list = [None] * len(keys)  # the compressors whose buffers hold payloads
-        codecs, owned, todo, raw_bytes = [], [], [], 0
+        owners: list = [None] * len(keys)  # how each goes: as it is, by copy, or held
+        codecs, todo, raw_bytes = [], [], 0
         for i, (key, grad) in enumerate(zip(keys, grads)):
             compressed = not codec.is_raw and large[key]
+            if compressed or own or scale is not None:
+                owners[i] = COPY  # a buffer reused next push (a compressor's: set below)
             if i in fused:
                 payloads[i] = fused[i]
                 comp = self._compressors.get((key, codec.id))
-                owners[i] = comp if comp is not None and comp.owns(fused[i]) else None
+                if comp is not None and comp.owns(fused[i]):
+                    owners[i] = comp
             elif compressed and encoded and key in encoded:
                 payloads[i] = memoryview(encoded[key]).cast("B")
             elif compressed or scale is not None:  # clipped raw keys: a raw compressor keeps
@@ -294,7 +295,6 @@ class Encoder:
                 payloads[i] = grad
             raw_bytes += grad.nbytes if compressed else 0
             codecs.append(codec if compressed else RAW)
-            owned.append(compressed or own or scale is not None)
 
         def one(item: tuple[int, Compressor, int]) -> None:  # one key: its own compressor
             i, comp, key_seed = item
@@ -306,7 +306,7 @@ class Encoder:
             with self.metrics.lock:
                 self.metrics.codec_raw_bytes.labels(codec.name).inc(raw_bytes)
                 self.metrics.codec_wire_bytes.labels(codec.name).inc(wire)
-        return Encoded(payloads, codecs, owned, owners)
+        return Encoded(payloads, codecs, owners)
 
     def _fused(self, keys: Sequence[int], grads: Sequence[np.ndarray], codec: Codec,
                clock: int, clip: float, skip: Mapping[int, object]) -> dict[int, memoryview]:

@@ -24,6 +24,7 @@ import zmq
 
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.codecs import Codec
+from bitps.proto.sendbuffer import ZERO_COPY_MIN_BYTES
 from bitps.proto.wire import PSError, encode_header, parse_header
 from bitps.worker.metrics import WorkerMetrics
 from bitps.worker.transport.messages import COPY
@@ -37,7 +38,6 @@ _EXPIRY_CHECK_S = 0.1  # granularity of request deadlines
 # Plain ints: pyzmq's enum flags cost microseconds per operation on this path.
 _EVENTS, _POLLIN, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.SNDMORE)
 _RCVMORE = int(zmq.RCVMORE)
-_ZERO_COPY_MIN = 1 << 20  # bytes; see ps.store.ZERO_COPY_MIN_BYTES
 
 
 class PSTimeoutError(PSError, TimeoutError):
@@ -192,9 +192,8 @@ class Request:
     op: int
     nbytes: int
     owners: Sequence = ()
-    """Per payload frame, where given: ``None``, sent zero-copy as it is; ``messages.COPY``,
-    by copy (a buffer reused by the next encode); else its ``messages.PayloadOwner``, sent
-    zero-copy and held by it until ZeroMQ lets go."""
+    """How each payload frame is sent, where given (``messages.Encoded.owners``): ``None``
+    zero-copy as it is, ``messages.COPY`` by copy, else zero-copy and held by its owner."""
     clock: int = 0
     """The worker's clock (``header.clock`` is this plus the shard's clock shift)."""
 
@@ -278,7 +277,7 @@ class Channel:
                 owners = req.owners or [None] * len(payload)
                 # Zero-copy for big payloads; below ZeroMQ's copy threshold a copying send is
                 # cheaper than building a zero-copy frame that copies anyway.
-                copies = [owner is COPY or part.nbytes < _ZERO_COPY_MIN
+                copies = [owner is COPY or part.nbytes < ZERO_COPY_MIN_BYTES
                           for part, owner in zip(payload, owners)]
                 bulk = payload[0] if payload and not copies[0] else None
                 sock.send(encode_header(req.header, bulk), _SNDMORE if payload else 0)

@@ -233,7 +233,7 @@ class PSClient:
             requests.append(Request(shard, header.request_id, ks, header, payload,
                                     [outs[i] for i in idx] if outs else (), handle, deadline,
                                     op, nbytes,
-                                    owners=encoded.senders(idx) if encoded is not None else (),
+                                    owners=[encoded.owners[i] for i in idx] if encoded else (),
                                     clock=clock))
             handle.track(shard)
         handle.requests = requests

@@ -35,8 +35,8 @@ class PayloadOwner(Protocol):
 
 
 COPY = object()
-"""``Request.owners`` entry: a payload sent by copy (a buffer reused by an owner that cannot
-hold it)."""
+"""``Encoded.owners`` entry: a payload in a buffer its encoder reuses and cannot hold, so it is
+sent by copy."""
 
 
 @dataclass(frozen=True)
@@ -45,22 +45,13 @@ class Encoded:
 
     ``codecs[i]`` is the codec ``payloads[i]`` is in (``RAW``: float32 values, ``4 * length``
     bytes; otherwise the codec's own layout, ``proto.codecs``). Keys of one codec travel in
-    messages of their own, each header naming it. ``owned[i]``: ``payloads[i]`` is a buffer its
-    encoder reuses for the next push, so its message goes by copy instead of zero-copy, unless
-    ``owners[i]`` (where given) can hold that buffer while the send reads it."""
+    messages of their own, each header naming it. ``owners[i]`` says how ``payloads[i]`` is
+    sent: ``None``, zero-copy as it is (the caller's array); :data:`COPY`, by copy; a
+    :class:`PayloadOwner`, zero-copy, its owner holding the buffer until ZeroMQ lets go."""
 
     payloads: Sequence[np.ndarray | memoryview]
     codecs: Sequence[Codec]
-    owned: Sequence[bool]
-    owners: Sequence[PayloadOwner | None] = ()
-
-    def senders(self, idx: Sequence[int]) -> list:
-        """``Request.owners`` of the payloads at positions ``idx``: ``None`` (zero-copy as it
-        is), :data:`COPY`, or the :class:`PayloadOwner` that holds its buffer for a zero-copy
-        send."""
-        return [None if not self.owned[i] else
-                (self.owners[i] if self.owners and self.owners[i] is not None else COPY)
-                for i in idx]
+    owners: Sequence[PayloadOwner | object | None]
 
 
 def check_array(plan: KeyPlan, key: int, array: np.ndarray | None, kind: str) -> None:
