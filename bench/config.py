@@ -60,8 +60,14 @@ class PushPullBench(_Checked):
     """round-trip payload (bytes)"""
     partition_bytes: int = DEFAULT_PARTITION_BYTES
     """key size of the client's plan (bytes)"""
+    idle_s: float = 10.0
+    """seconds over which the CPU of a shard with nothing to do is read, after the cases (0:
+    not read)"""
     quick: bool = False
-    """few iterations per round (smoke test)"""
+    """few iterations per round, the idle shard read for at most 2 s (smoke test)"""
+
+    def sized(self) -> PushPullBench:
+        return dataclasses.replace(self, idle_s=min(self.idle_s, 2.0)) if self.quick else self
 
 
 @dataclass(frozen=True, kw_only=True)

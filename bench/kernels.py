@@ -19,6 +19,7 @@ adam, async, sign1 -> raw                    push code, p, m, v           p, m, 
 adam, async, raw -> sign1                    g, p, m, v, residual         p, m, v, residual, code
 adam, async, sign1 -> sign1                  push code, p, m, v, resid.   p, m, v, residual, code
 1-bit Adam sync (compressed phase)           push code, p, v, residual    p, m, residual, code
+1-bit Adam sync, 2 workers                   2 push codes, p, v, resid.   p, m, residual, code
 1-bit Adam async, worker moments             push code, p, residual       p, residual, code
 1-bit Adam async, shard moments              push code, p, m, v, resid.   p, m, residual, code
 ==========================================  ==========================  ==================
@@ -26,7 +27,8 @@ adam, async, sign1 -> sign1                  push code, p, m, v, resid.   p, m, 
 ("last delta": in async/ssp with raw pulls the shard keeps each key's last update for the
 lookahead it hands out, ``ServerConfig.lookahead``; with compressed pulls the workers predict
 and the shard keeps none. sync 1-bit Adam replaces m by the decoded published momentum: written,
-not read.) One push of one worker is one update (one worker: a sync step is one push too).
+not read.) One push of one worker is one update (one worker: a sync step is one push too); with
+two workers in sync, one step (both pushes, summed in the update's kernel, ``ps.pushcode``).
 
 **What is measured**: the shard's real request path, :meth:`ShardCore.handle` on a PUSH
 carrying every key (validation, the finiteness check, decode, the rule, publishing), in this
@@ -69,6 +71,8 @@ class Case:
     pull: str = "raw"
     moments: str = "auto"
     """1-bit Adam's layout in async (``OneBitConfig.moments``)."""
+    workers: int = 1
+    """Workers pushing every key each step (sync sums their pushes)."""
     reads: int
     writes: int
     goal: float = 2.0
@@ -91,6 +95,8 @@ CASES = (
          reads=4, writes=4),
     Case(name="1-bit Adam, sync", optimizer="onebit_adam", mode="sync", push="sign1",
          pull="sign1", reads=3, writes=3, goal=1.5),
+    Case(name="1-bit Adam, sync, 2 workers", optimizer="onebit_adam", mode="sync",
+         push="sign1", pull="sign1", workers=2, reads=3, writes=3, goal=1.5),
     Case(name="1-bit Adam, async, worker moments", optimizer="onebit_adam", push="sign1",
          pull="sign1", moments="worker", reads=2, writes=2, goal=1.5),
     Case(name="1-bit Adam, async, shard moments", optimizer="onebit_adam", push="sign1",
@@ -108,10 +114,14 @@ class _Pusher:
     ``per_key``: one PUSH per key, each worker's in turn, as a shard receives keys that
     travel alone; ``chunk``: the elements per scale of sign1 pushes (default sign1's);
     ``decoded_first``: the shard decodes every push into the key's scratch array before the
-    rule sees it, where it would hand the rule the code (the path before 2026-12-06)."""
+    rule sees it, where it would hand the rule the code (the path before 2026-12-06);
+    ``summed_first``: a sync step's pushed codes are summed into the key's array as they
+    arrive, where the rule would sum them in its kernel (the path before 2026-12-07).
+    ``workers`` defaults to the case's."""
 
-    def __init__(self, case: Case, keys: int, n: int, *, threads: int = 1, workers: int = 1,
-                 per_key: bool = False, chunk: int = 0, decoded_first: bool = False) -> None:
+    def __init__(self, case: Case, keys: int, n: int, *, threads: int = 1,
+                 workers: int | None = None, per_key: bool = False, chunk: int = 0,
+                 decoded_first: bool = False, summed_first: bool = False) -> None:
         from bitps.native import sign1
         from bitps.proto import bitps_pb2 as pb
         from bitps.proto.codecs import CODECS, Codec
@@ -121,6 +131,7 @@ class _Pusher:
         from bitps.ps.shard import ShardCore
 
         self.pb, self.protocol, self.case = pb, PROTOCOL, case
+        workers = workers or case.workers
         rule_config = OneBitConfig(freeze_step=1, moments=case.moments) if case.onebit else None
         cfg = ServerConfig(mode=case.mode, threads=threads, optimizer=OptimizerConfig(
             name=case.optimizer, lr=1e-4, rule_config=rule_config))
@@ -142,6 +153,9 @@ class _Pusher:
                 num_shards=1, shard_id=0, keys=specs, sends_values=rank == 0, pull_codec=pull,
                 pull_codec_chunk=sign1.DEFAULT_CHUNK if case.pull == "sign1" else 0),
                 values if rank == 0 else {})
+        if summed_first:  # a step's codes summed into the key's array as they arrive
+            for slot in self.core.slots.values():
+                slot.sums_codes = False
         self.workers = workers
         self.keys = list(range(keys))
         grads = [rng.standard_normal(n).astype(np.float32) * np.float32(1e-3)
@@ -179,7 +193,7 @@ class _Pusher:
                 if reply is None or reply.op != pb.REPLY:
                     raise RuntimeError(f"{self.case.name}: worker {worker}'s push at clock "
                                        f"{self.clock} was answered {reply}")
-        self.push_bytes = sum(len(f) for f in frames)
+        self.push_bytes = sum(len(f) for f in frames) * self.workers
         self.clock += 1
 
     def published_bytes(self) -> int:
@@ -205,13 +219,17 @@ def run(cfg: KernelsBench | None = None, *, out: Path | None = None) -> dict:
     pushers = {c.name: _Pusher(c, keys, n) for c in cases}
     # the cases whose rule reads the pushed codes, also with every push decoded first: the
     # path before, in the same rounds
-    before = {name: _Pusher(p.case, keys, n, decoded_first=True)
+    before = {f"{name} (decoded first)": _Pusher(p.case, keys, n, decoded_first=True)
               for name, p in pushers.items() if p.reads_codes}
+    # and those of several workers in sync, with the step's codes summed as they arrive (the
+    # path before 2026-12-07)
+    before.update({f"{name} (summed first)": _Pusher(p.case, keys, n, summed_first=True)
+                   for name, p in pushers.items()
+                   if p.reads_codes and p.case.mode == "sync" and p.workers > 1})
     src = np.random.default_rng(1).standard_normal(keys * n).astype(np.float32)
     dst = np.empty_like(src)
     busy = machine_busy(2.0)
-    timed = [(c.name, pushers[c.name]) for c in cases] \
-        + [(f"{name} (decoded first)", p) for name, p in before.items()]
+    timed = [(c.name, pushers[c.name]) for c in cases] + list(before.items())
     cpu: dict[str, list[float]] = {name: [] for name, _ in timed}
     copy: list[float] = []
     for _, p in timed:
@@ -235,11 +253,14 @@ def run(cfg: KernelsBench | None = None, *, out: Path | None = None) -> dict:
         floor = floor_bytes / bandwidth
         t = median(cpu[c.name])
         first = cpu.get(f"{c.name} (decoded first)")
+        summed = cpu.get(f"{c.name} (summed first)")
         rows.append({"case": c.name, "cpu_ms": t * 1e3, "floor_ms": floor * 1e3,
                      "vs_floor": t / floor, "goal": c.goal, "reads": c.reads,
                      "writes": c.writes, "floor_mb": floor_bytes / 1e6,
                      "decoded_first_ms": None if first is None else median(first) * 1e3,
                      "decoded_first_vs_floor": None if first is None else median(first) / floor,
+                     "summed_first_ms": None if summed is None else median(summed) * 1e3,
+                     "summed_first_vs_floor": None if summed is None else median(summed) / floor,
                      "rounds_ms": [round(x * 1e3, 2) for x in cpu[c.name]]})
     total = src.nbytes
     del pushers, before
@@ -256,7 +277,8 @@ def run(cfg: KernelsBench | None = None, *, out: Path | None = None) -> dict:
         checks[f"threads_{r['threads']}_vs_1[{r['case']}]"] = check(
             round(r["speedup"], 3), ">= 1.7", r["speedup"] >= 1.7)
     notes = (f"{keys} keys x {cfg.key_mib} MiB = {keys * cfg.key_mib} MiB of float32 "
-             f"parameters on one shard, one worker; CPU per update (one PUSH of every key "
+             f"parameters on one shard, one worker (where the case names no more); CPU per "
+             f"update (a PUSH of every key from each worker "
              f"through ShardCore.handle), median over {cfg.rounds} rounds of {cfg.repeats} "
              f"pushes, the cases alternated with memcpy; one thread. Floor = (arrays read + "
              f"written) x {keys * n * 4 / 1e6:.1f} MB + push and published code bytes, over the "
@@ -266,7 +288,10 @@ def run(cfg: KernelsBench | None = None, *, out: Path | None = None) -> dict:
              f"is in bench/kernels.py and docs/benchmarks.md. \"pushes decoded first\": the "
              f"cases whose rule reads the pushed sign1 codes in its update kernel "
              f"(ps.pushcode), timed in the same rounds on a shard that decodes every push "
-             f"into the key's scratch array first (the path before 2026-12-06). Worker rows "
+             f"into the key's scratch array first (the path before 2026-12-06); \"codes "
+             f"summed first\": sync with several workers, the step's pushed codes summed into "
+             f"the key's array as they arrive instead of in the update's kernel (the path "
+             f"before 2026-12-07), the same rounds. Worker rows "
              f"(\"worker: ...\"): CPU per step of a worker's thread (push_pull of every key "
              f"through a real PSClient and Encoder to an in-process shard, wait included; no "
              f"clipping, no weight prediction), floor from the memcpy measured in their own "
@@ -293,7 +318,9 @@ def run(cfg: KernelsBench | None = None, *, out: Path | None = None) -> dict:
                            ("goal", "goal"), ("reads", "arrays read"),
                            ("writes", "arrays written"), ("floor_mb", "floor MB"),
                            ("decoded_first_ms", "pushes decoded first: CPU ms/update"),
-                           ("decoded_first_vs_floor", "pushes decoded first: vs floor")])
+                           ("decoded_first_vs_floor", "pushes decoded first: vs floor"),
+                           ("summed_first_ms", "codes summed first: CPU ms/update"),
+                           ("summed_first_vs_floor", "codes summed first: vs floor")])
     return {"rows": rows, "checks": checks}
 
 

@@ -21,7 +21,7 @@ import zmq
 
 from bitps.bench.config import PushPullBench
 from bitps.bench.floor import FloorClient
-from bitps.bench.proc import ReadyProcess
+from bitps.bench.proc import ReadyProcess, process_run_s
 from bitps.bench.report import check, median, write_results
 from bitps.proto.keyplan import ParamSpec, make_plan
 from bitps.worker.config import ClientConfig
@@ -131,12 +131,13 @@ _NOTES = ("bitps: `PSClient.push_pull` of all keys to one `bitps-server` process
           "one key's push+pull cannot skip (protobuf header, zero-copy send, NaN check + SGD, "
           "copy of the reply into the caller's buffer), alternating with the same rounds; "
           "floor ratio = raw / floor time. Where the floor misses a goal, the work itself "
-          "does on this machine.")
+          "does on this machine. idle: the last case's shard process, its client gone, its "
+          "CPU (/proc, all threads) over idle_s seconds.")
 _COLUMNS = [("case", "case"), ("frames", "frames"), ("bitps_ms", "bitps ms"),
             ("raw_ms", "raw pyzmq ms"), ("bitps_GBps", "bitps GB/s"),
             ("raw_GBps", "raw GB/s"), ("ratio", "ratio"),
             ("floor_ms", "floor ms"), ("floor_ratio", "floor ratio"),
-            ("samples", "samples")]
+            ("samples", "samples"), ("idle_cpu_ms_per_s", "idle CPU ms/s")]
 
 
 def run(cfg: PushPullBench | None = None, *, out: Path | None = None) -> dict:
@@ -157,6 +158,10 @@ def run(cfg: PushPullBench | None = None, *, out: Path | None = None) -> dict:
                                     floor_peer.ready["port"], raw)
             rows.append(row)
             checks[name] = goal
+        if cfg.idle_s > 0:
+            row, goal = _idle(shard, cfg.idle_s)
+            rows.append(row)
+            checks["idle_shard_cpu_ms_per_s"] = goal
     finally:
         raw.close()
         raw_peer.stop()
@@ -171,6 +176,20 @@ def run(cfg: PushPullBench | None = None, *, out: Path | None = None) -> dict:
     write_results("pushpull", config=config, rows=rows, checks=checks, out=out, notes=_NOTES,
                   columns=_COLUMNS)
     return {"rows": rows, "checks": checks}
+
+
+def _idle(shard: ReadyProcess, seconds: float) -> tuple[dict, dict]:
+    """The CPU a shard process uses with nothing to do (its client gone), over ``seconds``:
+    what a shard costs the machine between a job's steps, its timers' wake-ups
+    (``ps.data._TICK_S``) and the gRPC server's."""
+    time.sleep(0.5)  # the last case's client closes; its connection's teardown is not idle
+    pid = shard.proc.pid
+    t0, cpu0 = time.monotonic(), process_run_s(pid)
+    time.sleep(seconds)
+    ms_per_s = (process_run_s(pid) - cpu0) * 1e3 / (time.monotonic() - t0)
+    row = {"case": f"idle shard, {seconds:g} s", "idle_cpu_ms_per_s": ms_per_s}
+    return row, check(round(ms_per_s, 2), "<= 10 (ms of CPU a second: 1 % of a core)",
+                      ms_per_s <= 10)
 
 
 def _iters(nbytes: int, small: bool, quick: bool) -> int:

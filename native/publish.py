@@ -15,12 +15,14 @@ order, and the scales the same fixed-order sums (``sign1.chunk_scale``).
 Payload written to ``scales``/``bits`` (views of the output buffer,
 ``sign1.payload_views``): the sign1 layout of ``native/sign1.py``. Buffer ownership: the caller
 owns every array; the kernels never allocate beyond 64 float64 lanes (and, for the ``_code``
-kernels, one chunk of float32 for the pushed code's decode). ``grad``/``direction`` and a
+kernels, one chunk of float32 for the pushed codes' decode). ``grad``/``direction`` and a
 pushed code's scales and bits may be read-only views of a received frame.
 
 The ``_code`` twins take a push still in its sign1 code (``ps.pushcode.PushCode``) and decode
 each chunk of it into L1 scratch right before the update reads it, bit for bit what decoding it
-into a key-long array first gives: one array's write and read fewer per update.
+into a key-long array first gives: one array's write and read fewer per update. The sync one
+takes a step's several codes (``ps.pushcode.PushCodes``) and sums them the same way: with W
+pushes, W - 1 reads and writes of a key-long sum fewer, besides the decode's.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from bitps.native.sign1 import LANES, chunk_scale, decode_span, pack_signs
+from bitps.native.sign1 import LANES, add_span, chunk_scale, decode_span, pack_signs
 from bitps.native.update_rules import fma, onebit_adam_apply_den
 
 __all__ = ["onebit_direction_publish", "onebit_direction_publish_code",
@@ -64,15 +66,22 @@ def onebit_sync_publish(acc, grad_scale, residual, scales, bits, exp_avg, denomi
 def onebit_sync_publish_code(code_scales, code_bits, code_chunk, grad_scale, residual, scales,
                              bits, exp_avg, denominator, param, chunk, mean_abs, weight_decay,
                              neg_lr, ratio_clip):
-    """:func:`onebit_sync_publish` of a step whose one push came as a sign1 code, decoded
-    chunk by chunk as in :func:`onebit_direction_publish_code`."""
+    """:func:`onebit_sync_publish` of a step whose pushes came as sign1 codes, each code's
+    scales and sign bits in the tuples ``code_scales`` and ``code_bits`` (rank order, one
+    chunk ``code_chunk``; one array type per tuple): each chunk of the sum is decoded into L1
+    scratch as in :func:`onebit_direction_publish_code`, the first code's values, then each
+    next one's added in order: bit for bit the sum the shard's store made decoding the first
+    and adding the others (``sign1.decode``, ``sign1.add_decoded``) into a key-long array,
+    without writing and reading that array."""
     n = param.shape[0]
     lanes = np.zeros(LANES, np.float64)
     g = np.empty(min(n, chunk), np.float32)
     for c in range(scales.shape[0]):
         lo = c * chunk
         m = min(n, lo + chunk) - lo
-        decode_span(code_scales, code_bits, code_chunk, lo, g[:m])
+        decode_span(code_scales[0], code_bits[0], code_chunk, lo, g[:m])
+        for k in range(1, len(code_scales)):
+            add_span(code_scales[k], code_bits[k], code_chunk, lo, g[:m])
         _sync_chunk(g[:m], grad_scale, residual[lo:lo + m], bits[lo >> 3:(lo + m + 7) >> 3],
                     scales, c, lanes, mean_abs, exp_avg[lo:lo + m], denominator[lo:lo + m],
                     param[lo:lo + m], weight_decay, neg_lr, ratio_clip)

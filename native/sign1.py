@@ -44,9 +44,10 @@ from numba.extending import intrinsic
 
 from bitps.native.update_rules import all_finite
 
-__all__ = ["DEFAULT_CHUNK", "LANES", "add_decoded", "chunk_scale", "decode", "decode_add",
-           "decode_reference", "decode_span", "decoded8", "encode", "encode_reference",
-           "pack_signs", "payload_bytes", "payload_views", "scales_finite", "split"]
+__all__ = ["DEFAULT_CHUNK", "LANES", "add_decoded", "add_span", "chunk_scale", "decode",
+           "decode_add", "decode_reference", "decode_span", "decoded8", "encode",
+           "encode_reference", "pack_signs", "payload_bytes", "payload_views", "scales_finite",
+           "split"]
 
 DEFAULT_CHUNK = 2048
 LANES = 64
@@ -335,6 +336,29 @@ def decode_span(code_scales, code_bits, code_chunk, lo, out):
             _set8(o, 8 * i, b[i], s, neg_s)
         for k in range(full, end - j):
             o[k] = neg_s if (b[k >> 3] >> (k & 7)) & 1 else s
+        j = end
+
+
+@_jit
+def add_span(code_scales, code_bits, code_chunk, lo, out):
+    """``out[:] +=`` elements ``lo ..`` of a sign1 code's decode, bit for bit adding what
+    :func:`decode_span` writes (a zero scale adds +0.0 for either sign): the kernels that sum
+    several pushed codes chunk by chunk (``native.publish``). Same walk as
+    :func:`decode_span`."""
+    m = out.shape[0]
+    j = 0
+    while j < m:
+        c = (lo + j) // code_chunk
+        end = min(m, (c + 1) * code_chunk - lo)
+        s = code_scales[c] + np.float32(0.0)
+        neg_s = np.float32(0.0) - s if s == 0 else -s
+        b = code_bits[(lo + j) >> 3:(lo + end + 7) >> 3]
+        o = out[j:end]
+        full = (end - j) - (end - j) % 8
+        for i in range(full >> 3):
+            _add8(o, 8 * i, b[i], s, neg_s)
+        for k in range(full, end - j):
+            o[k] = o[k] + (neg_s if (b[k >> 3] >> (k & 7)) & 1 else s)
         j = end
 
 

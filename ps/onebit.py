@@ -69,7 +69,7 @@ from bitps.ps.onebit_config import (
     warmup_codec,
 )
 from bitps.ps.publish import Publisher
-from bitps.ps.pushcode import PushCode
+from bitps.ps.pushcode import PushCode, PushCodes
 from bitps.ps.rules import AdamW, KeyState, publish_update, raw_array, register
 
 if TYPE_CHECKING:
@@ -260,7 +260,7 @@ class OneBitAdam(AdamW):
         exactly as workers will add it, and published."""
         ob = slot.rule_state
         if not ob.compressing or self._warmup_push(clock):
-            if isinstance(grad, PushCode):  # a sign1 push the warmup reads as values
+            if isinstance(grad, (PushCode, PushCodes)):  # sign1 pushes read as values
                 grad = grad.decoded(slot.decode_buffer())
             if ob.warmup_codec is not None:
                 # full Adam, published as the code of the parameter change
@@ -372,12 +372,16 @@ class OneBitAdamSync(OneBitAdam):
     """sync: pushes are worker momenta; their compressed mean is published as m and every
     replica applies it with the frozen v (DeepSpeed's compressed allreduce)."""
 
+    def setup(self, slot):
+        super().setup(slot)
+        slot.sums_codes = True  # a step's pushed codes are summed in _compressed's kernel
+
     def _compressed(self, slot, grad, grad_scale, lr_scale):
         ob = slot.rule_state
         # grad is the sum of the workers' momenta: publish their compressed mean as m and
         # apply it with the frozen v as workers do (native.onebit_adam_apply_den), in one pass
         # (native.publish)
-        # (a step of one push, pushed as a code: decoded chunk by chunk in that pass)
+        # (a step's pushed codes: decoded and summed chunk by chunk in that pass)
         scales, bits, size = ob.code_views()
         f32 = np.float32
         ob.step += 1
@@ -385,6 +389,9 @@ class OneBitAdamSync(OneBitAdam):
                 self.denominator(ob), slot.writable(), np.int64(ob.codec.chunk), ob.mean_abs,
                 self._wd, self.neg_lr(lr_scale), f32(self.ratio_clip))
         if isinstance(grad, PushCode):
+            code_scales, code_bits, code_chunk = grad.sign1_sections()
+            native.onebit_sync_publish_code((code_scales,), (code_bits,), code_chunk, *tail)
+        elif isinstance(grad, PushCodes):
             native.onebit_sync_publish_code(*grad.sign1_sections(), *tail)
         else:
             native.onebit_sync_publish(grad, *tail)

@@ -10,11 +10,13 @@ before.
 Contract: a ``PushCode`` reaches only a rule whose :meth:`~ps.rules.UpdateRule.takes_code` said
 yes for its codec, through a mode whose ``Consistency.takes_codes`` is true: async/ssp apply each
 push on its own (with no compensation reading its values); sync sums a step's pushes in the
-key's store (``Slot.accumulate``: a step's only push stays a code, two or more are decoded into
-the sum as they are added, :meth:`PushCode.add_to`). Its frame passed the codec's length check
+key's store (``Slot.accumulate``): a step's only push stays a code; two or more stay codes
+together (:class:`PushCodes`, in rank order) where the rule reads such a sum in its kernel
+(``Slot.sums_codes``: sync 1-bit Adam), and are otherwise decoded into the sum as they are
+added (:meth:`PushCode.add_to`). Its frame passed the codec's length check
 and the finiteness check (read from the payload: ``CodecKind.payload_finite``) and is read only;
 the ``PushCode`` keeps it alive, as a raw push's view does (a sync step's pending push outlives
-its request). A rule that needs the values after all calls :meth:`PushCode.decoded`.
+its request). A rule that needs the values after all calls ``decoded`` (both classes).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import numpy as np
 from bitps.native import sign1
 from bitps.proto.codecs import Codec
 
-__all__ = ["PushCode"]
+__all__ = ["PushCode", "PushCodes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,3 +53,56 @@ class PushCode:
         ``_code`` kernels, ``native.coded``)."""
         scales, bits = sign1.split(self.frame, self.n, self.codec.chunk)
         return scales, bits, np.int64(self.codec.chunk)
+
+
+@dataclass(frozen=True, slots=True)
+class PushCodes:
+    """A sync step's pushes still in their codes, ``codes`` in rank order (two or more, one
+    codec): their sum is the float32 values of the first plus each next one's, added in that
+    order (what ``Slot.accumulate`` makes of them when it decodes), and the rule's kernel reads
+    it chunk by chunk without a key-long sum written and read again."""
+
+    codes: tuple[PushCode, ...]
+
+    @property
+    def codec(self) -> Codec:
+        return self.codes[0].codec
+
+    @property
+    def n(self) -> int:
+        return self.codes[0].n
+
+    def then(self, code: PushCode) -> PushCodes:
+        """These codes and ``code`` (the next rank's) after them."""
+        return PushCodes((*self.codes, code))
+
+    def decoded(self, out: np.ndarray) -> np.ndarray:
+        """The sum's float32 values in ``out[:n]`` (returned): the first code decoded, the
+        others added in order, bit for bit the sum ``Slot.accumulate`` decodes."""
+        first, *rest = self.codes
+        values = first.decoded(out)
+        for code in rest:
+            code.add_to(values)
+        return values
+
+    def add_to(self, acc: np.ndarray) -> None:
+        """``acc += `` the sum, as adding the codes one by one."""
+        for code in self.codes:
+            code.add_to(acc)
+
+    def sign1_sections(self) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...], np.int64]:
+        """Every code's scales and sign bits (read-only views, so that numba sees one array
+        type in each tuple whatever buffers the frames are) and the codec's chunk: what
+        ``native.onebit_sync_publish_code`` takes."""
+        scales, bits = [], []
+        for code in self.codes:
+            s, b = sign1.split(code.frame, code.n, code.codec.chunk)
+            scales.append(_read_only(s))
+            bits.append(_read_only(b))
+        return tuple(scales), tuple(bits), np.int64(self.codec.chunk)
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    view = a.view()
+    view.flags.writeable = False
+    return view

@@ -26,7 +26,7 @@ from bitps import native
 from bitps.proto import bitps_pb2 as pb
 from bitps.proto.sendbuffer import ZERO_COPY_MIN_BYTES, Buffer
 from bitps.ps.publish import Publisher
-from bitps.ps.pushcode import PushCode
+from bitps.ps.pushcode import PushCode, PushCodes
 
 __all__ = ["ZERO_COPY_MIN_BYTES", "Buffer", "Slot"]
 
@@ -53,12 +53,17 @@ class Slot:
     acc: np.ndarray = field(default_factory=lambda: _EMPTY)
     """Sync mode: sum of the pushes of the current step (:meth:`step_total` while only one is
     in)."""
-    first: np.ndarray | PushCode | None = None
+    first: np.ndarray | PushCode | PushCodes | None = None
     """Sync mode: the step's first push while it is the only one, kept as received (a raw
     push's view of its frame, which the view keeps alive, or a code the rule reads,
     ``ps.pushcode``) instead of copied into :attr:`acc`: the second push is added to it into
     ``acc`` (in one pass where both are arrays), and a step of one push is applied from it
-    directly."""
+    directly. With :attr:`sums_codes`, the step's codes while every push is one
+    (``PushCodes``)."""
+    sums_codes: bool = False
+    """Whether the rule reads a sync step of several pushed codes as they came, summing them
+    in its kernel (``ps.pushcode.PushCodes``; its ``setup`` says so): they are then kept as
+    codes, not decoded into :attr:`acc` as they arrive."""
     pushed: set[int] = field(default_factory=set)
     """Sync mode: ranks that pushed for the current step (in ``acc`` or in ``held``)."""
     held: dict[int, np.ndarray | PushCode] = field(default_factory=dict)
@@ -214,10 +219,15 @@ class Slot:
             else:
                 self.first = grad
         else:
-            if self.first is not None:
+            first = self.first
+            if self.sums_codes and isinstance(grad, PushCode) and _codes_of(first, grad.codec):
+                # codes the rule sums in its kernel: no key-long sum written, then read
+                self.first = first.then(grad) if isinstance(first, PushCodes) \
+                    else PushCodes((first, grad))
+            elif first is not None:
                 if self.acc is _EMPTY:
                     self.acc = np.empty_like(self.param)
-                first, self.first = self.first, None
+                self.first = None
                 if isinstance(first, np.ndarray) and isinstance(grad, np.ndarray):
                     native.add_into(self.acc, first, grad)
                 else:
@@ -227,9 +237,10 @@ class Slot:
                 _add_to(self.acc, grad)
         self.folded += 1
 
-    def step_total(self) -> np.ndarray | PushCode:
+    def step_total(self) -> np.ndarray | PushCode | PushCodes:
         """Sync mode: the sum of the pushes added so far this step (the first push itself
-        while it is the only one, an array or a code: do not write it)."""
+        while it is the only one, an array or a code, or the step's codes, :attr:`sums_codes`:
+        do not write it)."""
         return self.first if self.first is not None else self.acc
 
     def step_values(self) -> tuple[np.ndarray | None, dict[int, np.ndarray]]:
@@ -246,7 +257,7 @@ class Slot:
                 return
             self._add(self.held.pop(rank))
 
-    def step_sum(self) -> tuple[np.ndarray, int]:
+    def step_sum(self) -> tuple[np.ndarray | PushCode | PushCodes, int]:
         """Sync mode, the step complete: the sum of its pushes (every kept one added, in rank
         order) and how many there are; the caller applies their mean, then calls
         :meth:`end_step`."""
@@ -282,9 +293,14 @@ class Slot:
         return Buffer(np.empty_like(self.buffer.array))
 
 
-def _values(push: np.ndarray | PushCode, out: np.ndarray) -> np.ndarray:
-    """``out`` holding ``push``'s float32 values (an array copied, a code decoded)."""
-    if isinstance(push, PushCode):
+def _codes_of(push: np.ndarray | PushCode | PushCodes, codec) -> bool:
+    """Whether ``push`` is a code, or codes, of ``codec``."""
+    return isinstance(push, (PushCode, PushCodes)) and push.codec == codec
+
+
+def _values(push: np.ndarray | PushCode | PushCodes, out: np.ndarray) -> np.ndarray:
+    """``out`` holding ``push``'s float32 values (an array copied, codes decoded)."""
+    if isinstance(push, (PushCode, PushCodes)):
         push.decoded(out)
     else:
         np.copyto(out, push)

@@ -111,7 +111,8 @@ def test_quick_sizes_each_scenario_as_the_help_says():
     assert config.ConvergenceBench(quick=True, seeds=(3, 4)).sized().seeds == (0,)
     assert config.PipelineBench(quick=True, ms=(8, 4)).sized() == config.PipelineBench(
         quick=True, ms=(4,), rounds=1, parts=("a",), quiet_wait_s=0.0)
-    assert config.PushPullBench(quick=True).sized() == config.PushPullBench(quick=True)
+    assert config.PushPullBench(quick=True).sized() == config.PushPullBench(quick=True,
+                                                                            idle_s=2.0)
     assert config.CodecBench().sized() == config.CodecBench()
 
 

@@ -9,6 +9,9 @@ import pytest
 
 from bitps import native
 from bitps.native import sign1
+from bitps.proto import bitps_pb2 as pb
+from bitps.proto.codecs import Codec
+from bitps.ps.pushcode import PushCode, PushCodes
 
 SIZES = (0, 1, 63, 64, 2047, 2048, 2049, 3 * 2048 + 5)
 CHUNKS = (64, 2048)
@@ -205,7 +208,9 @@ def test_publish_of_a_pushed_code_equals_decoding_it_first(n, push_chunk, chunk,
             getattr(native, f"onebit_moments_publish{code_or}")(
                 p, *pushed, m, den, F(0.5), r, scales, bits, np.int64(chunk), False, omb1,
                 F(wd), neg_lr, clip)
-        else:
+        else:  # the sync kernel takes a tuple of codes (tested with several below)
+            if undecoded:
+                pushed = ((code_scales,), (code_bits,), np.int64(push_chunk))
             getattr(native, f"onebit_sync_publish{code_or}")(
                 *pushed, F(0.5), r, scales, bits, m, den, p, np.int64(chunk), False, F(wd),
                 neg_lr, clip)
@@ -215,6 +220,43 @@ def test_publish_of_a_pushed_code_equals_decoding_it_first(n, push_chunk, chunk,
     if special and n > 2 * push_chunk:
         assert not np.isfinite(code_scales).all() and code_scales[1] == 0
         assert code_bits[push_chunk // 8] == 0xAA
+
+
+@pytest.mark.parametrize("n,push_chunk,chunk,wd,special",
+                         [c for c in CODE_CASES if c[2] == 64 or c[0] == 3 * 2048 + 5])
+@pytest.mark.parametrize("pushes", (2, 3))
+def test_sync_publish_of_several_pushed_codes_equals_their_decoded_sum(n, push_chunk, chunk, wd,
+                                                                        special, pushes):
+    """sync 1-bit Adam's step of several pushed codes (``ps.pushcode.PushCodes``) summed
+    chunk by chunk in the kernel: bit for bit the kernel of the sum the store made before,
+    the first code decoded and the others added in rank order (``sign1.decode``,
+    ``sign1.add_decoded``). The codes differ (one with NaN/Inf scales and a zero chunk where
+    ``special``), their frames are a read-only bytes object and writable arrays."""
+    d = _data(n, 4, special)
+    codes = [_pushed_code(n, push_chunk, special and i == 1) for i in range(pushes)]
+    for i, code in enumerate(codes):  # other scales, other signs for each push
+        code[:4 * -(-n // push_chunk)].view(F)[:] *= F(1 + i)
+        code[4 * -(-n // push_chunk):] ^= np.uint8(0x5A * i)
+    frames = [codes[0].tobytes(), *codes[1:]]
+    total = sign1.decode(frames[0], n, np.empty(n, F), chunk=push_chunk)
+    for frame in frames[1:]:
+        sign1.add_decoded(frame, n, total, chunk=push_chunk)
+    summed = PushCodes(tuple(PushCode(Codec(pb.CODEC_SIGN1, push_chunk), f, n) for f in frames))
+    _same(summed.decoded(np.empty(n, F)), total)
+    den = np.empty(n, F)
+    native.onebit_denominator(d["v"], F(0.3), F(1e-8), den)
+    runs = []
+    for pushed in ((total,), summed.sign1_sections()):
+        r, m, p = d["r"].copy(), d["m"].copy(), d["p"].copy()
+        out = np.zeros(sign1.payload_bytes(n, chunk), np.uint8)
+        scales, bits, size = sign1.payload_views(out, n, chunk)
+        kernel = native.onebit_sync_publish if len(pushed) == 1 else \
+            native.onebit_sync_publish_code
+        kernel(*pushed, F(1 / pushes), r, scales, bits, m, den, p, np.int64(chunk), False,
+               F(wd), F(-1e-3), F(4.0))
+        runs.append((out[:size], r, m, p))
+    for a, b in zip(*runs):
+        _same(a, b)
 
 
 @pytest.mark.parametrize("n,push_chunk,wd,special", sorted({

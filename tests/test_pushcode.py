@@ -14,7 +14,7 @@ from bitps.proto.wire import PROTOCOL
 from bitps.ps import OptimizerConfig, ServerConfig
 from bitps.ps.checkpoint import load, restore, save
 from bitps.ps.onebit import OneBitConfig
-from bitps.ps.pushcode import PushCode
+from bitps.ps.pushcode import PushCode, PushCodes
 from bitps.ps.shard import ShardCore
 
 
@@ -119,9 +119,11 @@ def test_a_compressed_push_reaches_the_update_kernel_as_its_code(rule, mode, mom
 
 def test_a_sync_step_of_pushed_codes_sums_and_checkpoints_as_decoded_ones(tmp_path):
     """sync 1-bit Adam, three workers pushing codes in the order 2, 0, 1 (rank 2's kept aside
-    as a code, rank 0's the step's first, rank 1's summed into it): bit for bit the shard that
-    decodes each push first, also after a checkpoint taken with rank 2's and rank 0's pushes
-    in and restored into a fresh core (the codes decoded into the saved sum and held push)."""
+    as a code, rank 0's the step's first, rank 1's joining it, then rank 2's: the step's codes,
+    summed in the update's kernel without a key-long sum): bit for bit the shard that decodes
+    each push first and sums them in the key's store, also after a checkpoint taken with rank
+    2's and rank 0's pushes in and restored into a fresh core (the codes decoded into the saved
+    sum and held push)."""
     lengths = (3001, 256, 70)
     cores = [_core("sync", "auto", lengths, world=3) for _ in range(2)]
     cores[1].keeps_code = lambda codec: False
@@ -129,7 +131,13 @@ def test_a_sync_step_of_pushed_codes_sums_and_checkpoints_as_decoded_ones(tmp_pa
         for core in cores:
             for worker in (2, 0, 1):
                 _push_codes(core, clock, lengths, 64, worker)
+        if clock == 0:  # the warmup summed raw pushes in acc: mark it, and the scratch
+            for slot in cores[0].slots.values():
+                slot.acc.fill(np.nan)
+                slot.decode_buffer().fill(np.nan)
     _same_keys(*cores)
+    for slot in cores[0].slots.values():  # the codes were summed in the kernel
+        assert np.isnan(slot.acc).all() and np.isnan(slot.decoded).all()
     for core in cores:
         for worker in (2, 0):
             _push_codes(core, 3, lengths, 64, worker)
@@ -143,3 +151,7 @@ def test_a_sync_step_of_pushed_codes_sums_and_checkpoints_as_decoded_ones(tmp_pa
     assert all(s.version == 4 and s.pushed == {0} for s in restored.slots.values())
     _same_keys(cores[0], cores[1])
     _same_keys(cores[0], restored)
+    for core in (cores[0], restored):  # rank 1's code joins rank 0's, not decoded yet
+        _push_codes(core, 4, lengths, 64, 1)
+        slot = next(iter(core.slots.values()))
+        assert isinstance(slot.first, PushCodes) and len(slot.first.codes) == 2
