@@ -19,8 +19,10 @@ kernels, one chunk of float32 for the pushed codes' decode). ``grad``/``directio
 pushed code's scales and bits may be read-only views of a received frame.
 
 The ``_code`` twins take a push still in its sign1 code (``ps.pushcode.PushCode``) and decode
-each chunk of it into L1 scratch right before the update reads it, bit for bit what decoding it
-into a key-long array first gives: one array's write and read fewer per update. The sync one
+it into L1 scratch, :data:`_DECODE_BLOCK` elements at a time, right before the update reads
+them, bit for bit what decoding it into a key-long array first gives: one array's write and read
+fewer per update. (Decoded a publish chunk at a time, 256 elements for 1-bit Adam, the calls'
+overhead took most of that saving: sync 38.0 against 38.5 ms per 64 MiB decoded first.) The sync one
 takes a step's several codes (``ps.pushcode.PushCodes``) and sums them the same way: with W
 pushes, W - 1 reads and writes of a key-long sum fewer, besides the decode's.
 """
@@ -37,6 +39,7 @@ __all__ = ["onebit_direction_publish", "onebit_direction_publish_code",
            "onebit_moments_publish", "onebit_moments_publish_code", "onebit_sync_publish",
            "onebit_sync_publish_code", "sign1_publish_delta"]
 
+_DECODE_BLOCK = 2048  # elements of pushed codes decoded (and summed) per call: 8 KiB of L1
 _jit = numba.njit(cache=True, nogil=True, fastmath=False, boundscheck=False, error_model="numpy")
 
 
@@ -68,23 +71,28 @@ def onebit_sync_publish_code(code_scales, code_bits, code_chunk, grad_scale, res
                              neg_lr, ratio_clip):
     """:func:`onebit_sync_publish` of a step whose pushes came as sign1 codes, each code's
     scales and sign bits in the tuples ``code_scales`` and ``code_bits`` (rank order, one
-    chunk ``code_chunk``; one array type per tuple): each chunk of the sum is decoded into L1
+    chunk ``code_chunk``; one array type per tuple): each block of the sum is decoded into L1
     scratch as in :func:`onebit_direction_publish_code`, the first code's values, then each
     next one's added in order: bit for bit the sum the shard's store made decoding the first
     and adding the others (``sign1.decode``, ``sign1.add_decoded``) into a key-long array,
     without writing and reading that array."""
     n = param.shape[0]
     lanes = np.zeros(LANES, np.float64)
-    g = np.empty(min(n, chunk), np.float32)
-    for c in range(scales.shape[0]):
-        lo = c * chunk
-        m = min(n, lo + chunk) - lo
-        decode_span(code_scales[0], code_bits[0], code_chunk, lo, g[:m])
+    per = max(1, _DECODE_BLOCK // chunk)  # publish chunks decoded at a time
+    g = np.empty(min(n, per * chunk), np.float32)
+    for first in range(0, scales.shape[0], per):
+        lo = first * chunk
+        span = min(n, lo + per * chunk) - lo
+        decode_span(code_scales[0], code_bits[0], code_chunk, lo, g[:span])
         for k in range(1, len(code_scales)):
-            add_span(code_scales[k], code_bits[k], code_chunk, lo, g[:m])
-        _sync_chunk(g[:m], grad_scale, residual[lo:lo + m], bits[lo >> 3:(lo + m + 7) >> 3],
-                    scales, c, lanes, mean_abs, exp_avg[lo:lo + m], denominator[lo:lo + m],
-                    param[lo:lo + m], weight_decay, neg_lr, ratio_clip)
+            add_span(code_scales[k], code_bits[k], code_chunk, lo, g[:span])
+        for c in range(first, min(first + per, scales.shape[0])):
+            a = c * chunk
+            m = min(n, a + chunk) - a
+            _sync_chunk(g[a - lo:a - lo + m], grad_scale, residual[a:a + m],
+                        bits[a >> 3:(a + m + 7) >> 3], scales, c, lanes, mean_abs,
+                        exp_avg[a:a + m], denominator[a:a + m], param[a:a + m], weight_decay,
+                        neg_lr, ratio_clip)
 
 
 @_jit
@@ -133,20 +141,24 @@ def onebit_direction_publish_code(param, code_scales, code_bits, code_chunk, gra
                                   residual, scales, bits, chunk, mean_abs, weight_decay, neg_lr,
                                   ratio_clip):
     """:func:`onebit_direction_publish` of a direction pushed as a sign1 code (its scales and
-    sign bits, ``sign1.split``, in chunks of ``code_chunk``), decoded chunk by chunk into L1
+    sign bits, ``sign1.split``, in chunks of ``code_chunk``), decoded block by block into L1
     scratch: the bits of decoding it into a key-long array first (``sign1.decode``), without
     writing and reading that array."""
     n = param.shape[0]
     lanes = np.zeros(LANES, np.float64)
-    g = np.empty(min(n, chunk), np.float32)
-    for c in range(scales.shape[0]):
-        lo = c * chunk
-        m = min(n, lo + chunk) - lo
-        p = param[lo:lo + m]
-        u = residual[lo:lo + m]
-        decode_span(code_scales, code_bits, code_chunk, lo, g[:m])
-        _direction_delta(g[:m], p, u, grad_scale, weight_decay, neg_lr, ratio_clip)
-        _encode_apply(u, p, bits[lo >> 3:(lo + m + 7) >> 3], scales, c, lanes, mean_abs)
+    per = max(1, _DECODE_BLOCK // chunk)
+    g = np.empty(min(n, per * chunk), np.float32)
+    for first in range(0, scales.shape[0], per):
+        lo = first * chunk
+        decode_span(code_scales, code_bits, code_chunk, lo, g[:min(n, lo + per * chunk) - lo])
+        for c in range(first, min(first + per, scales.shape[0])):
+            a = c * chunk
+            m = min(n, a + chunk) - a
+            p = param[a:a + m]
+            u = residual[a:a + m]
+            _direction_delta(g[a - lo:a - lo + m], p, u, grad_scale, weight_decay, neg_lr,
+                             ratio_clip)
+            _encode_apply(u, p, bits[a >> 3:(a + m + 7) >> 3], scales, c, lanes, mean_abs)
 
 
 @_jit
@@ -175,20 +187,23 @@ def onebit_moments_publish(param, grad, exp_avg, denominator, grad_scale, residu
 def onebit_moments_publish_code(param, code_scales, code_bits, code_chunk, exp_avg,
                                 denominator, grad_scale, residual, scales, bits, chunk,
                                 mean_abs, one_minus_beta1, weight_decay, neg_lr, ratio_clip):
-    """:func:`onebit_moments_publish` of a gradient pushed as a sign1 code, decoded chunk by
-    chunk as in :func:`onebit_direction_publish_code`."""
+    """:func:`onebit_moments_publish` of a gradient pushed as a sign1 code, decoded block by
+    block as in :func:`onebit_direction_publish_code`."""
     n = param.shape[0]
     lanes = np.zeros(LANES, np.float64)
-    g = np.empty(min(n, chunk), np.float32)
-    for c in range(scales.shape[0]):
-        lo = c * chunk
-        m = min(n, lo + chunk) - lo
-        p = param[lo:lo + m]
-        u = residual[lo:lo + m]
-        decode_span(code_scales, code_bits, code_chunk, lo, g[:m])
-        _moments_delta(g[:m], exp_avg[lo:lo + m], denominator[lo:lo + m], p, u, grad_scale,
-                       one_minus_beta1, weight_decay, neg_lr, ratio_clip)
-        _encode_apply(u, p, bits[lo >> 3:(lo + m + 7) >> 3], scales, c, lanes, mean_abs)
+    per = max(1, _DECODE_BLOCK // chunk)
+    g = np.empty(min(n, per * chunk), np.float32)
+    for first in range(0, scales.shape[0], per):
+        lo = first * chunk
+        decode_span(code_scales, code_bits, code_chunk, lo, g[:min(n, lo + per * chunk) - lo])
+        for c in range(first, min(first + per, scales.shape[0])):
+            a = c * chunk
+            m = min(n, a + chunk) - a
+            p = param[a:a + m]
+            u = residual[a:a + m]
+            _moments_delta(g[a - lo:a - lo + m], exp_avg[a:a + m], denominator[a:a + m], p,
+                           u, grad_scale, one_minus_beta1, weight_decay, neg_lr, ratio_clip)
+            _encode_apply(u, p, bits[a >> 3:(a + m + 7) >> 3], scales, c, lanes, mean_abs)
 
 
 @_jit

@@ -381,7 +381,7 @@ class OneBitAdamSync(OneBitAdam):
         # grad is the sum of the workers' momenta: publish their compressed mean as m and
         # apply it with the frozen v as workers do (native.onebit_adam_apply_den), in one pass
         # (native.publish)
-        # (a step's pushed codes: decoded and summed chunk by chunk in that pass)
+        # (a step's pushed codes: decoded and summed block by block in that pass)
         scales, bits, size = ob.code_views()
         f32 = np.float32
         ob.step += 1
@@ -438,7 +438,7 @@ class OneBitAdamWorkerMoments(OneBitAdam):
 
     def _compressed(self, slot, grad, grad_scale, lr_scale):
         # direction_delta, its code and the code added to the parameters, in one pass (the
-        # pushed code decoded in it, chunk by chunk, where it came as one)
+        # pushed code decoded in it, block by block, where it came as one)
         ob = slot.rule_state
         scales, bits, size = ob.code_views()
         tail = (np.float32(grad_scale), ob.server.residual, scales, bits,

@@ -60,7 +60,7 @@ class PushCodes:
     """A sync step's pushes still in their codes, ``codes`` in rank order (two or more, one
     codec): their sum is the float32 values of the first plus each next one's, added in that
     order (what ``Slot.accumulate`` makes of them when it decodes), and the rule's kernel reads
-    it chunk by chunk without a key-long sum written and read again."""
+    it block by block without a key-long sum written and read again."""
 
     codes: tuple[PushCode, ...]
 
