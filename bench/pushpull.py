@@ -132,7 +132,7 @@ _NOTES = ("bitps: `PSClient.push_pull` of all keys to one `bitps-server` process
           "copy of the reply into the caller's buffer), alternating with the same rounds; "
           "floor ratio = raw / floor time. Where the floor misses a goal, the work itself "
           "does on this machine. idle: the last case's shard process, its client gone, its "
-          "CPU (/proc, all threads) over idle_s seconds.")
+          "CPU (/proc/PID/task/*/schedstat, all threads) over idle_s seconds.")
 _COLUMNS = [("case", "case"), ("frames", "frames"), ("bitps_ms", "bitps ms"),
             ("raw_ms", "raw pyzmq ms"), ("bitps_GBps", "bitps GB/s"),
             ("raw_GBps", "raw GB/s"), ("ratio", "ratio"),
