@@ -322,29 +322,19 @@ def decode_span(code_scales, code_bits, code_chunk, lo, out):
     zeros) gives. ``lo`` and ``code_chunk`` are multiples of 8, so every byte of bits lies in
     one code chunk; the code chunks the span crosses are walked one by one (no division per
     byte)."""
-    m = out.shape[0]
-    j = 0
-    while j < m:
-        c = (lo + j) // code_chunk
-        end = min(m, (c + 1) * code_chunk - lo)
-        s = code_scales[c] + np.float32(0.0)
-        neg_s = np.float32(0.0) - s if s == 0 else -s
-        b = code_bits[(lo + j) >> 3:(lo + end + 7) >> 3]
-        o = out[j:end]
-        full = (end - j) - (end - j) % 8
-        for i in range(full >> 3):
-            _set8(o, 8 * i, b[i], s, neg_s)
-        for k in range(full, end - j):
-            o[k] = neg_s if (b[k >> 3] >> (k & 7)) & 1 else s
-        j = end
+    _span(code_scales, code_bits, code_chunk, lo, out, False)
 
 
 @_jit
 def add_span(code_scales, code_bits, code_chunk, lo, out):
     """``out[:] +=`` elements ``lo ..`` of a sign1 code's decode, bit for bit adding what
     :func:`decode_span` writes (a zero scale adds +0.0 for either sign): the kernels that sum
-    several pushed codes chunk by chunk (``native.publish``). Same walk as
-    :func:`decode_span`."""
+    several pushed codes block by block (``native.publish``)."""
+    _span(code_scales, code_bits, code_chunk, lo, out, True)
+
+
+@_jit
+def _span(code_scales, code_bits, code_chunk, lo, out, add):
     m = out.shape[0]
     j = 0
     while j < m:
@@ -355,10 +345,16 @@ def add_span(code_scales, code_bits, code_chunk, lo, out):
         b = code_bits[(lo + j) >> 3:(lo + end + 7) >> 3]
         o = out[j:end]
         full = (end - j) - (end - j) % 8
-        for i in range(full >> 3):
-            _add8(o, 8 * i, b[i], s, neg_s)
-        for k in range(full, end - j):
-            o[k] = o[k] + (neg_s if (b[k >> 3] >> (k & 7)) & 1 else s)
+        if add:  # branches per code chunk, not per element
+            for i in range(full >> 3):
+                _add8(o, 8 * i, b[i], s, neg_s)
+            for k in range(full, end - j):
+                o[k] = o[k] + (neg_s if (b[k >> 3] >> (k & 7)) & 1 else s)
+        else:
+            for i in range(full >> 3):
+                _set8(o, 8 * i, b[i], s, neg_s)
+            for k in range(full, end - j):
+                o[k] = neg_s if (b[k >> 3] >> (k & 7)) & 1 else s
         j = end
 
 

@@ -36,9 +36,10 @@ _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP specification (RFC 
 _TICK_S = 0.1
 """How often the data loop looks at time passing when no request wakes it (``ShardCore.tick``:
 silent workers, held pulls' deadlines, membership changes that finish a sync step; the
-checkpointer). Each wake-up of an idle thread costs about 0.1-0.2 ms of CPU here (a timer and
-two context switches): ticking every 20 ms, an idle shard used 10.5-12 ms of CPU a second (on
-the LM's sync 1-bit Adam, 15-18 ms of a step's 65-75), every 100 ms 2.5 (``docs/design.md``).
+checkpointer). Each wake-up of an idle thread costs about 0.15-0.26 ms of CPU on a small VM (a
+timer and two context switches): ticking every 20 ms, an idle shard process used 11-14 ms of CPU
+a second (on the LM's sync 1-bit Adam, some 15-20 ms of a step's 75), every 100 ms 3-4.4
+(``docs/benchmarks.md``, the idle shard's wake-ups).
 Deadlines and timeouts are 0.5 s and up; a Leave finishes the sync step it held up within a
 tick."""
 _ZAP_POLL_MS = 100  # the ZAP thread's wait: how soon it sees stop()
