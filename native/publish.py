@@ -15,16 +15,17 @@ order, and the scales the same fixed-order sums (``sign1.chunk_scale``).
 Payload written to ``scales``/``bits`` (views of the output buffer,
 ``sign1.payload_views``): the sign1 layout of ``native/sign1.py``. Buffer ownership: the caller
 owns every array; the kernels never allocate beyond 64 float64 lanes (and, for the ``_code``
-kernels, one chunk of float32 for the pushed codes' decode). ``grad``/``direction`` and a
+kernels, one block of float32 for the pushed codes' decode). ``grad``/``direction`` and a
 pushed code's scales and bits may be read-only views of a received frame.
 
 The ``_code`` twins take a push still in its sign1 code (``ps.pushcode.PushCode``) and decode
 it into L1 scratch, :data:`_DECODE_BLOCK` elements at a time, right before the update reads
-them, bit for bit what decoding it into a key-long array first gives: one array's write and read
-fewer per update. (Decoded a publish chunk at a time, 256 elements for 1-bit Adam, the calls'
-overhead took most of that saving: sync 38.0 against 38.5 ms per 64 MiB decoded first.) The sync one
-takes a step's several codes (``ps.pushcode.PushCodes``) and sums them the same way: with W
-pushes, W - 1 reads and writes of a key-long sum fewer, besides the decode's.
+them, bit for bit what decoding it into a key-long array first gives: one array's write and
+read fewer per update. (Decoded a publish chunk at a time, 256 elements for 1-bit Adam, the
+calls' overhead took most of that saving: sync 38.0 against 38.5 ms per 64 MiB decoded
+first.) The sync one takes a step's several codes (``ps.pushcode.PushCodes``) and sums them
+the same way: with W pushes, W - 1 reads and writes of a key-long sum fewer, besides the
+decode's.
 """
 
 from __future__ import annotations

@@ -317,7 +317,7 @@ def _decode_add(scales, bits, acc, chunk, as_decoded):
 @_jit
 def decode_span(code_scales, code_bits, code_chunk, lo, out):
     """``out[:]`` = elements ``lo ..`` of a sign1 code's decode: :func:`decode` (a span from
-    0 over the whole key) and the kernels that decode a push chunk by chunk as they read it.
+    0 over the whole key) and the kernels that decode a push block by block as they read it.
     A zero scale decodes to +0.0 for either sign, as ``0.0 + -0.0`` (``decode_add`` onto
     zeros) gives. ``lo`` and ``code_chunk`` are multiples of 8, so every byte of bits lies in
     one code chunk; the code chunks the span crosses are walked one by one (no division per

@@ -85,11 +85,6 @@ class PushCodes:
             code.add_to(values)
         return values
 
-    def add_to(self, acc: np.ndarray) -> None:
-        """``acc += `` the sum, as adding the codes one by one."""
-        for code in self.codes:
-            code.add_to(acc)
-
     def sign1_sections(self) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...], np.int64]:
         """Every code's scales and sign bits (read-only views, so that numba sees one array
         type in each tuple whatever buffers the frames are) and the codec's chunk: what

@@ -24,6 +24,7 @@ import numpy as np
 
 from bitps import native
 from bitps.proto import bitps_pb2 as pb
+from bitps.proto.codecs import Codec
 from bitps.proto.sendbuffer import ZERO_COPY_MIN_BYTES, Buffer
 from bitps.ps.publish import Publisher
 from bitps.ps.pushcode import PushCode, PushCodes
@@ -293,7 +294,7 @@ class Slot:
         return Buffer(np.empty_like(self.buffer.array))
 
 
-def _codes_of(push: np.ndarray | PushCode | PushCodes, codec) -> bool:
+def _codes_of(push: np.ndarray | PushCode | PushCodes | None, codec: Codec) -> bool:
     """Whether ``push`` is a code, or codes, of ``codec``."""
     return isinstance(push, (PushCode, PushCodes)) and push.codec == codec
 
