@@ -86,14 +86,14 @@ class PushCodes:
         return values
 
     def sign1_sections(self) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...], np.int64]:
-        """Every code's scales and sign bits (read-only views, so that numba sees one array
-        type in each tuple whatever buffers the frames are) and the codec's chunk: what
-        ``native.onebit_sync_publish_code`` takes."""
-        scales, bits = [], []
-        for code in self.codes:
-            s, b = sign1.split(code.frame, code.n, code.codec.chunk)
-            scales.append(_read_only(s))
-            bits.append(_read_only(b))
+        """Every code's scales and sign bits (:meth:`PushCode.sign1_sections`) and the codec's
+        chunk: what ``native.onebit_sync_publish_code`` takes. numba needs one array type per
+        tuple: frames of mixed kinds (a bytes object and a writable buffer) are all given as
+        read-only views."""
+        sections = [code.sign1_sections()[:2] for code in self.codes]
+        scales, bits = zip(*sections)
+        if len({a.flags.writeable for a in (*scales, *bits)}) > 1:
+            scales, bits = tuple(map(_read_only, scales)), tuple(map(_read_only, bits))
         return tuple(scales), tuple(bits), np.int64(self.codec.chunk)
 
 
