@@ -18,17 +18,19 @@ adam, sync, raw -> raw                       g, p, m, v                   p, m, 
 adam, async, sign1 -> raw                    push code, p, m, v           p, m, v, last delta
 adam, async, raw -> sign1                    g, p, m, v, residual         p, m, v, residual, code
 adam, async, sign1 -> sign1                  push code, p, m, v, resid.   p, m, v, residual, code
-1-bit Adam sync (compressed phase)           push code, p, v, residual    p, m, residual, code
-1-bit Adam sync, 2 workers                   2 push codes, p, v, resid.   p, m, residual, code
+1-bit Adam sync (compressed phase)           push code, p, v, residual    p, residual, code
+1-bit Adam sync, 2 workers                   2 push codes, p, v, resid.   p, residual, code
 1-bit Adam async, worker moments             push code, p, residual       p, residual, code
 1-bit Adam async, shard moments              push code, p, m, v, resid.   p, m, residual, code
 ==========================================  ==========================  ==================
 
 ("last delta": in async/ssp with raw pulls the shard keeps each key's last update for the
 lookahead it hands out, ``ServerConfig.lookahead``; with compressed pulls the workers predict
-and the shard keeps none. sync 1-bit Adam replaces m by the decoded published momentum: written,
-not read.) One push of one worker is one update (one worker: a sync step is one push too); with
-two workers in sync, one step (both pushes, summed in the update's kernel, ``ps.pushcode``).
+and the shard keeps none. sync 1-bit Adam's m is the decoded published momentum, which the
+shard keeps as that code, ``ps.onebit.OneBitState``: neither read nor written; it was written
+every update until 2026-12-06.) One push of one worker is one update (one worker: a sync step
+is one push too); with two workers in sync, one step (both pushes, summed in the update's
+kernel, ``ps.pushcode``).
 
 **What is measured**: the shard's real request path, :meth:`ShardCore.handle` on a PUSH
 carrying every key (validation, the finiteness check, decode, the rule, publishing), in this
@@ -94,9 +96,9 @@ CASES = (
     Case(name="adam, async, sign1 -> sign1", optimizer="adam", push="sign1", pull="sign1",
          reads=4, writes=4),
     Case(name="1-bit Adam, sync", optimizer="onebit_adam", mode="sync", push="sign1",
-         pull="sign1", reads=3, writes=3, goal=1.5),
+         pull="sign1", reads=3, writes=2, goal=1.5),
     Case(name="1-bit Adam, sync, 2 workers", optimizer="onebit_adam", mode="sync",
-         push="sign1", pull="sign1", workers=2, reads=3, writes=3, goal=1.5),
+         push="sign1", pull="sign1", workers=2, reads=3, writes=2, goal=1.5),
     Case(name="1-bit Adam, async, worker moments", optimizer="onebit_adam", push="sign1",
          pull="sign1", moments="worker", reads=2, writes=2, goal=1.5),
     Case(name="1-bit Adam, async, shard moments", optimizer="onebit_adam", push="sign1",

@@ -15,7 +15,8 @@ order, and the scales the same fixed-order sums (``sign1.chunk_scale``).
 Payload written to ``scales``/``bits`` (views of the output buffer,
 ``sign1.payload_views``): the sign1 layout of ``native/sign1.py``. Buffer ownership: the caller
 owns every array; the kernels never allocate beyond 64 float64 lanes (and, for the ``_code``
-kernels, one block of float32 for the pushed codes' decode). ``grad``/``direction`` and a
+kernels, one block of float32 for the pushed codes' decode; for the sync ones, one chunk of
+float32 for m). ``grad``/``direction`` and a
 pushed code's scales and bits may be read-only views of a received frame.
 
 The ``_code`` twins take a push still in its sign1 code (``ps.pushcode.PushCode``) and decode
@@ -45,31 +46,33 @@ _jit = numba.njit(cache=True, nogil=True, fastmath=False, boundscheck=False, err
 
 
 @_jit
-def onebit_sync_publish(acc, grad_scale, residual, scales, bits, exp_avg, denominator, param,
-                        chunk, mean_abs, weight_decay, neg_lr, ratio_clip):
+def onebit_sync_publish(acc, grad_scale, residual, scales, bits, denominator, param, chunk,
+                        mean_abs, weight_decay, neg_lr, ratio_clip):
     """sync 1-bit Adam's compressed step on the shard (``OneBitAdamSync``): with the step's
     sum of worker momenta ``acc`` and ``1/W`` in ``grad_scale``, encode ``u = acc * grad_scale
-    + residual`` (the sign1 code, the new residual), set ``exp_avg`` to the code's decode (the
-    averaged momentum every replica applies) and apply it with the frozen v's
-    ``denominator`` (``update_rules.onebit_denominator``): ``param += -lr * (clip(m / den) +
-    wd * param)``, coordinates with ``v == 0`` left as they are
-    (``update_rules.onebit_adam_apply_den``). Was: multiply, encode, ``m.fill(0)``,
-    decode_add, apply."""
+    + residual`` (the sign1 code, the new residual) and apply the code's decode, m, the
+    averaged momentum every replica applies, with the frozen v's ``denominator``
+    (``update_rules.onebit_denominator``): ``param += -lr * (clip(m / den) + wd * param)``,
+    coordinates with ``v == 0`` left as they are (``update_rules.onebit_adam_apply_den``).
+    m is the code's decode: it lives in one chunk of scratch, and the shard keeps the code
+    (``ps.onebit.OneBitState``), not a key-long m written every step. Was: multiply, encode,
+    ``m.fill(0)``, decode_add, apply."""
     n = acc.shape[0]
     lanes = np.zeros(LANES, np.float64)
+    mom = np.empty(min(n, chunk), np.float32)
     for c in range(scales.shape[0]):
         lo = c * chunk
         m = min(n, lo + chunk) - lo
         _sync_chunk(acc[lo:lo + m], grad_scale, residual[lo:lo + m],
-                    bits[lo >> 3:(lo + m + 7) >> 3], scales, c, lanes, mean_abs,
-                    exp_avg[lo:lo + m], denominator[lo:lo + m], param[lo:lo + m],
-                    weight_decay, neg_lr, ratio_clip)
+                    bits[lo >> 3:(lo + m + 7) >> 3], scales, c, lanes, mean_abs, mom[:m],
+                    denominator[lo:lo + m], param[lo:lo + m], weight_decay, neg_lr,
+                    ratio_clip)
 
 
 @_jit
 def onebit_sync_publish_code(code_scales, code_bits, code_chunk, grad_scale, residual, scales,
-                             bits, exp_avg, denominator, param, chunk, mean_abs, weight_decay,
-                             neg_lr, ratio_clip):
+                             bits, denominator, param, chunk, mean_abs, weight_decay, neg_lr,
+                             ratio_clip):
     """:func:`onebit_sync_publish` of a step whose pushes came as sign1 codes, each code's
     scales and sign bits in the tuples ``code_scales`` and ``code_bits`` (rank order, one
     chunk ``code_chunk``; one array type per tuple): each block of the sum is decoded into L1
@@ -81,6 +84,7 @@ def onebit_sync_publish_code(code_scales, code_bits, code_chunk, grad_scale, res
     lanes = np.zeros(LANES, np.float64)
     per = max(1, _DECODE_BLOCK // chunk)  # publish chunks decoded at a time
     g = np.empty(min(n, per * chunk), np.float32)
+    mom = np.empty(min(n, chunk), np.float32)
     for first in range(0, scales.shape[0], per):
         lo = first * chunk
         span = min(n, lo + per * chunk) - lo
@@ -91,16 +95,16 @@ def onebit_sync_publish_code(code_scales, code_bits, code_chunk, grad_scale, res
             a = c * chunk
             m = min(n, a + chunk) - a
             _sync_chunk(g[a - lo:a - lo + m], grad_scale, residual[a:a + m],
-                        bits[a >> 3:(a + m + 7) >> 3], scales, c, lanes, mean_abs,
-                        exp_avg[a:a + m], denominator[a:a + m], param[a:a + m], weight_decay,
-                        neg_lr, ratio_clip)
+                        bits[a >> 3:(a + m + 7) >> 3], scales, c, lanes, mean_abs, mom[:m],
+                        denominator[a:a + m], param[a:a + m], weight_decay, neg_lr,
+                        ratio_clip)
 
 
 @_jit
 def _sync_chunk(g, grad_scale, u, bits, scales, c, lanes, mean_abs, mom, dens, p, weight_decay,
                 neg_lr, ratio_clip):
     """One chunk of :func:`onebit_sync_publish`: ``u`` the chunk's residual, ``g`` its sum of
-    momenta; chunk ``c``'s scale and ``bits`` its sign bytes."""
+    momenta; chunk ``c``'s scale and ``bits`` its sign bytes; ``mom`` scratch for m."""
     m = u.shape[0]
     for j in range(m):
         t = g[j] * grad_scale

@@ -206,6 +206,7 @@ class OneBitState(KeyState):
         # the switch flags: one value each; m's code: none yet, or one code of the key
         self.check_state(state, {"compressing": ((1,),), "bias_correction2_sqrt": ((1,),),
                                  "m_code": ((0,), (size,))})
+        self._m_is_code = False  # m comes whole from the state
         self._load(state)
         self.denominator = self.denominator_bits = None
         self.compressing = bool(state["compressing"][0])
@@ -214,11 +215,30 @@ class OneBitState(KeyState):
         self._message = None
 
     def publish(self, version: int, payload: memoryview) -> None:
-        """Keep the payload that took the key to ``version`` (sync: the code m decodes from)."""
+        """Keep the payload that took the key to ``version`` (sync: the code m decodes from;
+        the update's kernel did not write m, :attr:`buf1` decodes it when read)."""
         self._message = None
         self.pub.publish(version, payload)
         if self.sync:
             self.m_code = self.pub.history[-1][1]
+            self._m_is_code = True
+
+    @property
+    def buf1(self) -> np.ndarray:
+        """m (``KeyState.buf1``). sync, after a compressed update: the decode of
+        :attr:`m_code`, made here at the first read after the update. Its kernel
+        (``native.onebit_sync_publish``) keeps m in one chunk of scratch: a key-long m
+        written every step and read only by a checkpoint or a worker's fetch cost each update
+        a sixth of its memory traffic."""
+        if self._m_is_code:
+            self._m.fill(0.0)
+            self.codec.decode_add(self.m_code, self.n, self._m)
+            self._m_is_code = False
+        return self._m
+
+    @buf1.setter
+    def buf1(self, value: np.ndarray) -> None:
+        self._m, self._m_is_code = value, False
 
     def forget(self) -> None:
         """A warmup update has no payload: workers behind it need the full parameters."""
@@ -380,14 +400,14 @@ class OneBitAdamSync(OneBitAdam):
         ob = slot.rule_state
         # grad is the sum of the workers' momenta: publish their compressed mean as m and
         # apply it with the frozen v as workers do (native.onebit_adam_apply_den), in one pass
-        # (native.publish)
-        # (a step's pushed codes: decoded and summed block by block in that pass)
+        # (native.publish); a step's pushed codes are decoded and summed block by block in
+        # that pass, and m stays the published code until read (OneBitState.publish)
         scales, bits, size = ob.code_views()
         f32 = np.float32
         ob.step += 1
-        tail = (f32(grad_scale), ob.server.residual, scales, bits, ob.buf1,
-                self.denominator(ob), slot.writable(), np.int64(ob.codec.chunk), ob.mean_abs,
-                self._wd, self.neg_lr(lr_scale), f32(self.ratio_clip))
+        tail = (f32(grad_scale), ob.server.residual, scales, bits, self.denominator(ob),
+                slot.writable(), np.int64(ob.codec.chunk), ob.mean_abs, self._wd,
+                self.neg_lr(lr_scale), f32(self.ratio_clip))
         if isinstance(grad, PushCode):
             code_scales, code_bits, code_chunk = grad.sign1_sections()
             native.onebit_sync_publish_code((code_scales,), (code_bits,), code_chunk, *tail)

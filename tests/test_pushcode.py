@@ -155,3 +155,34 @@ def test_a_sync_step_of_pushed_codes_sums_and_checkpoints_as_decoded_ones(tmp_pa
         _push_codes(core, 4, lengths, 64, 1)
         slot = next(iter(core.slots.values()))
         assert isinstance(slot.first, PushCodes) and len(slot.first.codes) == 2
+
+
+def test_sync_m_stays_the_published_code_until_read(tmp_path):
+    """sync 1-bit Adam's update kernel keeps m in a chunk of scratch: the key-long m is not
+    written by a compressed update (a sixth of that kernel's memory traffic), and read after
+    it (a checkpoint, a worker's fetch, a test) it is the decode of the code the update
+    published, which is what every replica applied; the same after a checkpoint's restore."""
+    lengths = (3001, 256, 70)
+    core = _core("sync", "auto", lengths, world=2)
+    for clock in range(3):
+        for worker in (0, 1):
+            _push_codes(core, clock, lengths, 64, worker)
+        if clock == 1:  # the first compressed update is in: m's storage marked
+            stores = {k: s.rule_state.buf1 for k, s in core.slots.items()}
+            for m in stores.values():
+                m.fill(np.nan)
+    for key, slot in core.slots.items():
+        ob = slot.rule_state
+        assert np.isnan(stores[key]).all()  # the update of clock 2 did not write it
+        want = np.zeros(slot.length, np.float32)
+        ob.codec.decode_add(ob.m_code, slot.length, want)
+        assert ob.m_code == ob.pub.history[-1][1] and np.any(want)
+        assert np.array_equal(ob.buf1.view(np.uint32), want.view(np.uint32))
+        assert ob.buf1 is stores[key]  # decoded into the same array, once
+    restored = ShardCore(core.cfg, now=lambda: 0.0)
+    restore(restored, load(save(core, tmp_path, keep=1)))
+    _same_keys(core, restored)
+    for c in (core, restored):
+        for worker in (0, 1):
+            _push_codes(c, 3, lengths, 64, worker)
+    _same_keys(core, restored)
