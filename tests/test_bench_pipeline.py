@@ -93,22 +93,29 @@ def test_part_c_judges_each_case_at_its_best_lr_and_checks_prediction_against_1f
         monkeypatch, tmp_path):
     from bitps.bench import pipeline as bench
 
+    beta = "2bw + prediction, beta1 0.97"
     finals = {("1f1b", 1e-3): 2.40, ("1f1b", 2e-3): 2.30, ("2bw", 1e-3): 2.60,
               ("2bw", 2e-3): 2.70, ("2bw + prediction", 1e-3): 2.45,
-              ("2bw + prediction", 2e-3): 2.34}
+              ("2bw + prediction", 2e-3): 2.34, (beta, 1e-3): 2.33, (beta, 2e-3): 2.41}
 
     def fake_run(case, lr, *args):
         name = case[0]
         return {"schedule": name, "lr": lr, "final_loss": finals[name, lr], "loss_drop": 0.5,
-                "stages_reporting": "4/4", "extra": case[2]}
+                "stages_reporting": "4/4", "extra": case[2], "server": case[3]}
 
     monkeypatch.setattr(bench, "_dp_pp_run", fake_run)
     rows, checks = bench.run_dp_pp(run_root=tmp_path, lrs=(1e-3, 2e-3))
     assert [r["schedule"] for r in rows] == [c[0] for c in bench.DP_PP_CASES] * 2
-    assert rows[-1]["extra"] == ("--weight-prediction", "2")  # the predicted case predicts
+    assert rows[-2]["extra"] == ("--weight-prediction", "2")  # the predicted case predicts
     assert rows[1]["extra"] == ("--weight-prediction", "0")   # and plain 2BW does not
+    # the beta1 variant predicts too, and tells the shards its beta1; the others leave theirs
+    assert rows[-1]["extra"] == ("--weight-prediction", "2")
+    assert rows[-1]["server"] == ("--server-arg=--beta1=0.97",)
+    assert not any(r["server"] for r in rows[-4:-1])
     best = {r["schedule"]: r["lr"] for r in rows if r["best_lr"]}
-    assert best == {"1f1b": 2e-3, "2bw": 1e-3, "2bw + prediction": 2e-3}
+    assert best == {"1f1b": 2e-3, "2bw": 1e-3, "2bw + prediction": 2e-3, beta: 1e-3}
     c = checks["twobw_prediction_final_loss_vs_1f1b"]
     assert c["ok"] and c["value"].startswith(f"{2.34 / 2.30:.4f}")
+    c = checks["twobw_prediction_beta1_0.97_final_loss_vs_1f1b"]
+    assert c["ok"] and c["value"].startswith(f"{2.33 / 2.30:.4f}")
     assert not checks["dp2_pp2_flush_free_final_loss_vs_1f1b"]["ok"]  # 2.60 / 2.30
