@@ -226,10 +226,12 @@ class OneBitState(KeyState):
     @property
     def buf1(self) -> np.ndarray:
         """m (``KeyState.buf1``). sync, after a compressed update: the decode of
-        :attr:`m_code`, made here at the first read after the update. Its kernel
-        (``native.onebit_sync_publish``) keeps m in one chunk of scratch: a key-long m
-        written every step and read only by a checkpoint or a worker's fetch cost each update
-        a sixth of its memory traffic."""
+        :attr:`m_code`, made here at the first read after the update (reads, like every access
+        to a key's state, under the shard core's lock). The update's kernel
+        (``native.onebit_sync_publish``) keeps m in one chunk of scratch: a key-long m written
+        every step, and read only by a checkpoint or a worker's fetch, cost each update a write
+        of the key's length and the read for ownership before it (about 15 % of the kernel's
+        time, docs/benchmarks.md)."""
         if self._m_is_code:
             self._m.fill(0.0)
             self.codec.decode_add(self.m_code, self.n, self._m)
