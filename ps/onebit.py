@@ -158,8 +158,7 @@ class OneBitState(KeyState):
         self.server.residual.fill(0.0)
         if self.compact_state:
             self.m_code = bytes(Compressor(self.codec, self.n).encode(self.buf1))
-            self.buf1.fill(0.0)
-            self.codec.decode_add(self.m_code, self.n, self.buf1)
+            self._m_is_code = True  # m is that code's decode from now on (buf1)
 
     def state_message(self, key: int, version: int) -> pb.KeyRuleState:
         """The key's m and frozen v as the RuleState call sends them: with
