@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import socket
 import statistics
 import subprocess
 import sys
@@ -196,6 +197,43 @@ def test_32_registrants_before_rank_0_leave_status_answering(cluster):
     assert sum(w.live for w in clients[0].status(0).workers) == world
     for c in clients:
         c.close()
+
+
+# -- 2b. a Register that cannot reach its shard is made again, for a bounded time -----------------
+def test_register_calls_again_while_the_shard_cannot_be_reached_then_gives_up():
+    """A shard that refuses the connection (its port not listening yet, as a connection reset
+    at start-up looks to gRPC: ``UNAVAILABLE``, no shard error) no longer fails the worker's
+    Register at once: it is called again and joins once the shard listens (0.3 s later). A
+    port that never listens is still a typed ``UNAVAILABLE`` error within seconds, not
+    ``register_timeout_s``."""
+    from bitps.ps import ServerConfig, create_server
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    port, started = free_port(), []
+    late = threading.Timer(0.3, lambda: started.append(create_server(ServerConfig(
+        grpc_port=port, mode="async", optimizer=SGD))))
+    late.start()
+    plan, keys = _plan(64)
+    client = PSClient(ClientConfig(servers=(f"127.0.0.1:{port}",), register_timeout_s=30))
+    try:
+        client.register(plan, {k: np.ones(64, np.float32) for k in keys})
+        assert client.status(0).initialized
+    finally:
+        late.join()
+        client.close()
+        for shard in started:
+            shard.stop(0)
+    never = PSClient(ClientConfig(servers=(f"127.0.0.1:{free_port()}",),
+                                  register_timeout_s=30))
+    t0 = time.monotonic()
+    with pytest.raises(PSError) as err:
+        never.register(plan, {k: np.ones(64, np.float32) for k in keys})
+    never.close()
+    assert "UNAVAILABLE" in err.value.message and 1.0 < time.monotonic() - t0 < 5.0, err.value
 
 
 # -- 3. impossible clocks, held-pull caps, deadlines ---------------------------------------------

@@ -45,6 +45,13 @@ _TOKEN_METADATA_KEY = "bitps-token"  # checked by the shard before it reads a re
 _CURVE_KEY_METADATA_KEY = "bitps-curve-key"  # ps.control: what the data plane will refuse
 _CURVE_SERVER_KEY_METADATA_KEY = "bitps-curve-server-key"
 _REGISTER_RETRY_S = (0.02, 0.5)  # first and longest pause between Register calls
+_UNREACHABLE_RETRY_S = 2.0
+"""How long Register calls again while a shard cannot be reached (gRPC ``UNAVAILABLE`` with no
+shard error: a connection refused or reset at start-up, seen once in 27 launches as ``tcp
+handshaker shutdown`` against a shard that had served for 5 s). Bounded and short: a handshake
+that fails every time (TLS on one side only) must still fail within seconds, not wait out
+``register_timeout_s``; a shard that is not up yet is what the deployments' readiness waits
+are for (docker/README.md)."""
 
 
 @dataclass(frozen=True)
@@ -145,16 +152,36 @@ class ControlClient:
             time.sleep(pause)
             pause = min(2 * pause, _REGISTER_RETRY_S[1])
 
+    def _register_call(self, shard: int, plan: KeyPlan, reg: Registration, *,
+                       timeout_s: float) -> tuple[pb.RegisterReply, grpc.Call]:
+        """The Register call, made again (a fresh stream, the worker's reconnect backoff
+        between) while it fails without reaching the shard, for at most
+        :data:`_UNREACHABLE_RETRY_S` and within ``timeout_s``; any other failure, or the last
+        unreachable one, is raised as the shard's typed error (:meth:`error`)."""
+        now = time.monotonic()
+        end, give_up = now + timeout_s, now + min(_UNREACHABLE_RETRY_S, timeout_s)
+        pause = self.cfg.reconnect_backoff_s
+        while True:
+            try:
+                return self.stubs[shard].Register.with_call(
+                    iter(self._stream(plan, shard, reg)),
+                    timeout=max(end - time.monotonic(), 0.1), metadata=self.metadata)
+            except grpc.RpcError as err:
+                if not _unreachable(err) or time.monotonic() + pause > give_up:
+                    raise self.error(err, shard) from None
+                log.warning("rank %d: shard %d (%s) unreachable at Register (%s); calling "
+                            "again in %.2f s", self.cfg.rank, shard, self.cfg.servers[shard],
+                            err.details(), pause)
+            time.sleep(pause)
+            pause = min(2 * pause, self.cfg.reconnect_backoff_max_s)
+
     def register_once(self, shard: int, plan: KeyPlan, reg: Registration, *,
                       timeout_s: float) -> pb.RegisterReply:
-        """One Register call, and the check that the shard's data plane and this worker agree
-        on CURVE (the shard refuses a worker without a key or with one it does not allow)."""
-        stream = iter(self._stream(plan, shard, reg))
-        try:
-            reply, call = self.stubs[shard].Register.with_call(stream, timeout=timeout_s,
-                                                               metadata=self.metadata)
-        except grpc.RpcError as err:
-            raise self.error(err, shard) from None
+        """One registration (its call made again only while the shard cannot be reached:
+        :meth:`_register_call`), and the check that the shard's data plane and this worker
+        agree on CURVE (the shard refuses a worker without a key or with one it does not
+        allow)."""
+        reply, call = self._register_call(shard, plan, reg, timeout_s=timeout_s)
         said = dict(call.trailing_metadata() or ()).get(_CURVE_SERVER_KEY_METADATA_KEY, "")
         refusal = None
         if self.curve is not None and not said:
@@ -362,3 +389,10 @@ def tls_channel_credentials(ca_file: str, cert_file: str = "", key_file: str = "
     chain = read_pem(cert_file, "a certificate chain") if cert_file else None
     return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
                                         certificate_chain=chain)
+
+
+def _unreachable(err: grpc.RpcError) -> bool:
+    """Whether a failed call never reached a shard's handler: ``UNAVAILABLE`` with no shard
+    error code in its trailer (a shard's own retryable answers, ``NOT_INITIALIZED``, carry one)."""
+    return (err.code() == grpc.StatusCode.UNAVAILABLE
+            and _ERROR_METADATA_KEY not in dict(err.trailing_metadata() or ()))
