@@ -498,6 +498,7 @@ _DEEP_COLUMNS = [("case", "case"), ("schedule", "schedule"), ("balance", "split"
                  ("imbalance_alone", "slowest/mean alone"), ("partition", "layers per stage")]
 _DPPP_COLUMNS = [("case", "case"), ("schedule", "schedule"), ("samples", "samples"),
                  ("first_loss", "first loss"), ("final_loss", "final loss"),
+                 ("final_loss_by_seed", "final loss by seed"),
                  ("loss_drop", "drop"), ("samples_per_s", "samples/s"),
                  ("bubble_mean", "bubble mean"), ("stages_reporting", "stages reporting"),
                  ("best_lr", "best lr"), ("loss_curve", "loss, 6 points (replica 0)")]
@@ -531,12 +532,13 @@ def _dp_pp_notes(steps: int) -> str:
     return (f"bitps-launch --shards 2 --mode async --dp 2 --pp 2, the deep model, micro-batch "
             f"8, m = 4, {steps} steps per replica, --push-codec sign1 (1-bit signs with error "
             f"feedback), 1F1B, the flush-free 2BW (one run_step over all steps) and 2BW on "
-            f"predicted weights (--weight-prediction 2; also with the shards' Adam beta1 at "
-            f"0.97, --server-arg=--beta1=0.97) at equal samples, at each server lr "
-            f"of {', '.join(f'{x:g}' for x in DP_PP_LRS)} (each "
-            f"schedule judged at its best: best lr = yes). Losses: the last stages' (first "
-            f"step; final = mean of the last 10 steps), averaged over the two replicas; "
-            f"samples/s over both replicas.")
+            f"predicted weights (--weight-prediction 2; and --weight-prediction 3 with the "
+            f"shards' Adam beta1 at 0.97, --server-arg=--beta1=0.97) at equal samples, at each "
+            f"server lr of {', '.join(f'{x:g}' for x in DP_PP_LRS)} and seed of "
+            f"{', '.join(map(str, DP_PP_SEEDS))} (--seed; each schedule judged at its best lr "
+            f"on the mean over the seeds: best lr = yes). Losses: the last stages' (first "
+            f"step; final = mean of the last 10 steps), averaged over the two replicas, then "
+            f"over the seeds; samples/s over both replicas.")
 
 
 def launch_pipeline(run_dir: Path, launcher: list[str], stage: list[str],
@@ -752,13 +754,21 @@ DP_PP_CASES = (
     ("1f1b", "1f1b", (), ()),
     ("2bw", "2bw", ("--weight-prediction", "0"), ()),
     ("2bw + prediction", "2bw", ("--weight-prediction", "2"), ()),
-    ("2bw + prediction, beta1 0.97", "2bw", ("--weight-prediction", "2"),
+    ("2bw + prediction, beta1 0.97, h 3", "2bw", ("--weight-prediction", "3"),
      ("--server-arg=--beta1=0.97",)),
 )
 """Part (c)'s cases: 1F1B, 2BW on its stale version, 2BW on the predicted weights
-(``worker.pipeline.prediction``, two pull intervals ahead: the best of 1, 1.5, 2 and 3
-measured, docs/pipeline.md), and the same with the shards' Adam beta1 at 0.97 instead of 0.9
-(the best of 0.8, 0.95, 0.97 and 0.98 for it, where 1F1B's best stays 0.9: docs/pipeline.md)."""
+(``worker.pipeline.prediction``, two pull intervals ahead: the best of 1, 1.5, 2, 2.5 and 3
+measured at the shards' default beta1, docs/pipeline.md), and with the shards' Adam beta1 at
+0.97 instead of 0.9 (the best of 0.8, 0.95, 0.97 and 0.98 for it, where 1F1B's best stays 0.9)
+three intervals ahead (with the smoother velocity of the longer momentum the best of 2, 2.5, 3
+and 4: docs/pipeline.md)."""
+
+DP_PP_SEEDS = (0, 1)
+"""Part (c)'s seeds (the stages' ``--seed``: model init and data order): each case and lr runs
+once per seed and is judged on the mean final loss. Runs of the same settings and seed end up
+to 2 % apart (async shards interleave pushes differently from run to run), as much as the
+difference part (c) judges."""
 
 PREDICTED = tuple(c[0] for c in DP_PP_CASES if c[0].startswith("2bw + prediction"))
 """The cases checked against 1F1B's best (each at its own best lr): 2BW with weight
@@ -767,20 +777,41 @@ prediction."""
 
 def run_dp_pp(*, steps: int = 150, micro_batch: int = 8, m: int = 4, run_root: Path,
               lrs: tuple[float, ...] = DP_PP_LRS, cases: tuple[tuple, ...] = DP_PP_CASES,
+              seeds: tuple[int, ...] = DP_PP_SEEDS,
               timeout_s: float = 600.0) -> tuple[list[dict], dict]:
     """Part (c): dp = 2 x pp = 2 of the deep model through two async shards, sign1 (1-bit)
     pushes with error feedback, every case of ``cases`` (1F1B, the flush-free 2BW, 2BW with
-    weight prediction) at equal samples, at every learning rate of ``lrs`` (alternated: each
-    lr runs every case in turn); one row per run, each case judged at its best lr."""
-    rows = []
+    weight prediction) at equal samples, at every learning rate of ``lrs`` and seed of
+    ``seeds`` (alternated: each lr and seed runs every case in turn); one row per case and lr,
+    its losses the means over the seeds, each case judged at its best lr."""
+    runs: dict[tuple[str, float], list[dict]] = {}
     for lr in lrs:
-        for case in cases:
-            rows.append(_dp_pp_run(case, lr, steps, micro_batch, m, run_root, timeout_s))
+        for seed in seeds:
+            for case in cases:
+                runs.setdefault((case[0], lr), []).append(
+                    _dp_pp_run(case, lr, seed, steps, micro_batch, m, run_root, timeout_s))
+    rows = [_dp_pp_mean(r) for r in runs.values()]
     best = {c[0]: min((r for r in rows if r["schedule"] == c[0]), key=lambda r: r["final_loss"])
             for c in cases}
     for r in rows:
         r["best_lr"] = r is best[r["schedule"]]
     return rows, _dp_pp_checks(rows, best)
+
+
+def _dp_pp_mean(runs: list[dict]) -> dict:
+    """One case and lr over its seeds: the losses, speed and bubble averaged, each seed's final
+    loss kept, the curve averaged point by point; stages reporting: the first short one."""
+    row = dict(runs[0])
+    for k in ("first_loss", "final_loss", "loss_drop", "samples_per_s", "bubble_mean"):
+        if k in row:
+            row[k] = statistics.fmean(r[k] for r in runs)
+    row["final_loss_by_seed"] = [round(r["final_loss"], 4) for r in runs]
+    row["stages_reporting"] = next((r["stages_reporting"] for r in runs
+                                    if r["stages_reporting"] != "4/4"), "4/4")
+    if "loss_curve" in row:
+        row["loss_curve"] = [round(statistics.fmean(p), 3)
+                             for p in zip(*(r["loss_curve"] for r in runs))]
+    return row
 
 
 def _dp_pp_checks(rows: list[dict], best: dict[str, dict]) -> dict:
@@ -810,16 +841,17 @@ def _dp_pp_checks(rows: list[dict], best: dict[str, dict]) -> dict:
     return checks
 
 
-def _dp_pp_run(case: tuple, lr: float, steps: int, micro_batch: int, m: int, run_root: Path,
-               timeout_s: float) -> dict:
+def _dp_pp_run(case: tuple, lr: float, seed: int, steps: int, micro_batch: int, m: int,
+               run_root: Path, timeout_s: float) -> dict:
     name, schedule, extra, server = case
-    run_dir = run_root / f"dppp-{name.replace(' ', '').replace('+', '-').replace(',', '')}-{lr:g}"
+    run_dir = run_root / (f"dppp-{name.replace(' ', '').replace('+', '-').replace(',', '')}"
+                          f"-{lr:g}-seed{seed}")
     summary, events = launch_pipeline(
         run_dir, ["--shards", "2", "--mode", "async", "--dp", "2", "--pp", "2",
                   "--micro-batch-size", str(micro_batch), "--lr", f"{lr:g}",
                   "--gradient-accumulation-steps", str(m), "--schedule", schedule, *server],
         ["--model", "deep", "--steps", str(steps), "--push-codec", "sign1",
-         "--log-every", "1", *extra], timeout_s)
+         "--log-every", "1", "--seed", str(seed), *extra], timeout_s)
     done = [d for d in summary["stages"] if d is not None]
     last = [d for d in done if d["stage"] == 1]
     curve = [e["loss"] for e in sorted(events, key=lambda e: e["step"])
@@ -827,7 +859,7 @@ def _dp_pp_run(case: tuple, lr: float, steps: int, micro_batch: int, m: int, run
     first = statistics.fmean(d["first_loss"] for d in last)
     final = statistics.fmean(d["final_loss"] for d in last)
     wall = max(d["seconds"] for d in done)
-    print(f"(c) {name} lr {lr:g}: loss {first:.3f} -> {final:.3f}", file=sys.stderr)
+    print(f"(c) {name} lr {lr:g} seed {seed}: loss {first:.3f} -> {final:.3f}", file=sys.stderr)
     return {"part": "c", "case": f"dp 2 x pp 2, async, sign1, {name}, lr {lr:g}",
             "schedule": name, "lr": lr, "samples": 2 * steps * micro_batch * m,
             "first_loss": first, "final_loss": final, "loss_drop": 1 - final / first,

@@ -93,29 +93,44 @@ def test_part_c_judges_each_case_at_its_best_lr_and_checks_prediction_against_1f
         monkeypatch, tmp_path):
     from bitps.bench import pipeline as bench
 
-    beta = "2bw + prediction, beta1 0.97"
+    beta = "2bw + prediction, beta1 0.97, h 3"
     finals = {("1f1b", 1e-3): 2.40, ("1f1b", 2e-3): 2.30, ("2bw", 1e-3): 2.60,
               ("2bw", 2e-3): 2.70, ("2bw + prediction", 1e-3): 2.45,
               ("2bw + prediction", 2e-3): 2.34, (beta, 1e-3): 2.33, (beta, 2e-3): 2.41}
+    seen = []
 
-    def fake_run(case, lr, *args):
+    def fake_run(case, lr, seed, *args):
+        # seed 1 ends 0.02 above seed 0, except 2BW + prediction at 2e-3 (0.30 above): judged
+        # on the means, its best lr is 1e-3 (2.46 against 2.49), where seed 0 alone says 2e-3
         name = case[0]
-        return {"schedule": name, "lr": lr, "final_loss": finals[name, lr], "loss_drop": 0.5,
-                "stages_reporting": "4/4", "extra": case[2], "server": case[3]}
+        seen.append((name, lr, seed))
+        up = 0.30 if (name, lr) == ("2bw + prediction", 2e-3) else 0.02
+        final = finals[name, lr] + up * seed
+        return {"schedule": name, "lr": lr, "final_loss": final, "first_loss": 3.0,
+                "loss_drop": 0.5, "stages_reporting": "4/4" if seed == 0 or name != "2bw"
+                else "3/4", "loss_curve": [3.0, final], "extra": case[2], "server": case[3]}
 
     monkeypatch.setattr(bench, "_dp_pp_run", fake_run)
-    rows, checks = bench.run_dp_pp(run_root=tmp_path, lrs=(1e-3, 2e-3))
-    assert [r["schedule"] for r in rows] == [c[0] for c in bench.DP_PP_CASES] * 2
+    rows, checks = bench.run_dp_pp(run_root=tmp_path, lrs=(1e-3, 2e-3), seeds=(0, 1))
+    # each lr and seed runs every case in turn; one row per case and lr
+    names = [c[0] for c in bench.DP_PP_CASES]
+    assert seen == [(n, lr, s) for lr in (1e-3, 2e-3) for s in (0, 1) for n in names]
+    assert [r["schedule"] for r in rows] == names * 2
     assert rows[-2]["extra"] == ("--weight-prediction", "2")  # the predicted case predicts
     assert rows[1]["extra"] == ("--weight-prediction", "0")   # and plain 2BW does not
-    # the beta1 variant predicts too, and tells the shards its beta1; the others leave theirs
-    assert rows[-1]["extra"] == ("--weight-prediction", "2")
+    # the beta1 variant predicts further, and tells the shards its beta1; the others do not
+    assert rows[-1]["extra"] == ("--weight-prediction", "3")
     assert rows[-1]["server"] == ("--server-arg=--beta1=0.97",)
     assert not any(r["server"] for r in rows[-4:-1])
+    # the seeds' mean, each seed's final kept, the curve averaged, a short stage count kept
+    assert rows[0]["final_loss"] == pytest.approx(2.41)
+    assert rows[0]["final_loss_by_seed"] == [2.40, 2.42]
+    assert rows[0]["loss_curve"] == [3.0, 2.41] and rows[1]["stages_reporting"] == "3/4"
     best = {r["schedule"]: r["lr"] for r in rows if r["best_lr"]}
-    assert best == {"1f1b": 2e-3, "2bw": 1e-3, "2bw + prediction": 2e-3, beta: 1e-3}
+    assert best == {"1f1b": 2e-3, "2bw": 1e-3, "2bw + prediction": 1e-3, beta: 1e-3}
     c = checks["twobw_prediction_final_loss_vs_1f1b"]
-    assert c["ok"] and c["value"].startswith(f"{2.34 / 2.30:.4f}")
-    c = checks["twobw_prediction_beta1_0.97_final_loss_vs_1f1b"]
-    assert c["ok"] and c["value"].startswith(f"{2.33 / 2.30:.4f}")
-    assert not checks["dp2_pp2_flush_free_final_loss_vs_1f1b"]["ok"]  # 2.60 / 2.30
+    assert not c["ok"] and c["value"].startswith(f"{2.46 / 2.31:.4f}")
+    c = checks["twobw_prediction_beta1_0.97_h_3_final_loss_vs_1f1b"]
+    assert c["ok"] and c["value"].startswith(f"{2.34 / 2.31:.4f}")
+    assert not checks["dp2_pp2_metrics_from_every_stage"]["ok"]
+    assert not checks["dp2_pp2_flush_free_final_loss_vs_1f1b"]["ok"]  # 2.61 / 2.31
