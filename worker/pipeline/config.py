@@ -70,7 +70,8 @@ class ParallelConfig:
     """Flush-free schedules (``2bw``): compute each step on its stale version extrapolated by
     this many pull intervals, ``w + h * (w - w_previous)`` (``worker.pipeline.prediction``; the
     exact pulled weights stay untouched); 0 = off. Flushing schedules ignore it. 2: the best
-    horizon measured (dp 2 x pp 2 through async shards, docs/pipeline.md)."""
+    horizon measured at the shards' default Adam beta1 0.9; 3 with shards at beta1 0.97, the
+    pair that ends within 1 % of 1F1B (dp 2 x pp 2 through async shards, docs/pipeline.md)."""
 
     def __post_init__(self) -> None:
         self._check_fields()

@@ -1,5 +1,5 @@
-"""Part (c) of bitps-bench pipeline alone (run_dp_pp: 1F1B, 2BW, 2BW + prediction x DP_PP_LRS),
-written to /tmp/twobw-results/partc/pipeline.{json,md}."""
+"""Part (c) of bitps-bench pipeline alone (run_dp_pp: every case of DP_PP_CASES x DP_PP_LRS x
+DP_PP_SEEDS, about 25 minutes), written to /tmp/twobw-results/partc/pipeline.{json,md}."""
 import json
 import tempfile
 from pathlib import Path
