@@ -1,0 +1,38 @@
+"""W = 4, ssp S=2: the bound (fp32 Adam) at its own best lr and with the compensations, and
+1-bit Adam with two compensations at once (2026-12-06, night; w4_bound_study.json). The
+convergence bench's settings and launch function, seeds 0 and 1. Arguments, in threes: ``fp32``,
+``onebit`` or ``sync`` (fp32 Adam or 1-bit Adam in ssp S=2, or fp32 Adam in sync, with 4
+workers, as the bench runs them), a
+server lr, comma-separated server settings (``-``: none), e.g.
+``fp32 0.003 compensation=damping``."""
+import json
+import sys
+import time
+from pathlib import Path
+
+from bitps.bench import convergence as c
+from bitps.bench.config import ConvergenceBench
+
+BASE = {"fp32": (["--workers", "4", "--mode", "ssp", "--staleness", "2", "--optimizer", "adam"],
+                 []),
+        "onebit": c.RUNS["1-bit Adam (ssp S=2), 4 workers"],
+        "sync": c.RUNS["fp32 Adam (sync), 4 workers"]}
+
+if __name__ == "__main__":
+    cfg = ConvergenceBench()
+    freeze = max(1, round(cfg.steps * cfg.freeze_fraction))
+    tail = max(1, cfg.steps // 10)
+    args = sys.argv[1:]
+    for base, lr, settings in zip(args[::3], map(float, args[1::3]), args[2::3]):
+        la, wa = BASE[base]
+        la = list(la) + [f"--server-arg=--{a}" for a in settings.split(",") if a != "-"]
+        finals = []
+        t0 = time.time()
+        for seed in cfg.seeds:
+            r = c._launch(f"w4 {base} {settings}", la, list(wa), steps=cfg.steps, freeze=freeze,
+                          lr=lr, beta2=cfg.beta2, seed=seed,
+                          run_dir=Path(f"/tmp/w4bound/{base}-{settings}-{lr:g}-{seed}"))
+            finals.append(float(r["curve"][-tail:].mean()))
+        print(json.dumps({"base": base, "lr": lr, "settings": settings, "finals": finals,
+                          "final_loss": sum(finals) / len(finals),
+                          "s": round(time.time() - t0)}), flush=True)
