@@ -1,8 +1,9 @@
 """W = 4, ssp S=2: the bound (fp32 Adam) at its own best lr and with the compensations, and
 1-bit Adam with two compensations at once (2026-12-06, night; w4_bound_study.json). The
 convergence bench's settings and launch function, seeds 0 and 1. Arguments, in threes: ``fp32``,
-``onebit``, ``sync`` or ``onebit_raw_push`` (fp32 Adam or 1-bit Adam in ssp S=2, fp32 Adam in
-sync, with 4 workers, as the bench runs them; 1-bit Adam in ssp with float32 pushes), a
+``onebit``, ``sync``, ``onebit_raw_push`` or ``onebit_sync`` (fp32 Adam or 1-bit Adam in ssp S=2,
+fp32 Adam in sync, with 4 workers, as the bench runs them; 1-bit Adam in ssp with float32
+pushes; 1-bit Adam in sync), a
 server lr, comma-separated server settings (``-``: none), e.g.
 ``fp32 0.003 compensation=damping``."""
 import json
@@ -20,7 +21,10 @@ BASE = {"fp32": (["--workers", "4", "--mode", "ssp", "--staleness", "2", "--opti
         # 1-bit Adam with float32 pushes (every tensor under compress_min_bytes): only the
         # shards' published updates are sign1, which tells the two compressions' costs apart
         "onebit_raw_push": (c.RUNS["1-bit Adam (ssp S=2), 4 workers"][0],
-                            ["--compress-min-bytes", str(1 << 40)])}
+                            ["--compress-min-bytes", str(1 << 40)]),
+        # 1-bit Adam in sync with 4 workers: what compression costs at W = 4 without asynchrony
+        "onebit_sync": (["--workers", "4", *c.RUNS["1-bit Adam (sync)"][0]],
+                        list(c.RUNS["1-bit Adam (sync)"][1]))}
 
 if __name__ == "__main__":
     cfg = ConvergenceBench()
