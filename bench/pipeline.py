@@ -803,14 +803,12 @@ def _dp_pp_mean(runs: list[dict]) -> dict:
     loss kept, the curve averaged point by point; stages reporting: the first short one."""
     row = dict(runs[0])
     for k in ("first_loss", "final_loss", "loss_drop", "samples_per_s", "bubble_mean"):
-        if k in row:
-            row[k] = statistics.fmean(r[k] for r in runs)
+        row[k] = statistics.fmean(r[k] for r in runs)
     row["final_loss_by_seed"] = [round(r["final_loss"], 4) for r in runs]
     row["stages_reporting"] = next((r["stages_reporting"] for r in runs
                                     if r["stages_reporting"] != "4/4"), "4/4")
-    if "loss_curve" in row:
-        row["loss_curve"] = [round(statistics.fmean(p), 3)
-                             for p in zip(*(r["loss_curve"] for r in runs))]
+    row["loss_curve"] = [round(statistics.fmean(p), 3)
+                         for p in zip(*(r["loss_curve"] for r in runs))]
     return row
 
 

@@ -107,8 +107,9 @@ def test_part_c_judges_each_case_at_its_best_lr_and_checks_prediction_against_1f
         up = 0.30 if (name, lr) == ("2bw + prediction", 2e-3) else 0.02
         final = finals[name, lr] + up * seed
         return {"schedule": name, "lr": lr, "final_loss": final, "first_loss": 3.0,
-                "loss_drop": 0.5, "stages_reporting": "4/4" if seed == 0 or name != "2bw"
-                else "3/4", "loss_curve": [3.0, final], "extra": case[2], "server": case[3]}
+                "loss_drop": 0.5, "samples_per_s": 200.0, "bubble_mean": 0.2,
+                "stages_reporting": "4/4" if seed == 0 or name != "2bw" else "3/4",
+                "loss_curve": [3.0, final], "extra": case[2], "server": case[3]}
 
     monkeypatch.setattr(bench, "_dp_pp_run", fake_run)
     rows, checks = bench.run_dp_pp(run_root=tmp_path, lrs=(1e-3, 2e-3), seeds=(0, 1))

@@ -36,7 +36,7 @@ from bitps.worker.config import ClientConfig
 from bitps.worker.metrics import WorkerMetrics
 from bitps.worker.transport.channel import CurveClient, PSTimeoutError
 
-__all__ = ["ControlClient", "Registration", "tls_channel_credentials"]
+__all__ = ["ControlClient", "Registration", "UnreachableError", "tls_channel_credentials"]
 
 log = logging.getLogger(__name__)
 _F32 = np.dtype("<f4")
@@ -52,6 +52,13 @@ handshaker shutdown`` against a shard that had served for 5 s). Bounded and shor
 that fails every time (TLS on one side only) must still fail within seconds, not wait out
 ``register_timeout_s``; a shard that is not up yet is what the deployments' readiness waits
 are for (docker/README.md)."""
+
+
+class UnreachableError(PSError):
+    """A call that never reached a shard's handler: gRPC ``UNAVAILABLE`` with no shard error
+    code in its trailer (a connection refused or reset, a failed TLS handshake; a shard's own
+    retryable answers, ``NOT_INITIALIZED``, carry a code). A ``PSError`` with code
+    ``NOT_REGISTERED``, as every untyped failure of a call is."""
 
 
 @dataclass(frozen=True)
@@ -135,13 +142,22 @@ class ControlClient:
         """Register with ``shard``, calling again with backoff while it answers
         ``NOT_INITIALIZED`` (the initial values of this worker's keys have not landed: a shard
         never holds a call for them long), until ``timeout_s`` (default
-        ``register_timeout_s``; then :class:`PSTimeoutError`)."""
+        ``register_timeout_s``; then :class:`PSTimeoutError`), and while the call cannot reach
+        the shard (:class:`UnreachableError`), for at most :data:`_UNREACHABLE_RETRY_S` (then
+        that error)."""
         timeout = self.cfg.register_timeout_s if timeout_s is None else timeout_s
-        end, pause = time.monotonic() + timeout, _REGISTER_RETRY_S[0]
+        now = time.monotonic()
+        end, give_up = now + timeout, now + min(_UNREACHABLE_RETRY_S, timeout)
+        pause = _REGISTER_RETRY_S[0]
         while True:
             try:
                 return self.register_once(shard, plan, reg,
                                           timeout_s=max(end - time.monotonic(), 0.1))
+            except UnreachableError as err:
+                if time.monotonic() + pause > give_up:
+                    raise
+                log.warning("rank %d: Register %s; calling again in %.2f s", self.cfg.rank,
+                            err, pause)
             except PSError as err:
                 if err.code != pb.NOT_INITIALIZED:
                     raise
@@ -152,36 +168,16 @@ class ControlClient:
             time.sleep(pause)
             pause = min(2 * pause, _REGISTER_RETRY_S[1])
 
-    def _register_call(self, shard: int, plan: KeyPlan, reg: Registration, *,
-                       timeout_s: float) -> tuple[pb.RegisterReply, grpc.Call]:
-        """The Register call, made again (a fresh stream, the worker's reconnect backoff
-        between) while it fails without reaching the shard, for at most
-        :data:`_UNREACHABLE_RETRY_S` and within ``timeout_s``; any other failure, or the last
-        unreachable one, is raised as the shard's typed error (:meth:`error`)."""
-        now = time.monotonic()
-        end, give_up = now + timeout_s, now + min(_UNREACHABLE_RETRY_S, timeout_s)
-        pause = self.cfg.reconnect_backoff_s
-        while True:
-            try:
-                return self.stubs[shard].Register.with_call(
-                    iter(self._stream(plan, shard, reg)),
-                    timeout=max(end - time.monotonic(), 0.1), metadata=self.metadata)
-            except grpc.RpcError as err:
-                if not _unreachable(err) or time.monotonic() + pause > give_up:
-                    raise self.error(err, shard) from None
-                log.warning("rank %d: shard %d (%s) unreachable at Register (%s); calling "
-                            "again in %.2f s", self.cfg.rank, shard, self.cfg.servers[shard],
-                            err.details(), pause)
-            time.sleep(pause)
-            pause = min(2 * pause, self.cfg.reconnect_backoff_max_s)
-
     def register_once(self, shard: int, plan: KeyPlan, reg: Registration, *,
                       timeout_s: float) -> pb.RegisterReply:
-        """One registration (its call made again only while the shard cannot be reached:
-        :meth:`_register_call`), and the check that the shard's data plane and this worker
-        agree on CURVE (the shard refuses a worker without a key or with one it does not
-        allow)."""
-        reply, call = self._register_call(shard, plan, reg, timeout_s=timeout_s)
+        """One Register call, and the check that the shard's data plane and this worker agree
+        on CURVE (the shard refuses a worker without a key or with one it does not allow)."""
+        stream = iter(self._stream(plan, shard, reg))
+        try:
+            reply, call = self.stubs[shard].Register.with_call(stream, timeout=timeout_s,
+                                                               metadata=self.metadata)
+        except grpc.RpcError as err:
+            raise self.error(err, shard) from None
         said = dict(call.trailing_metadata() or ()).get(_CURVE_SERVER_KEY_METADATA_KEY, "")
         refusal = None
         if self.curve is not None and not said:
@@ -352,9 +348,11 @@ class ControlClient:
         detail = err.details() or str(err.code())
         if code is not None:
             return PSError(int(code), detail.split(": ", 1)[-1], shard=shard)
+        message = f"{self.cfg.servers[shard]}: {err.code().name}: {detail}"
+        if err.code() == grpc.StatusCode.UNAVAILABLE:
+            return UnreachableError(pb.NOT_REGISTERED, message, shard=shard)
         return PSError(pb.DEADLINE if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-                       else pb.NOT_REGISTERED,
-                       f"{self.cfg.servers[shard]}: {err.code().name}: {detail}", shard=shard)
+                       else pb.NOT_REGISTERED, message, shard=shard)
 
     def close(self) -> None:
         """Stop the heartbeat and close the channels (no Leave: :meth:`leave` first)."""
@@ -389,10 +387,3 @@ def tls_channel_credentials(ca_file: str, cert_file: str = "", key_file: str = "
     chain = read_pem(cert_file, "a certificate chain") if cert_file else None
     return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
                                         certificate_chain=chain)
-
-
-def _unreachable(err: grpc.RpcError) -> bool:
-    """Whether a failed call never reached a shard's handler: ``UNAVAILABLE`` with no shard
-    error code in its trailer (a shard's own retryable answers, ``NOT_INITIALIZED``, carry one)."""
-    return (err.code() == grpc.StatusCode.UNAVAILABLE
-            and _ERROR_METADATA_KEY not in dict(err.trailing_metadata() or ()))

@@ -26,21 +26,27 @@ BASE = {"fp32": (["--workers", "4", "--mode", "ssp", "--staleness", "2", "--opti
         "onebit_sync": (["--workers", "4", *c.RUNS["1-bit Adam (sync)"][0]],
                         list(c.RUNS["1-bit Adam (sync)"][1]))}
 
-if __name__ == "__main__":
+def run(base: str, lr: float, settings: str) -> dict:
+    """One point: ``BASE[base]`` at server lr ``lr`` with ``settings`` (comma-separated server
+    settings, ``-``: none), seeds 0 and 1 as the bench launches them; each seed's final loss
+    (the mean of the last tenth of the steps) and their mean."""
     cfg = ConvergenceBench()
     freeze = max(1, round(cfg.steps * cfg.freeze_fraction))
     tail = max(1, cfg.steps // 10)
+    la, wa = BASE[base]
+    la = list(la) + [f"--server-arg=--{a}" for a in settings.split(",") if a != "-"]
+    finals = []
+    t0 = time.time()
+    for seed in cfg.seeds:
+        r = c._launch(f"w4 {base} {settings}", la, list(wa), steps=cfg.steps, freeze=freeze,
+                      lr=lr, beta2=cfg.beta2, seed=seed,
+                      run_dir=Path(f"/tmp/w4bound/{base}-{settings}-{lr:g}-{seed}"))
+        finals.append(float(r["curve"][-tail:].mean()))
+    return {"base": base, "lr": lr, "settings": settings, "finals": finals,
+            "final_loss": sum(finals) / len(finals), "s": round(time.time() - t0)}
+
+
+if __name__ == "__main__":
     args = sys.argv[1:]
     for base, lr, settings in zip(args[::3], map(float, args[1::3]), args[2::3]):
-        la, wa = BASE[base]
-        la = list(la) + [f"--server-arg=--{a}" for a in settings.split(",") if a != "-"]
-        finals = []
-        t0 = time.time()
-        for seed in cfg.seeds:
-            r = c._launch(f"w4 {base} {settings}", la, list(wa), steps=cfg.steps, freeze=freeze,
-                          lr=lr, beta2=cfg.beta2, seed=seed,
-                          run_dir=Path(f"/tmp/w4bound/{base}-{settings}-{lr:g}-{seed}"))
-            finals.append(float(r["curve"][-tail:].mean()))
-        print(json.dumps({"base": base, "lr": lr, "settings": settings, "finals": finals,
-                          "final_loss": sum(finals) / len(finals),
-                          "s": round(time.time() - t0)}), flush=True)
+        print(json.dumps(run(base, lr, settings)), flush=True)
