@@ -125,10 +125,17 @@ for _name in ("damping", "gap_aware"):
         ["--compress-min-bytes", "0"])
 # 4 workers (2 shards): twice the samples per step; judged against sync fp32 with 4 workers
 _W4 = ["--workers", "4"]
+W4_WINDOW = "1-bit Adam (ssp S=2), 4 workers, momentum per update, beta1 0.95"
 RUNS.update({
     "fp32 Adam (sync), 4 workers": ([*_W4, "--mode", "sync", "--optimizer", "adam"], []),
     "1-bit Adam (ssp S=2), 4 workers": ([*_W4, *_SSP, "--optimizer", "onebit_adam"],
                                         ["--compress-min-bytes", "0"]),
+    # each worker's momentum spanning the shard's last 1/(1-beta1) updates, not its own steps
+    # (OneBitConfig.momentum_window), at beta1 0.95: the configuration docs/algorithms.md
+    # recommends from 4 workers on
+    W4_WINDOW: ([*_W4, *_SSP, "--optimizer", "onebit_adam",
+                 "--server-arg=--onebit-momentum-window=updates", "--server-arg=--beta1=0.95"],
+                ["--compress-min-bytes", "0"]),
 })
 DILOCO_RUN = "DiLoCo H=8, sign1 (sync)"
 LOCAL_SGD_RAW = "local SGD H=8, raw (sync)"
@@ -142,7 +149,9 @@ PAIRS = {"onebit_sync": ("1-bit Adam (sync)", "fp32 Adam (sync)", 1.01),
          "onebit_ssp": ("1-bit Adam (ssp S=2)", "fp32 Adam (ssp S=2)", 1.01),
          "onebit_async": ("1-bit Adam (async)", "fp32 Adam (async)", 1.01),
          "onebit_ssp_4_workers": ("1-bit Adam (ssp S=2), 4 workers",
-                                  "fp32 Adam (sync), 4 workers", 1.02)}
+                                  "fp32 Adam (sync), 4 workers", 1.02),
+         "onebit_ssp_4_workers_momentum_per_update": (W4_WINDOW, "fp32 Adam (sync), 4 workers",
+                                                      1.02)}
 # Clipping under overlap must not change convergence: overlap on against off, same codec.
 OVERLAP_PAIRS = {
     "onebit_sync": ("1-bit Adam (sync), overlap on", "1-bit Adam (sync)"),
@@ -167,7 +176,8 @@ REPORTED = {"1-bit Adam (ssp S=2), shard moments": "fp32 Adam (ssp S=2)",
 # of a learning-rate sweep (the other runs use --lr).
 SWEPT = ("fp32 Adam (sync)", "fp32 Adam (async)", "fp32 Adam (ssp S=2)", "1-bit Adam (sync)",
          "1-bit Adam (ssp S=2)", "1-bit Adam (async)", "1-bit Adam (ssp S=2), no weight prediction",
-         *COMPENSATED, "fp32 Adam (sync), 4 workers", "1-bit Adam (ssp S=2), 4 workers")
+         *COMPENSATED, "fp32 Adam (sync), 4 workers", "1-bit Adam (ssp S=2), 4 workers",
+         W4_WINDOW)
 ASYNC_PAIRS = {"async": ("fp32 Adam (async)", "fp32 Adam (sync)"),
                "ssp": ("fp32 Adam (ssp S=2)", "fp32 Adam (sync)")}
 

@@ -16,10 +16,11 @@ from bitps.proto.codecs import MEAN_ABS, Codec, chunk_problem
 from bitps.proto.settings import from_field
 from bitps.ps.config import RuleConfig, ServerConfig
 
-__all__ = ["MOMENTS", "SCALES", "SETTINGS", "WARMUP_CODECS", "OneBitConfig", "params",
-           "published_codec", "uses_mean_abs", "uses_worker_moments", "warmup_codec"]
+__all__ = ["MOMENTS", "MOMENTUM_WINDOWS", "SCALES", "SETTINGS", "WARMUP_CODECS", "OneBitConfig",
+           "params", "published_codec", "uses_mean_abs", "uses_worker_moments", "warmup_codec"]
 
 MOMENTS = ("auto", "worker", "shard")
+MOMENTUM_WINDOWS = ("steps", "updates")
 SCALES = ("auto", "mean_abs", "rms")
 WARMUP_CODECS = ("sign1", "bf16")
 
@@ -51,6 +52,16 @@ class OneBitConfig(RuleConfig):
     ``auto`` = ``worker``; it trained the demo model within 1 % of fp32 Adam in ssp, ``shard``
     9-18 % worse (docs/benchmarks.md, 1-bit Adam notes). ``sync`` always uses DeepSpeed's
     layout and accepts only ``auto``."""
+    momentum_window: str = field(default="steps", metadata={"choices": MOMENTUM_WINDOWS})
+    """``async``/``ssp`` with worker moments: what each worker's m averages over. ``steps``:
+    its own last ``1/(1-beta1)`` steps (m decays by beta1 per push). ``updates``: the shard's
+    last ``1/(1-beta1)`` updates: m decays by ``beta1**W`` per push, W the workers pushing the
+    key, so the W momenta the shard applies in turn span what one shared momentum spans (fp32
+    Adam on a shard, m advanced by every push). v keeps beta2 per step (``beta2**W`` cost 2 %
+    at W = 4). On the convergence bench with 4 workers in ssp, ``updates`` took 1-bit Adam from
+    1.367 to 1.342 at beta1 0.95 and from 1.395 to 1.368 at beta1 0.9; with 2 workers it ended
+    where ``steps`` does (1.4597 against 1.4598), so it is not the default until the e2e
+    models show it (docs/algorithms.md, Staleness)."""
     warmup_codes: bool = False
     """During the warmup, pull replies carry sign1 codes of the shard's Adam updates (error
     feedback on the shard, ``ps.publish``) instead of the float32 parameters, so both
@@ -83,6 +94,9 @@ class OneBitConfig(RuleConfig):
             raise ValueError(f"onebit_scale {self.scale!r}; expected one of {SCALES}")
         if self.moments not in MOMENTS:
             raise ValueError(f"onebit_moments {self.moments!r}; expected one of {MOMENTS}")
+        if self.momentum_window not in MOMENTUM_WINDOWS:
+            raise ValueError(f"onebit_momentum_window {self.momentum_window!r}; expected one of "
+                             f"{MOMENTUM_WINDOWS}")
         if self.warmup_codec not in WARMUP_CODECS:
             raise ValueError(f"onebit_warmup_codec {self.warmup_codec!r}; expected one of "
                              f"{WARMUP_CODECS}")
@@ -100,6 +114,11 @@ class OneBitConfig(RuleConfig):
         if server.mode == "sync" and self.moments != "auto":
             raise ValueError(f"onebit_moments {self.moments!r} applies to async/ssp; sync 1-bit "
                              f"Adam keeps DeepSpeed's layout (use auto)")
+        if self.momentum_window != "steps" and not uses_worker_moments(server):
+            raise ValueError(f"onebit_momentum_window {self.momentum_window!r} applies to the "
+                             f"workers' own moments (async/ssp, onebit_moments auto or worker); "
+                             f"mode {server.mode!r} with onebit_moments {self.moments!r} keeps "
+                             f"one momentum")
         if self.moments == "shard":
             # condemned by the convergence bench: what it loses is sign1 on raw gradients
             # (sync sign1 + EF under Adam loses as much), not staleness
@@ -121,6 +140,10 @@ SETTINGS = (
     from_field(_C, "moments", name="onebit-moments",
                help="onebit_adam in async/ssp: Adam's moments on each worker (worker; auto) or "
                     "on the shard (shard); sync accepts only auto"),
+    from_field(_C, "momentum_window", name="onebit-momentum-window",
+               help="onebit_adam in async/ssp with worker moments: each worker's m spans its "
+                    "own last 1/(1-beta1) steps (steps) or the shard's last 1/(1-beta1) "
+                    "updates (updates: m decays by beta1**W per push)"),
     from_field(_C, "warmup_codes", name="onebit-warmup-codes",
                help="onebit_adam: warmup pulls carry codes of the Adam updates "
                     "(--onebit-warmup-codec), not float32"),
@@ -151,7 +174,8 @@ def params(cfg: ServerConfig, ratio_clip: float) -> onebit_pb2.OneBitParams:
         codec_flags=MEAN_ABS if uses_mean_abs(cfg) else 0, lr=o.lr, beta1=o.beta1,
         beta2=o.beta2, eps=o.eps, weight_decay=o.weight_decay, ratio_clip=ratio_clip,
         worker_moments=uses_worker_moments(cfg), lr_warmup_steps=o.schedule.warmup_steps,
-        lr_decay_steps=o.schedule.decay_steps, lr_min_ratio=o.schedule.min_ratio)
+        lr_decay_steps=o.schedule.decay_steps, lr_min_ratio=o.schedule.min_ratio,
+        momentum_per_update=opts.momentum_window == "updates")
 
 
 def uses_worker_moments(cfg: ServerConfig) -> bool:

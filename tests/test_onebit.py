@@ -83,21 +83,26 @@ def _train(servers, plan, rank: int, world: int, init, results, barrier, mode):
                          client.metrics.push_bytes.value)
 
 
-@pytest.mark.parametrize(("mode", "moments", "scheduled", "warmup", "compact"), [
-    ("async", "auto", False, None, False), ("async", "shard", False, None, False),
-    ("sync", "auto", False, None, True),
+@pytest.mark.parametrize(("mode", "moments", "scheduled", "warmup", "compact", "window"), [
+    ("async", "auto", False, None, False, "steps"),
+    ("async", "shard", False, None, False, "steps"),
+    ("sync", "auto", False, None, True, "steps"),
     # m and v fetched at the switch as float32, not m's code and bf16 v
-    ("sync", "auto", False, None, False),
+    ("sync", "auto", False, None, False, "steps"),
     # sync workers apply published momenta with the shard's scheduled learning rate
-    ("sync", "auto", True, None, True),
+    ("sync", "auto", True, None, True, "steps"),
     # the warmup's Adam updates published as sign1 codes: sync switches from parameter-update
     # codes to momentum codes at freeze_step
-    ("sync", "auto", True, "sign1", True), ("sync", "auto", True, "sign1", False),
-    ("async", "auto", False, "sign1", False),
+    ("sync", "auto", True, "sign1", True, "steps"),
+    ("sync", "auto", True, "sign1", False, "steps"),
+    ("async", "auto", False, "sign1", False, "steps"),
     # and as bf16 codes: the publisher turns to sign1 at the switch
-    ("sync", "auto", True, "bf16", True), ("async", "auto", False, "bf16", False)])
+    ("sync", "auto", True, "bf16", True, "steps"),
+    ("async", "auto", False, "bf16", False, "steps"),
+    # each worker's momentum spans the shard's updates (beta1**2 per push)
+    ("async", "auto", False, None, False, "updates")])
 def test_workers_hold_the_shards_parameters_bit_for_bit(mode, moments, scheduled, warmup,
-                                                        compact):
+                                                        compact, window):
     schedule = LRSchedule(warmup_steps=3, decay_steps=STEPS, min_ratio=0.1) if scheduled \
         else LRSchedule()
     opt = OptimizerConfig(name="onebit_adam", lr=0.05,
@@ -106,7 +111,8 @@ def test_workers_hold_the_shards_parameters_bit_for_bit(mode, moments, scheduled
                                                    moments=moments,
                                                    warmup_codes=warmup is not None,
                                                    warmup_codec=warmup or "sign1",
-                                                   compact_state=compact))
+                                                   compact_state=compact,
+                                                   momentum_window=window))
     shards = [create_server(ServerConfig(shard_id=i, num_shards=2, mode=mode, optimizer=opt,
                                          metrics_port=-1)) for i in range(2)]
     try:

@@ -56,9 +56,12 @@ class PushPolicy:
     """Whether a registration again (a rejoin) keeps this policy and its state, or takes the
     fresh one the shards' replies call for."""
 
-    def bind(self, fetch: RuleStateFetch, plan: KeyPlan) -> None:
+    def bind(self, fetch: RuleStateFetch, plan: KeyPlan, *, pushers: int | None = None
+             ) -> None:
         """Called once the policy is chosen (at each registration): how to fetch the shards'
-        rule state, and the plan registered (the policies that use them keep them)."""
+        rule state, the plan registered, and how many workers push each of its keys
+        (``None``: not known, a pipeline stage's part of a plan); the policies that use them
+        keep them."""
         self.plan = plan
 
     def codec_at(self, clock: int, configured: Codec) -> Codec:

@@ -230,14 +230,25 @@ class WorkerMoments:
 
     def __init__(self, params: OneBitParams) -> None:
         f32 = np.float32
-        self.beta1, self.beta2 = params.beta1, params.beta2
+        self.beta1, self.beta2 = params.beta1, params.beta2  # beta1: m's decay per push
         # float32 scalars from the shard's doubles, complements in float64 as torch takes them
-        self._one_minus_beta1, self._beta2 = f32(1 - params.beta1), f32(params.beta2)
+        self._beta2 = f32(params.beta2)
         self._one_minus_beta2, self._eps = f32(1 - params.beta2), f32(params.eps)
         self.m: dict[int, np.ndarray] = {}
         self.v: dict[int, np.ndarray] = {}
         self.steps: dict[int, int] = {}
         self._out: dict[int, np.ndarray] = {}
+
+    @property
+    def beta1(self) -> float:
+        """m's decay per push (``OneBitParams.beta1``, or its W-th power: ``MomentsPush``)."""
+        return self._beta1
+
+    @beta1.setter
+    def beta1(self, beta1: float) -> None:
+        if not 0 <= beta1 < 1:
+            raise ValueError(f"beta1 {beta1}; expected 0 <= beta1 < 1")
+        self._beta1, self._one_minus_beta1 = beta1, np.float32(1 - beta1)
 
     def direction(self, key: int, grad: np.ndarray, scale: float = 1.0) -> np.ndarray:
         """Advance ``key``'s moments with ``grad * scale`` (the clip factor) and return Adam's
@@ -343,8 +354,8 @@ class SyncMomenta(_OneBitPush):
         """The encoder's threads encode keys at once (``EncoderConfig.threads``): one of them
         fetches a shard's m and v, the others wait for it instead of fetching them again."""
 
-    def bind(self, fetch, plan):
-        super().bind(fetch, plan)
+    def bind(self, fetch, plan, *, pushers=None):
+        super().bind(fetch, plan, pushers=pushers)
         self._fetch = fetch
         self.momentum.reserve({k.key: k.length for k in plan.keys})
 
@@ -395,6 +406,17 @@ class MomentsPush(_OneBitPush):
     def __init__(self, params: OneBitParams) -> None:
         super().__init__(params)
         self.worker_moments = WorkerMoments(params)
+
+    def bind(self, fetch, plan, *, pushers=None):
+        super().bind(fetch, plan, pushers=pushers)
+        if self.params.momentum_per_update:
+            # the momentum window in the shard's updates (OneBitConfig.momentum_window): W
+            # workers' m decaying by beta1**W each span the last 1/(1-beta1) updates
+            if pushers is None or pushers < 1:
+                raise ValueError(f"onebit_momentum_window updates needs how many workers push "
+                                 f"each key; got {pushers!r} (pass PSModel(pushers=...) for a "
+                                 f"pipeline stage's keys)")
+            self.worker_moments.beta1 = self.params.beta1 ** pushers
 
     def prepare(self, keys, grads, clock, clip):
         if not grads:

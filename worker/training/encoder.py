@@ -105,10 +105,12 @@ class Encoder:
         return self.policy.chooses_codecs
 
     def register(self, plan: KeyPlan, values: Mapping[int, np.ndarray] | None = None, *,
-                 copies: Mapping[int, np.ndarray] | None = None) -> list[pb.RegisterReply]:
+                 copies: Mapping[int, np.ndarray] | None = None,
+                 pushers: int | None = None) -> list[pb.RegisterReply]:
         """``client.register`` with this encoder's pull codec for the keys it compresses, then
         take the push policy the shards' replies call for (a policy that survives a rejoin and
-        is called for again keeps its state)."""
+        is called for again keeps its state). ``pushers``: how many workers push each key of
+        ``plan`` (``None``: the client's world size for a whole plan, unknown for a part)."""
         large = self._large_keys(plan)
         compressed = frozenset(k for k, big in large.items() if big)
         replies = self.client.register(plan, values, copies=copies, pull_codec=self.pull_codec,
@@ -118,8 +120,10 @@ class Encoder:
             if fresh is not None and not (type(fresh) is type(self.policy)
                                           and self.policy.survives_rejoin):
                 self.policy = fresh
+        if pushers is None and not plan.partial:
+            pushers = self.client.cfg.world_size
         self.policy.bind(functools.partial(self.client.control.rule_state, plan=plan,
-                                           versions=self.client.versions), plan)
+                                           versions=self.client.versions), plan, pushers=pushers)
         self.client.codes = self.policy.codes
         self._shifts = list(self.client.shift)
         return replies

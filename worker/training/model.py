@@ -81,9 +81,10 @@ class PSModel:
         (deprecated) ``ClientConfig`` compression fields say otherwise.
 
         ``pushers``: how many workers push each of this model's keys, for weight prediction
-        (``worker.training.prediction``: async/ssp shards whose pulls are exact ask for it);
-        ``None``: the client's world size for a whole model, and no prediction for a part of
-        one (a pipeline stage, whose keys its data-parallel replicas push)."""
+        (``worker.training.prediction``: async/ssp shards whose pulls are exact ask for it) and
+        the push policy (1-bit Adam's momentum window); ``None``: the client's world size for a
+        whole model, and neither for a part of one (a pipeline stage, whose keys its
+        data-parallel replicas push)."""
         self.model = model
         self.client = client
         self.encoder = Encoder(encoder or EncoderConfig.from_client(client.cfg), client)
@@ -111,10 +112,10 @@ class PSModel:
         # copies are current (one seed, one model)
         outs = self._staging.outs
         copies = self._copies = dict(zip(self.keys, outs))
-        replies = self.encoder.register(self.plan, copies if client.initializes else None,
-                                        copies=copies)
         if pushers is None and not self.plan.partial:
             pushers = client.cfg.world_size
+        replies = self.encoder.register(self.plan, copies if client.initializes else None,
+                                        copies=copies, pushers=pushers)
         predicted = [k for k in self.plan.keys if replies[k.shard].worker_lookahead]
         if predicted and pushers is not None and pushers > 1:
             self._staging.predict(predicted, ahead=pushers - 1, versions=client.versions)
