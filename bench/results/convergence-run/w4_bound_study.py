@@ -1,9 +1,9 @@
 """W = 4, ssp S=2: the bound (fp32 Adam) at its own best lr and with the compensations, and
 1-bit Adam with two compensations at once (2026-12-06, night; w4_bound_study.json). The
 convergence bench's settings and launch function, seeds 0 and 1. Arguments, in threes: ``fp32``,
-``onebit``, ``sync``, ``onebit_raw_push`` or ``onebit_sync`` (fp32 Adam or 1-bit Adam in ssp S=2,
-fp32 Adam in sync, with 4 workers, as the bench runs them; 1-bit Adam in ssp with float32
-pushes; 1-bit Adam in sync), a
+``onebit``, ``sync``, ``onebit_raw_push``, ``onebit_sync`` or ``onebit_w2`` (fp32 Adam or
+1-bit Adam in ssp S=2, fp32 Adam in sync, with 4 workers, as the bench runs them; 1-bit Adam in
+ssp with float32 pushes; 1-bit Adam in sync; 1-bit Adam in ssp S=2 with 2 workers), a
 server lr, comma-separated server settings (``-``: none), e.g.
 ``fp32 0.003 compensation=damping``."""
 import json
@@ -17,6 +17,7 @@ from bitps.bench.config import ConvergenceBench
 BASE = {"fp32": (["--workers", "4", "--mode", "ssp", "--staleness", "2", "--optimizer", "adam"],
                  []),
         "onebit": c.RUNS["1-bit Adam (ssp S=2), 4 workers"],
+        "onebit_w2": c.RUNS["1-bit Adam (ssp S=2)"],  # 2 workers, for what W = 4 changes
         "sync": c.RUNS["fp32 Adam (sync), 4 workers"],
         # 1-bit Adam with float32 pushes (every tensor under compress_min_bytes): only the
         # shards' published updates are sign1, which tells the two compressions' costs apart
