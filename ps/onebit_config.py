@@ -58,10 +58,10 @@ class OneBitConfig(RuleConfig):
     last ``1/(1-beta1)`` updates: m decays by ``beta1**W`` per push, W the workers pushing the
     key, so the W momenta the shard applies in turn span what one shared momentum spans (fp32
     Adam on a shard, m advanced by every push). v keeps beta2 per step (``beta2**W`` cost 2 %
-    at W = 4). On the convergence bench with 4 workers in ssp, ``updates`` took 1-bit Adam from
-    1.367 to 1.342 at beta1 0.95 and from 1.395 to 1.368 at beta1 0.9; with 2 workers it ended
-    where ``steps`` does (1.4597 against 1.4598), so it is not the default until the e2e
-    models show it (docs/algorithms.md, Staleness)."""
+    at W = 4). On the convergence bench with 4 workers in ssp, ``updates`` with beta1 0.95 took
+    1-bit Adam from 1.057x to 1.038x sync fp32 Adam (each at its best lr, one run; fp32 Adam in
+    ssp: 1.028x); with 2 workers it ended where ``steps`` does (1.4597 against 1.4598), so it
+    is not the default until the e2e models show it (docs/algorithms.md, Staleness)."""
     warmup_codes: bool = False
     """During the warmup, pull replies carry sign1 codes of the shard's Adam updates (error
     feedback on the shard, ``ps.publish``) instead of the float32 parameters, so both
