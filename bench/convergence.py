@@ -357,24 +357,20 @@ def _have(by: dict, *names: str) -> bool:
 
 
 def _loss_checks(by: dict) -> dict:
-    """Each 1-bit run against fp32 in its mode, and overlap on against off; the reported
-    runs get their ratio to their peer (``vs_same_mode_fp32``) in their rows."""
+    """Each 1-bit run against fp32 in its mode, each bound against its line's peer, and
+    overlap on against off; the reported runs get their ratio to their peer
+    (``vs_same_mode_fp32``) in their rows."""
     checks = {}
-    for key, (name, peer, goal) in PAIRS.items():
+    judged = [(f"{key}_final_loss", pair, "") for key, pair in PAIRS.items()]
+    judged += [(f"{key}_bound", pair, " (else the line is out of reach in this mode)")
+               for key, pair in BOUNDS.items()]
+    for key, (name, peer, goal), why in judged:
         if not _have(by, name, peer):
             continue
         ratio = _best(by[name]) / _best(by[peer])
         by[name]["vs_same_mode_fp32"] = ratio
-        checks[f"{key}_final_loss_vs_fp32_each_at_best_lr"] = check(
-            round(ratio, 4), f"<= {goal}", ratio <= goal)
-    for key, (name, peer, goal) in BOUNDS.items():
-        if not _have(by, name, peer):
-            continue
-        ratio = _best(by[name]) / _best(by[peer])
-        by[name]["vs_same_mode_fp32"] = ratio
-        checks[f"{key}_bound_vs_fp32_each_at_best_lr"] = check(
-            round(ratio, 4), f"<= {goal} (else the line is out of reach in this mode)",
-            ratio <= goal)
+        checks[f"{key}_vs_fp32_each_at_best_lr"] = check(round(ratio, 4), f"<= {goal}{why}",
+                                                         ratio <= goal)
     for name, peer in REPORTED.items():
         if not _have(by, name, peer):
             continue
