@@ -76,6 +76,8 @@ class Encoder:
         self.policy: PushPolicy = CODEC_PUSH
         """What pushes carry, set at registration: the gradients through the push codec,
         unless the shards' rule calls for another (1-bit Adam)."""
+        self.pushers: int | None = None
+        """How many workers push each registered key (:meth:`register`; ``None``: unknown)."""
         self._pool = KeyPool(cfg.threads)
         self.metrics.watch_codecs(self._codec_snapshot)
         # numba's set-up while the model registers, not inside the first step
@@ -110,7 +112,8 @@ class Encoder:
         """``client.register`` with this encoder's pull codec for the keys it compresses, then
         take the push policy the shards' replies call for (a policy that survives a rejoin and
         is called for again keeps its state). ``pushers``: how many workers push each key of
-        ``plan`` (``None``: the client's world size for a whole plan, unknown for a part)."""
+        ``plan`` (``None``: the client's world size for a whole plan, unknown for a part), kept
+        as :attr:`pushers`."""
         large = self._large_keys(plan)
         compressed = frozenset(k for k, big in large.items() if big)
         replies = self.client.register(plan, values, copies=copies, pull_codec=self.pull_codec,
@@ -122,6 +125,7 @@ class Encoder:
                 self.policy = fresh
         if pushers is None and not plan.partial:
             pushers = self.client.cfg.world_size
+        self.pushers = pushers
         self.policy.bind(functools.partial(self.client.control.rule_state, plan=plan,
                                            versions=self.client.versions), plan, pushers=pushers)
         self.client.codes = self.policy.codes

@@ -112,10 +112,9 @@ class PSModel:
         # copies are current (one seed, one model)
         outs = self._staging.outs
         copies = self._copies = dict(zip(self.keys, outs))
-        if pushers is None and not self.plan.partial:
-            pushers = client.cfg.world_size
         replies = self.encoder.register(self.plan, copies if client.initializes else None,
                                         copies=copies, pushers=pushers)
+        pushers = self.encoder.pushers  # the world size for a whole model
         predicted = [k for k in self.plan.keys if replies[k.shard].worker_lookahead]
         if predicted and pushers is not None and pushers > 1:
             self._staging.predict(predicted, ahead=pushers - 1, versions=client.versions)
