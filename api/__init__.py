@@ -28,6 +28,7 @@ _EXPORTS = {
     "OverlapConfig": "bitps.worker.config",
     "PoolConfig": "bitps.worker.config",
     "ActivationPool": "bitps.worker.memory.pool",
+    "BatchBalance": "bitps.worker.algorithms.balance",
     "CodecConfig": "bitps.proto.codecs",
     "PSError": "bitps.proto.wire",
     "PSTimeoutError": "bitps.worker.transport.channel",

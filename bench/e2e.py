@@ -82,6 +82,10 @@ class Case:
     at ``OUTER_LR`` (momentum 0.9, no schedule)."""
     adaptive: bool = False
     """DiLoCo: each round's inner steps from measured speed (DyLU)."""
+    balance: bool = False
+    """Batch balancing (``worker.algorithms.balance``): each step the global batch (workers x
+    batch) split over the ranks by their measured speed, each rank's loss weighted by its
+    share."""
     hold_when_clipping: str = "sync"
     """``OverlapConfig.hold_when_clipping``: where a step after a clipped one goes whole, with
     its exact clip factor (``sync``: sync jobs; ``on``; ``off``: from backward's hooks with a
@@ -148,6 +152,13 @@ STRAGGLER_CASES = (
          shard_args=("--compensation", "dc_asgd")),
     Case(name="bitps ssp 1-bit Adam, damping", kind="bitps", mode="ssp",
          optimizer="onebit_adam", shard_args=("--compensation", "damping")),
+    # batch balancing (worker.algorithms.balance): the global batch split by the ranks'
+    # measured speeds, so the slow rank's share takes its compute about as long as the fast
+    # one's and the clocks advance together; sync too, to tell the split from the staleness
+    Case(name="bitps ssp 1-bit Adam, batch by speed", kind="bitps", mode="ssp",
+         optimizer="onebit_adam", balance=True),
+    Case(name="bitps sync 1-bit Adam, batch by speed", kind="bitps", optimizer="onebit_adam",
+         balance=True),
     # the schedule read at the job's progress, not each push's clock (--lr-by progress): under
     # the time budget the fast rank's pushes no longer reach the schedule's floor early while
     # the slow one's stop at 0.19x the peak
@@ -168,6 +179,8 @@ STRAGGLER_DEFAULT = ("ceiling (no traffic)", "DDP fp32", "bitps sync fp32",
                      "bitps ssp 1-bit Adam", "bitps async sign1", "bitps async 1-bit Adam",
                      "bitps async fp32, DC-ASGD", "bitps ssp 1-bit Adam, damping",
                      "bitps async 1-bit Adam, lr by progress",
+                     "bitps ssp 1-bit Adam, batch by speed",
+                     "bitps sync 1-bit Adam, batch by speed",
                      "bitps sync DiLoCo H=5", "bitps async DiLoCo H=5, DyLU")
 
 
@@ -280,6 +293,7 @@ def _train(cluster: Cluster, case: Case, s: E2EBench, lr: float, steps: int, tmp
                 "bitps": {"servers": servers, "push_codec": case.push_codec,
                           "compress_min_bytes": case.compress_min_bytes, "overlap": "auto",
                           "hold_when_clipping": case.hold_when_clipping,
+                          "balance": case.balance,
                           "local_sgd": ({"inner_steps": case.inner_steps,
                                          "adaptive": case.adaptive}
                                         if case.inner_steps else None)}}
@@ -350,17 +364,24 @@ def _phases(per_rank: list[list[dict]], skip: int, freeze: int | None,
     return out
 
 
-def _curve(per_rank: list[list[dict]], merged: bool) -> tuple[np.ndarray, np.ndarray, int]:
+def _curve(per_rank: list[list[dict]], merged: bool, batch: int
+           ) -> tuple[np.ndarray, np.ndarray, int]:
     """The run's loss curve, the wall time of each point (from the first step's start) and
     the points one step makes: the mean over ranks of each step, done when its slowest rank
     is; or (``merged``) every rank's steps in the order they ended, W points a step, which
-    ranks of different step counts need (``bench.e2e_report`` scales its windows by it)."""
+    ranks of different step counts need (``bench.e2e_report`` scales its windows by it).
+
+    Ranks whose steps take shares of a global batch (batch by speed) count by their samples:
+    a step's mean is over its samples, and a merged point is its rank's loss times its share
+    over ``batch``, so that a window of whole steps averages to the samples' mean."""
     epoch = min(p[0]["start"] for p in per_rank)
     if not merged:
-        loss = np.mean([[e["loss"] for e in p] for p in per_rank], axis=0)
+        n = np.array([[e.get("samples", batch) for e in p] for p in per_rank], dtype=float)
+        loss = (np.array([[e["loss"] for e in p] for p in per_rank]) * n).sum(0) / n.sum(0)
         t = np.max([[e["end"] - epoch for e in p] for p in per_rank], axis=0)
         return loss, t, 1
-    points = sorted((e["end"] - epoch, e["loss"]) for p in per_rank for e in p)
+    points = sorted((e["end"] - epoch, e["loss"] * e.get("samples", batch) / batch)
+                    for p in per_rank for e in p)
     return (np.array([v for _, v in points]), np.array([t for t, _ in points]),
             len(per_rank))
 
@@ -374,18 +395,21 @@ def _measure(case: Case, s: E2EBench, lines: list[list[dict]], shard_cpu: list[f
     if [len(p) for p in per_rank] != counts:
         raise RuntimeError(f"{case.name}: ranks logged {[len(p) for p in per_rank]} steps, "
                            f"expected {counts}")
-    loss, t, per_step = _curve(per_rank, merged=s.straggler)
+    loss, t, per_step = _curve(per_rank, merged=s.straggler, batch=spec.batch)
     steps = sum(counts) / len(counts)  # per rank, on average: what "per step" divides by
     # the first steps build buffers, traces and connections; a local-SGD run's first
     # exchange (step H - 1) is the first the shards see, which compile their kernels then
     skip = min(max(3, case.inner_steps), min(counts) // 4)
     rates = [(len(p) - 1 - skip) / (p[-1]["end"] - p[skip]["end"]) for p in per_rank]
-    samples_per_s = spec.batch * sum(rates)
+    # a rank's samples a step: the batch, or its share of the global batch (batch by speed)
+    samples_per_s = sum(sum(e.get("samples", spec.batch) for e in p[skip + 1:])
+                        / (p[-1]["end"] - p[skip]["end"]) for p in per_rank)
     step_s = 1.0 / min(rates)
     worker_nodes = [wire[i] for i in range(case.workers) if i in wire]
     return {
         "loss": loss.tolist(), "time": t.tolist(), "points_per_step": per_step,
         "rank_steps": counts, "rank_rates": rates, "step_s": step_s,
+        "rank_samples": [sum(e.get("samples", spec.batch) for e in p) for p in per_rank],
         "samples_per_s": samples_per_s,
         "exposed_s": exposed_per_step(per_rank, skip, local=case.inner_steps > 1),
         "wire_bytes_per_step": (float(np.mean(worker_nodes)) / steps if worker_nodes

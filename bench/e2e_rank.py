@@ -11,13 +11,15 @@ The settings (JSON) say what kind of rank it is:
 - ``bitps``: a ``PSModel`` over a ``PSClient`` against the run's shards, which hold the optimizer
   and the schedule; with ``bitps.local_sgd`` (``{"inner_steps": H, "adaptive": bool}``) DiLoCo
   instead: ``LocalSGD`` with an inner AdamW at ``lr`` on this rank's own schedule over its own
-  ``steps``, the shards running the outer rule.
+  ``steps``, the shards running the outer rule; with ``bitps.balance`` each step takes this
+  rank's share of the global batch (``BatchBalance``: by the ranks' measured speeds) and weights
+  its loss by it.
 
 Every rank reads the demo corpus with its own rank's batches (``worker.demo.batches``), the
-same for every run, and prints one JSON line per step (``loss``, the wall-clock ``end`` of the
-step, the ``exposed`` communication ``PSModel`` measured) and a ``done`` line (CPU seconds of
-this process, bytes pushed on the wire, its peak resident set and the minor page faults of its
-steps).
+same for every run, and prints one JSON line per step (``loss``, its ``samples``, the
+wall-clock ``end`` of the step, the ``exposed`` communication ``PSModel`` measured) and a
+``done`` line (CPU seconds of this process, bytes pushed on the wire, its peak resident set and
+the minor page faults of its steps).
 """
 
 from __future__ import annotations
@@ -138,8 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(s.get("device", "cpu"))
     model = build(s["model"], s["seed"]).to(device)
     corpus = load_corpus(2_000_000)
-    data = batches(corpus, batch_size=spec.batch, seq_len=spec.seq_len, rank=s["rank"],
-                   world_size=s["world"], seed=s["seed"])
+    balance, balanced = None, s["kind"] == "bitps" and bool(s["bitps"].get("balance"))
+    # a balanced rank reads every rank's stream: a step's global batch is the one every other
+    # run trains on at that step (each rank's batch, in rank order), of which it takes its share
+    streams = [batches(corpus, batch_size=spec.batch, seq_len=spec.seq_len, rank=q,
+                       world_size=s["world"], seed=s["seed"])
+               for q in (range(s["world"]) if balanced else (s["rank"],))]
     kind, ps_model, local, opt, sched = s["kind"], None, None, None, None
     if kind == "bitps" and s["bitps"].get("local_sgd"):
         local, sched = _local_sgd(model, s)
@@ -147,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     elif kind == "bitps":
         ps_model = _bitps(model, s)
         train = model
+        if balanced:
+            from bitps.worker.algorithms.balance import BatchBalance
+
+            balance = BatchBalance(ps_model, global_batch=spec.batch * s["world"])
     else:
         train = _wrap_ddp(model, s) if kind == "ddp" else model
         schedule = LRSchedule(**s["schedule"])
@@ -157,9 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     cpu0, faults0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for step in range(s["steps"]):
         t0 = time.time()
-        input_ids, labels = (t.to(device) for t in next(data))
+        samples, batch = spec.batch, next(streams[0])
+        if balance is not None:
+            samples = balance.next_batch()
+            start = sum(balance.shares[:s["rank"]])
+            rows = [batch, *(next(q) for q in streams[1:])]
+            batch = tuple(torch.cat([r[i] for r in rows])[start:start + samples] for i in (0, 1))
+        input_ids, labels = (t.to(device) for t in batch)
         loss = loss_fn(train, input_ids, labels)
-        loss.backward()
+        (loss if balance is None else loss * balance.weight).backward()
         if s["slow"] > 1.0:
             # a straggler: this rank's compute takes ``slow`` x as long
             time.sleep((s["slow"] - 1.0) * (time.time() - t0))
@@ -184,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.synchronize()
         print(json.dumps({"event": "step", "rank": s["rank"], "step": step,
-                          "loss": loss.item(), "start": t0, "end": time.time(),
+                          "loss": loss.item(), "samples": samples,
+                          "start": t0, "end": time.time(),
                           "exposed": exposed, "cpu": time.process_time() - cpu0}), flush=True)
     done = {"event": "done", "rank": s["rank"], "push_wire_bytes": 0.0, "overlap": None}
     if ps_model is not None:

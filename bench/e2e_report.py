@@ -149,6 +149,8 @@ def _row(case_name: str, r: dict, marks: _Marks, batch: int) -> dict:
         row["rank_rss_mib"] = [round(m) for m in r["rank_max_rss_mib"]]
     if "rank_rates" in r:
         row["rank_steps"], row["rank_steps_per_s"] = r["rank_steps"], r["rank_rates"]
+    if r.get("rank_samples") and len(set(r["rank_samples"])) > 1:  # batch by speed
+        row["rank_samples"] = r["rank_samples"]
     if any(r.get("overlap") or ()):  # each rank: overlap on, and steps held for their clip
         row["overlap"], row["held_steps"] = r["overlap"], r.get("held_steps")
     phases = r.get("phases")
@@ -342,10 +344,14 @@ def checks(by: dict[str, dict], s: E2EBench) -> dict:
                 f"{ssp['run']}: {ratio:.3f}", ">= 1.3", ratio >= 1.3)
             if ceiling is not None:
                 # A staleness bound holds the fast worker to the slow one's pace in the long
-                # run, so no ssp run can beat every worker stepping at the slow worker's
-                # compute-only step (the ceiling run's slowest rank): that bound, measured.
-                ranks = len(ceiling["rank_cpu_ms"])
-                bound = ranks * MODELS[s.model].batch / (ceiling["step_ms"] / 1e3)
+                # run, so no ssp run of equal batches can beat every worker stepping at the
+                # slow worker's compute-only step (the ceiling run's slowest rank): that
+                # bound, measured. Batches split by speed (Case.balance) lift it to every rank
+                # computing all the time: the sum of the ceiling's rank speeds.
+                ranks, batch = len(ceiling["rank_cpu_ms"]), MODELS[s.model].batch
+                bound = ranks * batch / (ceiling["step_ms"] / 1e3)
+                if any("rank_samples" in r for r in ssps) and ceiling.get("rank_steps_per_s"):
+                    bound = batch * sum(ceiling["rank_steps_per_s"])
                 limit = bound / sync["samples_per_s"]
                 out["straggler_ssp_limit_vs_sync_samples_per_s"] = check(
                     round(limit, 3), ">= 1.3 (is the goal reachable)", limit >= 1.3)

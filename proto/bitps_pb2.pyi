@@ -241,28 +241,39 @@ class KeyRuleState(_message.Message):
     def __init__(self, key: _Optional[int] = ..., version: _Optional[int] = ..., arrays: _Optional[_Iterable[_Union[StateArray, _Mapping]]] = ..., fields: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("rank", "clock", "token", "steps_per_s")
+    __slots__ = ("rank", "clock", "token", "steps_per_s", "samples_per_s")
     RANK_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
     rank: int
     clock: int
     token: str
     steps_per_s: float
-    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., token: _Optional[str] = ..., steps_per_s: _Optional[float] = ...) -> None: ...
+    samples_per_s: float
+    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., token: _Optional[str] = ..., steps_per_s: _Optional[float] = ..., samples_per_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("min_clock", "live", "max_steps_per_s", "incarnation")
+    __slots__ = ("min_clock", "live", "max_steps_per_s", "incarnation", "samples_per_s")
+    class SamplesPerSEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     MIN_CLOCK_FIELD_NUMBER: _ClassVar[int]
     LIVE_FIELD_NUMBER: _ClassVar[int]
     MAX_STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
     min_clock: int
     live: _containers.RepeatedScalarFieldContainer[int]
     max_steps_per_s: float
     incarnation: int
-    def __init__(self, min_clock: _Optional[int] = ..., live: _Optional[_Iterable[int]] = ..., max_steps_per_s: _Optional[float] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    samples_per_s: _containers.ScalarMap[int, float]
+    def __init__(self, min_clock: _Optional[int] = ..., live: _Optional[_Iterable[int]] = ..., max_steps_per_s: _Optional[float] = ..., incarnation: _Optional[int] = ..., samples_per_s: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("token",)

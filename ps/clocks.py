@@ -35,6 +35,8 @@ class WorkerClock:
     gone on without it (``ps.registration`` names it the step they are at)."""
     steps_per_s: float = 0.0
     """The training speed its last heartbeat reported (0: none; ``HeartbeatRequest``)."""
+    samples_per_s: float = 0.0
+    """The samples per second of compute its last heartbeat reported (0: none)."""
 
 
 class ClockTable:

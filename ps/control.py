@@ -30,6 +30,7 @@ checks the key that the CURVE handshake proves (``ps.data.ZapHandler``).
 
 from __future__ import annotations
 
+import math
 import threading
 
 import grpc
@@ -70,6 +71,11 @@ _STATUS = {
     pb.PROTOCOL: grpc.StatusCode.FAILED_PRECONDITION,
     pb.LIMIT: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
+
+
+def _speed(reported: float) -> float:
+    """A heartbeat's speed as kept: a positive finite number, else 0 (not measured)."""
+    return reported if math.isfinite(reported) and reported > 0 else 0.0
 
 
 def _abort(context: grpc.ServicerContext, err: PSError):
@@ -188,11 +194,16 @@ class ControlServicer(pb_grpc.ControlServicer):
                                         f"registered with shard {core.cfg.shard_id}"))
             clocks = core.clocks
             clocks.seen(request.rank)
-            clocks.workers[request.rank].steps_per_s = max(request.steps_per_s, 0.0)
+            worker = clocks.workers[request.rank]
+            worker.steps_per_s = _speed(request.steps_per_s)
+            worker.samples_per_s = _speed(request.samples_per_s)
             live = clocks.live()
             fastest = max((clocks.workers[r].steps_per_s for r in live), default=0.0)
+            samples = {r: clocks.workers[r].samples_per_s for r in live
+                       if clocks.workers[r].samples_per_s > 0}
             return pb.HeartbeatReply(min_clock=clocks.min_clock(), live=live,
-                                     max_steps_per_s=fastest, incarnation=core.incarnation)
+                                     max_steps_per_s=fastest, incarnation=core.incarnation,
+                                     samples_per_s=samples)
 
     def Status(self, request, context):
         """Clocks, liveness and held pulls of every worker the shard knows, and for each held

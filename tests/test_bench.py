@@ -323,6 +323,17 @@ def test_straggler_checks_measure_the_bound_a_staleness_bound_sets():
     assert checks["straggler_ssp_vs_sync_samples_per_s"]["ok"]
     assert checks["straggler_ssp_reaches_target_first"]["ok"]
     assert checks["straggler_async_vs_sync_samples_per_s"]["value"] == "bitps async sign1: 1.500"
+    # an ssp run of batches split by speed is held to no one: the bound is every rank computing
+    # all the time, the ceiling's rank speeds summed (1 and 2/3 steps/s of batch 4)
+    by["ceiling (no traffic)"]["rank_steps_per_s"] = [1.0, 1 / 1.5]
+    by["bitps ssp 1-bit Adam, batch by speed"] = {
+        "run": "bitps ssp 1-bit Adam, batch by speed", "lr": 4e-4, "samples_per_s": 6.2,
+        "time_to_target_s": 70.0, "rank_samples": [300, 180]}
+    checks = _checks(by, E2EBench(model="lm", straggler=True))
+    assert checks["straggler_ssp_limit_vs_sync_samples_per_s"]["value"] == round(
+        4 * (1 + 1 / 1.5) / 4.0, 3)
+    assert checks["straggler_ssp_vs_sync_samples_per_s"]["value"] == \
+        "bitps ssp 1-bit Adam, batch by speed: 1.550"
 
 
 def test_e2e_checks_judge_bounded_compressed_runs_against_ddp_and_the_users_lr():
@@ -461,11 +472,20 @@ def test_a_straggler_async_run_splits_the_samples_by_speed_and_merges_the_ranks_
               for i in range(6)],
              [{"start": 0.0, "end": 1.5 * (i + 1), "loss": 20 - 1.5 * (i + 1)}
               for i in range(4)]]
-    loss, t, per_step = _curve(ranks, merged=True)
+    loss, t, per_step = _curve(ranks, merged=True, batch=4)
     assert per_step == 2 and len(loss) == 10 and list(t) == sorted(t)
     assert list(t[:3]) == [1.0, 1.5, 2.0] and list(loss[:3]) == [9.0, 18.5, 8.0]
-    mean, t_mean, one = _curve([r[:4] for r in ranks], merged=False)
+    mean, t_mean, one = _curve([r[:4] for r in ranks], merged=False, batch=4)
     assert one == 1 and list(t_mean) == [1.5, 3.0, 4.5, 6.0]  # each step's slowest rank
+    # batch by speed: rank 0 took 5 of each step's 8 samples, rank 1 three; a step's mean is
+    # over its samples, and a merged step's two points average to it
+    shares = [[{**e, "samples": n} for e in r[:4]] for r, n in zip(ranks, (5, 3))]
+    mean, _, _ = _curve(shares, merged=False, batch=4)
+    assert mean[0] == (5 * 9.0 + 3 * 18.5) / 8
+    loss, _, _ = _curve(shares, merged=True, batch=4)
+    assert list(loss[:2]) == [9.0 * 5 / 4, 18.5 * 3 / 4]
+    assert sum(loss[:2]) / 2 == (5 * 9.0 + 3 * 18.5) / 8
+    assert rank_steps(by["bitps ssp 1-bit Adam, batch by speed"], slow, 60, fast_slow) == [60, 60]
 
     r = {"loss": [6.0, 5.0, 4.0, 3.0, 2.0, 1.0, 1.0, 1.0], "time": [float(i) for i in
                                                                    range(1, 9)],

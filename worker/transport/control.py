@@ -120,6 +120,12 @@ class ControlClient:
         self.fastest_steps_per_s = 0.0
         """The fastest live worker's speed (this one's included) the shards last answered a
         heartbeat with; 0 until one reported a speed."""
+        self.samples_per_s = 0.0
+        """This worker's samples per second of compute, which every heartbeat reports (0: not
+        measured; set by batch balancing, ``worker.algorithms.balance``)."""
+        self.speeds: dict[int, float] = {}
+        """Each live worker's samples per second of compute (this one's included), by rank, as
+        the shards last answered a heartbeat; a rank that reported none is absent."""
         self.incarnations = [0] * len(cfg.servers)
         """Each shard's life as its last registration answered (0: none yet)."""
         self._restarted: set[int] = set()
@@ -314,20 +320,26 @@ class ControlClient:
 
     def _heartbeat_loop(self, clock: Callable[[], int]) -> None:
         while not self._closing.wait(self.cfg.heartbeat_s):
-            fastest = 0.0
+            fastest, speeds, answered = 0.0, {}, False
             for shard, stub in enumerate(self.stubs):
                 try:
                     reply = stub.Heartbeat(pb.HeartbeatRequest(
                         rank=self.cfg.rank, clock=clock(), token=self.cfg.token,
-                        steps_per_s=self.steps_per_s),
+                        steps_per_s=self.steps_per_s, samples_per_s=self.samples_per_s),
                         timeout=max(self.cfg.heartbeat_s, 1.0), metadata=self.metadata)
                     self.min_clock = reply.min_clock
                     fastest = max(fastest, reply.max_steps_per_s)
+                    # every shard hears the same heartbeats, so their tables differ at most by
+                    # a report in flight: the last shard's answer for a rank stands
+                    speeds.update(reply.samples_per_s)
+                    answered = True
                     self.heard_from(shard, reply.incarnation)
                 except grpc.RpcError as err:
                     log.warning("heartbeat to shard %d failed: %s", shard, err.code().name)
             if fastest > 0:
                 self.fastest_steps_per_s = fastest
+            if answered:
+                self.speeds = speeds
 
     def leave(self) -> None:
         """Tell every shard this rank leaves (so peers stop waiting for it); failures are
