@@ -24,7 +24,9 @@ on the wire per step (bridge-port counters: sent + received per worker node), CP
 step of every process, the loss curve, time and samples to the target loss (the DDP fp32 run's
 final loss), final loss at equal samples and at equal wall time. ``--straggler`` makes worker 1
 1.5x slower (sync against ssp, async and DiLoCo); an async run then splits the samples by the
-ranks' speeds (:func:`rank_steps`) and curves merge the ranks' steps (``_curve``). The report
+ranks' speeds (:func:`rank_steps`), a run of batches by speed (``Case.balance``) splits each
+step's global batch, the same samples every other run takes at that step, by the speeds the
+ranks measure (``BatchBalance``), and curves merge the ranks' steps (``_curve``). The report
 and its checks are ``bench.e2e_report``.
 """
 

@@ -25,7 +25,7 @@ from bitps.bench.models import MODELS
 from bitps.bench.report import DEFAULT_OUT, check, moving_average, write_results
 
 __all__ = ["CEILING", "RECOMMENDED", "TARGET_RUN", "best_run", "checks", "final_loss",
-           "report"]
+           "report", "split_by_speed"]
 
 RECOMMENDED = "bitps ssp 1-bit Adam at DDP fp32's lr"
 CEILING = "ceiling (no traffic)"
@@ -169,7 +169,7 @@ def _row(case_name: str, r: dict, marks: _Marks, batch: int) -> dict:
         row["vs_ceiling"] = r["samples_per_s"] / marks.ceiling["samples_per_s"]
         if r["lr"] is not None and case_name.startswith("DDP"):
             row["exposed_ms"] = max(r["step_s"] - marks.ceiling["step_s"], 0.0) * 1e3
-        if r["lr"] is not None:
+        if r["lr"] is not None and not split_by_speed(r, batch):
             _beyond_compute(row, r, marks.ceiling)
     if marks.compute is not None:
         row["vs_compute_only"] = r["samples_per_s"] / marks.compute["samples_per_s"]
@@ -178,6 +178,13 @@ def _row(case_name: str, r: dict, marks: _Marks, batch: int) -> dict:
     if r["lr"] is not None:
         row.update(_learning(r, marks, batch))
     return row
+
+
+def split_by_speed(r: dict, batch: int) -> bool:
+    """Whether a run's ranks took shares of a global batch (batch by speed) rather than
+    ``batch`` a step each: their compute is then not the ceiling's, and no CPU beyond compute
+    is read from it."""
+    return any(n != batch * k for n, k in zip(r.get("rank_samples") or (), r["rank_steps"]))
 
 
 def _beyond_compute(row: dict, r: dict, ceiling: dict) -> None:

@@ -282,7 +282,7 @@ class StatusRequest(_message.Message):
     def __init__(self, token: _Optional[str] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("rank", "clock", "live", "seconds_since_seen", "pending_pulls", "waiting_for", "registered", "left", "dropped", "clock_lead", "clock_lag", "held", "steps_per_s")
+    __slots__ = ("rank", "clock", "live", "seconds_since_seen", "pending_pulls", "waiting_for", "registered", "left", "dropped", "clock_lead", "clock_lag", "held", "steps_per_s", "samples_per_s")
     RANK_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     LIVE_FIELD_NUMBER: _ClassVar[int]
@@ -296,6 +296,7 @@ class WorkerStatus(_message.Message):
     CLOCK_LAG_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
     STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
     rank: int
     clock: int
     live: bool
@@ -309,7 +310,8 @@ class WorkerStatus(_message.Message):
     clock_lag: int
     held: _containers.RepeatedCompositeFieldContainer[HeldPullStatus]
     steps_per_s: float
-    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., live: _Optional[bool] = ..., seconds_since_seen: _Optional[float] = ..., pending_pulls: _Optional[int] = ..., waiting_for: _Optional[str] = ..., registered: _Optional[bool] = ..., left: _Optional[bool] = ..., dropped: _Optional[bool] = ..., clock_lead: _Optional[int] = ..., clock_lag: _Optional[int] = ..., held: _Optional[_Iterable[_Union[HeldPullStatus, _Mapping]]] = ..., steps_per_s: _Optional[float] = ...) -> None: ...
+    samples_per_s: float
+    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., live: _Optional[bool] = ..., seconds_since_seen: _Optional[float] = ..., pending_pulls: _Optional[int] = ..., waiting_for: _Optional[str] = ..., registered: _Optional[bool] = ..., left: _Optional[bool] = ..., dropped: _Optional[bool] = ..., clock_lead: _Optional[int] = ..., clock_lag: _Optional[int] = ..., held: _Optional[_Iterable[_Union[HeldPullStatus, _Mapping]]] = ..., steps_per_s: _Optional[float] = ..., samples_per_s: _Optional[float] = ...) -> None: ...
 
 class HeldPullStatus(_message.Message):
     __slots__ = ("clock", "waited_s", "deadline_in_s", "num_keys", "waiting_for", "reason")

@@ -202,8 +202,8 @@ class ControlServicer(pb_grpc.ControlServicer):
             samples = {r: clocks.workers[r].samples_per_s for r in live
                        if clocks.workers[r].samples_per_s > 0}
             return pb.HeartbeatReply(min_clock=clocks.min_clock(), live=live,
-                                     max_steps_per_s=fastest, incarnation=core.incarnation,
-                                     samples_per_s=samples)
+                                     max_steps_per_s=fastest, samples_per_s=samples,
+                                     incarnation=core.incarnation)
 
     def Status(self, request, context):
         """Clocks, liveness and held pulls of every worker the shard knows, and for each held
@@ -231,7 +231,8 @@ class ControlServicer(pb_grpc.ControlServicer):
                 waiting_for=reasons.get(w.rank, ""), registered=w.registered, left=w.left,
                 dropped=w.dropped, clock_lead=w.clock - min_clock,
                 clock_lag=max_clock - w.clock if w.rank in live else 0,
-                held=held.get(w.rank, ()), steps_per_s=w.steps_per_s)
+                held=held.get(w.rank, ()), steps_per_s=w.steps_per_s,
+                samples_per_s=w.samples_per_s)
                 for w in sorted(clocks.workers.values(), key=lambda w: w.rank)]
             return pb.StatusReply(
                 shard_id=core.cfg.shard_id, mode=core.cfg.mode, staleness=core.cfg.staleness,

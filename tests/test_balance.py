@@ -149,6 +149,8 @@ def test_heartbeats_carry_every_live_workers_samples_per_second(cluster):
         while any(c.control.speeds != want for c in clients):
             assert time.monotonic() < end, [c.control.speeds for c in clients]
             time.sleep(0.02)
+        status = clients[0].status(0)
+        assert {w.rank: w.samples_per_s for w in status.workers} == {0: 6.0, 1: 4.0}
         shares = [BatchBalance(m, 10) for m in models]
         assert [b.next_batch() for b in shares] == [6, 4]  # both ranks compute the same split
     finally:

@@ -587,3 +587,9 @@ def test_e2e_reports_each_ranks_cpu_beyond_compute_per_phase_and_checks_it():
     assert out["worker_cpu_beyond_compute_ms[bitps sync fp32]"]["value"] == 160
     assert not out["worker_cpu_beyond_compute_ms[bitps sync 1-bit Adam]"]["ok"]
     assert "worker_cpu_beyond_compute_ms[bitps async sign1]" not in out
+    # a run of batches by speed computes other shares than the ceiling: no figure is read
+    from bitps.bench.e2e_report import split_by_speed
+
+    assert split_by_speed({"rank_samples": [295, 183], "rank_steps": [60, 60]}, 4)
+    assert not split_by_speed({"rank_samples": [288, 192], "rank_steps": [72, 48]}, 4)  # async
+    assert not split_by_speed({"rank_steps": [60, 60]}, 4)  # recorded before 2026-12-07
