@@ -29,7 +29,7 @@ import numpy as np
 from bitps.bench.config import ConvergenceBench
 from bitps.bench.report import DEFAULT_OUT, check, moving_average, write_results
 
-__all__ = ["RUNS", "parse_run", "run"]
+__all__ = ["RUNS", "launch_argv", "parse_run", "run"]
 
 _SSP = ["--mode", "ssp", "--staleness", "2"]
 _SIGN1 = ["--push-codec", "sign1", "--compress-min-bytes", "0", "--bucket-bytes", "65536"]
@@ -189,13 +189,23 @@ ASYNC_PAIRS = {"async": ("fp32 Adam (async)", "fp32 Adam (sync)"),
                "ssp": ("fp32 Adam (ssp S=2)", "fp32 Adam (sync)")}
 
 
+def launch_argv(launch_args: list[str], worker_args: list[str], *, steps: int, freeze: int,
+                lr: float, beta2: float, seed: int, run_dir: Path) -> list[str]:
+    """One run's ``bitps-launch`` command: the bench's settings first, then the run's own
+    (``launch_args``), so that a run's own server setting (``--freeze-step``, ``--beta2``, ...)
+    wins: the launcher hands server args on in order, and the last of a flag counts."""
+    return [sys.executable, "-m", "bitps.worker.launch", "--shards", "2", "--workers", "2",
+            "--lr", str(lr), "--run-dir", str(run_dir),
+            f"--server-arg=--freeze-step={freeze}", f"--server-arg=--beta2={beta2}",
+            *launch_args, "--",
+            "--steps", str(steps), "--log-every", "1", "--seed", str(seed), *worker_args]
+
+
 def _launch(name: str, launch_args: list[str], worker_args: list[str], *, steps: int,
             freeze: int, lr: float, beta2: float, seed: int, run_dir: Path) -> dict:
     workers = _workers(launch_args)
-    argv = [sys.executable, "-m", "bitps.worker.launch", "--shards", "2", "--workers", "2",
-            "--lr", str(lr), "--run-dir", str(run_dir), *launch_args,
-            f"--server-arg=--freeze-step={freeze}", f"--server-arg=--beta2={beta2}", "--",
-            "--steps", str(steps), "--log-every", "1", "--seed", str(seed), *worker_args]
+    argv = launch_argv(launch_args, worker_args, steps=steps, freeze=freeze, lr=lr,
+                       beta2=beta2, seed=seed, run_dir=run_dir)
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"{name}: bitps-launch exited {proc.returncode}:\n{proc.stderr[-3000:]}")

@@ -133,11 +133,12 @@ def test_heartbeats_carry_every_live_workers_samples_per_second(cluster):
     shards = cluster(2, mode="sync", optimizer=OptimizerConfig(name="sgd", lr=1.0))
     clients = [PSClient(ClientConfig(servers=servers_of(shards), rank=r, world_size=2,
                                      heartbeat_s=0.05)) for r in (0, 1)]
-    try:
-        model = torch.nn.Linear(4, 2)
-        from bitps.worker.training.model import PSModel
+    from bitps.worker.training.model import PSModel
 
-        models = [PSModel(model, c) for c in clients]  # registering starts the heartbeats
+    models = []
+    try:
+        for c in clients:  # registering starts the heartbeats
+            models.append(PSModel(torch.nn.Linear(4, 2), c))
         clients[0].control.samples_per_s, clients[1].control.samples_per_s = 6.0, math.nan
         want = {0: 6.0}  # a speed that is not a positive number is not one: absent
         end = time.monotonic() + 10

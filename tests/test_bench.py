@@ -183,6 +183,28 @@ def test_every_convergence_run_parses():
         assert worker.algorithm.name == args.algorithm, name
 
 
+def test_a_convergence_runs_own_server_settings_win_over_the_benchs(tmp_path):
+    """The bench passes every run its 1-bit Adam switch step and beta2; a run that sets either
+    itself must get its own: the run's server args come after the bench's, and the shard's
+    reader keeps the last of a flag. Before, the bench's came last and silently won."""
+    from bitps.bench.convergence import launch_argv
+    from bitps.ps.__main__ import parse_config as shard_config
+    from bitps.worker.launch.launcher import build_parser
+
+    def shard(run_args):
+        argv = launch_argv(["--optimizer", "onebit_adam", *run_args], [], steps=10, freeze=3,
+                           lr=1e-3, beta2=0.999, seed=0, run_dir=tmp_path)
+        args = build_parser().parse_args(argv[argv.index("bitps.worker.launch") + 1:
+                                              argv.index("--")])
+        cfg, _ = shard_config([f"--optimizer={args.optimizer}", *args.server_arg], environ={})
+        return cfg.optimizer
+
+    own = shard(["--server-arg=--beta2=0.99", "--server-arg=--freeze-step=7"])
+    assert own.beta2 == 0.99 and own.rule_config.freeze_step == 7
+    bench = shard([])  # and without them, the bench's
+    assert bench.beta2 == 0.999 and bench.rule_config.freeze_step == 3
+
+
 def test_overlap_bench_smoke(tmp_path):
     """A small model, one ratio, few steps: the one-worker cases, two workers in sync, sign1
     with clipping; the link named (a shaped veth link where namespaces can be made, else

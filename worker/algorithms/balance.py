@@ -21,11 +21,14 @@ so a fast worker held by its peers does not read as slow). Each worker reports i
 its heartbeats (``HeartbeatRequest.samples_per_s``) and each shard answers with every live
 worker's (``HeartbeatReply.samples_per_s``), which the control client keeps
 (``ControlClient.speeds``). Until every rank of the world has reported one, the split is even
-(the remainder to the lowest ranks). Speeds jitter from step to step, and a heartbeat round
-can reach two ranks on either side of a new report: so that ranks agree, a rank keeps its split
-until the table's best one would cut the slowest worker's compute by more than ``margin`` (5 %)
-against it, judged on the same table. Where two ranks judge a switch on tables either side of a
-report, their shares can sum to ``B`` +- a few for the steps until the next heartbeat.
+(the remainder to the lowest ranks); so it is again while a rank is gone (left, or dropped for
+silence: the shards answer for live workers only).
+
+**Agreement**: speeds jitter from step to step, and a heartbeat round can reach two ranks on
+either side of a new report. So that ranks agree, a rank keeps its split until the table's best
+one would cut the slowest worker's compute by more than ``margin`` (5 %) against it, judged on
+the same table. Where two ranks judge a switch on tables either side of a report, their shares
+can sum to ``B`` +- a few for the steps until the next heartbeat.
 
 **Weighting**: a sync shard averages the workers' pushes with equal weight; a worker that scales
 its loss by :attr:`BatchBalance.weight` (``n_i W / B``) makes that average the mean over the
