@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 
 from bitps.ps import OptimizerConfig  # noqa: E402
 from bitps.worker import ClientConfig, PSClient  # noqa: E402
+from bitps.worker.metrics import WorkerMetrics  # noqa: E402
 from bitps.worker.training.utilization import StepStats  # noqa: E402
 from tests.helpers import run_ranks  # noqa: E402
 from tests.test_cluster import servers_of  # noqa: E402
@@ -84,7 +85,7 @@ class _Board:
 class _Client:
     def __init__(self, rank: int, world_size: int) -> None:
         self.cfg = ClientConfig(servers=("127.0.0.1:1",), rank=rank, world_size=world_size)
-        self.control = _Board()
+        self.control, self.metrics = _Board(), WorkerMetrics()
 
 
 class _Model:
@@ -116,6 +117,9 @@ def test_speed_is_samples_over_the_last_steps_compute_and_the_split_waits_for_ev
     board.speeds = {0: 3.0, 1: 2.0}
     assert balance.next_batch() == 3 and balance.shares == [5, 3]
     assert balance.weight == pytest.approx(3 * 2 / 8)
+    registry = model.client.metrics.registry  # the share and the speed, exported
+    assert registry.get_sample_value("bitps_worker_batch_share_samples") == 3
+    assert registry.get_sample_value("bitps_worker_compute_samples_per_second") == 2.0
     # ranks keep their split until a new one cuts the slowest compute by over 5 %
     board.speeds = {0: 4.0, 1: 1.95}
     assert balanced_shares(8, [4.0, 1.95]) == [6, 2]  # 1.5 s against [5, 3]'s 1.54: 2.5 %

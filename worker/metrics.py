@@ -43,6 +43,12 @@ class WorkerMetrics:
                                      _STEP)
         self.samples_per_s = m.gauge("bitps_worker_samples_per_second",
                                      "Training samples per second of this rank (last step)")
+        self.batch_share = m.gauge("bitps_worker_batch_share_samples",
+                                   "This rank's samples of the global batch in its current step "
+                                   "(BatchBalance)")
+        self.compute_speed = m.gauge("bitps_worker_compute_samples_per_second",
+                                     "Samples per second of this rank's compute, as "
+                                     "BatchBalance measures and reports it")
         self.clock = m.gauge("bitps_worker_clock_steps", "Steps this rank has completed")
         self.min_clock = m.gauge("bitps_worker_min_clock_steps",
                                  "Smallest live clock the shards last reported")

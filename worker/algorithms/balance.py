@@ -153,6 +153,10 @@ class BatchBalance:
         if not _known(table) or _slowest(best, table) < (1 - self.margin) * _slowest(
                 self.shares, table):
             self.shares = best
+        m = self.ps_model.client.metrics
+        with m.lock:
+            m.batch_share.set(self.share)
+            m.compute_speed.set(self.speed)
         return self.share
 
 
