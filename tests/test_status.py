@@ -163,7 +163,7 @@ def test_merge_over_shards_names_every_waiter_and_a_silent_or_absent_rank():
     answers = [waits.ShardAnswer(i, f"h:{i}", reply=pb.StatusReply(
         shard_id=i, mode="sync", heartbeat_timeout_s=10, workers=[
             _worker(0, 4, held=[_held(5, [2, 3], waited=1.0 + i)]),
-            _worker(1, 5, held=[_held(5, [2])]),
+            _worker(1, 5, held=[_held(5, [2])], samples_per_s=2.5 + i),
             _worker(2, 4, seen=9.0),
             _worker(3, 0, registered=False)])) for i in range(2)]
     doc = waits.merge(answers)
@@ -176,6 +176,8 @@ def test_merge_over_shards_names_every_waiter_and_a_silent_or_absent_rank():
     assert doc["findings"][1] == ("rank 3 is waited for by rank 0 on shards 0, 1 for 2.0 s; "
                                   "it has not registered (is it running?)")
     assert [w["state"] for w in doc["workers"]] == ["live", "live", "live", "absent"]
+    # a rank's compute speed as BatchBalance reports it: the largest any shard has
+    assert [w["samples_per_s"] for w in doc["workers"]] == [0.0, 3.5, 0.0, 0.0]
 
 
 def test_explain_wait_names_whom_and_describe_wait_never_raises():

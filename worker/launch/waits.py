@@ -114,7 +114,8 @@ def _workers(answers: Sequence[ShardAnswer], waits: list[dict]) -> list[dict]:
         for w in a.reply.workers if a.reply is not None else ():
             d = by_rank.setdefault(w.rank, {"rank": w.rank, "clocks": {}, "states": {},
                                             "last_heard_s": None, "ahead_of_min": 0,
-                                            "behind_fastest": 0, "held_pulls": 0})
+                                            "behind_fastest": 0, "held_pulls": 0,
+                                            "samples_per_s": 0.0})
             sid = str(a.reply.shard_id)
             d["clocks"][sid], d["states"][sid] = w.clock, _state(w)
             heard = round(w.seconds_since_seen, 3)
@@ -123,6 +124,9 @@ def _workers(answers: Sequence[ShardAnswer], waits: list[dict]) -> list[dict]:
             d["ahead_of_min"] = max(d["ahead_of_min"], w.clock_lead)
             d["behind_fastest"] = max(d["behind_fastest"], w.clock_lag)
             d["held_pulls"] += w.pending_pulls
+            # its compute speed as its heartbeats reported (BatchBalance; 0: none); shards a
+            # report apart may differ: the largest
+            d["samples_per_s"] = max(d["samples_per_s"], round(w.samples_per_s, 3))
     for d in by_rank.values():
         d["clock"] = min(d["clocks"].values())
         d["state"] = min(d["states"].values(), key=_STATES.index)
@@ -211,7 +215,8 @@ def _shards_table(doc: dict) -> Table:
 def _workers_table(doc: dict) -> Table:
     t = Table(title="workers", caption="lead: clocks ahead of the slowest live worker; lag: "
                                        "behind the fastest")
-    for col in ("rank", "state", "clock", "lead", "lag", "last heard", "held", "waits for"):
+    for col in ("rank", "state", "clock", "lead", "lag", "last heard", "held", "waits for",
+                "samples/s"):
         t.add_column(col)
     waited = {s["rank"] for s in doc["stalled"]}
     for w in doc["workers"]:
@@ -220,7 +225,8 @@ def _workers_table(doc: dict) -> Table:
         rank = f"[bold red]{w['rank']}" if w["rank"] in waited else str(w["rank"])
         t.add_row(rank, state, str(lo) if lo == hi else f"{lo}..{hi}",
                   str(w["ahead_of_min"]), str(w["behind_fastest"]), f"{w['last_heard_s']:.1f} s",
-                  str(w["held_pulls"]), ", ".join(map(str, w["waits_for"])) or "-")
+                  str(w["held_pulls"]), ", ".join(map(str, w["waits_for"])) or "-",
+                  f"{w['samples_per_s']:g}" if w["samples_per_s"] else "-")
     return t
 
 
