@@ -42,7 +42,10 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from bitps.worker.training.model import PSModel
 
 __all__ = ["BatchBalance", "SampleBoard", "balanced_shares"]
 
@@ -99,7 +102,7 @@ class BatchBalance:
     ``margin``: how much a new split must cut the slowest worker's compute to replace the
     current one."""
 
-    def __init__(self, ps_model, global_batch: int, *, window: int = 4,
+    def __init__(self, ps_model: PSModel, global_batch: int, *, window: int = 4,
                  margin: float = 0.05) -> None:
         cfg = ps_model.client.cfg
         if global_batch < cfg.world_size:
@@ -114,11 +117,14 @@ class BatchBalance:
         self.board: SampleBoard = ps_model.client.control
         self.rank, self.world_size, self.global_batch = cfg.rank, cfg.world_size, global_batch
         self._steps: deque[tuple[int, float]] = deque(maxlen=window)
-        # the step timer runs from PSModel's construction: its first step is not one step's
         self._seen = ps_model.last_stats
-        self._first = True
+        # PSModel's step timer runs from its construction: its first step's time is not one
+        # step's compute
+        self._first = ps_model.last_stats is None
         self.shares = balanced_shares(global_batch, [0.0] * cfg.world_size)
         """The whole split of the last :meth:`next_batch`, by rank."""
+        self._table: list[float] = []
+        self._best = self.shares  # balanced_shares of _table: a table changes once a heartbeat
 
     @property
     def share(self) -> int:
@@ -149,7 +155,9 @@ class BatchBalance:
                 self.board.samples_per_s = self.speed
             self._first = False
         table = [self.board.speeds.get(r, 0.0) for r in range(self.world_size)]
-        best = balanced_shares(self.global_batch, table)
+        if table != self._table:
+            self._table, self._best = table, balanced_shares(self.global_batch, table)
+        best = self._best
         if not _known(table) or _slowest(best, table) < (1 - self.margin) * _slowest(
                 self.shares, table):
             self.shares = best
