@@ -28,7 +28,8 @@ silence: the shards answer for live workers only).
 either side of a new report. So that ranks agree, a rank keeps its split until the table's best
 one would cut the slowest worker's compute by more than ``margin`` (5 %) against it, judged on
 the same table. Where two ranks judge a switch on tables either side of a report, their shares
-can sum to ``B`` +- a few for the steps until the next heartbeat.
+can sum to ``B`` +- a few for the steps until the next heartbeat: rare where a step takes about
+a heartbeat period, common where many steps fit in one (docs/algorithms.md).
 
 **Weighting**: a sync shard averages the workers' pushes with equal weight; a worker that scales
 its loss by :attr:`BatchBalance.weight` (``n_i W / B``) makes that average the mean over the
