@@ -149,7 +149,7 @@ def _row(case_name: str, r: dict, marks: _Marks, batch: int) -> dict:
         row["rank_rss_mib"] = [round(m) for m in r["rank_max_rss_mib"]]
     if "rank_rates" in r:
         row["rank_steps"], row["rank_steps_per_s"] = r["rank_steps"], r["rank_rates"]
-    if r.get("rank_samples") and len(set(r["rank_samples"])) > 1:  # batch by speed
+    if split_by_speed(r, batch):
         row["rank_samples"] = r["rank_samples"]
     if any(r.get("overlap") or ()):  # each rank: overlap on, and steps held for their clip
         row["overlap"], row["held_steps"] = r["overlap"], r.get("held_steps")
@@ -184,7 +184,8 @@ def split_by_speed(r: dict, batch: int) -> bool:
     """Whether a run's ranks took shares of a global batch (batch by speed) rather than
     ``batch`` a step each: their compute is then not the ceiling's, and no CPU beyond compute
     is read from it."""
-    return any(n != batch * k for n, k in zip(r.get("rank_samples") or (), r["rank_steps"]))
+    return any(n != batch * k
+               for n, k in zip(r.get("rank_samples") or (), r.get("rank_steps") or ()))
 
 
 def _beyond_compute(row: dict, r: dict, ceiling: dict) -> None:
@@ -357,7 +358,8 @@ def checks(by: dict[str, dict], s: E2EBench) -> dict:
                 # computing all the time: the sum of the ceiling's rank speeds.
                 ranks, batch = len(ceiling["rank_cpu_ms"]), MODELS[s.model].batch
                 bound = ranks * batch / (ceiling["step_ms"] / 1e3)
-                if any("rank_samples" in r for r in ssps) and ceiling.get("rank_steps_per_s"):
+                if any(split_by_speed(r, batch) for r in ssps) and \
+                        ceiling.get("rank_steps_per_s"):
                     bound = batch * sum(ceiling["rank_steps_per_s"])
                 limit = bound / sync["samples_per_s"]
                 out["straggler_ssp_limit_vs_sync_samples_per_s"] = check(

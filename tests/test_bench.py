@@ -350,7 +350,7 @@ def test_straggler_checks_measure_the_bound_a_staleness_bound_sets():
     by["ceiling (no traffic)"]["rank_steps_per_s"] = [1.0, 1 / 1.5]
     by["bitps ssp 1-bit Adam, batch by speed"] = {
         "run": "bitps ssp 1-bit Adam, batch by speed", "lr": 4e-4, "samples_per_s": 6.2,
-        "time_to_target_s": 70.0, "rank_samples": [300, 180]}
+        "time_to_target_s": 70.0, "rank_samples": [300, 180], "rank_steps": [60, 60]}
     checks = _checks(by, E2EBench(model="lm", straggler=True))
     assert checks["straggler_ssp_limit_vs_sync_samples_per_s"]["value"] == round(
         4 * (1 + 1 / 1.5) / 4.0, 3)
