@@ -266,7 +266,7 @@ def run(cfg: KernelsBench | None = None, *, out: Path | None = None) -> dict:
                      "rounds_ms": [round(x * 1e3, 2) for x in cpu[c.name]]})
     total = src.nbytes
     del pushers, before
-    worker_rows, worker_bandwidth = _workers(cfg, keys, n, src, dst)
+    worker_rows, worker_bandwidth, raw_receive = _workers(cfg, keys, n, src, dst)
     del src, dst  # the scaling runs need the memory
     scaling = _scaling(cfg)
     checks = {f"shard_cpu_vs_floor[{r['case']}]": check(
@@ -274,6 +274,11 @@ def run(cfg: KernelsBench | None = None, *, out: Path | None = None) -> dict:
     checks.update({f"worker_cpu_vs_floor[{r['case']}]": check(
         round(r["vs_floor"], 3), f"<= {r['goal']:g}", r["vs_floor"] <= r["goal"])
         for r in worker_rows})
+    # whether libzmq's own receive leaves a raw pull's row room for its goal in this window
+    checks.update({f"worker_raw_receive_bound_vs_floor[{r['case']}]": check(
+        round(r["raw_receive_bound_vs_floor"], 3), f"<= {r['goal']:g} (is the goal reachable)",
+        r["raw_receive_bound_vs_floor"] <= r["goal"])
+        for r in worker_rows if r["raw_receive_bound_vs_floor"] is not None})
     rows += worker_rows
     for r in scaling:
         checks[f"threads_{r['threads']}_vs_1[{r['case']}]"] = check(
@@ -298,6 +303,11 @@ def run(cfg: KernelsBench | None = None, *, out: Path | None = None) -> dict:
              f"through a real PSClient and Encoder to an in-process shard, wait included; no "
              f"clipping, no weight prediction), floor from the memcpy measured in their own "
              f"rounds ({worker_bandwidth / 1e9:.2f} GB/s); accounting in bench/worker_kernels.py. "
+             f"Their rounds also time raw pyzmq receiving the same {keys} messages of "
+             f"{cfg.key_mib} MiB into arrays (recv_into over TCP on loopback, the receiving "
+             f"thread's CPU): {raw_receive * 1e3:.2f} ms; \"raw receive bound\" is a raw-pull "
+             f"row's floor with that receive in place of the pull's memcpy, over the floor "
+             f"(the least the row can reach against its floor in this window). "
              f"Thread scaling (the threads_* "
              f"checks): {cfg.scaling_mib} MiB of {cfg.key_mib} MiB keys, wall time per update "
              f"with ServerConfig.threads = 1 and each of {list(cfg.thread_counts)}, and for "
@@ -313,6 +323,7 @@ def run(cfg: KernelsBench | None = None, *, out: Path | None = None) -> dict:
     config = {**dataclasses.asdict(cfg), "keys": keys, "memcpy_ms": median(copy) * 1e3,
               "bandwidth_gbps": bandwidth / 1e9, "machine_busy_before": busy,
               "worker_bandwidth_gbps": worker_bandwidth / 1e9,
+              "raw_receive_ms": raw_receive * 1e3,
               "scaling": scaling}
     write_results("kernels", config=config, rows=rows, checks=checks, out=out, notes=notes,
                   columns=[("case", "rule, mode, push -> pull"), ("cpu_ms", "CPU ms/update"),
@@ -322,7 +333,8 @@ def run(cfg: KernelsBench | None = None, *, out: Path | None = None) -> dict:
                            ("decoded_first_ms", "pushes decoded first: CPU ms/update"),
                            ("decoded_first_vs_floor", "pushes decoded first: vs floor"),
                            ("summed_first_ms", "codes summed first: CPU ms/update"),
-                           ("summed_first_vs_floor", "codes summed first: vs floor")])
+                           ("summed_first_vs_floor", "codes summed first: vs floor"),
+                           ("raw_receive_bound_vs_floor", "raw receive bound: vs floor")])
     return {"rows": rows, "checks": checks}
 
 
@@ -331,23 +343,30 @@ def _workers(cfg: KernelsBench, keys: int, n: int, src: np.ndarray,
     """The worker rows (``bench.worker_kernels``) and the memcpy bandwidth of their rounds."""
     cases = [c for c in WORKER_CASES if not cfg.cases or c.name in cfg.cases]
     if not cases:
-        return [], 0.0
+        return [], 0.0, 0.0
 
     def copy_round() -> float:
         t0 = time.thread_time()
         np.copyto(dst, src)
         return time.thread_time() - t0
 
-    cpu, floor_bytes, copies = measure(cases, keys, n, cfg.rounds, cfg.repeats, copy_round)
+    cpu, floor_bytes, copies, receives = measure(cases, keys, n, cfg.rounds, cfg.repeats,
+                                                 copy_round)
     bandwidth = 2 * src.nbytes / median(copies)
+    receive, pull_floor = median(receives), 2 * src.nbytes / bandwidth
     rows = []
     for c in cases:
         t, floor = median(cpu[c.name]), floor_bytes[c.name] / bandwidth
+        # a raw pull is a receive into the parameters: the floor counts it as a memcpy, libzmq
+        # takes what the raw receive took in the same rounds; every other byte at memcpy speed
+        bound = (floor - pull_floor + receive) / floor if c.pull == "raw" and not c.onebit \
+            else None
         rows.append({"case": c.name, "cpu_ms": t * 1e3, "floor_ms": floor * 1e3,
                      "vs_floor": t / floor, "goal": c.goal, "reads": c.reads,
                      "writes": c.writes, "floor_mb": floor_bytes[c.name] / 1e6,
+                     "raw_receive_bound_vs_floor": bound,
                      "rounds_ms": [round(x * 1e3, 2) for x in cpu[c.name]]})
-    return rows, bandwidth
+    return rows, bandwidth, receive
 
 
 def _speedups(name: str, runs: dict, cfg: KernelsBench, bound: dict) -> list[dict]:

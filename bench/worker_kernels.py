@@ -42,7 +42,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ENCODER_SCALING_CASES", "WORKER_CASES", "Worker", "WorkerCase", "measure"]
+__all__ = ["ENCODER_SCALING_CASES", "RawReceive", "WORKER_CASES", "Worker", "WorkerCase",
+           "measure"]
 
 MIB = 1 << 20
 
@@ -162,25 +163,71 @@ class Worker:
         self.shard.stop(0)
 
 
+class RawReceive:
+    """What libzmq alone costs a raw pull: ``keys`` messages of ``n`` float32 sent zero-copy
+    over TCP on loopback by another thread, received on this one straight into ``keys``
+    arrays (``recv_into``, as ``worker.transport.channel`` receives a raw reply); :meth:`step`
+    returns this thread's CPU seconds for the receives (a blocked wait takes none)."""
+
+    def __init__(self, keys: int, n: int) -> None:
+        import zmq
+
+        self._ctx = zmq.Context()
+        self._rx = self._ctx.socket(zmq.PAIR)
+        port = self._rx.bind_to_random_port("tcp://127.0.0.1")
+        self._tx = self._ctx.socket(zmq.PAIR)
+        self._tx.connect(f"tcp://127.0.0.1:{port}")
+        self._src = np.ones(n, np.float32)
+        self._outs = np.zeros((keys, n), np.float32)
+
+    def step(self) -> float:
+        import threading
+
+        sender = threading.Thread(target=self._send)
+        sender.start()
+        t0 = time.thread_time()
+        for out in self._outs:
+            self._rx.recv_into(out)
+        cpu = time.thread_time() - t0
+        sender.join()
+        return cpu
+
+    def _send(self) -> None:
+        for _ in range(len(self._outs)):
+            self._tx.send(self._src, copy=False)
+
+    def close(self) -> None:
+        self._rx.close(linger=0)
+        self._tx.close(linger=0)
+        self._ctx.term()
+
+
 def measure(cases: list[WorkerCase], keys: int, n: int, rounds: int, repeats: int,
-            copy_round) -> tuple[dict[str, list[float]], dict[str, int], list[float]]:
+            copy_round) -> tuple[dict[str, list[float]], dict[str, int], list[float],
+                                 list[float]]:
     """CPU per step of each case's worker thread, rounds alternated with ``copy_round()`` (the
-    memcpy that sets the bandwidth; its times returned too); and each case's floor bytes."""
+    memcpy that sets the bandwidth; its times returned too) and with a :class:`RawReceive` of
+    the same bytes (libzmq's own part of a raw pull; its CPU times returned too); and each
+    case's floor bytes."""
     workers = {c.name: Worker(c, keys, n) for c in cases}
+    raw = RawReceive(keys, n)
     try:
         for w in workers.values():
             w.step()  # compile, touch every buffer once
+        raw.step()
         cpu: dict[str, list[float]] = {c.name: [] for c in cases}
-        copies = []
+        copies, receives = [], []
         for _ in range(rounds):
             copies.append(copy_round())
+            receives.append(raw.step())
             for c in cases:
                 w = workers[c.name]
                 t0 = time.thread_time()
                 for _ in range(repeats):
                     w.step()
                 cpu[c.name].append((time.thread_time() - t0) / repeats)
-        return cpu, {name: w.floor_bytes() for name, w in workers.items()}, copies
+        return cpu, {name: w.floor_bytes() for name, w in workers.items()}, copies, receives
     finally:
+        raw.close()
         for w in workers.values():
             w.close()

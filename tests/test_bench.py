@@ -100,8 +100,20 @@ def test_kernels_bench_measures_every_case_against_its_floor(tmp_path):
         # a raw push and a raw pull add no code bytes; a compressed push or pull does
         assert (codes > 0) == (case.push != "raw" or case.pull != "raw"), case.name
         assert codes <= 0.51 * n_bytes / 1e6  # at most a bf16 push and a sign1 pull
+    # raw pulls (not 1-bit Adam's, whose sync pulls are codes) carry libzmq's receive bound
+    raw_pulls = [c.name for c in WORKER_CASES if c.pull == "raw" and not c.onebit]
+    assert raw_pulls and doc["config"]["raw_receive_ms"] > 0
+    for case in WORKER_CASES:
+        bound = rows[case.name]["raw_receive_bound_vs_floor"]
+        assert (bound is not None) == (case.name in raw_pulls), case.name
+        if bound is not None:  # the floor with libzmq's receive for the pull's memcpy
+            floor = rows[case.name]["floor_ms"]
+            memcpy = 2 * n_bytes / (doc["config"]["worker_bandwidth_gbps"] * 1e9) * 1e3
+            assert bound * floor == pytest.approx(floor - memcpy
+                                                  + doc["config"]["raw_receive_ms"])
     assert set(doc["checks"]) == {f"shard_cpu_vs_floor[{c.name}]" for c in CASES} \
         | {f"worker_cpu_vs_floor[{c.name}]" for c in WORKER_CASES} \
+        | {f"worker_raw_receive_bound_vs_floor[{name}]" for name in raw_pulls} \
         | {f"threads_2_vs_1[{name}]" for name in SCALING_CASES} \
         | {f"threads_2_vs_1[{name} (encode)]" for name in ENCODER_SCALING_CASES}
     # each row carries its bound: memcpy of the same bytes on as many threads, same rounds
