@@ -46,6 +46,7 @@ import numpy as np
 
 from bitps.bench.cluster import Cluster, emulated_cluster
 from bitps.bench.config import E2EBench
+from bitps.bench.e2e_floor import busiest_direction
 from bitps.bench.e2e_report import CEILING, RECOMMENDED, final_loss, report
 from bitps.bench.models import MODELS
 from bitps.bench.proc import ReadyProcess, machine_busy, process_cpu
@@ -407,10 +408,15 @@ def _measure(case: Case, s: E2EBench, lines: list[list[dict]], shard_cpu: list[f
     samples_per_s = sum(sum(e.get("samples", spec.batch) for e in p[skip + 1:])
                         / (p[-1]["end"] - p[skip]["end"]) for p in per_rank)
     step_s = 1.0 / min(rates)
+    # each step's time (its slowest rank's), the lower quartile: the compute a step can take
+    # without traffic, less this machine's step-to-step noise (bench.e2e_floor's floors)
+    ends = np.max([[e["end"] for e in p[skip:]] for p in per_rank], axis=0) \
+        if len(set(counts)) == 1 else None
+    step_s_low = float(np.percentile(np.diff(ends), 25)) if ends is not None else step_s
     worker_nodes = [wire[i] for i in range(case.workers) if i in wire]
     return {
         "loss": loss.tolist(), "time": t.tolist(), "points_per_step": per_step,
-        "rank_steps": counts, "rank_rates": rates, "step_s": step_s,
+        "rank_steps": counts, "rank_rates": rates, "step_s": step_s, "step_s_low": step_s_low,
         "rank_samples": [sum(e.get("samples", spec.batch) for e in p) for p in per_rank],
         "samples_per_s": samples_per_s,
         "exposed_s": exposed_per_step(per_rank, skip, local=case.inner_steps > 1),
@@ -424,7 +430,22 @@ def _measure(case: Case, s: E2EBench, lines: list[list[dict]], shard_cpu: list[f
         "overlap": [d.get("overlap") for d in done],
         "held_steps": [d.get("held_steps") for d in done],
         "phases": _phases(per_rank, skip, freeze, shard_marks),
+        "link_steps": _link_steps(per_rank, skip, colocated=s.placement == "colocated"),
     }
+
+
+def _link_steps(per_rank: list[list[dict]], skip: int, *, colocated: bool
+                ) -> list[tuple[bool, float]] | None:
+    """Each step after ``skip`` (the steps samples/s counts): whether any rank pushed it
+    serially, and its busiest link direction's payload bytes (``bench.e2e_floor``); ``None``
+    where the ranks logged no traffic (DDP, local SGD) or different step counts."""
+    if len({len(p) for p in per_rank}) != 1 or \
+            any("push_bytes" not in e for p in per_rank for e in p):
+        return None
+    return [(any(p[i]["serial"] for p in per_rank),
+             busiest_direction([p[i]["push_bytes"] for p in per_rank],
+                               [p[i]["pull_bytes"] for p in per_rank], colocated=colocated))
+            for i in range(skip + 1, len(per_rank[0]))]
 
 
 def exposed_per_step(per_rank: list[list[dict]], skip: int, *, local: bool) -> float:

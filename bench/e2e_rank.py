@@ -179,10 +179,16 @@ def main(argv: list[str] | None = None) -> int:
         if s["slow"] > 1.0:
             # a straggler: this rank's compute takes ``slow`` x as long
             time.sleep((s["slow"] - 1.0) * (time.time() - t0))
-        exposed = 0.0
+        exposed, traffic = 0.0, {}
         if ps_model is not None:
+            m = ps_model.client.metrics
+            sent, got = m.push_wire_bytes.value, m.pull_bytes.value
             ps_model.step()
             exposed = ps_model.last_stats.exposed_s
+            # the step's payload bytes, and whether they went after backward (bench.e2e_floor)
+            traffic = {"push_bytes": m.push_wire_bytes.value - sent,
+                       "pull_bytes": m.pull_bytes.value - got,
+                       "serial": not ps_model.last_stats.overlapped}
         elif local is not None:
             if s["clip_norm"] > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), s["clip_norm"])
@@ -202,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"event": "step", "rank": s["rank"], "step": step,
                           "loss": loss.item(), "samples": samples,
                           "start": t0, "end": time.time(),
-                          "exposed": exposed, "cpu": time.process_time() - cpu0}), flush=True)
+                          "exposed": exposed, "cpu": time.process_time() - cpu0,
+                          **traffic}), flush=True)
     done = {"event": "done", "rank": s["rank"], "push_wire_bytes": 0.0, "overlap": None}
     if ps_model is not None:
         ps_model.synchronize()

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from bitps.bench.config import E2EBench
+from bitps.bench.e2e_floor import link_floor
 from bitps.bench.models import MODELS
 from bitps.bench.report import DEFAULT_OUT, check, moving_average, write_results
 
@@ -74,7 +75,8 @@ _COLUMNS = [("run", "run"), ("lr", "lr"), ("samples_per_s", "samples/s"),
             ("phase_shard_cpu_ms", "1-bit Adam shard CPU ms/step, warm-up / compressed"),
             ("beyond_compute_ms", "rank CPU beyond compute ms/step"),
             ("phase_beyond_compute_ms", "1-bit Adam rank CPU beyond compute, warm-up / "
-                                        "compressed")]
+                                        "compressed"),
+            ("link_floor_vs_ceiling", "link floor vs ceiling")]
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,12 @@ def report(results: dict[str, dict], s: E2EBench, *, busy: float, link_note: str
     spec = MODELS[s.model]
     marks = _Marks.of(results, s)
     rows = [_row(case_name, r, marks, spec.batch) for case_name, r in results.items()]
+    if raw_link and marks.ceiling is not None:
+        for row, r in zip(rows, results.values()):
+            if r.get("link_steps") is not None:  # since 2026-12-07
+                row["link_floor_vs_ceiling"] = link_floor(
+                    r["link_steps"], marks.ceiling["step_s"], raw_link["mbit_per_s"] * 1e6 / 8,
+                    compute_s=marks.ceiling.get("step_s_low"))
     by = {row["run"]: row for row in rows}
     for fast, slow in CATCH_UP.items():
         if s.straggler and fast in results and slow in results:
@@ -276,8 +284,14 @@ def _notes(s: E2EBench, marks: _Marks, link_note: str, raw_link: dict | None,
             + f". Target loss = {TARGET_RUN}'s final {marks.window}-step average"
             + (f" = {target:.4f}" if target is not None else "")
             + (f"; equal wall time = {equal_time:.1f} s" if equal_time else "")
-            + f". Wire MB/step: bytes sent + received per worker node (bridge counters). "
-            f"Machine busy before the run: {busy:.0%}."
+            + ". Wire MB/step: bytes sent + received per worker node (bridge counters). "
+            + ("Link floor vs ceiling (bitps runs): the ceiling's step over the mean of each "
+               "step's floor, the ceiling's step plus its busiest link direction's payload "
+               "bytes over the raw link's rate where the step was pushed after backward "
+               "(overlap off, or held for its clip factor), else the larger of the two "
+               "(bench/e2e_floor.py): the most the run's own traffic allows. "
+               if raw_link else "")
+            + f"Machine busy before the run: {busy:.0%}."
             + (" Straggler: worker 1 computes 1.5x slower." if s.straggler else ""))
 
 
@@ -419,6 +433,10 @@ def checks(by: dict[str, dict], s: E2EBench) -> dict:
     if "vs_ceiling" in best:
         out["best_bitps_vs_ceiling_samples_per_s"] = check(
             f"{name}: {best['vs_ceiling']:.3f}", ">= 0.9", best["vs_ceiling"] >= 0.9)
+    if "link_floor_vs_ceiling" in best:  # what its bytes on the link allow (bench.e2e_floor)
+        floor = best["link_floor_vs_ceiling"]
+        out["best_bitps_link_floor_vs_ceiling"] = check(
+            f"{name}: {floor:.3f}", ">= 0.9 (is the goal reachable)", floor >= 0.9)
     for peer in ddp:
         ratio = best["samples_per_s"] / peer["samples_per_s"]
         out[f"best_bitps_beats_{peer['run']}_samples_per_s"] = check(

@@ -305,6 +305,13 @@ def test_e2e_quick_and_report_figures_equal_the_json(tmp_path):
         assert r["lr"] == 3e-3 and r["final_loss"] > 0 and r["samples_per_s"] > 0
         assert r["wire_mb_per_step"] is None or r["wire_mb_per_step"] > 0
     assert by["bitps sync fp32"]["shard_cpu_ms"] and not by["DDP fp32"]["shard_cpu_ms"]
+    # on namespaces (a measured link), each bitps run's link floor from its steps' bytes
+    for name in cases[2:]:
+        floor = by[name].get("link_floor_vs_ceiling")
+        if doc["config"]["raw_link"] and name.startswith("bitps"):
+            assert 0 < floor <= 1, name
+        else:
+            assert floor is None, name
     curves = json.loads((tmp_path / "e2e-tiny_curves.json").read_text())
     assert len(curves["DDP fp32"]["loss"]) == 30
 
@@ -432,6 +439,39 @@ def test_out_is_taken_before_or_after_the_scenario(tmp_path):
     assert parse(["--out", "a", "pushpull"]).out == Path("a")
     assert parse(["--out", "a", "e2e", "--out", "b"]).out == Path("b")
     assert parse(["all", "--quick"]).out is None
+
+
+def test_e2e_link_floor_counts_each_steps_bytes_serial_or_hidden():
+    """The link's floor under a run (``bench.e2e_floor``): a step pushed after backward takes
+    the ceiling's step plus its busiest direction's bytes over the link; an overlapped one the
+    larger of the two. The busiest direction: with a shard beside each rank, a rank's node
+    sends its pushes to the other shards and its shard's answers to the other ranks."""
+    from bitps.bench.e2e import _link_steps
+    from bitps.bench.e2e_floor import busiest_direction, link_floor
+
+    # two colocated ranks: node 0 sends half of rank 0's pushes and half of rank 1's pulls
+    assert busiest_direction([100.0, 60.0], [200.0, 40.0], colocated=True) == \
+        max(50 + 20, 30 + 100, 100 + 30, 20 + 50)
+    # shards on their own nodes: a rank's node carries all of its own traffic
+    assert busiest_direction([100.0, 60.0], [200.0, 40.0], colocated=False) == 200.0
+    with pytest.raises(ValueError, match="one push and one pull"):
+        busiest_direction([1.0], [1.0, 2.0], colocated=True)
+    # ceiling 1 s, link 100 B/s: serial 1 + 0.5 s, overlapped max(1, 0.5) and max(1, 3)
+    steps = [(True, 50.0), (False, 50.0), (False, 300.0)]
+    assert link_floor(steps, 1.0, 100.0) == pytest.approx(3 / (1.5 + 1.0 + 3.0))
+    assert link_floor([], 1.0, 100.0) == 1.0
+    with pytest.raises(ValueError, match="must be > 0"):
+        link_floor(steps, 1.0, 0.0)
+    # each step's compute at the ceiling's lower quartile (0.9 s), against its mean (1 s)
+    assert link_floor(steps, 1.0, 100.0, compute_s=0.9) == pytest.approx(
+        3 / (1.4 + 0.9 + 3.0))
+    # from two ranks' step lines: the steps after skip, serial where either rank was
+    def lines(serial):
+        return [{"push_bytes": 10.0 * i, "pull_bytes": 20.0 * i, "serial": serial(i)}
+                for i in range(5)]
+    got = _link_steps([lines(lambda i: i == 3), lines(lambda i: False)], 1, colocated=True)
+    assert got == [(False, 30.0), (True, 45.0), (False, 60.0)]
+    assert _link_steps([[{"end": 1.0}] * 5] * 2, 1, colocated=True) is None  # DDP: no bytes
 
 
 def test_e2e_reports_one_bit_adams_warmup_and_compressed_phases_apart():
