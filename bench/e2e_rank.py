@@ -165,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"event": "start", "rank": s["rank"],
                       "params": sum(p.numel() for p in model.parameters())}), flush=True)
     cpu0, faults0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    # the client's payload bytes pushed and pulled at the last step's end (bench.e2e_floor)
+    last_wire = (0.0, 0.0) if ps_model is None else (
+        ps_model.client.metrics.push_wire_bytes.value, ps_model.client.metrics.pull_bytes.value)
     for step in range(s["steps"]):
         t0 = time.time()
         samples, batch = spec.batch, next(streams[0])
@@ -181,14 +184,15 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep((s["slow"] - 1.0) * (time.time() - t0))
         exposed, traffic = 0.0, {}
         if ps_model is not None:
-            m = ps_model.client.metrics
-            sent, got = m.push_wire_bytes.value, m.pull_bytes.value
             ps_model.step()
             exposed = ps_model.last_stats.exposed_s
-            # the step's payload bytes, and whether they went after backward (bench.e2e_floor)
-            traffic = {"push_bytes": m.push_wire_bytes.value - sent,
-                       "pull_bytes": m.pull_bytes.value - got,
+            # the payload bytes since the last step's end (backward's hooks push before
+            # step()), and whether they went after backward (bench.e2e_floor)
+            m = ps_model.client.metrics
+            wire = (m.push_wire_bytes.value, m.pull_bytes.value)
+            traffic = {"push_bytes": wire[0] - last_wire[0], "pull_bytes": wire[1] - last_wire[1],
                        "serial": not ps_model.last_stats.overlapped}
+            last_wire = wire
         elif local is not None:
             if s["clip_norm"] > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), s["clip_norm"])
