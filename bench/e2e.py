@@ -408,11 +408,10 @@ def _measure(case: Case, s: E2EBench, lines: list[list[dict]], shard_cpu: list[f
     samples_per_s = sum(sum(e.get("samples", spec.batch) for e in p[skip + 1:])
                         / (p[-1]["end"] - p[skip]["end"]) for p in per_rank)
     step_s = 1.0 / min(rates)
-    # each step's time (its slowest rank's), the lower quartile: the compute a step can take
-    # without traffic, less this machine's step-to-step noise (bench.e2e_floor's floors)
-    ends = np.max([[e["end"] for e in p[skip:]] for p in per_rank], axis=0) \
-        if len(set(counts)) == 1 else None
-    step_s_low = float(np.percentile(np.diff(ends), 25)) if ends is not None else step_s
+    # each step's time (its slowest rank's: the curve's wall times), the lower quartile: the
+    # compute a step can take without traffic, less this machine's step-to-step noise
+    # (bench.e2e_floor's floors); merged curves (straggler) have no such time a step
+    step_s_low = float(np.percentile(np.diff(t[skip:]), 25)) if per_step == 1 else step_s
     worker_nodes = [wire[i] for i in range(case.workers) if i in wire]
     return {
         "loss": loss.tolist(), "time": t.tolist(), "points_per_step": per_step,

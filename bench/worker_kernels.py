@@ -37,6 +37,7 @@ memcpy, like the shard cases.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -181,8 +182,6 @@ class RawReceive:
         self._outs = np.zeros((keys, n), np.float32)
 
     def step(self) -> float:
-        import threading
-
         sender = threading.Thread(target=self._send)
         sender.start()
         t0 = time.thread_time()
